@@ -1,0 +1,1 @@
+"""The ``infinity`` command line: one module per command."""

@@ -1,0 +1,225 @@
+"""``infinity.Config``: one typed, validated description of budgets and policies.
+
+Every field is checked at construction; an error names the field, the value and
+what would work. Sizes accept ints (bytes) or strings (``"512MiB"``, ``"2GB"``)
+and are stored as ints, so ``Config.from_file(c.to_file(p)) == c``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from infinity.utils.sizes import parse_size
+
+AUTO = "auto"
+IO_ALIGNMENT = 4096
+DTYPES = ("fp32", "bf16", "fp16")
+AIO_BACKENDS = ("auto", "io_uring", "aio", "threads")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and a fix."""
+
+
+def _size_or_auto(name: str, value: Any, *, minimum: int = 0) -> int | str:
+    if value == AUTO:
+        return AUTO
+    try:
+        size = parse_size(value, name=name)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}, or 'auto'") from None
+    if size < minimum:
+        raise ConfigError(f"{name}={value!r} is below the minimum of {minimum} bytes")
+    return size
+
+
+def _positive_int(name: str, value: Any, *, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name}={value!r} is above the maximum of {maximum}")
+    return value
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def _check_keys(cls: type, data: dict[str, Any], where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; "
+            f"valid keys: {', '.join(sorted(known))}"
+        )
+
+
+@dataclass
+class AioConfig:
+    """Asynchronous NVMe I/O settings (the ``aio`` block ``infinity bench nvme`` prints).
+
+    ``backend``: ``"auto"`` picks the best kernel-async backend available
+    (io_uring, then Linux native AIO), else the ``pread``/``pwrite`` thread pool.
+    ``block_size``: each request is split into pieces of this many bytes
+    (a multiple of 4 KiB). ``queue_depth``: pieces in flight per worker.
+    ``threads``: workers, each with its own submission queue.
+    """
+
+    backend: str = AUTO
+    block_size: int | str = 1 << 20
+    queue_depth: int = 32
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        self.backend = _choice("aio.backend", self.backend, AIO_BACKENDS)
+        try:
+            self.block_size = parse_size(self.block_size, name="aio.block_size")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.block_size < IO_ALIGNMENT or self.block_size % IO_ALIGNMENT:
+            raise ConfigError(
+                f"aio.block_size={self.block_size} must be a positive multiple of "
+                f"{IO_ALIGNMENT} bytes (O_DIRECT alignment), e.g. '256K' or '1M'"
+            )
+        self.queue_depth = _positive_int("aio.queue_depth", self.queue_depth, maximum=4096)
+        self.threads = _positive_int("aio.threads", self.threads, maximum=256)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AioConfig:
+        """Build from a JSON-like dict, rejecting unknown keys."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"aio={data!r} must be a dict or AioConfig")
+        _check_keys(cls, data, "aio")
+        return cls(**data)
+
+
+@dataclass
+class Config:
+    """Budgets per memory tier and the policies of the offload engine.
+
+    Args:
+        device_memory: bytes of chunk memory on the compute device. ``"auto"``:
+            80% of free GPU memory on CUDA; on a CPU host (where the "device" is a
+            budgeted pool in RAM) a quarter of the host budget.
+        host_memory: bytes of (pinned) host memory for chunks. ``"auto"``: half of
+            the available RAM reported by ``psutil``.
+        nvme_path: directory for the NVMe tier (a private sub-directory is made in
+            it and removed on exit); ``None`` disables the tier.
+        nvme_memory: cap on bytes of swap files; ``"auto"``: 90% of the free space.
+        dtype: compute dtype of parameters: ``"fp32"``, ``"bf16"`` or ``"fp16"``
+            (fp16 uses dynamic loss scaling).
+        chunk_size: bytes per chunk of the compute dtype; ``"auto"`` searches the
+            size that wastes least and fits the budgets.
+        device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        aio: NVMe I/O settings, an :class:`AioConfig` or its dict.
+        prefetch_depth: chunks in flight ahead of compute (0 disables prefetch).
+        prefetch_bytes: byte budget for prefetched-but-unused chunks; ``"auto"``:
+            ``prefetch_depth`` chunks.
+        overlap_optimizer: run the optimizer step of a chunk during backward once its
+            gradients are complete. ``"auto"``: when nothing global (grad clipping,
+            fp16 overflow check) needs all gradients first.
+        initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss
+            scaling (scale halves on overflow, doubles after ``loss_scale_window``
+            good steps).
+    """
+
+    device_memory: int | str = AUTO
+    host_memory: int | str = AUTO
+    nvme_path: str | None = None
+    nvme_memory: int | str = AUTO
+    dtype: str = "bf16"
+    chunk_size: int | str = AUTO
+    device: str = AUTO
+    aio: AioConfig = field(default_factory=AioConfig)
+    prefetch_depth: int = 4
+    prefetch_bytes: int | str = AUTO
+    overlap_optimizer: bool | str = AUTO
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+
+    SIZE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "device_memory",
+        "host_memory",
+        "nvme_memory",
+        "prefetch_bytes",
+    )
+
+    def __post_init__(self) -> None:
+        for name in self.SIZE_FIELDS:
+            setattr(self, name, _size_or_auto(name, getattr(self, name)))
+        self.chunk_size = _size_or_auto("chunk_size", self.chunk_size, minimum=IO_ALIGNMENT)
+        if self.chunk_size != AUTO and self.chunk_size % IO_ALIGNMENT:
+            raise ConfigError(
+                f"chunk_size={self.chunk_size} must be a multiple of {IO_ALIGNMENT} bytes "
+                f"(O_DIRECT alignment), e.g. {self.chunk_size // IO_ALIGNMENT * IO_ALIGNMENT + IO_ALIGNMENT}"
+                " or 'auto'"
+            )
+        if self.nvme_path is not None:
+            if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
+                raise ConfigError(f"nvme_path={self.nvme_path!r} must be a directory path or None")
+            self.nvme_path = str(self.nvme_path)
+        self.dtype = _choice("dtype", self.dtype, DTYPES)
+        if not (
+            self.device in (AUTO, "cpu", "cuda")
+            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        ):
+            raise ConfigError(f"device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if isinstance(self.aio, dict):
+            self.aio = AioConfig.from_dict(self.aio)
+        elif not isinstance(self.aio, AioConfig):
+            raise ConfigError(f"aio={self.aio!r} must be an AioConfig or a dict of its fields")
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int):
+            raise ConfigError(f"prefetch_depth={self.prefetch_depth!r} must be an int >= 0")
+        if not 0 <= self.prefetch_depth <= 64:
+            raise ConfigError(f"prefetch_depth={self.prefetch_depth} must be in 0..64")
+        if self.overlap_optimizer not in (AUTO, True, False):
+            raise ConfigError(
+                f"overlap_optimizer={self.overlap_optimizer!r} must be 'auto', True or False"
+            )
+        for name in ("initial_loss_scale", "min_loss_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name}={value!r} must be a positive number")
+            setattr(self, name, float(value))
+        self.loss_scale_window = _positive_int("loss_scale_window", self.loss_scale_window)
+
+    # --- (de)serialisation ------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; ``Config(**d)`` (or ``from_dict``) rebuilds an equal config."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build from a dict (e.g. parsed JSON), rejecting unknown keys."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a config must be a JSON object, got {type(data).__name__}")
+        _check_keys(cls, data, "the config")
+        return cls(**data)
+
+    def to_file(self, path: str | os.PathLike[str]) -> None:
+        """Write the config as JSON to ``path``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Config:
+        """Read a config written by :meth:`to_file` (or by hand)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,31 @@
+"""Build script: the Python package plus the native module ``infinity._C``.
+
+The native module is plain C++17 over libc and the kernel headers (no libaio,
+no liburing, no torch headers): Python passes raw pointers after validating
+tensors, so the build needs only pybind11 and a C++ compiler.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+# NOTE: no -march=native. SIMD kernels opt in per function with target
+# attributes and are chosen at run time, so a build runs on any x86-64 CPU.
+_CXX_FLAGS = ["-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-pthread"]
+if os.environ.get("INFINITY_DEBUG_BUILD"):
+    _CXX_FLAGS = ["-O1", "-g", "-Wall", "-Wextra", "-fno-omit-frame-pointer", "-pthread"]
+
+ext = Pybind11Extension(
+    "infinity._C",
+    sorted(glob.glob("cpp/**/*.cpp", recursive=True)),
+    include_dirs=["cpp"],
+    cxx_std=17,
+    extra_compile_args=_CXX_FLAGS,
+    extra_link_args=["-pthread"],
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
