@@ -1,0 +1,1 @@
+"""Chunks: layout, tensor states, slab pools and the manager that owns placement."""

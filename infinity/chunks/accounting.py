@@ -1,0 +1,71 @@
+"""Exact byte accounting per tier, and traffic/wait counters.
+
+Only the chunk manager changes these, always in the same place it takes or
+returns a slot, so the totals are right by construction.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from collections.abc import Iterator
+
+
+@dataclass
+class TierAccount:
+    """Bytes of chunk data resident in one tier, with the peak since reset."""
+
+    tier: str
+    budget: int | None
+    reserved: int = 0  # bytes of slabs allocated for the tier
+    used: int = 0
+    peak: int = 0
+
+    def add(self, nbytes: int) -> None:
+        """Account ``nbytes`` more in use."""
+        self.used += nbytes
+        if self.used > self.peak:
+            self.peak = self.used
+        if self.budget is not None and self.used > self.budget:
+            raise AssertionError(
+                f"{self.tier} tier holds {self.used} bytes, above its budget {self.budget}"
+            )
+
+    def sub(self, nbytes: int) -> None:
+        """Account ``nbytes`` fewer in use."""
+        self.used -= nbytes
+        if self.used < 0:
+            raise AssertionError(f"{self.tier} tier accounting went negative ({self.used})")
+
+
+@dataclass
+class Traffic:
+    """Bytes moved per link and seconds spent waiting per tier."""
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    nvme_read_bytes: int = 0
+    nvme_write_bytes: int = 0
+    wait_seconds: dict[str, float] = field(default_factory=lambda: {"device": 0.0, "nvme": 0.0})
+
+    def snapshot(self) -> dict[str, float]:
+        """A flat copy of the counters."""
+        out: dict[str, float] = {
+            "h2d_bytes": self.h2d_bytes,
+            "d2h_bytes": self.d2h_bytes,
+            "nvme_read_bytes": self.nvme_read_bytes,
+            "nvme_write_bytes": self.nvme_write_bytes,
+        }
+        for tier, seconds in self.wait_seconds.items():
+            out[f"wait_{tier}_seconds"] = seconds
+        return out
+
+    @contextmanager
+    def waiting(self, tier: str) -> Iterator[None]:
+        """Time a blocking wait on ``tier``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_seconds[tier] = self.wait_seconds.get(tier, 0.0) + time.perf_counter() - start

@@ -1,0 +1,162 @@
+"""A tier's slots used as a cache of chunk copies, with safe eviction.
+
+A copy may give up its slot only when nothing can still touch the memory:
+no pin (in use by a module or the optimizer), no transfer in flight, and no
+live view handed out (tracked through storage weak references of aliases).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from infinity.chunks.accounting import TierAccount
+from infinity.chunks.pools import PoolExhausted, SlabPool, Slot
+from infinity.schedule.eviction import EvictionPolicy
+
+
+class Pending(Protocol):
+    """Anything in flight on a slot: a device copy or an NVMe request."""
+
+    def wait(self) -> object: ...
+    def done(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class Copy:
+    """One chunk copy resident in a tier cache."""
+
+    key: Hashable
+    slot: Slot
+    pending: list[Pending] = field(default_factory=list)
+    dirty: bool = False  # must be written back before the slot is reused
+    pins: int = 0
+    aliases: list[StorageWeakRef] = field(default_factory=list)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The slot's bytes (uint8)."""
+        return self.slot.tensor
+
+    def in_flight(self) -> bool:
+        """Some transfer into or out of the slot has not completed."""
+        self.pending = [p for p in self.pending if not p.done()]
+        return bool(self.pending)
+
+    def wait(self) -> None:
+        """Wait for every transfer on the slot (errors propagate)."""
+        pending, self.pending = self.pending, []
+        for p in pending:
+            p.wait()
+
+    def add_alias(self, alias: torch.Tensor) -> None:
+        """Track a view handed out over this slot."""
+        self.aliases.append(StorageWeakRef(alias.untyped_storage()))
+
+    def has_live_views(self) -> bool:
+        """Some tensor handed out over this slot is still alive."""
+        self.aliases = [a for a in self.aliases if not a.expired()]
+        return bool(self.aliases)
+
+    def evictable(self) -> bool:
+        """May give up its slot now."""
+        return self.pins == 0 and not self.in_flight() and not self.has_live_views()
+
+
+class TierCache:
+    """Chunk copies in one tier's slab pools (one pool per slot size)."""
+
+    def __init__(
+        self,
+        tier: str,
+        pools: dict[int, SlabPool],
+        policy: EvictionPolicy,
+        account: TierAccount,
+        write_back: Callable[[Copy], None],
+    ) -> None:
+        self.tier = tier
+        self.pools = pools
+        self.policy = policy
+        self.account = account
+        self._write_back = write_back
+        self._copies: dict[Hashable, Copy] = {}
+        self._by_ptr: dict[int, Hashable] = {}
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._copies
+
+    def __iter__(self) -> Iterator[Copy]:
+        return iter(list(self._copies.values()))
+
+    def key_at(self, data_ptr: int) -> Hashable | None:
+        """The key whose copy starts at ``data_ptr`` (a slot's first byte), if any."""
+        return self._by_ptr.get(data_ptr)
+
+    def get(self, key: Hashable) -> Copy | None:
+        """The resident copy of ``key``, if any."""
+        return self._copies.get(key)
+
+    def touch(self, key: Hashable, moment: int) -> None:
+        """Tell the eviction policy ``key`` was used."""
+        self.policy.touch(key, moment)
+
+    def insert(self, key: Hashable, nbytes: int, moment: int) -> Copy:
+        """A new copy of ``key`` in a slot of ``nbytes``, evicting if the pool is full."""
+        if key in self._copies:
+            raise AssertionError(f"{self.tier}: {key} is already resident")
+        pool = self.pools.get(nbytes)
+        if pool is None:
+            raise AssertionError(f"{self.tier}: no pool of {nbytes}-byte slots")
+        slot = pool.try_take()
+        while slot is None:
+            self._evict_one(pool, moment)
+            slot = pool.try_take()
+        copy = Copy(key, slot)
+        self._copies[key] = copy
+        self._by_ptr[slot.tensor.data_ptr()] = key
+        self.account.add(nbytes)
+        self.policy.touch(key, moment)
+        return copy
+
+    def remove(self, key: Hashable) -> None:
+        """Drop ``key``'s copy without writing it back (the caller made it safe)."""
+        copy = self._copies.pop(key)
+        if copy.pins or copy.has_live_views():
+            self._copies[key] = copy
+            raise AssertionError(f"{self.tier}: {key} dropped while in use")
+        copy.wait()
+        del self._by_ptr[copy.slot.tensor.data_ptr()]
+        copy.slot.pool.give_back(copy.slot)
+        self.account.sub(copy.slot.nbytes)
+        self.policy.forget(key)
+
+    def evict(self, key: Hashable) -> None:
+        """Write ``key`` back if dirty, then free its slot."""
+        copy = self._copies[key]
+        if copy.dirty:
+            self._write_back(copy)
+            copy.dirty = False
+        self.remove(key)
+
+    def _evict_one(self, pool: SlabPool, moment: int) -> None:
+        mine = [c for c in self._copies.values() if c.slot.pool is pool]
+        candidates = [c.key for c in mine if c.evictable()]
+        if candidates:
+            self.evict(self.policy.choose(candidates, moment))
+            return
+        busy = [c for c in mine if c.pins == 0 and not c.has_live_views() and c.pending]
+        if busy:
+            # Only transfers stand in the way: wait for one, then it is free to go.
+            busy[0].wait()
+            return
+        held = ", ".join(
+            f"{c.key} (pins={c.pins}, live views={len(c.aliases)})" for c in mine
+        )
+        raise PoolExhausted(
+            f"every {pool.slot_bytes}-byte slot of the {self.tier} tier is in use ({held}). "
+            f"The {self.tier} budget holds {pool.count} such chunks; raise it or lower chunk_size."
+        )

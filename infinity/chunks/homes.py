@@ -1,0 +1,99 @@
+"""Authoritative copies of chunks: host regions and NVMe offsets.
+
+Every (kind, chunk) has exactly one home, fixed by the plan: a region of a host
+arena (allocated once, exact size) or an offset in one preallocated swap file.
+Caches in the tiers above hold copies; the home is what survives eviction.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from infinity.chunks.accounting import TierAccount, Traffic
+from infinity.chunks.pools import Arena
+from infinity.schedule.planner import HOST, NVME, Plan
+
+
+class Kind(str, enum.Enum):
+    """Storage kinds. ``OPTIM`` is one unit: [master (16-bit runs only), exp_avg, exp_avg_sq]."""
+
+    PARAM = "param"
+    GRAD = "grad"
+    OPTIM = "optim"
+
+
+Key = tuple[Kind, int]
+
+
+class HomeStore:
+    """Host arenas and the NVMe swap file holding every chunk's home copy."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        alloc_host,
+        host_account: TierAccount,
+        traffic: Traffic,
+        swap_file=None,
+    ) -> None:
+        self.plan = plan
+        self.traffic = traffic
+        self.swap_file = swap_file
+        n = plan.layout.num_chunks
+        self._where: dict[Key, str] = {}
+        self._nbytes: dict[Key, int] = {}
+        for i in range(n):
+            self._add((Kind.PARAM, i), plan.param_home[i], plan.param_bytes(i))
+            if plan.grad_home[i] is not None:
+                self._add((Kind.GRAD, i), plan.grad_home[i], plan.param_bytes(i))
+                self._add((Kind.OPTIM, i), plan.optim_home[i], plan.optim_bytes(i))
+        host_keys = [k for k, t in self._where.items() if t == HOST]
+        self.arena = Arena("host", [self._nbytes[k] for k in host_keys], alloc_host)
+        self._host: dict[Key, torch.Tensor] = dict(zip(host_keys, self.arena.regions, strict=True))
+        host_account.reserved += self.arena.reserved_bytes
+        host_account.add(self.arena.reserved_bytes)
+        self._offset: dict[Key, int] = {}
+        offset = 0
+        for key, tier in self._where.items():
+            if tier == NVME:
+                self._offset[key] = offset
+                offset += self._nbytes[key]
+        if offset and swap_file is None:
+            raise AssertionError("the plan puts states on NVMe but no swap file was given")
+        if swap_file is not None and offset > swap_file.nbytes:
+            raise AssertionError("swap file is smaller than the plan's NVMe bytes")
+
+    def _add(self, key: Key, tier: str | None, nbytes: int) -> None:
+        assert tier in (HOST, NVME)
+        self._where[key] = tier
+        self._nbytes[key] = nbytes
+
+    def keys(self) -> list[Key]:
+        """Every (kind, chunk) that has a home."""
+        return list(self._where)
+
+    def tier(self, key: Key) -> str:
+        """``"host"`` or ``"nvme"``."""
+        return self._where[key]
+
+    def nbytes(self, key: Key) -> int:
+        """Bytes of the home copy."""
+        return self._nbytes[key]
+
+    def host(self, key: Key) -> torch.Tensor:
+        """The host region (uint8) of a host-homed key."""
+        return self._host[key]
+
+    def read(self, key: Key, dst: torch.Tensor):
+        """Start reading an NVMe-homed key into ``dst`` (uint8, aligned); returns the request."""
+        request = self.swap_file.read(dst[: self._nbytes[key]], self._offset[key])
+        self.traffic.nvme_read_bytes += self._nbytes[key]
+        return request
+
+    def write(self, key: Key, src: torch.Tensor):
+        """Start writing ``src`` to an NVMe-homed key; returns the request."""
+        request = self.swap_file.write(src[: self._nbytes[key]], self._offset[key])
+        self.traffic.nvme_write_bytes += self._nbytes[key]
+        return request

@@ -1,0 +1,182 @@
+"""Chunk layout: which tensor lives in which chunk at which offset.
+
+A pure function of tensor sizes (no allocation), so the planner, the chunk-size
+search and ``infinity plan`` can run it on a model that has no memory yet.
+
+Tensors are packed in the given order (first-use order once a trace exists,
+registration order before) into chunks of ``chunk_elems`` elements. A tensor
+larger than a chunk gets an *oversize* chunk of its own, rounded up to the I/O
+alignment, never an error. Trainable and frozen tensors never share a chunk:
+frozen chunks have no gradient and no optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+IO_ALIGNMENT = 4096
+# NOTE: tensors start on 64-byte boundaries inside a chunk so SIMD loads of the
+# optimizer kernel stay aligned; the gap costs at most 31 elements per tensor.
+TENSOR_ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the layout needs to know of one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor lives: chunk ``chunk``, elements ``[offset, offset + numel)``."""
+
+    index: int  # position in the layout's tensor list
+    chunk: int
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One chunk: its capacity in elements and the tensors packed in it."""
+
+    index: int
+    capacity: int  # elements; a multiple of chunk_alignment_elems
+    slots: tuple[TensorSlot, ...]
+    trainable: bool
+    oversize: bool
+
+    @property
+    def used(self) -> int:
+        """Elements up to the end of the last tensor."""
+        return self.slots[-1].offset + self.slots[-1].numel if self.slots else 0
+
+    def nbytes(self, element_size: int) -> int:
+        """Bytes of this chunk for a kind whose elements have ``element_size`` bytes."""
+        return self.capacity * element_size
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """The packing of all tensors into chunks, for one compute element size."""
+
+    chunk_elems: int
+    element_size: int
+    chunks: tuple[ChunkSpec, ...]
+    slots: tuple[TensorSlot, ...]  # indexed like the input tensors
+
+    @property
+    def num_chunks(self) -> int:
+        """Number of chunks (normal and oversize)."""
+        return len(self.chunks)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of a normal chunk in the compute dtype."""
+        return self.chunk_elems * self.element_size
+
+    def wasted_elems(self) -> int:
+        """Capacity not covered by tensors (alignment gaps and chunk tails)."""
+        used = sum(s.numel for s in self.slots)
+        return sum(c.capacity for c in self.chunks) - used
+
+    def total_elems(self) -> int:
+        """Total capacity of all chunks in elements."""
+        return sum(c.capacity for c in self.chunks)
+
+
+def chunk_alignment_elems(element_size: int) -> int:
+    """Capacity granularity: every kind's chunk bytes stay a multiple of 4 KiB."""
+    return IO_ALIGNMENT // element_size
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def build_layout(
+    tensors: Sequence[TensorInfo], chunk_elems: int, element_size: int
+) -> ChunkLayout:
+    """Pack ``tensors`` in order into chunks of ``chunk_elems`` elements.
+
+    Trainable and frozen tensors go to separate chunk streams (each keeps the
+    given order); a tensor that does not fit an empty chunk gets an oversize
+    chunk of its own.
+    """
+    granule = chunk_alignment_elems(element_size)
+    if chunk_elems <= 0 or chunk_elems % granule:
+        raise ValueError(
+            f"chunk_elems={chunk_elems} must be a positive multiple of {granule} "
+            f"({IO_ALIGNMENT} bytes of {element_size}-byte elements)"
+        )
+    align = max(1, TENSOR_ALIGN_BYTES // element_size)
+    # Open chunk per stream: (trainable) -> list of (index, offset, numel, shape)
+    open_chunk: dict[bool, list[tuple[int, int, int, tuple[int, ...]]]] = {True: [], False: []}
+    open_fill: dict[bool, int] = {True: 0, False: 0}
+    closed: list[tuple[bool, bool, int, list[tuple[int, int, int, tuple[int, ...]]]]] = []
+
+    def close(trainable: bool) -> None:
+        if open_chunk[trainable]:
+            closed.append((trainable, False, chunk_elems, open_chunk[trainable]))
+            open_chunk[trainable] = []
+            open_fill[trainable] = 0
+
+    for i, info in enumerate(tensors):
+        numel = info.numel
+        if numel == 0:
+            # NOTE: empty tensors take no bytes; they sit at offset 0 of the
+            # current chunk so every tensor has a slot.
+            open_chunk[info.trainable].append((i, open_fill[info.trainable], 0, info.shape))
+            continue
+        if numel > chunk_elems:
+            closed.append((info.trainable, True, _round_up(numel, granule), [(i, 0, numel, info.shape)]))
+            continue
+        start = _round_up(open_fill[info.trainable], align)
+        if start + numel > chunk_elems:
+            close(info.trainable)
+            start = 0
+        open_chunk[info.trainable].append((i, start, numel, info.shape))
+        open_fill[info.trainable] = start + numel
+    close(True)
+    close(False)
+
+    # Stable numbering: chunks ordered by their first tensor's position, so the
+    # chunk order follows the tensor order (the access order once traced).
+    closed.sort(key=lambda c: c[3][0][0])
+    chunks: list[ChunkSpec] = []
+    slots: list[TensorSlot | None] = [None] * len(tensors)
+    for ci, (trainable, oversize, capacity, members) in enumerate(closed):
+        specs = []
+        for ti, offset, numel, shape in members:
+            slot = TensorSlot(index=ti, chunk=ci, offset=offset, numel=numel, shape=shape)
+            slots[ti] = slot
+            specs.append(slot)
+        chunks.append(
+            ChunkSpec(
+                index=ci,
+                capacity=capacity,
+                slots=tuple(specs),
+                trainable=trainable,
+                oversize=oversize,
+            )
+        )
+    assert all(s is not None for s in slots)
+    return ChunkLayout(
+        chunk_elems=chunk_elems,
+        element_size=element_size,
+        chunks=tuple(chunks),
+        slots=tuple(s for s in slots if s is not None),
+    )

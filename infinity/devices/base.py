@@ -1,0 +1,97 @@
+"""The small interface the chunk layer needs from a compute device."""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class TransferHandle(abc.ABC):
+    """One asynchronous copy. ``wait()`` blocks the host until it is complete."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until the copy is complete; re-raise its error if it failed."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the copy is complete (never blocks)."""
+
+    def wait_for_compute(self) -> None:
+        """Make the data usable by compute kernels issued from now on.
+
+        On CUDA this orders the compute stream after the copy without blocking
+        the host; elsewhere it is :meth:`wait`.
+        """
+        self.wait()
+
+
+class CompletedTransfer(TransferHandle):
+    """A handle for work that finished synchronously."""
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+    def done(self) -> bool:
+        """Always complete."""
+        return True
+
+
+class DeviceBackend(abc.ABC):
+    """Allocation and asynchronous copies for one compute device."""
+
+    name: str
+    device: torch.device
+
+    @abc.abstractmethod
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` on the device, allocated once, 4 KiB aligned."""
+
+    @abc.abstractmethod
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host tensor of exactly ``nbytes`` (rounded to 4 KiB), 4 KiB aligned,
+        pinned where the device needs it for asynchronous copies."""
+
+    @abc.abstractmethod
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> TransferHandle:
+        """Start ``dst.copy_(src)`` between host and device; returns its handle.
+
+        The copy is ordered after compute already issued on the device (so a
+        slot being overwritten is no longer read by earlier kernels).
+        """
+
+    @abc.abstractmethod
+    def alias(self, region: torch.Tensor) -> torch.Tensor:
+        """A uint8 tensor over ``region``'s memory with a storage of its own.
+
+        The engine hands out views of chunk slots only through aliases: when
+        every alias of a slot is dead, no tensor anywhere can still read it, so
+        the slot may be reused (this is checked with a storage weak reference).
+        """
+
+    def synchronize(self) -> None:
+        """Wait for all outstanding device work."""
+
+    def close(self) -> None:
+        """Release threads or streams owned by the backend."""
+
+
+def make_backend(device: str) -> DeviceBackend:
+    """The backend for a ``Config.device`` value (``"auto"`` picks CUDA when available)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        from infinity.devices.cpu import CpuBackend
+
+        return CpuBackend()
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device={device!r} but torch.cuda.is_available() is False; "
+                "use device='cpu' (or 'auto') on a host without a GPU"
+            )
+        from infinity.devices.cuda import CudaBackend
+
+        return CudaBackend(torch.device(device))
+    raise ValueError(f"device={device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")

@@ -1,0 +1,75 @@
+"""CUDA backend: device slots in GPU memory, copies on one persistent copy stream.
+
+Kept thin and written against documented torch APIs only (streams, events,
+``__cuda_array_interface__``); everything else is shared with the CPU backend.
+NOTE: the copy stream is created once: streams made per step grow the caching
+allocator without bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.devices.base import DeviceBackend, TransferHandle
+from infinity.io import aligned_empty
+
+
+class _EventHandle(TransferHandle):
+    __slots__ = ("_event",)
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+    def done(self) -> bool:
+        return self._event.query()
+
+    def wait_for_compute(self) -> None:
+        torch.cuda.current_stream().wait_event(self._event)
+
+
+class _CudaRegion:
+    """Exposes device memory through ``__cuda_array_interface__`` (for aliases)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "stream": None,
+        }
+
+
+class CudaBackend(DeviceBackend):
+    """GPU slots; H2D/D2H copies on a side stream ordered after compute."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device.type, device.index or 0)
+        self._stream = torch.cuda.Stream(self.device)
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return aligned_empty(nbytes, pinned=True)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> TransferHandle:
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return _EventHandle(event)
+
+    def alias(self, region: torch.Tensor) -> torch.Tensor:
+        nbytes = region.numel() * region.element_size()
+        return torch.as_tensor(_CudaRegion(region.data_ptr(), nbytes), device=self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)

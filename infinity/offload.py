@@ -1,0 +1,79 @@
+"""``infinity.offload``: the one public entry point that puts a model into chunks."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from infinity.config import Config
+from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.hooks import HookSet
+from infinity.runtime.materialize import InitFn, check_initialisable, fill_chunks, materialize_buffers
+from infinity.runtime.state_dict import install_state_dict_hooks
+
+_ENGINE_ATTR = "_infinity_engine"
+
+
+def offload(model: nn.Module, config: Config | None = None, init: InitFn | None = None) -> nn.Module:
+    """Lay ``model``'s parameters out in chunks across the tiers and hook the model.
+
+    Returns the same module, ready for a plain training loop with
+    :class:`infinity.optim.CPUAdam`. If the budgets cannot hold the model this
+    raises :class:`infinity.PlanError` before anything is allocated, with the
+    bytes each tier needs. Parameters on the ``meta`` device are materialised
+    chunk by chunk and initialised with ``init(module)`` (default
+    ``module.reset_parameters()``).
+
+    Outside a forward pass, parameters hold zero-byte placeholders: their
+    shape, dtype and ``numel()`` are right, their values are in the chunks
+    (read them with ``model.state_dict()``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload() needs an nn.Module, got {type(model).__name__}")
+    if getattr(model, _ENGINE_ATTR, None) is not None:
+        raise ValueError("this model is already offloaded; call infinity.offload() once per model")
+    config = config if config is not None else Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be an infinity.Config, got {type(config).__name__}")
+    check_initialisable(model, init)
+    engine = OffloadEngine(model, config)
+    try:
+        materialize_buffers(model, engine.device)
+        _move_buffers(model, engine.device)
+        with torch.no_grad():
+            fill_chunks(engine, model, init)
+        hooks = HookSet(model, engine)
+        hooks.handles.extend(install_state_dict_hooks(engine))
+    except BaseException:
+        engine.close()
+        raise
+    engine.hooks = hooks
+    for entry in engine.registry.entries:
+        entry.param._infinity_engine = weakref.ref(engine)  # type: ignore[attr-defined]
+        entry.param._infinity_index = entry.index  # type: ignore[attr-defined]
+    object.__setattr__(model, _ENGINE_ATTR, engine)
+    weakref.finalize(model, engine.close)
+    return model
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def engine_of(model: nn.Module) -> OffloadEngine:
+    """The engine of an offloaded model; a clear error if it was not offloaded."""
+    engine = getattr(model, _ENGINE_ATTR, None)
+    if engine is None:
+        raise ValueError("this model was not offloaded; call infinity.offload(model, config) first")
+    return engine
+
+
+def engine_of_param(param: torch.Tensor) -> OffloadEngine | None:
+    """The engine holding ``param``, or ``None`` for an ordinary tensor."""
+    ref = getattr(param, "_infinity_engine", None)
+    return ref() if ref is not None else None

@@ -1,0 +1,1 @@
+"""Runtime: the hooks on the model and the per-model engine behind them."""

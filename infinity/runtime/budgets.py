@@ -1,0 +1,93 @@
+"""Resolve ``Config`` budgets (``"auto"`` included) and choose the chunk layout and plan."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+
+import psutil
+import torch
+
+from infinity.chunks.chunk_size import MIN_AUTO_CHUNK_BYTES, search_chunk_size
+from infinity.chunks.layout import ChunkLayout, TensorInfo, build_layout
+from infinity.config import AUTO, Config
+from infinity.schedule.planner import Budgets, Plan, PlanError, make_plan
+
+MAX_AUTO_CHUNK_BYTES = 256 << 20
+MIN_SEARCH_CHUNK_BYTES = 64 << 10
+DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_budgets(config: Config, device: torch.device) -> Budgets:
+    """Budgets in bytes, with ``"auto"`` replaced by what this machine offers."""
+    available = psutil.virtual_memory().available
+    host = available // 2 if config.host_memory == AUTO else int(config.host_memory)
+    if config.device_memory != AUTO:
+        dev = int(config.device_memory)
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        dev = int(free * 0.8)
+    else:
+        dev = available // 4
+    nvme: int | None = None
+    if config.nvme_path is not None:
+        nvme = nvme_capacity(config.nvme_path) if config.nvme_memory == AUTO else int(config.nvme_memory)
+    return Budgets(device=dev, host=host, nvme=nvme)
+
+
+def nvme_capacity(path: str) -> int:
+    """90% of the free space of the filesystem holding ``path`` (or its nearest parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return int(shutil.disk_usage(probe).free * 0.9)
+
+
+def choose_plan(
+    tensors: Sequence[TensorInfo],
+    working_sets_of,
+    *,
+    config: Config,
+    budgets: Budgets,
+) -> Plan:
+    """Layout plus plan; with ``chunk_size="auto"`` try smaller chunks until the budgets fit.
+
+    ``working_sets_of(layout)`` returns the chunk sets modules hold at once.
+    """
+    dtype = DTYPE_OF[config.dtype]
+    element_size = torch.finfo(dtype).bits // 8
+    has_master = config.dtype != "fp32"
+
+    def attempt(layout: ChunkLayout) -> Plan:
+        return make_plan(
+            layout,
+            element_size=element_size,
+            has_master=has_master,
+            budgets=budgets,
+            working_sets=working_sets_of(layout),
+            prefetch_depth=config.prefetch_depth,
+        )
+
+    if config.chunk_size != AUTO:
+        elems = int(config.chunk_size) // element_size
+        return attempt(build_layout(tensors, elems, element_size))
+    max_bytes = max(MIN_SEARCH_CHUNK_BYTES, min(MAX_AUTO_CHUNK_BYTES, budgets.device // 4))
+    last_error: PlanError | None = None
+    while max_bytes >= MIN_SEARCH_CHUNK_BYTES:
+        elems = search_chunk_size(
+            tensors,
+            element_size,
+            max_bytes=max_bytes,
+            min_bytes=min(MIN_AUTO_CHUNK_BYTES, max_bytes),
+        )
+        try:
+            return attempt(build_layout(tensors, elems, element_size))
+        except PlanError as exc:
+            last_error = exc
+        max_bytes //= 2
+    assert last_error is not None
+    raise last_error

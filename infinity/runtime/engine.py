@@ -1,0 +1,317 @@
+"""``OffloadEngine``: one per offloaded model; what the hooks and the optimizer call.
+
+It owns the parameter registry, the plan and the chunk manager, and implements
+the per-event logic: a module starts or ends its forward, autograd saves or
+unpacks a weight view, a gradient is ready, backward ends.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from infinity.chunks.homes import Kind
+from infinity.chunks.layout import ChunkLayout
+from infinity.chunks.manager import ChunkManager, typed
+from infinity.chunks.states import StateCounters, TensorState
+from infinity.config import Config
+from infinity.devices.base import make_backend
+from infinity.optim.loss_scale import LossScaler
+from infinity.optim.offloaded_step import AdamHyper, offloaded_step
+from infinity.runtime.budgets import DTYPE_OF, choose_plan, resolve_budgets
+from infinity.runtime.params import ParamEntry, ParamRegistry, placeholder
+from infinity.runtime.sentinel import GradientInChunks, is_zeroed
+from infinity.runtime.step_timer import StepTimer
+from infinity.runtime.swap import open_swap
+from infinity.schedule.trace import TraceRecorder
+
+log = logging.getLogger("infinity")
+_S = TensorState
+
+
+class ModelChangedError(RuntimeError):
+    """The model's parameters were replaced, added or converted after ``offload``."""
+
+
+class OffloadEngine:
+    """Runtime state of one offloaded model."""
+
+    def __init__(self, model: nn.Module, config: Config) -> None:
+        self.config = config
+        self.dtype = DTYPE_OF[config.dtype]
+        self.backend = make_backend(config.device)
+        self.device = self.backend.device
+        self.registry = ParamRegistry.from_model(model)
+        if not self.registry.entries:
+            raise ValueError("the model has no parameters: there is nothing to offload")
+        self.budgets = resolve_budgets(config, self.device)
+        self.plan = choose_plan(
+            self.registry.tensor_infos(),
+            self.working_sets,
+            config=config,
+            budgets=self.budgets,
+        )
+        self.layout: ChunkLayout = self.plan.layout
+        self.swap = open_swap(config, self.plan.nvme_bytes)
+        self.manager = ChunkManager(self.plan, self.dtype, self.backend, self.swap)
+        n = self.layout.num_chunks
+        self.chunk_members: list[list[ParamEntry]] = [[] for _ in range(n)]
+        for entry in self.registry.entries:
+            self.chunk_members[self.layout.slots[entry.index].chunk].append(entry)
+        # Position of each tensor inside its chunk's state counters.
+        self.local_index = {
+            e.index: pos for members in self.chunk_members for pos, e in enumerate(members)
+        }
+        self.states = [StateCounters(len(m)) for m in self.chunk_members]
+        self.has_grad = [False] * len(self.registry.entries)
+        self.module_chunks = {
+            m: sorted({self.layout.slots[e.index].chunk for e in es})
+            for m, es in self.registry.owners.items()
+        }
+        self.trace = TraceRecorder()
+        self._backward_active = False
+        self._param_count = len(self.registry.entries)
+        self.tensor_steps = [0] * len(self.registry.entries)
+        self.scaler = (
+            LossScaler(config.initial_loss_scale, config.loss_scale_window, config.min_loss_scale)
+            if config.dtype == "fp16"
+            else None
+        )
+        self.manager.check_overflow = self.scaler is not None
+        self.loss_scaled = False
+        self.step_count = 0
+        self.step_timer = StepTimer(self.manager.traffic)
+        self.hooks = None
+        self._closed = False
+
+    # --- layout helpers ------------------------------------------------------------
+    def working_sets(self, layout: ChunkLayout) -> list[frozenset[int]]:
+        """Chunks each module holds at once: its own and its ancestors' parameters'."""
+        own: dict[nn.Module, set[int]] = {
+            m: {layout.slots[e.index].chunk for e in es} for m, es in self.registry.owners.items()
+        }
+        sets = []
+        for module, chunks in own.items():
+            held = set(chunks)
+            for parent in self.registry.ancestors(module):
+                held |= own.get(parent, set())
+            sets.append(frozenset(held))
+        return sets
+
+    def set_state(self, entry: ParamEntry, state: TensorState) -> None:
+        """Move one parameter to ``state`` (checked against the whitelist)."""
+        chunk = self.layout.slots[entry.index].chunk
+        self.states[chunk].set(self.local_index[entry.index], state)
+
+    def chunk_view(self, chunk_bytes: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
+        """``entry``'s tensor inside a chunk's bytes (compute dtype, its shape)."""
+        slot = self.layout.slots[entry.index]
+        flat = typed(chunk_bytes, self.dtype)
+        return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def release_new(self, entry: ParamEntry) -> None:
+        """Turn a meta parameter into a real one holding its placeholder (same object)."""
+        if entry.placeholder is None:
+            entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
+        fresh = nn.Parameter(entry.placeholder, requires_grad=entry.trainable)
+        torch.utils.swap_tensors(entry.param, fresh)
+
+    def release(self, entry: ParamEntry) -> None:
+        """Point the parameter back at its placeholder (no chunk memory held)."""
+        if entry.placeholder is None:
+            entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
+        entry.param.data = entry.placeholder
+
+    # --- forward -----------------------------------------------------------------------
+    def begin_module(self, module: nn.Module) -> None:
+        """A module's forward starts: make its parameters' chunks resident and bind views."""
+        by_chunk: dict[int, list[ParamEntry]] = {}
+        for entry in self.registry.owners[module]:
+            by_chunk.setdefault(self.layout.slots[entry.index].chunk, []).append(entry)
+        for chunk, entries in by_chunk.items():
+            self.trace.record("forward", chunk)
+            self.manager.advance()
+            copy = self.manager.param_on_device(chunk)
+            alias = self.backend.alias(copy.tensor)
+            copy.add_alias(alias)
+            for entry in entries:
+                entry.param.data = self.chunk_view(alias, entry)
+                self.set_state(entry, _S.COMPUTE)
+
+    def end_module(self, module: nn.Module) -> None:
+        """A module's forward ended: drop the views; the chunks become evictable."""
+        for entry in self.registry.owners[module]:
+            self.release(entry)
+            after_grad = self.has_grad[entry.index] and self._backward_active
+            self.set_state(entry, _S.HOLD_AFTER_BWD if after_grad else _S.HOLD_AFTER_FWD)
+
+    def begin_forward(self) -> None:
+        """The root module's forward starts: check the model, start a new iteration."""
+        self._check_model()
+        if not self._backward_active:
+            self.trace.start_iteration()
+            for counters in self.states:
+                counters.reset_step()
+
+    # --- saved tensors -----------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor):
+        """Saved-tensor pack hook: a view of a parameter chunk becomes a handle."""
+        key = self.manager.device.key_at(tensor.untyped_storage().data_ptr())
+        if key is None or key[0] is not Kind.PARAM:
+            return tensor
+        chunk = key[1]
+        return (chunk, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+
+    def unpack(self, packed):
+        """Saved-tensor unpack hook: make the chunk resident again and rebuild the view."""
+        if not isinstance(packed, tuple):
+            return packed
+        chunk, shape, stride, offset, dtype = packed
+        self._note_backward()
+        self.trace.record("backward", chunk)
+        self.manager.advance()
+        copy = self.manager.param_on_device(chunk)
+        alias = self.backend.alias(copy.tensor)
+        copy.add_alias(alias)
+        return torch.as_strided(alias.view(dtype), shape, stride, offset)
+
+    # --- gradients -----------------------------------------------------------------------
+    def on_grad(self, param: torch.Tensor) -> None:
+        """A parameter's gradient is ready: move it into its gradient chunk."""
+        self._note_backward()
+        entry = self.registry.by_id[id(param)]
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        chunk = self.layout.slots[entry.index].chunk
+        self.trace.record("grad", chunk)
+        self.manager.advance()
+        copy = self.manager.grad_on_device(chunk)
+        self.chunk_view(copy.tensor, entry).copy_(grad)
+        self.has_grad[entry.index] = True
+        self.set_state(entry, _S.HOLD_AFTER_BWD)
+        counters = self.states[chunk]
+        if counters.count(_S.HOLD_AFTER_FWD) == 0 and not counters.in_compute:
+            self.manager.flush_grad(chunk)
+
+    def before_grad(self, grad: torch.Tensor) -> None:
+        """Tensor hook of a parameter, run before its AccumulateGrad."""
+        self._note_backward()
+
+    def _note_backward(self) -> None:
+        """First event of a backward pass: settle last step's gradients, arm the end hook."""
+        if self._backward_active:
+            return
+        self._backward_active = True
+        # Sentinels the user dropped (zero_grad) mean "zeroed"; the rest must
+        # leave param.grad before AccumulateGrad runs, or it would add to them.
+        self.collect_zeroed_grads()
+        for entry in self.registry.entries:
+            if isinstance(entry.param.grad, GradientInChunks):
+                entry.param.grad = None
+        # NOTE: queue_callback runs once the whole backward pass is done;
+        # that is where partial gradient chunks (unused parameters) go home.
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._backward_active = False
+        self.manager.flush_all_grads()
+        self.set_sentinels()
+        self.trace.end_backward()
+
+    def set_sentinels(self) -> None:
+        """Every parameter with a gradient in chunks shows a sentinel in ``.grad``."""
+        for entry in self.registry.entries:
+            if self.has_grad[entry.index] and entry.param.grad is None:
+                entry.param.grad = GradientInChunks(entry.param.data)
+
+    def collect_zeroed_grads(self) -> None:
+        """Gradients whose ``param.grad`` the user set to ``None`` (zero_grad) are dropped."""
+        zeroed_chunks: dict[int, list[ParamEntry]] = {}
+        for entry in self.registry.entries:
+            if not self.has_grad[entry.index]:
+                continue
+            grad = entry.param.grad
+            if grad is not None and not isinstance(grad, GradientInChunks):
+                raise ModelChangedError(
+                    f"{entry.name}.grad was assigned a tensor; gradients of offloaded parameters "
+                    "live in chunks and cannot be set by hand"
+                )
+            if is_zeroed(grad):
+                entry.param.grad = None
+                self.has_grad[entry.index] = False
+                zeroed_chunks.setdefault(self.layout.slots[entry.index].chunk, []).append(entry)
+        for chunk, entries in zeroed_chunks.items():
+            if not any(self.has_grad[e.index] for e in self.chunk_members[chunk]):
+                self.manager.grad_valid[chunk] = False
+            else:
+                self._zero_grad_ranges(chunk, entries)
+        if zeroed_chunks and not any(self.has_grad):
+            self.manager.found_inf = False
+
+    def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:
+        """Zero some tensors' gradients inside a chunk whose other gradients stay."""
+        if not self.manager.grad_valid[chunk]:
+            return
+        region, copy = self.manager.open_host((Kind.GRAD, chunk))
+        for entry in entries:
+            self.chunk_view(region, entry).zero_()
+        self.manager.close_host(copy, modified=True)
+
+    def _check_model(self) -> None:
+        """Refuse to run if parameters were swapped, added or converted after offload."""
+        for entry in self.registry.entries:
+            data = entry.param.data
+            if data.dtype != self.dtype or data.device != self.device or data.untyped_storage().nbytes():
+                raise ModelChangedError(
+                    f"parameter {entry.name!r} was changed after infinity.offload() "
+                    f"(now {data.dtype} on {data.device}); move or convert the model before "
+                    "offloading it, not after"
+                )
+        count = sum(1 for _ in self._root_parameters())
+        if count != self._param_count:
+            raise ModelChangedError(
+                f"the model now has {count} parameters but had {self._param_count} when it was "
+                "offloaded; build the final model first, then call infinity.offload()"
+            )
+
+    def _root_parameters(self):
+        root = next(m for m, parent in self.registry.parents.items() if parent is None)
+        return root.parameters()
+
+    # --- optimizer ------------------------------------------------------------------
+    def optimizer_step(self, hyper_by_index: dict[int, AdamHyper], clip_coef: float = 1.0) -> bool:
+        """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
+        self.collect_zeroed_grads()
+        self.manager.synchronize()
+        grad_scale = clip_coef
+        if self.scaler is not None:
+            if not self.loss_scaled and any(self.has_grad):
+                raise RuntimeError(
+                    "fp16 training needs loss scaling: call `optimizer.scale_loss(loss).backward()` "
+                    "instead of `loss.backward()` (bf16 and fp32 need no scaling)"
+                )
+            found_inf = self.manager.found_inf
+            grad_scale = clip_coef / self.scaler.scale
+            self.scaler.update(found_inf)
+            self.loss_scaled = False
+            if found_inf:
+                self.step_timer.lap()
+                return False
+        offloaded_step(self, hyper_by_index, grad_scale)
+        self.step_count += 1
+        self.step_timer.lap()
+        return True
+
+    def close(self) -> None:
+        """Wait for transfers, release threads and remove the swap file (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.manager.synchronize()
+        self.backend.close()
+        if self.swap is not None:
+            self.swap.close()

@@ -1,0 +1,70 @@
+"""Install the engine's hooks on a model (and remove them).
+
+- root forward pre/post: start an iteration; scope the saved-tensor hooks that
+  turn saved weight views into handles (so autograd never pins chunk memory);
+- forward pre/post on every module that owns parameters: fetch and release;
+- per trainable parameter: a tensor hook (runs before AccumulateGrad) and a
+  post-accumulate-grad hook that moves the gradient into its chunk.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.hooks import RemovableHandle
+
+from infinity.runtime.engine import OffloadEngine
+
+
+class HookSet:
+    """Every hook the engine put on a model, removable at once."""
+
+    def __init__(self, model: nn.Module, engine: OffloadEngine) -> None:
+        self.handles: list[RemovableHandle] = []
+        self._scopes: list[saved_tensors_hooks] = []
+        self._engine = engine
+
+        def root_pre(module: nn.Module, args: tuple) -> None:
+            engine.begin_forward()
+            scope = saved_tensors_hooks(engine.pack, engine.unpack)
+            scope.__enter__()
+            self._scopes.append(scope)
+
+        def root_post(module: nn.Module, args: tuple, output: object) -> None:
+            # always_call=True: runs on exceptions too, so the scope never leaks.
+            if self._scopes:
+                self._scopes.pop().__exit__(None, None, None)
+
+        self.handles.append(model.register_forward_pre_hook(root_pre, prepend=True))
+        for module in engine.registry.owners:
+            self.handles.append(module.register_forward_pre_hook(self._pre(module)))
+            self.handles.append(
+                module.register_forward_hook(self._post(module), always_call=True)
+            )
+        self.handles.append(model.register_forward_hook(root_post, always_call=True))
+        for entry in engine.registry.entries:
+            if entry.trainable:
+                self.handles.append(entry.param.register_hook(engine.before_grad))
+                self.handles.append(entry.param.register_post_accumulate_grad_hook(engine.on_grad))
+
+    def _pre(self, module: nn.Module):
+        engine = self._engine
+
+        def hook(mod: nn.Module, args: tuple) -> None:
+            engine.begin_module(module)
+
+        return hook
+
+    def _post(self, module: nn.Module):
+        engine = self._engine
+
+        def hook(mod: nn.Module, args: tuple, output: object) -> None:
+            engine.end_module(module)
+
+        return hook
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

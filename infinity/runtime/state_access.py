@@ -1,0 +1,105 @@
+"""Read and write the values behind offloaded parameters, chunk by chunk.
+
+Used by ``model.state_dict()`` / ``load_state_dict()``, by checkpoints and by
+gradient-norm clipping. Every access goes through the chunk manager, so values
+come from wherever the chunk's home is (host or NVMe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from infinity.chunks.homes import Kind
+from infinity.chunks.manager import typed
+from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.params import ParamEntry
+
+
+def _by_chunk(engine: OffloadEngine, entries: Iterable[ParamEntry]) -> dict[int, list[ParamEntry]]:
+    grouped: dict[int, list[ParamEntry]] = {}
+    for entry in entries:
+        grouped.setdefault(engine.layout.slots[entry.index].chunk, []).append(entry)
+    return grouped
+
+
+def read_params(
+    engine: OffloadEngine, entries: Iterable[ParamEntry], *, master: bool = False
+) -> Iterator[tuple[ParamEntry, torch.Tensor]]:
+    """Copies of parameter values (compute dtype; fp32 masters when ``master``)."""
+    for chunk, group in _by_chunk(engine, entries).items():
+        use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
+        key = (Kind.OPTIM, chunk) if use_master else (Kind.PARAM, chunk)
+        region, copy = engine.manager.open_host(key)
+        try:
+            flat = typed(region, torch.float32 if use_master else engine.dtype)
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                yield entry, flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        finally:
+            engine.manager.close_host(copy, modified=False)
+
+
+def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None:
+    """Set parameters (by tensor index) to ``values``; fp32 masters follow."""
+    entries = [engine.registry.entries[i] for i in values]
+    for chunk, group in _by_chunk(engine, entries).items():
+        for key, dtype in ((Kind.PARAM, engine.dtype), (Kind.OPTIM, torch.float32)):
+            if key is Kind.OPTIM and not (engine.plan.has_master and engine.layout.chunks[chunk].trainable):
+                continue
+            region, copy = engine.manager.open_host((key, chunk))
+            try:
+                flat = typed(region, dtype)
+                for entry in group:
+                    slot = engine.layout.slots[entry.index]
+                    value = values[entry.index]
+                    if tuple(value.shape) != slot.shape:
+                        raise ValueError(
+                            f"{entry.name}: value of shape {tuple(value.shape)} does not match the "
+                            f"parameter's shape {slot.shape}"
+                        )
+                    flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+            finally:
+                engine.manager.close_host(copy, modified=True)
+        engine.manager.drop_param(chunk)
+
+
+def grad_norms(engine: OffloadEngine, indices: Iterable[int], norm_type: float) -> list[torch.Tensor]:
+    """Per-tensor gradient norms (fp32, loss scale removed) of tensors that have a gradient."""
+    engine.collect_zeroed_grads()
+    engine.manager.synchronize()
+    wanted = [engine.registry.entries[i] for i in indices if engine.has_grad[i]]
+    unscale = 1.0 / engine.scaler.scale if engine.scaler is not None else 1.0
+    norms: list[torch.Tensor] = []
+    for chunk, group in _by_chunk(engine, wanted).items():
+        region, copy = engine.manager.open_host((Kind.GRAD, chunk))
+        try:
+            flat = typed(region, engine.dtype)
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                view = flat[slot.offset : slot.offset + slot.numel]
+                norm = torch.linalg.vector_norm(view, norm_type, dtype=torch.float32)
+                norms.append(norm * unscale if unscale != 1.0 else norm)
+        finally:
+            engine.manager.close_host(copy, modified=False)
+    return norms
+
+
+def gradients(model: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:
+    """Copies of every gradient held in chunks, by parameter name (RAM for all of them)."""
+    engine.collect_zeroed_grads()
+    engine.manager.synchronize()
+    out: dict[str, torch.Tensor] = {}
+    wanted = [e for e in engine.registry.entries if engine.has_grad[e.index]]
+    for chunk, group in _by_chunk(engine, wanted).items():
+        region, copy = engine.manager.open_host((Kind.GRAD, chunk))
+        try:
+            flat = typed(region, engine.dtype)
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                out[entry.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        finally:
+            engine.manager.close_host(copy, modified=False)
+    return out

@@ -1,0 +1,1 @@
+"""Schedule: which chunk goes where, and when (planner, trace, prefetch, eviction)."""

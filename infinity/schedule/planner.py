@@ -1,0 +1,282 @@
+"""The planner: where each kind of state lives, and how many slots each tier gets.
+
+A pure function of the layout and the budgets, run before anything is
+allocated: if the budgets cannot hold the model it raises :class:`PlanError`
+saying how many bytes each tier needs.
+
+Policy (coldest state leaves first): everything starts on the host; while the
+host budget is exceeded, optimizer-state units (fp32 master + moments, touched
+once per step) move to NVMe chunk by chunk, then gradients (written once per
+micro-batch, read once per step), then parameters (read in forward and
+backward). The device tier is a cache of parameter and gradient chunks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from infinity.chunks.layout import ChunkLayout
+from infinity.utils.sizes import format_size
+
+HOST, NVME = "host", "nvme"
+FP32_BYTES = 4
+# Host staging slots: optimizer pipeline = read i+1, compute i, write back i-1.
+OPTIM_PIPELINE_SLOTS = 3
+GRAD_STAGING_SLOTS = 2
+
+
+class PlanError(ValueError):
+    """The budgets cannot hold the model; the message says what each tier needs."""
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Bytes allowed per tier; ``nvme=None`` means no NVMe tier."""
+
+    device: int
+    host: int
+    nvme: int | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Homes per chunk and kind, slot counts per tier, bytes and traffic per step."""
+
+    layout: ChunkLayout
+    element_size: int
+    has_master: bool
+    param_home: tuple[str, ...]
+    grad_home: tuple[str | None, ...]  # None: frozen chunk
+    optim_home: tuple[str | None, ...]
+    device_slots: dict[int, int]  # slot bytes -> count
+    host_staging: dict[str, dict[int, int]]  # "param" | "grad" | "optim" -> slot bytes -> count
+    budgets: Budgets
+    traffic: dict[str, int] = field(default_factory=dict)
+
+    # --- sizes -------------------------------------------------------------------
+    def param_bytes(self, i: int) -> int:
+        """Bytes of parameter (and gradient) chunk ``i`` in the compute dtype."""
+        return self.layout.chunks[i].capacity * self.element_size
+
+    def optim_bytes(self, i: int) -> int:
+        """Bytes of optimizer-state unit ``i`` (master if any, exp_avg, exp_avg_sq)."""
+        parts = 3 if self.has_master else 2
+        return self.layout.chunks[i].capacity * FP32_BYTES * parts
+
+    def home_bytes(self, tier: str) -> int:
+        """Bytes of authoritative copies kept on ``tier``."""
+        n = self.layout.num_chunks
+        total = sum(self.param_bytes(i) for i in range(n) if self.param_home[i] == tier)
+        total += sum(self.param_bytes(i) for i in range(n) if self.grad_home[i] == tier)
+        total += sum(self.optim_bytes(i) for i in range(n) if self.optim_home[i] == tier)
+        return total
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes reserved on the device (all slots)."""
+        return sum(size * count for size, count in self.device_slots.items())
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of host staging slots."""
+        return sum(s * c for pools in self.host_staging.values() for s, c in pools.items())
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes reserved on the host: homes plus staging."""
+        return self.home_bytes(HOST) + self.staging_bytes
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes of swap space."""
+        return self.home_bytes(NVME)
+
+    def describe(self) -> str:
+        """A human-readable table of the plan."""
+        n = self.layout.num_chunks
+        lines = [
+            f"chunks: {n} x {format_size(self.layout.chunk_bytes)} "
+            f"({sum(c.oversize for c in self.layout.chunks)} oversize, "
+            f"{sum(not c.trainable for c in self.layout.chunks)} frozen)",
+            f"{'kind':<16}{'on host':>12}{'on nvme':>12}",
+        ]
+        for kind, homes in (
+            ("parameters", self.param_home),
+            ("gradients", self.grad_home),
+            ("optimizer", self.optim_home),
+        ):
+            lines.append(
+                f"{kind:<16}{sum(h == HOST for h in homes):>12}{sum(h == NVME for h in homes):>12}"
+            )
+        for tier, used, budget in (
+            ("device", self.device_bytes, self.budgets.device),
+            ("host", self.host_bytes, self.budgets.host),
+            ("nvme", self.nvme_bytes, self.budgets.nvme),
+        ):
+            cap = "no tier" if budget is None else format_size(budget)
+            lines.append(f"{tier:<8} uses {format_size(used):>12} of {cap}")
+        lines.append("bytes moved per step (estimate):")
+        for key, value in self.traffic.items():
+            lines.append(f"  {key:<18}{format_size(value):>12}")
+        return "\n".join(lines)
+
+
+def _classes(sizes: Iterable[int]) -> Counter[int]:
+    return Counter(sizes)
+
+
+def min_device_slots(
+    layout: ChunkLayout, element_size: int, working_sets: Sequence[frozenset[int]]
+) -> dict[int, int]:
+    """Device slots each size class needs: the largest set of chunks one module
+    holds at once (its own and its ancestors' parameters) plus one gradient slot."""
+    need: Counter[int] = Counter()
+    for chunk_set in working_sets:
+        per_class = _classes(layout.chunks[i].capacity * element_size for i in chunk_set)
+        for size, count in per_class.items():
+            need[size] = max(need[size], count)
+    # One more slot per size class to receive gradients while parameters are in use.
+    trainable_sizes = {c.capacity * element_size for c in layout.chunks if c.trainable}
+    for size in trainable_sizes:
+        need[size] += 1
+    if not need and layout.chunks:
+        need[layout.chunks[0].capacity * element_size] = 1
+    return dict(need)
+
+
+def make_plan(
+    layout: ChunkLayout,
+    *,
+    element_size: int,
+    has_master: bool,
+    budgets: Budgets,
+    working_sets: Sequence[frozenset[int]],
+    prefetch_depth: int,
+) -> Plan:
+    """Place every chunk's kinds on host or NVMe and size the slot pools.
+
+    Raises :class:`PlanError` (before anything is allocated) when a budget is
+    too small, naming the bytes each tier would need.
+    """
+    chunks = layout.chunks
+    n = len(chunks)
+    pbytes = [c.capacity * element_size for c in chunks]
+    obytes = [c.capacity * FP32_BYTES * (3 if has_master else 2) for c in chunks]
+
+    # Device: the minimum working set, then as many extra normal slots as fit.
+    device = min_device_slots(layout, element_size, working_sets)
+    device_need = sum(s * c for s, c in device.items())
+    if device_need > budgets.device:
+        raise PlanError(
+            f"device_memory={format_size(budgets.device)} is too small: one module needs "
+            f"{format_size(device_need)} of chunk memory at once (its parameters' chunks plus a "
+            f"gradient chunk). Raise device_memory to at least {device_need} bytes or use a "
+            "smaller chunk_size."
+        )
+    normal = layout.chunk_bytes
+    extra_room = budgets.device - device_need
+    # NOTE: more slots than chunks (params + grads) would only sit idle.
+    useful = max(0, 2 * n - sum(device.values()))
+    device[normal] = device.get(normal, 0) + min(extra_room // normal, useful)
+
+    trainable = [c.trainable for c in chunks]
+    param_home = [HOST] * n
+    grad_home: list[str | None] = [HOST if t else None for t in trainable]
+    optim_home: list[str | None] = [HOST if t else None for t in trainable]
+    staging: dict[str, Counter[int]] = {"param": Counter(), "grad": Counter(), "optim": Counter()}
+    for i in range(n):
+        if trainable[i]:
+            staging["grad"][pbytes[i]] = GRAD_STAGING_SLOTS
+
+    def host_need() -> int:
+        homes = sum(pbytes[i] for i in range(n) if param_home[i] == HOST)
+        homes += sum(pbytes[i] for i in range(n) if grad_home[i] == HOST)
+        homes += sum(obytes[i] for i in range(n) if optim_home[i] == HOST)
+        return homes + sum(s * c for pool in staging.values() for s, c in pool.items())
+
+    def add_staging(kind: str, size: int, count: int, available: int) -> None:
+        staging[kind][size] = max(staging[kind][size], min(count, available))
+
+    # Move the coldest state to NVMe, chunk by chunk from the back, until it fits.
+    # Order: optimizer units, then gradients, then parameters.
+    moves: list[tuple[str, int]] = [("optim", i) for i in reversed(range(n)) if trainable[i]]
+    moves += [("grad", i) for i in reversed(range(n)) if trainable[i]]
+    moves += [("param", i) for i in reversed(range(n))]
+    param_slots = max(prefetch_depth + 2, OPTIM_PIPELINE_SLOTS)
+    for kind, i in moves:
+        if host_need() <= budgets.host:
+            break
+        if budgets.nvme is None:
+            break
+        if kind == "optim":
+            optim_home[i] = NVME
+            same = sum(1 for j in range(n) if trainable[j] and obytes[j] == obytes[i])
+            add_staging("optim", obytes[i], OPTIM_PIPELINE_SLOTS, same)
+            if not has_master:
+                # fp32: the parameter chunk is the master; the step stages it too.
+                same_p = sum(1 for j in range(n) if pbytes[j] == pbytes[i])
+                add_staging("param", pbytes[i], OPTIM_PIPELINE_SLOTS, same_p)
+        elif kind == "grad":
+            grad_home[i] = NVME
+        else:
+            param_home[i] = NVME
+            same_p = sum(1 for j in range(n) if pbytes[j] == pbytes[i])
+            add_staging("param", pbytes[i], param_slots, same_p)
+
+    need = host_need()
+    if need > budgets.host:
+        if budgets.nvme is None:
+            raise PlanError(
+                f"host_memory={format_size(budgets.host)} is too small: the model's states need "
+                f"{format_size(need)} on the host. Raise host_memory to at least {need} bytes, "
+                "or set nvme_path to a directory on a fast disk so states can spill to NVMe."
+            )
+        raise PlanError(
+            f"host_memory={format_size(budgets.host)} is too small even with every state on "
+            f"NVMe: staging buffers alone need {format_size(need)}. Raise host_memory to at "
+            f"least {need} bytes, or use a smaller chunk_size."
+        )
+    plan = Plan(
+        layout=layout,
+        element_size=element_size,
+        has_master=has_master,
+        param_home=tuple(param_home),
+        grad_home=tuple(grad_home),
+        optim_home=tuple(optim_home),
+        device_slots={s: c for s, c in device.items() if c},
+        host_staging={k: {s: c for s, c in v.items() if c} for k, v in staging.items()},
+        budgets=budgets,
+    )
+    if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
+        raise PlanError(
+            f"nvme_memory={format_size(budgets.nvme)} is too small: {format_size(plan.nvme_bytes)} "
+            "of states must spill to NVMe with this host budget. Free disk space, raise "
+            "nvme_memory, or raise host_memory."
+        )
+    object.__setattr__(plan, "traffic", estimate_traffic(plan))
+    return plan
+
+
+def estimate_traffic(plan: Plan) -> dict[str, int]:
+    """Bytes each link moves in one step (one micro-batch, no accumulation)."""
+    n = plan.layout.num_chunks
+    params = sum(plan.param_bytes(i) for i in range(n))
+    grads = sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] is not None)
+    fits = sum(plan.device_slots.values()) >= n + 1
+    fetches = 1 if fits else 2  # forward, and again in backward when evicted
+    on_nvme = [i for i in range(n) if plan.param_home[i] == NVME]
+    nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
+    nvme_grad = sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] == NVME)
+    nvme_optim = sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i] == NVME)
+    updated_nvme_params = sum(
+        plan.param_bytes(i) for i in on_nvme if plan.grad_home[i] is not None
+    )
+    fp32_params_read = 0 if plan.has_master else updated_nvme_params
+    return {
+        "h2d_bytes": params * fetches,
+        "d2h_bytes": grads,
+        "nvme_read_bytes": nvme_param * fetches + nvme_grad + nvme_optim + fp32_params_read,
+        "nvme_write_bytes": nvme_grad + nvme_optim + updated_nvme_params,
+    }

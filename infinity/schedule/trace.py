@@ -1,0 +1,76 @@
+"""The warm-up trace: the ordered chunk accesses of one training iteration.
+
+The first iteration records every access (forward fetches, backward unpacks,
+gradient arrivals) as a *moment*. The finished trace is immutable; later
+iterations are compared against it as they run, and a divergence (the model
+took another path) starts a new recording.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("infinity")
+
+Access = tuple[str, int]  # (phase, chunk): phase in {"forward", "backward", "grad"}
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The accesses of one iteration, in order."""
+
+    accesses: tuple[Access, ...]
+
+    def __len__(self) -> int:
+        return len(self.accesses)
+
+    def uses(self, phases: tuple[str, ...] = ("forward", "backward")) -> dict[int, list[int]]:
+        """Moments at which each chunk's parameters are needed."""
+        out: dict[int, list[int]] = {}
+        for moment, (phase, chunk) in enumerate(self.accesses):
+            if phase in phases:
+                out.setdefault(chunk, []).append(moment)
+        return out
+
+
+class TraceRecorder:
+    """Records iterations; keeps the last complete one as :attr:`trace`."""
+
+    def __init__(self) -> None:
+        self.trace: Trace | None = None
+        self._current: list[Access] = []
+        self.iterations = 0
+        self.retraces = 0
+        self.on_track = False  # the running iteration follows ``trace`` so far
+
+    @property
+    def moment(self) -> int:
+        """Position of the next access in the running iteration."""
+        return len(self._current)
+
+    def start_iteration(self) -> None:
+        """A new forward starts: close the running recording."""
+        if self._current:
+            finished = Trace(tuple(self._current))
+            if self.trace is not None and finished != self.trace:
+                self.retraces += 1
+                if self.retraces == 1:
+                    log.info("infinity: the model took a different path; re-tracing")
+            self.trace = finished
+            self.iterations += 1
+        self._current = []
+        self.on_track = self.trace is not None
+
+    def record(self, phase: str, chunk: int) -> None:
+        """Append one access; notice when the iteration leaves the trace."""
+        access = (phase, chunk)
+        if self.on_track:
+            position = len(self._current)
+            assert self.trace is not None
+            if position >= len(self.trace) or self.trace.accesses[position] != access:
+                self.on_track = False
+        self._current.append(access)
+
+    def end_backward(self) -> None:
+        """Backward finished (the iteration may still run the optimizer)."""

@@ -1,0 +1,52 @@
+"""``infinity.stats(model)``: bytes per tier, traffic, peaks and the last step's timings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from infinity.offload import engine_of
+from infinity.schedule.planner import HOST, NVME
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """Counters of an offloaded model.
+
+    Peaks are exact (the manager's accounting of occupied slots, homes
+    included); traffic counters are totals since ``offload``; ``last_step``
+    splits the wall time of the latest optimizer step interval into waiting on
+    each tier and everything else (computing).
+    """
+    engine = engine_of(model)
+    manager = engine.manager
+    plan = engine.plan
+    out: dict[str, Any] = {
+        "device": engine.backend.name,
+        "dtype": engine.config.dtype,
+        "chunk_size": plan.layout.chunk_bytes,
+        "num_chunks": plan.layout.num_chunks,
+        "device_budget_bytes": plan.budgets.device,
+        "device_reserved_bytes": manager.device_account.reserved,
+        "device_peak_bytes": manager.device_account.peak,
+        "host_budget_bytes": plan.budgets.host,
+        "host_reserved_bytes": manager.host_account.reserved,
+        "host_peak_bytes": manager.host_account.peak,
+        "nvme_budget_bytes": plan.budgets.nvme,
+        "nvme_bytes": manager.nvme_account.used,
+        "steps": engine.step_count,
+        "placement": {
+            kind: {tier: sum(h == tier for h in homes) for tier in (HOST, NVME)}
+            for kind, homes in (
+                ("param", plan.param_home),
+                ("grad", plan.grad_home),
+                ("optim", plan.optim_home),
+            )
+        },
+        "last_step": dict(engine.step_timer.last),
+    }
+    out.update(manager.traffic.snapshot())
+    if engine.scaler is not None:
+        out["loss_scale"] = engine.scaler.scale
+        out["skipped_steps"] = engine.scaler.skipped_steps
+    return out
