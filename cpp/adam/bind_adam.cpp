@@ -1,6 +1,97 @@
-// Placeholder: the CPU-Adam kernels register their bindings here.
+// Python bindings of the CPU-Adam kernels (`infinity._C.adam`). Buffers come
+// in as integer addresses: infinity/optim/kernels.py validates every tensor
+// (device, dtype, contiguity, size, overlap) before calling in here.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "adam/adam_step.hpp"
+#include "adam/bandwidth.hpp"
+#include "adam/isa.hpp"
+#include "common/thread_pool.hpp"
+
+namespace py = pybind11;
 
 namespace infinity {
-void bind_adam(pybind11::module_& /*m*/) {}
+namespace {
+
+template <class T>
+T* as_ptr(uintptr_t address) {
+    return reinterpret_cast<T*>(address);
+}
+
+adam::DType to_dtype(int code, const char* what) {
+    if (code < 0 || code > 2) {
+        throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+    }
+    return static_cast<adam::DType>(code);
+}
+
+void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+          uintptr_t out16, int out_dtype, int64_t n, int64_t step_count, double lr, double beta1,
+          double beta2, double eps, double weight_decay, bool adamw, double grad_scale) {
+    adam::AdamBuffers b;
+    b.param = as_ptr<float>(param);
+    b.grad = as_ptr<const void>(grad);
+    b.grad_dtype = to_dtype(grad_dtype, "grad");
+    b.exp_avg = as_ptr<float>(exp_avg);
+    b.exp_avg_sq = as_ptr<float>(exp_avg_sq);
+    b.out16 = as_ptr<void>(out16);
+    if (out16 != 0) b.out_dtype = to_dtype(out_dtype, "out16");
+    b.n = n;
+    adam::AdamHyper h;
+    h.step = step_count;
+    h.lr = lr;
+    h.beta1 = beta1;
+    h.beta2 = beta2;
+    h.eps = eps;
+    h.weight_decay = weight_decay;
+    h.adamw = adamw;
+    h.grad_scale = grad_scale;
+    adam::adam_step(b, h);
+}
+
+std::vector<std::string> available_isas() {
+    std::vector<std::string> out;
+    for (adam::Isa isa : adam::available_isas()) out.emplace_back(adam::isa_name(isa));
+    return out;
+}
+
+}  // namespace
+
+void bind_adam(py::module_& m) {
+    m.def("step", &step, py::call_guard<py::gil_scoped_release>(), py::arg("param"), py::arg("grad"),
+          py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out16"),
+          py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+          py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+          py::arg("grad_scale"),
+          "Fused Adam/AdamW step over raw, validated buffers (dtype codes: 0 fp32, 1 bf16, 2 "
+          "fp16; out16=0 for none). Releases the GIL.");
+    m.def("available_isas", &available_isas, "ISAs this CPU can run, widest first.");
+    m.def("active_isa", [] { return std::string(adam::isa_name(adam::active_isa())); },
+          "The ISA the next step uses.");
+    m.def("force_isa", &adam::force_isa, py::arg("name"),
+          "Force an ISA by name; None returns to automatic choice.");
+    m.def("set_num_threads", &set_compute_threads, py::arg("n"),
+          "Threads of the compute pool (0 = default).");
+    m.def("get_num_threads", &compute_threads, "Threads of the compute pool.");
+    m.def("default_num_threads", &default_num_threads,
+          "Physical cores among the CPUs this process may run on (capped at 64).");
+    m.def(
+        "bandwidth_probe",
+        [](int kind, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int64_t n) {
+            if (kind < 0 || kind > 2) throw std::invalid_argument("bandwidth_probe: unknown kernel");
+            return adam::bandwidth_probe(static_cast<adam::BandwidthKernel>(kind), as_ptr<float>(a),
+                                         as_ptr<float>(b), as_ptr<float>(c), as_ptr<float>(d), n);
+        },
+        py::call_guard<py::gil_scoped_release>(), py::arg("kind"), py::arg("a"), py::arg("b"),
+        py::arg("c"), py::arg("d"), py::arg("n"),
+        "One pass of a bandwidth loop (0 triad, 1 axpy, 2 adam pattern) over n floats; returns "
+        "bytes moved (STREAM convention).");
+}
+
 }  // namespace infinity

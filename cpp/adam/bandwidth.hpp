@@ -1,0 +1,19 @@
+// Memory-bandwidth probes (the roofline of `infinity bench adam`).
+#pragma once
+
+#include <cstdint>
+
+namespace infinity::adam {
+
+enum class BandwidthKernel : int {
+    kTriad = 0,       ///< a = b + s*c          (STREAM triad: 2 reads, 1 write)
+    kAxpy = 1,        ///< a += s*b             (2 reads, 1 write back in place)
+    kAdamPattern = 2  ///< p += g; m += g; v += g (Adam's 4 reads and 3 writes, no math)
+};
+
+/// Runs one pass of `kind` over n floats on the compute pool; returns the
+/// bytes it moves by the STREAM convention (each array element read or
+/// written once counts, write-allocate traffic does not).
+int64_t bandwidth_probe(BandwidthKernel kind, float* a, float* b, float* c, float* d, int64_t n);
+
+}  // namespace infinity::adam

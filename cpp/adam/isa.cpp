@@ -1,0 +1,87 @@
+#include "adam/isa.hpp"
+
+#include <atomic>
+#include <stdexcept>
+
+namespace infinity::adam {
+namespace {
+
+bool cpu_has(Isa isa) {
+#if defined(__x86_64__)
+    // NOTE: __builtin_cpu_supports also checks that the OS saves the wider
+    // registers (XGETBV), so a CPU feature hidden by the kernel reads false.
+    switch (isa) {
+        case Isa::kAvx512:
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
+        case Isa::kAvx2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
+        case Isa::kScalar:
+            return true;
+    }
+    return false;
+#else
+    return isa == Isa::kScalar;
+#endif
+}
+
+// -1: automatic; otherwise the forced Isa.
+std::atomic<int> g_forced{-1};
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::kAvx512: return "avx512";
+        case Isa::kAvx2: return "avx2";
+        case Isa::kScalar: return "scalar";
+    }
+    return "unknown";
+}
+
+std::vector<Isa> available_isas() {
+    std::vector<Isa> out;
+    for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
+        if (cpu_has(isa)) out.push_back(isa);
+    }
+    return out;
+}
+
+Isa active_isa() {
+    const int forced = g_forced.load(std::memory_order_relaxed);
+    if (forced >= 0) return static_cast<Isa>(forced);
+    static const Isa best = available_isas().front();
+    return best;
+}
+
+void force_isa(const std::optional<std::string>& name) {
+    if (!name) {
+        g_forced.store(-1);
+        return;
+    }
+    std::string names;
+    for (Isa isa : available_isas()) {
+        if (*name == isa_name(isa)) {
+            g_forced.store(static_cast<int>(isa));
+            return;
+        }
+        names += names.empty() ? "" : ", ";
+        names += isa_name(isa);
+    }
+    throw std::invalid_argument("ISA '" + *name + "' is not available on this CPU; available: " +
+                                names);
+}
+
+RangeFn range_fn(Isa isa) {
+    switch (isa) {
+#if defined(__x86_64__)
+        case Isa::kAvx512: return adam_range_avx512;
+        case Isa::kAvx2: return adam_range_avx2;
+#endif
+        default: return adam_range_scalar;
+    }
+}
+
+}  // namespace infinity::adam

@@ -1,0 +1,98 @@
+// AVX2 + FMA + F16C kernel: 8 floats per vector. Chosen at run time only on
+// CPUs that report all three features (see isa.cpp).
+#include "adam/kernels.hpp"
+
+#if defined(__x86_64__)
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "adam/adam_types.hpp"
+
+// NOTE: a target region instead of -mavx2 on the command line: every function
+// defined below (including the instantiated templates of adam_math.hpp) gets
+// these target attributes, everything else in the module stays baseline
+// x86-64. adam_math.hpp must be included here and nowhere before in this file.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+#include "adam/adam_math.hpp"
+
+namespace infinity::adam {
+namespace {
+
+struct Avx2Ops {
+    using V = __m256;
+    static constexpr int64_t kWidth = 8;
+
+    static V set1(float x) { return _mm256_set1_ps(x); }
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V div(V a, V b) { return _mm256_div_ps(a, b); }
+    static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+    static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static V keep(V x) {
+        __asm__("" : "+x"(x));
+        return x;
+    }
+
+    template <class G>
+    static V load_grad(const typename G::Storage* p) {
+        if constexpr (std::is_same_v<G, F32Tag>) {
+            return _mm256_loadu_ps(p);
+        } else {
+            const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+            if constexpr (std::is_same_v<G, BF16Tag>) {
+                return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            } else {
+                return _mm256_cvtph_ps(h);
+            }
+        }
+    }
+
+    template <class O>
+    static void store_out(uint16_t* p, V x) {
+        __m128i h;
+        if constexpr (std::is_same_v<O, BF16Tag>) {
+            const __m256i u = _mm256_castps_si256(x);
+            const __m256i hi = _mm256_srli_epi32(u, 16);
+            const __m256i bias =
+                _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
+            __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+            const __m256i quiet_nan = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+            const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+            r = _mm256_blendv_epi8(r, quiet_nan, _mm256_castps_si256(is_nan));
+            // Every lane is <= 0xffff, so the unsigned saturating pack is exact.
+            h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        } else {
+            h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+    }
+};
+
+}  // namespace
+
+void adam_range_avx2(const AdamBuffers& b, const AdamCoeffs& c, int64_t begin, int64_t end) {
+    const int64_t done = adam_dispatch<Avx2Ops>(b, c, begin, end);
+    if (done < end) adam_range_scalar(b, c, done, end);
+}
+
+}  // namespace infinity::adam
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#endif  // __x86_64__

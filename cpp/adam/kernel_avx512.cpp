@@ -1,0 +1,102 @@
+// AVX-512 kernel (F + BW + VL): 16 floats per vector. Chosen at run time only
+// on CPUs that report the three features (see isa.cpp).
+#include "adam/kernels.hpp"
+
+#if defined(__x86_64__)
+
+// NOTE: GCC 12 warns "'__Y' may be used uninitialized" inside its own
+// avx512fintrin.h (the _mm512_undefined_* idiom, GCC bug 105593, fixed in 13).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "adam/adam_types.hpp"
+
+// NOTE: see kernel_avx2.cpp for why this is a target region rather than a
+// compiler flag; adam_math.hpp must be included inside it.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#endif
+
+#include "adam/adam_math.hpp"
+
+namespace infinity::adam {
+namespace {
+
+struct Avx512Ops {
+    using V = __m512;
+    static constexpr int64_t kWidth = 16;
+
+    static V set1(float x) { return _mm512_set1_ps(x); }
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V div(V a, V b) { return _mm512_div_ps(a, b); }
+    static V sqrt(V a) { return _mm512_sqrt_ps(a); }
+    static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V keep(V x) {
+        __asm__("" : "+v"(x));
+        return x;
+    }
+
+    template <class G>
+    static V load_grad(const typename G::Storage* p) {
+        if constexpr (std::is_same_v<G, F32Tag>) {
+            return _mm512_loadu_ps(p);
+        } else {
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            if constexpr (std::is_same_v<G, BF16Tag>) {
+                return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            } else {
+                return _mm512_cvtph_ps(h);
+            }
+        }
+    }
+
+    template <class O>
+    static void store_out(uint16_t* p, V x) {
+        __m256i h;
+        if constexpr (std::is_same_v<O, BF16Tag>) {
+            const __m512i u = _mm512_castps_si512(x);
+            const __m512i hi = _mm512_srli_epi32(u, 16);
+            const __m512i bias =
+                _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+            const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+            const __m512i quiet_nan = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
+            const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+            // Every lane is <= 0xffff, so the truncating 32->16 narrowing is exact.
+            h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, r, quiet_nan));
+        } else {
+            h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    }
+};
+
+}  // namespace
+
+void adam_range_avx512(const AdamBuffers& b, const AdamCoeffs& c, int64_t begin, int64_t end) {
+    const int64_t done = adam_dispatch<Avx512Ops>(b, c, begin, end);
+    if (done < end) adam_range_scalar(b, c, done, end);
+}
+
+}  // namespace infinity::adam
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#endif  // __x86_64__

@@ -1,0 +1,65 @@
+// The interface every I/O backend implements: one submission/completion queue
+// owned by one worker thread. The worker stages pieces in numbered slots,
+// pushes them to the kernel (or to helper threads) and reaps completions.
+// Backends only move bytes and report raw results; retries, short transfers,
+// fault injection and request bookkeeping live in the worker, once for all.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/request.hpp"
+
+namespace infinity::io {
+
+/// A finished slot: `res` is bytes transferred (>= 0) or -errno.
+struct Completion {
+    std::uint32_t slot;
+    std::int64_t res;
+};
+
+class Backend {
+  public:
+    virtual ~Backend() = default;
+
+    /// "io_uring", "aio" or "threads".
+    virtual const char* name() const noexcept = 0;
+
+    /// Stages one transfer in `slot` (< depth). The worker never stages more
+    /// than `depth` slots that are not yet completed, so this cannot overflow.
+    virtual void prepare(std::uint32_t slot, Op op, int fd, char* buf, std::uint32_t len,
+                         std::uint64_t offset) = 0;
+
+    /// Hands staged transfers to the kernel. Returns how many were accepted;
+    /// the rest stay staged for the next call (a partial submit is normal).
+    /// A transfer the kernel refused outright is appended to `refused` as a
+    /// completion with its -errno, so nothing is silently dropped.
+    virtual std::size_t submit(std::vector<Completion>& refused) = 0;
+
+    /// Takes back every staged transfer, reporting each as failed with `err`
+    /// (used when the kernel keeps refusing them: EAGAIN for too long).
+    virtual void cancel_staged(std::vector<Completion>& out, int err) = 0;
+
+    /// Transfers staged and not yet accepted by submit().
+    virtual std::size_t staged() const noexcept = 0;
+
+    /// A descriptor that polls readable when completions may be ready.
+    /// The worker drains it (read) *before* reaping, so none is missed.
+    virtual int completion_fd() const noexcept = 0;
+
+    /// Appends the completions ready now (never blocks); returns how many.
+    virtual std::size_t reap(std::vector<Completion>& out) = 0;
+};
+
+/// Builds a backend by name with `depth` slots; throws SystemError (with the
+/// failing system call and errno) if the kernel refuses, invalid_argument for
+/// an unknown name.
+std::unique_ptr<Backend> make_backend(const std::string& name, std::uint32_t depth);
+
+/// Backend names in order of preference.
+const std::vector<std::string>& backend_names();
+
+}  // namespace infinity::io

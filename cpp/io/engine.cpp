@@ -1,0 +1,81 @@
+#include "io/engine.hpp"
+
+#include <stdexcept>
+
+namespace infinity::io {
+namespace {
+
+EngineConfig checked(EngineConfig c) {
+    if (c.block_size < kAlignment || c.block_size % kAlignment != 0 || c.block_size > kMaxBlockSize) {
+        throw std::invalid_argument("block_size=" + std::to_string(c.block_size) +
+                                    " must be a multiple of 4096 bytes between 4096 and 1 GiB");
+    }
+    if (c.queue_depth < 1 || c.queue_depth > 4096) {
+        throw std::invalid_argument("queue_depth=" + std::to_string(c.queue_depth) +
+                                    " must be in 1..4096");
+    }
+    if (c.threads < 1 || c.threads > 256) {
+        throw std::invalid_argument("threads=" + std::to_string(c.threads) + " must be in 1..256");
+    }
+    return c;
+}
+
+}  // namespace
+
+Engine::Engine(EngineConfig config) : config_(checked(std::move(config))), queue_(config_.block_size) {
+    // Build every backend before starting any thread, so a refusal (EPERM,
+    // EAGAIN from aio-max-nr, ...) throws with nothing running to clean up.
+    workers_.reserve(config_.threads);
+    for (std::uint32_t i = 0; i < config_.threads; ++i) {
+        workers_.push_back(std::make_unique<Worker>(
+            queue_, make_backend(config_.backend, config_.queue_depth), config_.queue_depth));
+    }
+    try {
+        for (auto& w : workers_) w->start();
+    } catch (...) {
+        close();  // joins the workers that did start
+        throw;
+    }
+}
+
+Engine::~Engine() { close(); }
+
+RequestPtr Engine::submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::uint64_t offset,
+                          std::string path) {
+    // The Python layer validates first and names the argument; these checks
+    // keep the C++ API safe on its own.
+    auto misaligned = [](const char* what, std::uint64_t v) {
+        return std::invalid_argument(std::string(what) + "=" + std::to_string(v) +
+                                     " is not a multiple of 4096 (O_DIRECT alignment)");
+    };
+    if (reinterpret_cast<std::uintptr_t>(buf) % kAlignment) {
+        throw misaligned("buffer address", reinterpret_cast<std::uintptr_t>(buf));
+    }
+    if (nbytes % kAlignment) throw misaligned("nbytes", nbytes);
+    if (offset % kAlignment) throw misaligned("offset", offset);
+    if (fd < 0) throw std::invalid_argument("fd=" + std::to_string(fd) + " is not a file descriptor");
+    if (nbytes > 0 && buf == nullptr) throw std::invalid_argument("null buffer");
+    if (offset > static_cast<std::uint64_t>(INT64_MAX) - nbytes) {
+        throw std::invalid_argument("offset + nbytes overflows a file offset");
+    }
+    auto request = std::make_shared<Request>(op, buf, nbytes, fd, offset, std::move(path));
+    queue_.push(request);
+    for (auto& w : workers_) w->wake();
+    return request;
+}
+
+void Engine::close() {
+    std::lock_guard<std::mutex> lock(close_mu_);
+    if (closed_) return;
+    closed_ = true;
+    queue_.close();
+    for (auto& w : workers_) w->wake();
+    for (auto& w : workers_) w->join();
+}
+
+bool Engine::closed() const {
+    std::lock_guard<std::mutex> lock(close_mu_);
+    return closed_;
+}
+
+}  // namespace infinity::io

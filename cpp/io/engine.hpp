@@ -1,0 +1,65 @@
+// The asynchronous I/O engine: a request queue drained by `threads` workers,
+// each with its own backend queue of `queue_depth` pieces of `block_size`.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "io/request_queue.hpp"
+#include "io/worker.hpp"
+
+namespace infinity::io {
+
+/// O_DIRECT alignment of buffer addresses, file offsets and lengths.
+constexpr std::uint64_t kAlignment = 4096;
+/// Largest piece: one system call moves at most ~2 GiB on Linux.
+constexpr std::uint64_t kMaxBlockSize = 1ull << 30;
+
+struct EngineConfig {
+    std::string backend;  // "io_uring", "aio" or "threads" (already resolved)
+    std::uint64_t block_size = 1 << 20;
+    std::uint32_t queue_depth = 32;
+    std::uint32_t threads = 1;
+};
+
+class Engine {
+  public:
+    /// Throws std::invalid_argument for a bad config, SystemError if the
+    /// kernel refuses the backend (e.g. io_uring_setup: EPERM in a sandbox).
+    explicit Engine(EngineConfig config);
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+    /// Closes: waits for every request in flight (never frees under the kernel).
+    ~Engine();
+
+    /// Queues a transfer of `nbytes` between `buf` and `fd` at `offset`.
+    /// Throws std::invalid_argument on misalignment (no bounce buffers: the
+    /// caller owns alignment), std::runtime_error once closed.
+    RequestPtr submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::uint64_t offset,
+                      std::string path);
+
+    /// Stops accepting requests, finishes every queued and in-flight one, joins
+    /// the workers. Idempotent and thread-safe.
+    void close();
+    bool closed() const;
+
+    void inject_fault(std::uint64_t nth, int err, bool per_request) {
+        queue_.inject_fault(nth, err, per_request);
+    }
+    void inject_delay(std::chrono::microseconds delay) { queue_.inject_delay(delay); }
+
+    const EngineConfig& config() const noexcept { return config_; }
+
+  private:
+    const EngineConfig config_;
+    RequestQueue queue_;
+    std::vector<std::unique_ptr<Worker>> workers_;
+    mutable std::mutex close_mu_;
+    bool closed_ = false;
+};
+
+}  // namespace infinity::io

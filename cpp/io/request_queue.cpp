@@ -1,0 +1,80 @@
+#include "io/request_queue.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace infinity::io {
+
+void RequestQueue::push(const RequestPtr& request) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) throw std::runtime_error("the I/O engine is closed; create a new IOEngine");
+    if (request_fault_countdown_ > 0 && --request_fault_countdown_ == 0) {
+        request->inject_errno = request_fault_errno_;
+    }
+    request->ready_at = Clock::now() + delay_;
+    if (request->nbytes == 0) {
+        request->all_issued();  // nothing to transfer: done at once
+        return;
+    }
+    queue_.push_back(request);
+}
+
+RequestQueue::Take RequestQueue::take(Piece& out, Clock::time_point now, Clock::time_point& later) {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!queue_.empty()) {
+        RequestPtr request = queue_.front();
+        if (request->failed()) {
+            // A failed request hands out nothing more; it completes when the
+            // pieces already in flight come back.
+            queue_.pop_front();
+            request->all_issued();
+            continue;
+        }
+        if (request->ready_at > now) {
+            later = request->ready_at;
+            return Take::Later;
+        }
+        std::uint64_t len = std::min(block_size_, request->nbytes - request->next);
+        out.buf = request->buf + request->next;
+        out.offset = request->offset + request->next;
+        out.len = len;
+        out.transferred = 0;
+        out.retries = 0;
+        out.inject_errno = request->next == 0 ? request->inject_errno : 0;
+        if (piece_fault_countdown_ > 0 && --piece_fault_countdown_ == 0) {
+            out.inject_errno = piece_fault_errno_;
+        }
+        request->piece_started();  // before all_issued(), so it cannot complete early
+        request->next += len;
+        if (request->next == request->nbytes) {
+            queue_.pop_front();
+            request->all_issued();
+        }
+        out.req = std::move(request);
+        return Take::Got;
+    }
+    return closed_ ? Take::Closed : Take::Empty;
+}
+
+void RequestQueue::close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+}
+
+void RequestQueue::inject_fault(std::uint64_t nth, int err, bool per_request) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (per_request) {
+        request_fault_countdown_ = nth;
+        request_fault_errno_ = err;
+    } else {
+        piece_fault_countdown_ = nth;
+        piece_fault_errno_ = err;
+    }
+}
+
+void RequestQueue::inject_delay(std::chrono::microseconds delay) {
+    std::lock_guard<std::mutex> lock(mu_);
+    delay_ = delay;
+}
+
+}  // namespace infinity::io

@@ -1,0 +1,64 @@
+// The FIFO of requests shared by an engine's workers. Workers take pieces
+// (block_size slices) off the front request, so one large request spreads over
+// every worker and the pieces go to the file in offset order. Injected faults
+// and delays are applied here, where pieces are handed out in a total order.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+
+#include "io/request.hpp"
+
+namespace infinity::io {
+
+/// A slice of a request in a worker's slot. buf/offset/len are the part still
+/// to transfer (they advance on a short transfer); `transferred` is what moved.
+struct Piece {
+    RequestPtr req;
+    char* buf = nullptr;
+    std::uint64_t offset = 0;
+    std::uint64_t len = 0;
+    std::uint64_t transferred = 0;
+    int inject_errno = 0;  // nonzero: fail with this errno instead of submitting
+    int retries = 0;       // EINTR/EAGAIN resubmissions so far
+};
+
+class RequestQueue {
+  public:
+    explicit RequestQueue(std::uint64_t block_size) : block_size_(block_size) {}
+
+    /// Appends a request (completing a zero-byte one at once). Throws
+    /// std::runtime_error if the queue is closed.
+    void push(const RequestPtr& request);
+
+    enum class Take { Got, Empty, Later, Closed };
+    /// Hands out the next piece into `out` (Got). Empty: nothing queued now.
+    /// Later: the front request is delayed until `later`. Closed: closed and
+    /// nothing left, the worker may exit once its own pieces are done.
+    Take take(Piece& out, Clock::time_point now, Clock::time_point& later);
+
+    /// Refuses new requests; queued ones are still handed out (drained).
+    void close();
+
+    /// Fails the `nth` piece (per_request=false) or the first piece of the
+    /// `nth` request (per_request=true) handed out from now on with `err`.
+    /// nth == 0 disarms. One shot.
+    void inject_fault(std::uint64_t nth, int err, bool per_request);
+    /// Every request pushed from now on starts no earlier than `delay` after its push.
+    void inject_delay(std::chrono::microseconds delay);
+
+  private:
+    std::mutex mu_;
+    std::deque<RequestPtr> queue_;
+    bool closed_ = false;
+    const std::uint64_t block_size_;
+    std::uint64_t piece_fault_countdown_ = 0;
+    int piece_fault_errno_ = 0;
+    std::uint64_t request_fault_countdown_ = 0;
+    int request_fault_errno_ = 0;
+    std::chrono::microseconds delay_{0};
+};
+
+}  // namespace infinity::io

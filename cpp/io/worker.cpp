@@ -1,0 +1,241 @@
+#include "io/worker.hpp"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "common/error.hpp"
+#include "common/quiet_thread.hpp"
+
+namespace infinity::io {
+namespace {
+
+// EINTR/EAGAIN completions are resubmitted this many times before the request fails.
+constexpr int kMaxRetries = 100;
+// Consecutive 1 ms rounds in which the kernel refuses every submission (EAGAIN)
+// with nothing of ours in flight before the staged pieces fail with EAGAIN.
+constexpr int kMaxStuckRounds = 5000;
+
+void drain_eventfd(int fd) noexcept {
+    std::uint64_t counter;
+    // Non-blocking: returns EAGAIN when there is nothing to drain.
+    [[maybe_unused]] ssize_t r = ::read(fd, &counter, sizeof counter);
+}
+
+std::string eof_detail(int fd) {
+    struct stat st;
+    std::string size = ::fstat(fd, &st) == 0 ? std::to_string(st.st_size) + " bytes" : "unknown size";
+    return "read past end of file (the file has " + size + ")";
+}
+
+}  // namespace
+
+Worker::Worker(RequestQueue& queue, std::unique_ptr<Backend> backend, std::uint32_t depth)
+    : queue_(queue), backend_(std::move(backend)), depth_(depth), slots_(depth) {
+    int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (efd < 0) throw_errno("eventfd for I/O worker wake-ups");
+    wake_fd_.reset(efd);
+    free_.reserve(depth);
+    for (std::uint32_t i = depth; i > 0; --i) free_.push_back(i - 1);
+    retry_.reserve(depth);
+    done_.reserve(2 * static_cast<std::size_t>(depth));
+}
+
+Worker::~Worker() { join(); }
+
+void Worker::start() { thread_ = start_quiet_thread([this] { run(); }); }
+
+void Worker::wake() noexcept {
+    std::uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = ::write(wake_fd_.get(), &one, sizeof one);
+}
+
+void Worker::join() noexcept {
+    if (thread_.joinable()) thread_.join();
+}
+
+void Worker::run() noexcept {
+    try {
+        loop();
+    } catch (const std::exception& exc) {
+        drain_after_crash(exc.what());
+    } catch (...) {
+        drain_after_crash("unknown exception in I/O worker");
+    }
+}
+
+void Worker::loop() {
+    int stuck_rounds = 0;
+    for (;;) {
+        bool closed = false;
+        Clock::time_point later = Clock::time_point::max();
+        fill(closed, later);
+
+        std::size_t before = backend_->staged();
+        if (before > 0) backend_->submit(done_);
+        bool refused_all = before > 0 && backend_->staged() == before;
+
+        // NOTE: drain the completion eventfd *before* reaping: a completion
+        // landing after the reap then leaves the eventfd readable for poll().
+        drain_eventfd(backend_->completion_fd());
+        backend_->reap(done_);
+
+        if (!done_.empty()) {
+            stuck_rounds = 0;
+            // Handling may free slots or queue retries: loop to refill first.
+            std::vector<Completion> batch;
+            batch.swap(done_);
+            for (const Completion& c : batch) handle(c);
+            batch.clear();
+            if (done_.empty()) done_.swap(batch);  // keep the reserved capacity
+            continue;
+        }
+        if (!retry_.empty()) continue;
+        if (closed && in_use() == 0) return;
+
+        int timeout_ms = -1;
+        if (backend_->staged() > 0) {
+            // The kernel refused submissions (EAGAIN). With transfers in flight a
+            // completion will make room; with none, poll again shortly but give up eventually.
+            timeout_ms = 1;
+            if (refused_all && backend_->staged() == in_use() && ++stuck_rounds > kMaxStuckRounds) {
+                backend_->cancel_staged(done_, EAGAIN);
+                continue;
+            }
+        } else if (later != Clock::time_point::max()) {
+            auto wait = std::chrono::ceil<std::chrono::milliseconds>(later - Clock::now());
+            timeout_ms = static_cast<int>(std::clamp<long long>(wait.count(), 0, 60'000));
+        }
+        pollfd fds[2] = {{wake_fd_.get(), POLLIN, 0}, {backend_->completion_fd(), POLLIN, 0}};
+        ::poll(fds, 2, timeout_ms);  // EINTR or a timeout just means "look again"
+        drain_eventfd(wake_fd_.get());
+    }
+}
+
+void Worker::fill(bool& closed, Clock::time_point& later) {
+    for (std::uint32_t slot : retry_) {
+        if (slots_[slot].req->failed()) {
+            finish_piece(slot);  // its request failed elsewhere: stop here
+        } else {
+            stage(slot);
+        }
+    }
+    retry_.clear();
+    while (!free_.empty()) {
+        std::uint32_t slot = free_.back();
+        Piece& piece = slots_[slot];
+        auto got = queue_.take(piece, Clock::now(), later);
+        if (got != RequestQueue::Take::Got) {
+            closed = got == RequestQueue::Take::Closed;
+            return;
+        }
+        free_.pop_back();
+        if (piece.inject_errno != 0) {
+            done_.push_back({slot, -piece.inject_errno});  // injected fault: never submitted
+        } else {
+            stage(slot);
+        }
+    }
+}
+
+void Worker::stage(std::uint32_t slot) {
+    const Piece& p = slots_[slot];
+    backend_->prepare(slot, p.req->op, p.req->fd, p.buf, static_cast<std::uint32_t>(p.len),
+                      p.offset);
+}
+
+void Worker::handle(const Completion& c) {
+    Piece& p = slots_[c.slot];
+    Request& request = *p.req;
+    if (c.res < 0) {
+        int err = static_cast<int>(-c.res);
+        bool transient = err == EINTR || err == EAGAIN;
+        if (transient && !request.failed() && p.retries < kMaxRetries) {
+            ++p.retries;
+            retry_.push_back(c.slot);
+            return;
+        }
+        fail_piece(c.slot, err, transient ? "gave up after " + std::to_string(p.retries) + " retries" : "");
+        return;
+    }
+    auto n = static_cast<std::uint64_t>(c.res);
+    if (n > p.len) {
+        fail_piece(c.slot, EIO,
+                   "the kernel reported " + std::to_string(n) + " bytes for a " +
+                       std::to_string(p.len) + "-byte transfer");
+        return;
+    }
+    p.transferred += n;
+    p.buf += n;
+    p.offset += n;
+    p.len -= n;
+    if (p.len == 0 || request.failed()) {
+        finish_piece(c.slot);
+        return;
+    }
+    // A short transfer: continue from where it stopped, unless it cannot.
+    if (request.op == Op::Read) {
+        struct stat st;
+        bool at_eof = n == 0 || (::fstat(request.fd, &st) == 0 &&
+                                 p.offset >= static_cast<std::uint64_t>(st.st_size));
+        if (at_eof) {
+            fail_piece(c.slot, ENODATA, eof_detail(request.fd));
+            return;
+        }
+    } else if (n == 0) {
+        fail_piece(c.slot, EIO, "the write made no progress");
+        return;
+    }
+    retry_.push_back(c.slot);
+}
+
+void Worker::fail_piece(std::uint32_t slot, int err, const std::string& detail) {
+    const Piece& p = slots_[slot];
+    p.req->fail(err, p.offset, p.len, detail);
+    finish_piece(slot);
+}
+
+void Worker::finish_piece(std::uint32_t slot) {
+    Piece& p = slots_[slot];
+    RequestPtr request = std::move(p.req);
+    p.req.reset();
+    free_.push_back(slot);
+    request->piece_finished(p.transferred);
+}
+
+void Worker::drain_after_crash(const std::string& what) noexcept {
+    // An internal error (not an I/O error of a request) broke this worker.
+    // Destroying the backend first waits for transfers still in the kernel,
+    // so no request completes while the kernel may still touch its buffer.
+    std::string detail = "I/O worker failed: " + what;
+    try {
+        backend_.reset();
+        for (std::uint32_t slot = 0; slot < depth_; ++slot) {
+            if (slots_[slot].req) fail_piece(slot, EIO, detail);
+        }
+        retry_.clear();
+        // Fail whatever else this worker is handed until the engine closes,
+        // so no waiter hangs on a piece nobody will run.
+        for (;;) {
+            Piece piece;
+            Clock::time_point later = Clock::time_point::max();
+            auto got = queue_.take(piece, Clock::now(), later);
+            if (got == RequestQueue::Take::Closed) return;
+            if (got == RequestQueue::Take::Got) {
+                piece.req->fail(EIO, piece.offset, piece.len, detail);
+                piece.req->piece_finished(0);
+                continue;
+            }
+            pollfd fd{wake_fd_.get(), POLLIN, 0};
+            ::poll(&fd, 1, got == RequestQueue::Take::Later ? 1 : -1);
+            drain_eventfd(wake_fd_.get());
+        }
+    } catch (...) {
+        // Out of memory while failing requests: nothing sane is left to do.
+    }
+}
+
+}  // namespace infinity::io

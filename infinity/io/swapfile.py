@@ -1,0 +1,287 @@
+"""``SwapFile``: one preallocated, private file of fixed size for the NVMe tier.
+
+The file lives in a fresh ``0700`` sub-directory (``mkdtemp``-style) of the
+directory the user names, is created ``0600``, preallocated with ``fallocate``
+(so a full disk fails now, not in the middle of training), opened with
+``O_DIRECT`` and removed (file and sub-directory) on :meth:`SwapFile.close`,
+on garbage collection, and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+import threading
+import warnings
+import weakref
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infinity._native import native
+from infinity.io.engine import IOEngine
+from infinity.io.request import IORequest
+from infinity.utils.sizes import format_size, parse_size
+
+ALIGNMENT = 4096
+_warned_buffered: set[str] = set()  # file systems already warned about (one warning each)
+
+
+def _prepare_directory(directory: Path) -> None:
+    """Make sure ``directory`` exists (creating only its last component), or explain why not."""
+    if directory.exists():
+        if not directory.is_dir():
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"swap directory '{directory}' exists and is not a directory"
+            )
+        return
+    parent = directory.parent
+    if not parent.exists():
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"cannot create swap directory '{directory}': its parent '{parent}' does not exist",
+        )
+    if not parent.is_dir():
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"cannot create swap directory '{directory}': '{parent}' is not a directory",
+        )
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        pass  # created concurrently: fine as long as it is a directory (checked by mkdtemp)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"cannot create swap directory '{directory}': {exc.strerror}"
+        ) from None
+
+
+def _open_file(path: str) -> tuple[int, bool]:
+    """Create ``path`` 0600 and open it O_DIRECT; fall back to buffered I/O if refused."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+        direct = True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise OSError(exc.errno, f"cannot create swap file '{path}': {exc.strerror}") from None
+        fd = os.open(path, flags, 0o600)
+        direct = False
+    # NOTE: the umask can only remove permission bits, but be explicit anyway.
+    os.fchmod(fd, 0o600)
+    return fd, direct
+
+
+def _wait_quietly(pending: deque[IORequest]) -> None:
+    # Errors belong to whoever waits on the request; here we only need the
+    # kernel to be done with the file before it is closed and removed.
+    if pending:
+        native().io.wait_all([r._handle for r in pending], None)
+    pending.clear()
+
+
+def _cleanup(fd: int, path: str, private_dir: str, pending: deque[IORequest], engine: Any) -> None:
+    """Finalizer: wait for the file's transfers, then close and remove it (never raises)."""
+    try:
+        _wait_quietly(pending)
+    finally:
+        if engine is not None:
+            engine.close()
+        for step in (lambda: os.close(fd), lambda: os.unlink(path), lambda: os.rmdir(private_dir)):
+            try:
+                step()
+            except OSError:
+                pass  # already gone, or nothing left to do at exit
+
+
+class SwapFile:
+    """A preallocated swap file of ``nbytes`` bytes in a private directory under ``directory``.
+
+    Args:
+        directory: where to put the private sub-directory. Created if missing
+            (its parent must exist). Errors name the path: missing parent,
+            not a directory, read-only or no permission, disk full.
+        nbytes: size of the file, a positive multiple of 4096 (int or a size
+            string like ``"64MiB"``).
+        engine: the :class:`IOEngine` for :meth:`read`/:meth:`write`; None
+            makes a private one (default :class:`~infinity.AioConfig`), closed
+            with the file.
+        name: stem of the file and sub-directory names (a plain file name).
+
+    If the file system refuses ``O_DIRECT`` (``EINVAL``), the file is opened
+    buffered with a one-time warning and :attr:`direct` is False: the page cache
+    then holds copies of swapped data and throughput numbers mean less.
+
+    The file is removed on :meth:`close` (which first waits for the file's
+    transfers), when the object is garbage collected, and at interpreter exit;
+    not after ``SIGKILL`` or ``os._exit``.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        nbytes: int | str,
+        engine: IOEngine | None = None,
+        *,
+        name: str = "swap",
+    ) -> None:
+        try:
+            size = parse_size(nbytes, name="nbytes")
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        if size <= 0 or size % ALIGNMENT:
+            raise ValueError(f"nbytes={nbytes!r} must be a positive multiple of 4096 bytes")
+        bad_name = not isinstance(name, str) or name in ("", ".", "..")
+        if bad_name or "/" in name or "\0" in name:
+            raise ValueError(f"name={name!r} must be a plain file name (no '/')")
+        if engine is not None and not isinstance(engine, IOEngine):
+            raise TypeError(f"engine must be an IOEngine or None, got {type(engine).__name__}")
+        if engine is not None and engine.closed:
+            raise ValueError("engine is closed")
+
+        root = Path(os.fspath(directory)).absolute()
+        _prepare_directory(root)
+        try:
+            private_dir = tempfile.mkdtemp(prefix=f"infinity-{name}-", dir=root)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot create a private directory in '{root}': {exc.strerror}"
+            ) from None
+        path = os.path.join(private_dir, f"{name}.bin")
+        fd = -1
+        try:
+            fd, direct = _open_file(path)
+            self._preallocate(fd, size, path, private_dir)
+            own_engine = IOEngine() if engine is None else None
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            for step in (lambda: os.unlink(path), lambda: os.rmdir(private_dir)):
+                try:
+                    step()
+                except OSError:
+                    pass
+            raise
+        if not direct:
+            fs_key = str(root)
+            if fs_key not in _warned_buffered:
+                _warned_buffered.add(fs_key)
+                warnings.warn(
+                    f"the file system of '{root}' does not support O_DIRECT; swap file I/O "
+                    "goes through the page cache (slower, and uses host memory)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        self._fd = fd
+        self._path = path
+        self._private_dir = private_dir
+        self._nbytes = size
+        self._direct = direct
+        self._engine = engine if engine is not None else own_engine
+        self._pending: deque[IORequest] = deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(
+            self, _cleanup, fd, path, private_dir, self._pending, own_engine
+        )
+
+    @staticmethod
+    def _preallocate(fd: int, size: int, path: str, private_dir: str) -> None:
+        try:
+            native().io.preallocate(fd, size, path)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                st = os.statvfs(private_dir)
+                free = st.f_bavail * st.f_frsize
+                raise OSError(
+                    exc.errno,
+                    f"cannot reserve {format_size(size)} ({size} bytes) for swap file '{path}': "
+                    f"{os.strerror(exc.errno)}; {format_size(free)} ({free} bytes) free there",
+                ) from None
+            raise
+
+    # --- properties -------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        """Absolute path of the file (inside the private sub-directory)."""
+        return self._path
+
+    @property
+    def directory(self) -> str:
+        """The private sub-directory holding the file (removed with it)."""
+        return self._private_dir
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the file in bytes."""
+        return self._nbytes
+
+    @property
+    def direct(self) -> bool:
+        """True if the file is opened with O_DIRECT (False: buffered fallback)."""
+        return self._direct
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def engine(self) -> IOEngine:
+        """The engine used by :meth:`read` and :meth:`write`."""
+        return self._engine
+
+    def fileno(self) -> int:
+        """The file descriptor (ValueError once closed)."""
+        self._check_open()
+        return self._fd
+
+    # --- I/O --------------------------------------------------------------------------
+    def read(self, tensor: torch.Tensor, offset: int) -> IORequest:
+        """Start reading ``tensor.nbytes`` bytes at ``offset`` into ``tensor``."""
+        return self._engine.read(tensor, self, offset)
+
+    def write(self, tensor: torch.Tensor, offset: int) -> IORequest:
+        """Start writing ``tensor`` at ``offset``."""
+        return self._engine.write(tensor, self, offset)
+
+    def _io_target(self, offset: int, nbytes: int) -> tuple[int, str]:
+        """Called by IOEngine before submitting: checks state and range, gives (fd, path)."""
+        self._check_open()
+        if offset + nbytes > self._nbytes:
+            raise ValueError(
+                f"region [{offset}, {offset + nbytes}) is outside swap file '{self._path}' "
+                f"of {self._nbytes} bytes"
+            )
+        return self._fd, self._path
+
+    def _io_track(self, request: IORequest) -> None:
+        """Called by IOEngine after submitting: close() waits for tracked requests."""
+        with self._lock:
+            while self._pending and self._pending[0].done():
+                self._pending.popleft()
+            self._pending.append(request)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"swap file '{self._path}' is closed")
+
+    # --- lifetime ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for this file's transfers, then close and remove it. Idempotent."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> SwapFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("O_DIRECT" if self._direct else "buffered")
+        return f"<SwapFile {self._path!r} {format_size(self._nbytes)} {state}>"

@@ -1,0 +1,190 @@
+"""Failures surface as NVMeIOError (an OSError with errno and path); nothing crashes or hangs."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import time
+
+import pytest
+from conftest import file_bytes, mounted_tmpfs, random_tensor
+
+from infinity.io import IOEngine, NVMeIOError, SwapFile, aligned_empty, wait_all
+
+PAGE = 4096
+
+
+def test_read_past_end_of_file_fails(make_engine, tmp_path):
+    """A read that runs past EOF is an error (ENODATA), not silently zero-filled."""
+    eng = make_engine(block_size=4 * PAGE, queue_depth=4)
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"\x01" * (10 * PAGE))
+    with open(path, "rb") as f:
+        t = aligned_empty(12 * PAGE)  # last two pages are beyond the end
+        req = eng.read(t, f, 0)
+        with pytest.raises(NVMeIOError) as info:
+            req.wait()
+        err = info.value
+        assert isinstance(err, OSError) and err.errno == errno.ENODATA
+        assert err.filename == str(path)
+        msg = str(err)
+        assert str(path) in msg and "offset 0" in msg and str(12 * PAGE) in msg
+        assert "No data available" in msg and "end of file" in msg
+        # Entirely beyond the end: the very first piece finds nothing.
+        with pytest.raises(NVMeIOError, match="end of file"):
+            eng.read(aligned_empty(PAGE), f, 20 * PAGE).wait()
+
+
+def test_injected_eio_on_nth_piece(make_engine, tmp_path):
+    """The Nth piece fails with the injected errno; earlier and later requests succeed."""
+    eng = make_engine(block_size=PAGE, queue_depth=2)
+    with SwapFile(tmp_path, 64 * PAGE, eng) as sf:
+        good, expected = random_tensor(8 * PAGE, seed=1)
+        sf.write(good, 0).wait()  # 8 pieces, no fault armed
+        eng.inject_fault(3, errno.EIO)
+        req = sf.write(aligned_empty(8 * PAGE), 8 * PAGE)
+        with pytest.raises(NVMeIOError) as info:
+            req.wait()
+        assert info.value.errno == errno.EIO
+        assert "Input/output error" in str(info.value)
+        assert "failing piece: offset 40960" in str(info.value)  # 8 pages + 2 pages in
+        assert info.value.offset == 8 * PAGE and info.value.nbytes == 8 * PAGE
+        # One shot: the engine keeps working afterwards.
+        after, after_expected = random_tensor(4 * PAGE, seed=2)
+        assert sf.write(after, 16 * PAGE).wait() == 4 * PAGE
+        assert file_bytes(sf.path, 0, 8 * PAGE) == expected
+        assert file_bytes(sf.path, 16 * PAGE, 4 * PAGE) == after_expected
+
+
+def test_injected_enospc_on_nth_request(make_engine, tmp_path):
+    """per='request': the Nth request fails with ENOSPC; wait_all waits all, raises the first."""
+    eng = make_engine(block_size=2 * PAGE, queue_depth=4)
+    with SwapFile(tmp_path, 64 * PAGE, eng) as sf:
+        eng.inject_fault(2, errno.ENOSPC, per="request")
+        tensors = [random_tensor(4 * PAGE, seed=i) for i in range(4)]
+        reqs = [sf.write(t, i * 4 * PAGE) for i, (t, _) in enumerate(tensors)]
+        with pytest.raises(NVMeIOError) as info:
+            wait_all(reqs)
+        assert info.value.errno == errno.ENOSPC and "No space left on device" in str(info.value)
+        assert info.value.offset == 4 * PAGE
+        assert all(r.done() for r in reqs)
+        assert [r.exception() is None for r in reqs] == [True, False, True, True]
+        for i in (0, 2, 3):
+            assert file_bytes(sf.path, i * 4 * PAGE, 4 * PAGE) == tensors[i][1]
+
+
+def test_real_disk_full_on_tiny_tmpfs(make_engine, tmp_path):
+    """A write to a full file system fails with ENOSPC (and a short write is continued first)."""
+    eng = make_engine(block_size=64 * PAGE, queue_depth=4)
+    with mounted_tmpfs(tmp_path / "tiny", "size=1M") as mnt:
+        path = mnt / "fill.bin"
+        t, _ = random_tensor(2 << 20, seed=5)  # twice the file system's size
+        with open(path, "wb") as f:
+            req = eng.write(t, f, 0)
+            with pytest.raises(NVMeIOError) as info:
+                req.wait()
+        assert info.value.errno == errno.ENOSPC
+        assert str(path) in str(info.value)
+        # Everything up to the full disk was written, nothing was dropped silently.
+        assert 0 < req.bytes_done <= 1 << 20
+
+
+def test_swapfile_larger_than_disk_fails_at_creation(tmp_path):
+    """Preallocation turns a too-small disk into an error naming path, bytes asked and free."""
+    with mounted_tmpfs(tmp_path / "tiny", "size=1M") as mnt:
+        with pytest.raises(OSError) as info:
+            SwapFile(mnt, 4 << 20)
+        err = info.value
+        assert err.errno == errno.ENOSPC
+        msg = str(err)
+        assert str(mnt) in msg and "4194304 bytes" in msg and "free there" in msg
+        assert os.listdir(mnt) == []  # the private directory was cleaned up
+
+
+def test_failed_request_completes_all_pieces(make_engine, tmp_path):
+    """After a failure the request still completes; no piece is left in flight or dropped."""
+    eng = make_engine(block_size=PAGE, queue_depth=8, threads=2)
+    with SwapFile(tmp_path, 256 * PAGE, eng) as sf:
+        eng.inject_fault(5, errno.EIO)
+        req = sf.write(aligned_empty(200 * PAGE), 0)
+        with pytest.raises(NVMeIOError):
+            req.wait()
+        assert req.done()
+        assert req.bytes_done < 200 * PAGE  # the rest was not handed out after the failure
+
+
+def test_close_waits_for_requests_in_flight(make_engine, tmp_path):
+    """close() with slow requests in flight waits for all of them; their data lands."""
+    eng = make_engine(block_size=4 * PAGE, queue_depth=2)
+    with SwapFile(tmp_path, 64 * PAGE, eng) as sf:
+        eng.inject_delay(200_000)  # 200 ms per request: all still pending at close()
+        tensors = [random_tensor(8 * PAGE, seed=20 + i) for i in range(6)]
+        reqs = [sf.write(t, i * 8 * PAGE) for i, (t, _) in enumerate(tensors)]
+        assert not any(r.done() for r in reqs)
+        eng.close()
+        assert all(r.done() for r in reqs)
+        for i, (_, expected) in enumerate(tensors):
+            assert file_bytes(sf.path, i * 8 * PAGE, 8 * PAGE) == expected
+        with pytest.raises(RuntimeError, match="closed"):
+            sf.write(tensors[0][0], 0)
+
+
+def test_dropped_engine_and_requests_keep_buffers_alive(backend, tmp_path):
+    """Dropping every reference (engine, requests, tensors) mid-flight is safe and loses nothing."""
+    path = tmp_path / "dropped.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    expected = []
+    try:
+        eng = IOEngine({"backend": backend, "block_size": 4 * PAGE, "queue_depth": 2})
+        eng.inject_delay(30_000)
+        for i in range(8):
+            t, data = random_tensor(16 * PAGE, seed=40 + i)
+            eng.write(t, fd, i * 16 * PAGE)  # request and tensor dropped at once
+            expected.append(data)
+            del t
+        del eng
+        gc.collect()  # the engine's finalizer drains the requests
+        # Overwrite freshly freed memory, to make a use-after-free visible in the file.
+        junk = [bytearray(b"\xee" * (16 * PAGE)) for _ in range(16)]
+        del junk
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(expected)
+
+
+def test_injected_delay_changes_timing_only(make_engine, tmp_path):
+    eng = make_engine(block_size=4 * PAGE)
+    with SwapFile(tmp_path, 16 * PAGE, eng) as sf:
+        t, expected = random_tensor(16 * PAGE, seed=9)
+        eng.inject_delay(150_000)
+        start = time.monotonic()
+        req = sf.write(t, 0)
+        assert not req.done()
+        assert req.wait() == 16 * PAGE
+        assert time.monotonic() - start >= 0.15
+        eng.inject_delay(0)
+        assert file_bytes(sf.path, 0, 16 * PAGE) == expected
+
+
+def test_wait_timeout_and_interrupt(make_engine, tmp_path):
+    """wait(timeout) raises TimeoutError; the request itself still completes afterwards."""
+    eng = make_engine()
+    with SwapFile(tmp_path, 16 * PAGE, eng) as sf:
+        eng.inject_delay(300_000)
+        req = sf.write(aligned_empty(16 * PAGE), 0)
+        with pytest.raises(TimeoutError, match=r"did not finish within 0\.05 s"):
+            req.wait(timeout=0.05)
+        with pytest.raises(TimeoutError):
+            wait_all([req], timeout=0.01)
+        assert req.wait() == 16 * PAGE
+
+
+def test_write_to_read_only_fd_fails_with_ebadf(make_engine, tmp_path):
+    eng = make_engine()
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"\0" * PAGE)
+    with open(path, "rb") as f:
+        with pytest.raises(NVMeIOError) as info:
+            eng.write(aligned_empty(PAGE), f, 0).wait()
+    assert info.value.errno == errno.EBADF
