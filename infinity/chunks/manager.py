@@ -227,6 +227,20 @@ class ChunkManager:
         if not keep:
             cache.remove(copy.key)
 
+    def write_initial(self, i: int, values: torch.Tensor) -> None:
+        """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``."""
+        region, copy = self.open_host((Kind.PARAM, i), load=False)
+        typed(region, self.dtype).copy_(values)
+        self.close_host(copy, modified=True)
+        if self.plan.grad_home[i] is None:
+            return
+        region, copy = self.open_host((Kind.OPTIM, i), load=False)
+        state = typed(region, torch.float32)
+        state.zero_()
+        if self.plan.has_master:
+            state[: values.numel()].copy_(values)
+        self.close_host(copy, modified=True)
+
     def invalidate_grads(self) -> None:
         """Gradients were zeroed: the next flush overwrites instead of adding."""
         self.grad_valid = [False] * len(self.grad_valid)

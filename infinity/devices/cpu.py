@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -30,6 +32,52 @@ class _FutureHandle(TransferHandle):
         return self._future.done()
 
 
+class _CopyThread:
+    """One daemon worker running copies in submission order, like a CUDA copy stream.
+
+    NOTE: not a ThreadPoolExecutor: executors refuse work once the interpreter
+    starts shutting down, which is exactly when the engine's finalizer waits
+    for the last copies.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="infinity-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    def submit(self, fn) -> Future[None]:  # noqa: ANN001
+        future: Future[None] = Future()
+        if not self._thread.is_alive():
+            raise RuntimeError("the copy thread has stopped")
+        self._queue.put((future, fn))
+        return future
+
+    @property
+    def alive(self) -> bool:
+        """The worker still runs."""
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
 class CpuBackend(DeviceBackend):
     """Device slots in RAM, host<->device copies on one copy thread (in order)."""
 
@@ -38,8 +86,7 @@ class CpuBackend(DeviceBackend):
     def __init__(self, copy_delay_s: float = 0.0) -> None:
         self.device = torch.device("cpu")
         self.copy_delay_s = copy_delay_s
-        # One worker keeps copies in submission order, like a CUDA copy stream.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-copy")
+        self._worker = _CopyThread()
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         return aligned_empty(nbytes, pinned=False)
@@ -53,7 +100,7 @@ class CpuBackend(DeviceBackend):
         dst.copy_(src)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> TransferHandle:
-        return _FutureHandle(self._executor.submit(self._copy, dst, src))
+        return _FutureHandle(self._worker.submit(lambda: self._copy(dst, src)))
 
     def alias(self, region: torch.Tensor) -> torch.Tensor:
         # NOTE: frombuffer over a ctypes array at the region's address gives a
@@ -64,7 +111,8 @@ class CpuBackend(DeviceBackend):
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     def synchronize(self) -> None:
-        self._executor.submit(lambda: None).result()
+        if self._worker.alive:
+            self._worker.submit(lambda: None).result()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._worker.stop()

@@ -144,6 +144,9 @@ class OffloadEngine:
         """A module's forward ended: drop the views; the chunks become evictable."""
         for entry in self.registry.owners[module]:
             self.release(entry)
+            chunk = self.layout.slots[entry.index].chunk
+            if self.states[chunk].states[self.local_index[entry.index]] != _S.COMPUTE:
+                continue  # the forward failed before this parameter was bound
             after_grad = self.has_grad[entry.index] and self._backward_active
             self.set_state(entry, _S.HOLD_AFTER_BWD if after_grad else _S.HOLD_AFTER_FWD)
 
@@ -311,7 +314,9 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
-        self.manager.synchronize()
-        self.backend.close()
+        try:
+            self.manager.synchronize()
+        finally:
+            self.backend.close()
         if self.swap is not None:
             self.swap.close()

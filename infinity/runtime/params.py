@@ -30,6 +30,9 @@ def placeholder(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device:
         step *= max(d, 1)
     t = torch.empty(0, dtype=dtype, device=device)
     t.set_(torch.UntypedStorage(0, device=device), 0, tuple(shape), tuple(reversed(strides)))
+    # NOTE: set_ grows the storage to fit the shape; shrink it back to zero
+    # bytes (the tensor keeps its shape and strides, as FSDP's freed params do).
+    t.untyped_storage().resize_(0)
     return t
 
 
