@@ -1,11 +1,44 @@
 """infinity: train PyTorch models beyond GPU and host memory.
 
 Parameters, gradients and optimizer states live in equal-size chunks spread over
-the compute device, pinned host memory and NVMe, within byte budgets per tier.
+the compute device, pinned host memory and NVMe, within byte budgets per tier::
+
+    model = infinity.offload(model, infinity.Config(device_memory="2GiB", host_memory="8GiB",
+                                                    nvme_path="/mnt/nvme/swap"))
+    optimizer = infinity.optim.CPUAdam(model.parameters(), lr=3e-4)
+
 See ``docs/ARCHITECTURE.md`` for the layers and the data flow of one step.
 """
 
+from infinity import optim
+from infinity.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from infinity.config import AioConfig, Config, ConfigError
+from infinity.offload import offload
+from infinity.runtime.engine import ModelChangedError
+from infinity.schedule.planner import PlanError
+from infinity.stats import stats
 
-__all__ = ["AioConfig", "Config", "ConfigError"]
+
+def gradients(model):  # noqa: ANN001, ANN201
+    """Copies of the gradients held in chunks, by parameter name (needs RAM for all)."""
+    from infinity.offload import engine_of
+    from infinity.runtime.state_access import gradients as _gradients
+
+    return _gradients(model, engine_of(model))
+
+
+__all__ = [
+    "AioConfig",
+    "CheckpointError",
+    "Config",
+    "ConfigError",
+    "ModelChangedError",
+    "PlanError",
+    "gradients",
+    "load_checkpoint",
+    "offload",
+    "optim",
+    "save_checkpoint",
+    "stats",
+]
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from infinity.devices.base import make_backend
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.offloaded_step import AdamHyper, offloaded_step
 from infinity.runtime.budgets import DTYPE_OF, choose_plan, resolve_budgets
-from infinity.runtime.params import ParamEntry, ParamRegistry, placeholder
+from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
 from infinity.runtime.sentinel import GradientInChunks, is_zeroed
 from infinity.runtime.step_timer import StepTimer
 from infinity.runtime.swap import open_swap
@@ -255,6 +255,14 @@ class OffloadEngine:
         if zeroed_chunks and not any(self.has_grad):
             self.manager.found_inf = False
 
+    def reset_gradients(self) -> None:
+        """Forget every gradient (after loading a checkpoint)."""
+        for entry in self.registry.entries:
+            if isinstance(entry.param.grad, GradientInChunks):
+                entry.param.grad = None
+        self.has_grad = [False] * len(self.registry.entries)
+        self.manager.invalidate_grads()
+
     def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:
         """Zero some tensors' gradients inside a chunk whose other gradients stay."""
         if not self.manager.grad_valid[chunk]:
@@ -268,7 +276,7 @@ class OffloadEngine:
         """Refuse to run if parameters were swapped, added or converted after offload."""
         for entry in self.registry.entries:
             data = entry.param.data
-            if data.dtype != self.dtype or data.device != self.device or data.untyped_storage().nbytes():
+            if not is_placeholder(data) or data.dtype != self.dtype or data.device != self.device:
                 raise ModelChangedError(
                     f"parameter {entry.name!r} was changed after infinity.offload() "
                     f"(now {data.dtype} on {data.device}); move or convert the model before "

@@ -17,28 +17,32 @@ from torch import nn
 from infinity.chunks.layout import TensorInfo
 
 
-def placeholder(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor with ``shape`` and contiguous strides over an empty storage.
+_NAN_CELLS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    NOTE: autograd's AccumulateGrad reads only the parameter's metadata, so a
-    gradient still arrives for a parameter whose data is a placeholder.
+
+def _nan_cell(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    if key not in _NAN_CELLS:
+        _NAN_CELLS[key] = torch.full((1,), float("nan"), dtype=dtype, device=device)
+    return _NAN_CELLS[key]
+
+
+def placeholder(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a parameter's ``.data`` is while its values live only in chunks.
+
+    One shared NaN element expanded to the parameter's shape: metadata
+    (``shape``, ``numel()``, ``dtype``, ``device``) is right and no memory is
+    held; reading gives NaN (obviously not the weights, where a zero-byte
+    storage would crash the process), and writing in place raises. Autograd's
+    AccumulateGrad reads only metadata, so gradients still arrive.
     """
-    strides: list[int] = []
-    step = 1
-    for d in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(d, 1)
-    t = torch.empty(0, dtype=dtype, device=device)
-    t.set_(torch.UntypedStorage(0, device=device), 0, tuple(shape), tuple(reversed(strides)))
-    # NOTE: set_ grows the storage to fit the shape; shrink it back to zero
-    # bytes (the tensor keeps its shape and strides, as FSDP's freed params do).
-    t.untyped_storage().resize_(0)
-    return t
+    return _nan_cell(dtype, device).expand(tuple(shape))
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
-    """True for a tensor made by :func:`placeholder` (no bytes behind it)."""
-    return t.untyped_storage().nbytes() == 0 and t.numel() > 0
+    """True for a tensor made by :func:`placeholder`."""
+    cell = _NAN_CELLS.get((t.dtype, t.device))
+    return cell is not None and t.untyped_storage().data_ptr() == cell.untyped_storage().data_ptr()
 
 
 @dataclass

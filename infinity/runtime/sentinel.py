@@ -25,7 +25,7 @@ class GradientInChunks(torch.Tensor):
     @staticmethod
     def __new__(cls, like: torch.Tensor) -> GradientInChunks:
         return torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, dtype=like.dtype, device=like.device, strides=like.stride()
+            cls, like.shape, dtype=like.dtype, device=like.device
         )
 
     @classmethod

@@ -1,0 +1,106 @@
+"""Shared helpers for engine tests: tiny models, batches, and a plain-PyTorch reference."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+import infinity
+from infinity.models.gpt import GPT, GPTConfig, init_weights
+
+VOCAB = 96
+SEQ = 32
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    """A small GPT with GPT-2 style init (tied embeddings, root parameter)."""
+    torch.manual_seed(seed)
+    fields = {"vocab_size": VOCAB, "seq_len": SEQ, "layers": 2, "hidden": 64, "heads": 4}
+    fields.update(overrides)
+    model = GPT(GPTConfig(**fields))
+    model.apply(init_weights)
+    return model
+
+
+def batches(n: int, seed: int = 1, batch: int = 2, seq: int = SEQ, vocab: int = VOCAB):
+    """``n`` random (input, target) batches."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
+        for _ in range(n)
+    ]
+
+
+def param_bytes(model: nn.Module, element_size: int) -> int:
+    """Bytes of the model's parameters in a dtype of ``element_size`` bytes."""
+    return sum(p.numel() for p in model.parameters()) * element_size
+
+
+LossFn = Callable[[nn.Module, tuple], torch.Tensor]
+
+
+def gpt_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    """Mean cross-entropy of a GPT on one batch."""
+    x, y = batch
+    return model(x, y)
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Sequence[tuple],
+    *,
+    accum: int = 1,
+    loss_fn: LossFn = gpt_loss,
+    before_step: Callable[[int], None] | None = None,
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[float]:
+    """The plain loop: ``accum`` micro-batches per step; returns the mean loss per step."""
+    losses = []
+    for step in range(len(data) // accum):
+        total = 0.0
+        for micro in data[step * accum : (step + 1) * accum]:
+            loss = loss_fn(model, micro) / accum
+            (scale(loss) if scale else loss).backward()
+            total += loss.item()
+        if before_step is not None:
+            before_step(step)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def reference_pair(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1):
+    """A deep copy of ``model`` with ``torch.optim.AdamW`` (single-tensor path)."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+    return ref, opt
+
+
+def global_rel_error(model: nn.Module, ref: nn.Module) -> float:
+    """||theta - theta_ref|| / ||theta_ref|| over all parameters (from state dicts)."""
+    ours, theirs = model.state_dict(), ref.state_dict()
+    num = sum(float((ours[k].double() - v.double()).pow(2).sum()) for k, v in theirs.items())
+    den = sum(float(v.double().pow(2).sum()) for v in theirs.values())
+    return (num / den) ** 0.5
+
+
+def per_tensor_rel_errors(model: nn.Module, ref: nn.Module) -> dict[str, float]:
+    """||p - p_ref|| / ||p_ref|| per parameter."""
+    ours, theirs = model.state_dict(), ref.state_dict()
+    out = {}
+    for k, v in theirs.items():
+        den = float(v.double().norm()) or 1.0
+        out[k] = float((ours[k].double() - v.double()).norm()) / den
+    return out
+
+
+def config(**kw) -> infinity.Config:
+    """A CPU-backend config with test-sized defaults."""
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", "fp32")
+    return infinity.Config(**kw)

@@ -1,0 +1,145 @@
+"""Bad budgets, paths, config values and model changes: clear errors, nothing corrupted."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from engine_helpers import batches, config, param_bytes, tiny_gpt
+
+import infinity
+from infinity.optim import CPUAdam
+
+
+def test_budgets_too_small_fail_before_anything_is_touched(tmp_path):
+    model = tiny_gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(infinity.PlanError, match=r"device_memory=.*at least \d+ bytes"):
+        infinity.offload(model, config(device_memory=1024))
+    with pytest.raises(infinity.PlanError, match="set nvme_path"):
+        infinity.offload(model, config(device_memory="1MiB", host_memory=param_bytes(model, 4)))
+    with pytest.raises(infinity.PlanError, match=r"host_memory=.*staging buffers alone"):
+        infinity.offload(model, config(device_memory="1MiB", host_memory=4096, nvme_path=str(tmp_path)))
+    # the model is untouched and still trains normally; no swap files were left
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nvme_too_small_names_nvme_memory(tmp_path):
+    model = tiny_gpt()
+    with pytest.raises(infinity.PlanError, match="nvme_memory"):
+        infinity.offload(
+            model,
+            config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
+                   nvme_path=str(tmp_path), nvme_memory=8192, chunk_size="16KiB"),
+        )
+
+
+def test_unwritable_nvme_path_is_a_clear_error(tmp_path):
+    model = tiny_gpt()
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(OSError, match="does not exist"):
+        infinity.offload(
+            model,
+            config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
+                   nvme_path=str(missing), chunk_size="16KiB"),
+        )
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(OSError, match="not a directory"):
+        infinity.offload(
+            model,
+            config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
+                   nvme_path=str(afile / "sub"), chunk_size="16KiB"),
+        )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("device_memory", "lots", "device_memory='lots' is not a size"),
+        ("host_memory", -5, "negative"),
+        ("dtype", "fp8", "dtype='fp8' is not one of"),
+        ("chunk_size", 5000, "multiple of 4096"),
+        ("device", "tpu", "device='tpu'"),
+        ("prefetch_depth", -1, "prefetch_depth"),
+        ("aio", {"block_size": 1000}, "aio.block_size"),
+        ("aio", {"queue_depht": 8}, "unknown key"),
+    ],
+)
+def test_invalid_config_values_name_the_field(field, value, message):
+    with pytest.raises(infinity.ConfigError, match=message):
+        infinity.Config(**{field: value})
+
+
+def test_config_file_round_trip(tmp_path):
+    cfg = infinity.Config(device_memory="1GiB", host_memory=123456789, nvme_path="/tmp/x",
+                          dtype="fp16", aio={"block_size": "256K", "queue_depth": 8})
+    cfg.to_file(tmp_path / "c.json")
+    assert infinity.Config.from_file(tmp_path / "c.json") == cfg
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(infinity.ConfigError, match="not valid JSON"):
+        infinity.Config.from_file(tmp_path / "bad.json")
+
+
+def test_model_changed_after_offload_is_refused():
+    model = infinity.offload(tiny_gpt(), config(device_memory="1MiB"))
+    x, y = batches(1)[0]
+    model.extra = torch.nn.Linear(4, 4)
+    with pytest.raises(infinity.ModelChangedError, match="parameters but had"):
+        model(x, y)
+    del model.extra
+    model(x, y)  # fine again
+    model.double()
+    with pytest.raises(infinity.ModelChangedError, match="changed after infinity.offload"):
+        model(x, y)
+
+
+def test_offloading_twice_and_optimizer_errors():
+    model = infinity.offload(tiny_gpt(), config(device_memory="1MiB"))
+    with pytest.raises(ValueError, match="already offloaded"):
+        infinity.offload(model, config(device_memory="1MiB"))
+    with pytest.raises(ValueError, match="amsgrad"):
+        CPUAdam(model.parameters(), amsgrad=True)
+
+
+def test_torch_clip_grad_norm_fails_loudly_and_ours_matches_torch():
+    model = tiny_gpt()
+    import copy
+
+    ref = copy.deepcopy(model)
+    model = infinity.offload(model, config(device_memory="1MiB", chunk_size="16KiB"))
+    opt = CPUAdam(model.parameters(), lr=1e-3)
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    ref(x, y).backward()
+    with pytest.raises(RuntimeError, match="optimizer.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    ours = opt.clip_grad_norm_(0.5)
+    theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+
+
+def test_fp16_without_loss_scaling_is_refused(tmp_path):
+    model = infinity.offload(tiny_gpt(), config(dtype="fp16", device_memory="1MiB"))
+    opt = CPUAdam(model.parameters())
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+
+
+def test_no_swap_files_remain_after_close(tmp_path):
+    model = tiny_gpt()
+    model = infinity.offload(
+        model,
+        config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
+               nvme_path=str(tmp_path), chunk_size="16KiB"),
+    )
+    assert any(tmp_path.iterdir())
+    model._infinity_engine.close()
+    assert not any(os.scandir(tmp_path))
