@@ -8,10 +8,11 @@ rounds so background load hits them alike:
 - ``torch fused fp32``: ``torch.optim.AdamW(fused=True)``.
 - ``torch mixed``: torch's best composition for the mixed case: upcast the
   bf16 gradients into the fp32 ``.grad``, fused AdamW, copy params to bf16.
-- two memory-bandwidth probes from the native module on the same pool of
-  threads: a STREAM triad (``a = b + s*c``) and the Adam access pattern
-  without arithmetic (``p += g; m += g; v += g``: 4 streams read, 3 written).
-  The faster of the two is the roofline.
+- memory-bandwidth probes from the native module, on the same pool of
+  threads: a STREAM triad (``a = b + s*c``), an in-place axpy (``a += s*b``),
+  and the Adam access pattern without arithmetic (``p += g; m += g; v += g``:
+  4 streams read, 3 written), without and with the kernel's software
+  prefetch. The fastest probe is the roofline.
 
 Bytes moved per parameter (what a step must read and write, the STREAM
 convention): fp32 reads p, g, m, v and writes p, m, v: 7 x 4 = 28 B; mixed
@@ -40,7 +41,8 @@ BYTES_PER_PARAM = {"fp32": 28, "mixed": 28}
 # torch's m, v in fp32, plus bf16 gradients and bf16 output.
 _FOOTPRINT_PER_PARAM = 6 * 4 + 2 * 2
 _HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
-_PROBES = {"triad": (0, 12), "adam_pattern": (2, 28)}  # name -> (native kind, bytes/element)
+# name -> (native kind, bytes per element); see cpp/adam/bandwidth.hpp
+_PROBES = {"triad": (0, 12), "axpy": (1, 12), "adam_pattern": (2, 28), "adam_prefetch": (3, 28)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
