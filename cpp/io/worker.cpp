@@ -55,6 +55,10 @@ void Worker::wake() noexcept {
 
 void Worker::join() noexcept {
     if (thread_.joinable()) thread_.join();
+    // The thread exits only with nothing in flight: release the kernel queue
+    // (ring, AIO context) and helper threads now rather than when the Python
+    // object is garbage collected.
+    backend_.reset();
 }
 
 void Worker::run() noexcept {
