@@ -79,30 +79,71 @@ inline __attribute__((always_inline)) void adam_update(typename Ops::V& p, typen
     p = Ops::add(p, Ops::div(Ops::mul(k.neg_step_size, m), den));
 }
 
+/// Updates elements [i, i + Ops::kWidth); kStream: write out16 with streaming stores.
+template <class Ops, class G, class O, bool kL2, bool kStream>
+inline __attribute__((always_inline)) void adam_vector(const AdamBuffers& b,
+                                                       const VecCoeffs<Ops>& k, int64_t i) {
+    using V = typename Ops::V;
+    const auto* const grad = static_cast<const typename G::Storage*>(b.grad);
+    V p = Ops::load(b.param + i);
+    V m = Ops::load(b.exp_avg + i);
+    V v = Ops::load(b.exp_avg_sq + i);
+    adam_update<Ops, kL2>(p, Ops::template load_grad<G>(grad + i), m, v, k);
+    Ops::store(b.param + i, p);
+    Ops::store(b.exp_avg + i, m);
+    Ops::store(b.exp_avg_sq + i, v);
+    if constexpr (!std::is_same_v<O, NoOutTag>) {
+        Ops::template store_out<O, kStream>(static_cast<typename O::Storage*>(b.out16) + i, p);
+    }
+}
+
 /// Runs the update over elements [begin, end) in whole vectors of Ops::kWidth
 /// and returns the index of the first element it did not process.
-template <class Ops, class G, class O, bool kL2>
+template <class Ops, class G, class O, bool kL2, bool kStream>
 inline __attribute__((always_inline)) int64_t adam_loop(const AdamBuffers& b, const AdamCoeffs& c,
                                                         int64_t begin, int64_t end) {
-    using V = typename Ops::V;
+    // One 64-byte line of every fp32 stream per iteration.
+    constexpr int64_t kLine = 16;
+    // NOTE: software prefetch this many elements (1 KiB of each fp32 stream)
+    // ahead. The hardware prefetchers alone keep too few lines in flight while
+    // the core is busy with the divisions: measured on a 2-core Xeon with
+    // 64M parameters, 2 threads, +10-20% (from ~82% to ~95-100% of the
+    // bandwidth of the same access pattern without arithmetic); 128 to 512
+    // elements all did about as well, 0 clearly worse.
+    constexpr int64_t kAhead = 256;
     const VecCoeffs<Ops> k(c);
-    float* const param = b.param;
-    float* const exp_avg = b.exp_avg;
-    float* const exp_avg_sq = b.exp_avg_sq;
     const auto* const grad = static_cast<const typename G::Storage*>(b.grad);
-    auto* const out = static_cast<typename O::Storage*>(b.out16);
+    const int64_t prefetch_end = b.n - kAhead;  // never form a pointer past the buffers
     int64_t i = begin;
-    for (; i + Ops::kWidth <= end; i += Ops::kWidth) {
-        V p = Ops::load(param + i);
-        V m = Ops::load(exp_avg + i);
-        V v = Ops::load(exp_avg_sq + i);
-        adam_update<Ops, kL2>(p, Ops::template load_grad<G>(grad + i), m, v, k);
-        Ops::store(param + i, p);
-        Ops::store(exp_avg + i, m);
-        Ops::store(exp_avg_sq + i, v);
-        if constexpr (!std::is_same_v<O, NoOutTag>) Ops::template store_out<O>(out + i, p);
+    if constexpr (Ops::kWidth > 1) {
+        for (; i + kLine <= end; i += kLine) {
+            if (i < prefetch_end) {
+                __builtin_prefetch(b.param + i + kAhead, 1, 3);
+                __builtin_prefetch(b.exp_avg + i + kAhead, 1, 3);
+                __builtin_prefetch(b.exp_avg_sq + i + kAhead, 1, 3);
+                __builtin_prefetch(grad + i + kAhead, 0, 3);
+            }
+            for (int64_t j = 0; j < kLine; j += Ops::kWidth) adam_vector<Ops, G, O, kL2, kStream>(b, k, i + j);
+        }
     }
+    for (; i + Ops::kWidth <= end; i += Ops::kWidth) adam_vector<Ops, G, O, kL2, kStream>(b, k, i);
     return i;
+}
+
+/// Whether to write the 16-bit output with non-temporal (streaming) stores.
+///
+/// NOTE: the output is the only buffer the kernel writes without reading it.
+/// Ordinary stores first read every line of it from memory (read-for-
+/// ownership), 2 extra bytes per parameter on top of 28; streaming stores
+/// skip that read: +5-10% in mixed mode, measured like the prefetch
+/// distance. Small calls keep ordinary stores, so an output the caller reads
+/// right away stays in cache. Streaming needs vector-aligned addresses.
+template <class Ops>
+inline bool stream_out(const AdamBuffers& b, int64_t begin) {
+    constexpr int64_t kMinElements = int64_t{1} << 16;
+    const auto address = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(b.out16) + begin);
+    return Ops::kWidth > 1 && b.n >= kMinElements &&
+           address % (Ops::kWidth * sizeof(uint16_t)) == 0;
 }
 
 /// Dispatches on grad dtype, output dtype and Adam/AdamW to adam_loop.
@@ -113,9 +154,14 @@ inline __attribute__((always_inline)) int64_t adam_dispatch(const AdamBuffers& b
     auto with_out = [&](auto grad_tag, auto l2_tag) -> int64_t {
         using G = decltype(grad_tag);
         constexpr bool kL2 = decltype(l2_tag)::value;
-        if (b.out16 == nullptr) return adam_loop<Ops, G, NoOutTag, kL2>(b, c, begin, end);
-        if (b.out_dtype == DType::kBF16) return adam_loop<Ops, G, BF16Tag, kL2>(b, c, begin, end);
-        return adam_loop<Ops, G, F16Tag, kL2>(b, c, begin, end);
+        if (b.out16 == nullptr) return adam_loop<Ops, G, NoOutTag, kL2, false>(b, c, begin, end);
+        const bool stream = stream_out<Ops>(b, begin);
+        if (b.out_dtype == DType::kBF16) {
+            return stream ? adam_loop<Ops, G, BF16Tag, kL2, true>(b, c, begin, end)
+                          : adam_loop<Ops, G, BF16Tag, kL2, false>(b, c, begin, end);
+        }
+        return stream ? adam_loop<Ops, G, F16Tag, kL2, true>(b, c, begin, end)
+                      : adam_loop<Ops, G, F16Tag, kL2, false>(b, c, begin, end);
     };
     auto with_grad = [&](auto l2_tag) -> int64_t {
         switch (b.grad_dtype) {

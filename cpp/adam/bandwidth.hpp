@@ -8,7 +8,8 @@ namespace infinity::adam {
 enum class BandwidthKernel : int {
     kTriad = 0,       ///< a = b + s*c          (STREAM triad: 2 reads, 1 write)
     kAxpy = 1,        ///< a += s*b             (2 reads, 1 write back in place)
-    kAdamPattern = 2  ///< p += g; m += g; v += g (Adam's 4 reads and 3 writes, no math)
+    kAdamPattern = 2,  ///< p += g; m += g; v += g (Adam's 4 reads and 3 writes, no math)
+    kAdamPatternPrefetch = 3  ///< the same with software prefetch, as the Adam kernel does
 };
 
 /// Runs one pass of `kind` over n floats on the compute pool; returns the

@@ -84,14 +84,14 @@ void bind_adam(py::module_& m) {
     m.def(
         "bandwidth_probe",
         [](int kind, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int64_t n) {
-            if (kind < 0 || kind > 2) throw std::invalid_argument("bandwidth_probe: unknown kernel");
+            if (kind < 0 || kind > 3) throw std::invalid_argument("bandwidth_probe: unknown kernel");
             return adam::bandwidth_probe(static_cast<adam::BandwidthKernel>(kind), as_ptr<float>(a),
                                          as_ptr<float>(b), as_ptr<float>(c), as_ptr<float>(d), n);
         },
         py::call_guard<py::gil_scoped_release>(), py::arg("kind"), py::arg("a"), py::arg("b"),
         py::arg("c"), py::arg("d"), py::arg("n"),
-        "One pass of a bandwidth loop (0 triad, 1 axpy, 2 adam pattern) over n floats; returns "
-        "bytes moved (STREAM convention).");
+        "One pass of a bandwidth loop (0 triad, 1 axpy, 2 Adam pattern, 3 Adam pattern with "
+        "prefetch) over n floats on the compute pool; returns bytes moved (STREAM convention).");
 }
 
 }  // namespace infinity

@@ -59,7 +59,7 @@ struct Avx2Ops {
         }
     }
 
-    template <class O>
+    template <class O, bool kStream>
     static void store_out(uint16_t* p, V x) {
         __m128i h;
         if constexpr (std::is_same_v<O, BF16Tag>) {
@@ -76,7 +76,11 @@ struct Avx2Ops {
         } else {
             h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
         }
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+        if constexpr (kStream) {
+            _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);  // aligned: see stream_out()
+        } else {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+        }
     }
 };
 
@@ -84,6 +88,9 @@ struct Avx2Ops {
 
 void adam_range_avx2(const AdamBuffers& b, const AdamCoeffs& c, int64_t begin, int64_t end) {
     const int64_t done = adam_dispatch<Avx2Ops>(b, c, begin, end);
+    // NOTE: streaming stores are weakly ordered; fence them before the task
+    // reports completion to the thread that will read the output.
+    _mm_sfence();
     if (done < end) adam_range_scalar(b, c, done, end);
 }
 

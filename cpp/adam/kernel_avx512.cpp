@@ -64,7 +64,7 @@ struct Avx512Ops {
         }
     }
 
-    template <class O>
+    template <class O, bool kStream>
     static void store_out(uint16_t* p, V x) {
         __m256i h;
         if constexpr (std::is_same_v<O, BF16Tag>) {
@@ -80,7 +80,11 @@ struct Avx512Ops {
         } else {
             h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
         }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+        if constexpr (kStream) {
+            _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);  // aligned: see stream_out()
+        } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+        }
     }
 };
 
@@ -88,6 +92,9 @@ struct Avx512Ops {
 
 void adam_range_avx512(const AdamBuffers& b, const AdamCoeffs& c, int64_t begin, int64_t end) {
     const int64_t done = adam_dispatch<Avx512Ops>(b, c, begin, end);
+    // NOTE: streaming stores are weakly ordered; fence them before the task
+    // reports completion to the thread that will read the output.
+    _mm_sfence();
     if (done < end) adam_range_scalar(b, c, done, end);
 }
 

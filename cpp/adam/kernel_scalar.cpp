@@ -45,7 +45,7 @@ struct ScalarOps {
         if constexpr (std::is_same_v<G, F16Tag>) return half_to_float(*p);
     }
 
-    template <class O>
+    template <class O, bool /*kStream: no streaming stores in scalar code*/>
     static void store_out(uint16_t* p, V x) {
         if constexpr (std::is_same_v<O, BF16Tag>) *p = float_to_bf16(x);
         if constexpr (std::is_same_v<O, F16Tag>) *p = float_to_half(x);

@@ -135,7 +135,8 @@ void bind_io(py::module_& m) {
         .def(
             "inject_delay",
             [](io::Engine& e, std::uint64_t us) { e.inject_delay(std::chrono::microseconds(us)); },
-            py::arg("us"));
+            py::arg("us"))
+        .def("inject_short_transfer", &io::Engine::inject_short_transfer, py::arg("nth"));
 }
 
 }  // namespace infinity

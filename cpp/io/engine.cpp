@@ -1,5 +1,7 @@
 #include "io/engine.hpp"
 
+#include <unistd.h>
+
 #include <stdexcept>
 
 namespace infinity::io {
@@ -22,7 +24,8 @@ EngineConfig checked(EngineConfig c) {
 
 }  // namespace
 
-Engine::Engine(EngineConfig config) : config_(checked(std::move(config))), queue_(config_.block_size) {
+Engine::Engine(EngineConfig config)
+    : config_(checked(std::move(config))), queue_(config_.block_size), owner_pid_(::getpid()) {
     // Build every backend before starting any thread, so a refusal (EPERM,
     // EAGAIN from aio-max-nr, ...) throws with nothing running to clean up.
     workers_.reserve(config_.threads);
@@ -58,6 +61,11 @@ RequestPtr Engine::submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::u
     if (offset > static_cast<std::uint64_t>(INT64_MAX) - nbytes) {
         throw std::invalid_argument("offset + nbytes overflows a file offset");
     }
+    if (::getpid() != owner_pid_) {
+        throw std::runtime_error(
+            "this I/O engine was created before fork(); its workers do not exist in the "
+            "child process: create a new engine there");
+    }
     auto request = std::make_shared<Request>(op, buf, nbytes, fd, offset, std::move(path));
     queue_.push(request);
     for (auto& w : workers_) w->wake();
@@ -68,6 +76,14 @@ void Engine::close() {
     std::lock_guard<std::mutex> lock(close_mu_);
     if (closed_) return;
     closed_ = true;
+    if (::getpid() != owner_pid_) {
+        // NOTE: in a forked child the worker threads were never copied, so
+        // joining (or even destroying) their std::thread objects is undefined.
+        // Leak them: the child's copy of this memory is all that is lost.
+        for (auto& w : workers_) static_cast<void>(w.release());
+        workers_.clear();
+        return;
+    }
     queue_.close();
     for (auto& w : workers_) w->wake();
     for (auto& w : workers_) w->join();

@@ -2,6 +2,8 @@
 // each with its own backend queue of `queue_depth` pieces of `block_size`.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -51,6 +53,7 @@ class Engine {
         queue_.inject_fault(nth, err, per_request);
     }
     void inject_delay(std::chrono::microseconds delay) { queue_.inject_delay(delay); }
+    void inject_short_transfer(std::uint64_t nth) { queue_.inject_short_transfer(nth); }
 
     const EngineConfig& config() const noexcept { return config_; }
 
@@ -60,6 +63,7 @@ class Engine {
     std::vector<std::unique_ptr<Worker>> workers_;
     mutable std::mutex close_mu_;
     bool closed_ = false;
+    const pid_t owner_pid_;  // a forked child has none of the workers: see close()
 };
 
 }  // namespace infinity::io

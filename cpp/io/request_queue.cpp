@@ -44,6 +44,7 @@ RequestQueue::Take RequestQueue::take(Piece& out, Clock::time_point now, Clock::
         if (piece_fault_countdown_ > 0 && --piece_fault_countdown_ == 0) {
             out.inject_errno = piece_fault_errno_;
         }
+        out.inject_short = short_countdown_ > 0 && --short_countdown_ == 0;
         request->piece_started();  // before all_issued(), so it cannot complete early
         request->next += len;
         if (request->next == request->nbytes) {
@@ -70,6 +71,11 @@ void RequestQueue::inject_fault(std::uint64_t nth, int err, bool per_request) {
         piece_fault_countdown_ = nth;
         piece_fault_errno_ = err;
     }
+}
+
+void RequestQueue::inject_short_transfer(std::uint64_t nth) {
+    std::lock_guard<std::mutex> lock(mu_);
+    short_countdown_ = nth;
 }
 
 void RequestQueue::inject_delay(std::chrono::microseconds delay) {

@@ -21,7 +21,8 @@ struct Piece {
     std::uint64_t offset = 0;
     std::uint64_t len = 0;
     std::uint64_t transferred = 0;
-    int inject_errno = 0;  // nonzero: fail with this errno instead of submitting
+    int inject_errno = 0;       // nonzero: fail with this errno instead of submitting
+    bool inject_short = false;  // submit only about half, to exercise short-transfer handling
     int retries = 0;       // EINTR/EAGAIN resubmissions so far
 };
 
@@ -46,6 +47,10 @@ class RequestQueue {
     /// `nth` request (per_request=true) handed out from now on with `err`.
     /// nth == 0 disarms. One shot.
     void inject_fault(std::uint64_t nth, int err, bool per_request);
+    /// The `nth` piece handed out from now on is submitted with about half its
+    /// length (whole 4 KiB blocks, if it has more than one), so the kernel
+    /// returns a short transfer the worker must continue. nth == 0 disarms.
+    void inject_short_transfer(std::uint64_t nth);
     /// Every request pushed from now on starts no earlier than `delay` after its push.
     void inject_delay(std::chrono::microseconds delay);
 
@@ -58,6 +63,7 @@ class RequestQueue {
     int piece_fault_errno_ = 0;
     std::uint64_t request_fault_countdown_ = 0;
     int request_fault_errno_ = 0;
+    std::uint64_t short_countdown_ = 0;
     std::chrono::microseconds delay_{0};
 };
 

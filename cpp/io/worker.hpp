@@ -25,7 +25,8 @@ class Worker {
     void start();
     /// Wakes the thread to look at the queue again (new work, close).
     void wake() noexcept;
-    /// Waits for the thread to drain and exit (after the queue is closed).
+    /// Waits for the thread to drain and exit (after the queue is closed),
+    /// then releases the backend.
     void join() noexcept;
 
   private:

@@ -8,6 +8,7 @@ surfaces from :meth:`IORequest.wait` as :class:`NVMeIOError`.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
@@ -94,6 +95,7 @@ class IOEngine:
         self._inflight: deque[IORequest] = deque()
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _close_native, self._native)
 
     @property
@@ -121,8 +123,7 @@ class IOEngine:
         return self._submit(True, tensor, fd_or_file, offset)
 
     def _submit(self, write: bool, tensor: torch.Tensor, target: Any, offset: int) -> IORequest:
-        if self._closed:
-            raise RuntimeError("this IOEngine is closed; create a new one")
+        self._check_open()
         ptr, nbytes = check_tensor(tensor)
         offset = check_offset(offset)
         io_target = getattr(target, "_io_target", None)
@@ -135,7 +136,7 @@ class IOEngine:
             if self._closed:
                 raise RuntimeError("this IOEngine is closed; create a new one")
             handle = self._native.submit(write, ptr, nbytes, fd, offset, path)
-            request = IORequest(handle, tensor, target, op, offset, path)
+            request = IORequest(handle, tensor, target, op, offset, path, self._pid)
             while self._inflight and self._inflight[0].done():
                 self._inflight.popleft()
             self._inflight.append(request)
@@ -162,6 +163,18 @@ class IOEngine:
         self._check_open()
         self._native.inject_fault(nth, errno, per == "request")
 
+    def inject_short_transfer(self, nth: int) -> None:
+        """Submit the ``nth`` piece from now on with about half its length (one shot; 0 disarms).
+
+        The kernel then returns a short transfer, which the engine must
+        continue from where it stopped; the request still succeeds with the
+        right bytes. Only pieces longer than 4 KiB can be shortened. For tests.
+        """
+        if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
+            raise ValueError(f"nth={nth!r} must be an int >= 0 (1 = the next one, 0 = disarm)")
+        self._check_open()
+        self._native.inject_short_transfer(nth)
+
     def inject_delay(self, us: int) -> None:
         """Delay the start of every request submitted from now on by ``us`` microseconds.
 
@@ -182,6 +195,11 @@ class IOEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this IOEngine is closed; create a new one")
+        if os.getpid() != self._pid:
+            # NOTE: fork() copies no threads: the workers exist only in the parent.
+            raise RuntimeError(
+                "this IOEngine was created before fork(); create a new one in the child process"
+            )
 
     def __enter__(self) -> IOEngine:
         return self

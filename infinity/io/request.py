@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,12 +23,20 @@ class IORequest:
     would move its memory under the kernel.
     """
 
-    __slots__ = ("_file", "_handle", "_tensor", "nbytes", "offset", "op", "path")
+    __slots__ = ("_file", "_handle", "_pid", "_tensor", "nbytes", "offset", "op", "path")
 
     def __init__(
-        self, handle: Any, tensor: torch.Tensor, file: Any, op: str, offset: int, path: str
+        self,
+        handle: Any,
+        tensor: torch.Tensor,
+        file: Any,
+        op: str,
+        offset: int,
+        path: str,
+        pid: int,
     ) -> None:
         self._handle = handle
+        self._pid = pid
         self._tensor = tensor
         self._file = file
         self.op = op
@@ -66,6 +75,7 @@ class IORequest:
         (the transfer itself carries on). Raises :class:`NVMeIOError` if the
         transfer failed, ``TimeoutError`` if ``timeout`` seconds pass first.
         """
+        self._check_process()
         if not self._handle.wait(timeout):
             raise TimeoutError(
                 f"{self.op} of {self.nbytes} bytes at offset {self.offset} of '{self.path}' "
@@ -75,6 +85,13 @@ class IORequest:
         if error is not None:
             raise error
         return self.nbytes
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            # A forked child has no engine workers: waiting there would never end.
+            raise RuntimeError(
+                "this IORequest was started before fork(); wait for it in the parent"
+            )
 
     def __repr__(self) -> str:
         state = "done" if self.done() else f"{self.bytes_done}/{self.nbytes} bytes"
@@ -92,6 +109,7 @@ def wait_all(requests: Iterable[IORequest], timeout: float | None = None) -> int
     for r in reqs:
         if not isinstance(r, IORequest):
             raise TypeError(f"wait_all takes IORequest objects, got {type(r).__name__}")
+        r._check_process()
     if not native().io.wait_all([r._handle for r in reqs], timeout):
         pending = sum(not r.done() for r in reqs)
         raise TimeoutError(f"{pending} of {len(reqs)} requests did not finish within {timeout} s")

@@ -83,8 +83,19 @@ def _wait_quietly(pending: deque[IORequest]) -> None:
     pending.clear()
 
 
-def _cleanup(fd: int, path: str, private_dir: str, pending: deque[IORequest], engine: Any) -> None:
+def _cleanup(
+    fd: int, path: str, private_dir: str, pending: deque[IORequest], engine: Any, pid: int
+) -> None:
     """Finalizer: wait for the file's transfers, then close and remove it (never raises)."""
+    if os.getpid() != pid:
+        # NOTE: a forked child (e.g. a DataLoader worker) inherits this object:
+        # it may close its copy of the descriptor but must not delete the
+        # parent's file or wait for the parent's transfers.
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        return
     try:
         _wait_quietly(pending)
     finally:
@@ -185,7 +196,7 @@ class SwapFile:
         self._lock = threading.Lock()
         self._closed = False
         self._finalizer = weakref.finalize(
-            self, _cleanup, fd, path, private_dir, self._pending, own_engine
+            self, _cleanup, fd, path, private_dir, self._pending, own_engine, os.getpid()
         )
 
     @staticmethod

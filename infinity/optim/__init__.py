@@ -1,5 +1,6 @@
 """Optimizers: :class:`CPUAdam` and the fused CPU Adam kernel it runs on (:mod:`.kernels`)."""
 
 from infinity.optim import kernels
+from infinity.optim.cpu_adam import AdamHyperParams, CPUAdam
 
-__all__ = ["kernels"]
+__all__ = ["AdamHyperParams", "CPUAdam", "kernels"]

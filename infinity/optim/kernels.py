@@ -14,7 +14,9 @@ bad tensor never reaches the native code as a bad pointer.
 
 from __future__ import annotations
 
+import itertools
 import math
+import numbers
 import operator
 
 import torch
@@ -54,7 +56,9 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: 
         raise ValueError(f"{name} has layout {t.layout}; adam_step needs dense (strided) tensors")
     if t.dtype not in dtypes:
         expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected {expected}")
+        raise TypeError(
+            f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected {expected}"
+        )
     if not t.is_contiguous():
         raise ValueError(
             f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
@@ -62,7 +66,9 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: 
         )
     n = t.numel()
     if numel is not None and n != numel:
-        raise ValueError(f"{name} has {n} elements but master has {numel}; all buffers need the same numel")
+        raise ValueError(
+            f"{name} has {n} elements but master has {numel}; all buffers need the same numel"
+        )
     return n
 
 
@@ -74,7 +80,7 @@ def _check_disjoint(buffers: list[tuple[str, torch.Tensor]]) -> None:
             start = t.data_ptr()
             spans.append((start, start + nbytes, name))
     spans.sort()
-    for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
+    for (_, end_a, name_a), (start_b, _, name_b) in itertools.pairwise(spans):
         if start_b < end_a:
             raise ValueError(
                 f"{name_a} and {name_b} overlap in memory; adam_step needs separate buffers "
@@ -82,13 +88,16 @@ def _check_disjoint(buffers: list[tuple[str, torch.Tensor]]) -> None:
             )
 
 
-def _finite(name: str, value: object, *, low: float | None = None, high: float | None = None) -> float:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a float, got bool")
-    try:
-        x = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}") from None
+def _finite(
+    name: str, value: object, *, low: float | None = None, high: float | None = None
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise TypeError(
+            f"{name} must be a float or a 1-element tensor, got shape {tuple(value.shape)}"
+        )
+    x = float(value)
     if not math.isfinite(x):
         raise ValueError(f"{name}={x} must be finite")
     if low is not None and x < low:
@@ -197,24 +206,26 @@ def adam_step(
 
 
 def available_isas() -> list[str]:
-    """Instruction sets this CPU can run the kernel with, widest first (always ends with ``"scalar"``)."""
+    """ISAs this CPU can run the kernel with, widest first (the last is always ``"scalar"``)."""
     return list(_adam().available_isas())
 
 
 def active_isa() -> str:
-    """The instruction set the next :func:`adam_step` uses: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+    """The ISA the next :func:`adam_step` uses: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
     return str(_adam().active_isa())
 
 
 def force_isa(name: str | None) -> None:
-    """Force the kernel to ``name`` (one of :func:`available_isas`); ``None`` restores automatic choice.
+    """Force the kernel's ISA to ``name`` (from :func:`available_isas`); ``None``: automatic.
 
     For tests and benchmarks: every ISA produces the same bits, only speed differs.
     """
     if name is not None:
         available = available_isas()
         if name not in available:
-            raise ValueError(f"ISA {name!r} is not available on this CPU; available: {', '.join(available)}")
+            raise ValueError(
+                f"ISA {name!r} is not available on this CPU; available: {', '.join(available)}"
+            )
     _adam().force_isa(name)
 
 
@@ -231,5 +242,5 @@ def get_num_threads() -> int:
 
 
 def default_num_threads() -> int:
-    """Physical cores among the CPUs this process may run on (``sched_getaffinity``), capped at 64."""
+    """Physical cores among the CPUs this process may use (``sched_getaffinity``), at most 64."""
     return int(_adam().default_num_threads())

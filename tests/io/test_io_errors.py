@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from conftest import file_bytes, mounted_tmpfs, random_tensor
+from conftest import file_bytes, mounted_tmpfs, random_tensor, run_python
 
 from infinity.io import IOEngine, NVMeIOError, SwapFile, aligned_empty, wait_all
 
@@ -188,3 +188,66 @@ def test_write_to_read_only_fd_fails_with_ebadf(make_engine, tmp_path):
         with pytest.raises(NVMeIOError) as info:
             eng.write(aligned_empty(PAGE), f, 0).wait()
     assert info.value.errno == errno.EBADF
+
+
+@pytest.mark.parametrize("transient", [errno.EAGAIN, errno.EINTR])
+def test_transient_errors_are_retried(make_engine, tmp_path, transient):
+    """A piece completing with EAGAIN/EINTR is resubmitted; the request succeeds."""
+    eng = make_engine(block_size=2 * PAGE, queue_depth=2)
+    with SwapFile(tmp_path, 16 * PAGE, eng) as sf:
+        t, expected = random_tensor(16 * PAGE, seed=31)
+        eng.inject_fault(3, transient)
+        assert sf.write(t, 0).wait() == 16 * PAGE
+        assert file_bytes(sf.path, 0, 16 * PAGE) == expected
+        back = aligned_empty(16 * PAGE)
+        eng.inject_fault(1, transient)
+        assert sf.read(back, 0).wait() == 16 * PAGE
+        assert back.numpy().tobytes() == expected
+
+
+@pytest.mark.parametrize("nth", [1, 2, 4])
+def test_short_transfers_are_continued(make_engine, tmp_path, nth):
+    """A piece the kernel completes only partly is continued from where it stopped."""
+    eng = make_engine(block_size=8 * PAGE, queue_depth=3)
+    with SwapFile(tmp_path, 64 * PAGE, eng) as sf:
+        t, expected = random_tensor(40 * PAGE, seed=50 + nth)
+        eng.inject_short_transfer(nth)
+        req = sf.write(t, 8 * PAGE)
+        assert req.wait() == 40 * PAGE and req.bytes_done == 40 * PAGE
+        assert file_bytes(sf.path, 8 * PAGE, 40 * PAGE) == expected
+        back = aligned_empty(40 * PAGE)
+        eng.inject_short_transfer(nth)
+        assert sf.read(back, 8 * PAGE).wait() == 40 * PAGE
+        assert back.numpy().tobytes() == expected
+
+
+def test_forked_child_cannot_use_or_delete_parent_objects(tmp_path):
+    """After fork() the child gets a clear error, and its GC leaves the parent's file alone."""
+    code = f"""
+import gc, os, sys
+from infinity.io import IOEngine, SwapFile, aligned_empty
+eng = IOEngine()
+sf = SwapFile({str(tmp_path)!r}, 1 << 20, eng)
+req = sf.write(aligned_empty(1 << 20), 0)
+pid = os.fork()
+if pid == 0:
+    ok = True
+    for action in (lambda: eng.write(aligned_empty(4096), sf, 0), lambda: req.wait()):
+        try:
+            action()
+            ok = False
+        except RuntimeError as exc:
+            ok = ok and "fork" in str(exc)
+    del sf, eng, req
+    gc.collect()
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), os.path.exists(sf.path), req.wait())
+path = sf.path
+sf.close()
+eng.close()
+print(os.path.exists(path))
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "True", str(1 << 20), "False"]

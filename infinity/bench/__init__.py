@@ -1,0 +1,1 @@
+"""Benchmark helpers behind the ``infinity bench`` commands (measurement, no CLI)."""

@@ -1,0 +1,214 @@
+"""NVMe throughput measurement: sequential O_DIRECT write then read through ``IOEngine``.
+
+Throughput is reported in GB/s = 10^9 bytes per second. Each configuration
+writes a fresh preallocated :class:`~infinity.io.SwapFile` (so every point
+starts from the same on-disk state) and then reads it back; the page cache is
+not involved (O_DIRECT). The ``aiofiles`` baseline is buffered Python I/O: its
+write time includes ``fsync``, and its cached pages are dropped with
+``posix_fadvise(DONTNEED)`` before the read so the read comes from the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from infinity.config import AioConfig
+from infinity.io import IOEngine, IORequest, SwapFile, aligned_empty
+
+GB = 10**9
+# Bytes per request handed to the engine. Several requests are kept queued so
+# the engine never runs dry between them (its workers take pieces of the next
+# request as soon as a slot frees).
+REQUEST_BYTES = 16 << 20
+# Cap on the host memory used for I/O buffers, whatever the queue shape.
+MAX_BUFFER_BYTES = 1 << 30
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class Point:
+    """One configuration's result (GB/s = 1e9 bytes/s)."""
+
+    backend: str
+    block_size: int
+    queue_depth: int
+    threads: int
+    write_gbps: float
+    read_gbps: float
+
+    def aio(self) -> dict[str, object]:
+        """The ``aio`` config block of this point, as ``infinity.Config(aio=...)`` takes it."""
+        return {
+            "backend": self.backend,
+            "block_size": self.block_size,
+            "queue_depth": self.queue_depth,
+            "threads": self.threads,
+        }
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+def _pool_bytes(size: int, config: AioConfig) -> tuple[int, int]:
+    """(request size, buffer pool size): enough queued bytes to keep every worker's queue full."""
+    request = max(REQUEST_BYTES, config.block_size)
+    in_flight = config.block_size * config.queue_depth * config.threads
+    pool = max(2 * in_flight, 4 * request)
+    pool = min(pool, MAX_BUFFER_BYTES, size)
+    request = min(request, pool)
+    pool = max(request, pool // request * request)
+    return request, pool
+
+
+def _stream(
+    submit: Callable[[int, int, int], IORequest],
+    size: int,
+    request: int,
+    slots: int,
+    progress: Progress | None,
+) -> float:
+    """Runs ``submit(slot, offset, nbytes)`` over ``[0, size)`` with ``slots`` requests queued.
+
+    Returns the elapsed seconds from the first submission to the last completion.
+    """
+    outstanding: list[IORequest | None] = [None] * slots
+    start = time.perf_counter()
+    offset, i = 0, 0
+    while offset < size:
+        slot = i % slots
+        previous = outstanding[slot]
+        if previous is not None:  # the slot's buffer is reused: wait for its last transfer
+            previous.wait()
+            if progress:
+                progress(previous.nbytes)
+        nbytes = min(request, size - offset)
+        outstanding[slot] = submit(slot, offset, nbytes)
+        offset += nbytes
+        i += 1
+    for req in outstanding:
+        if req is not None and req.nbytes:
+            req.wait()
+    elapsed = time.perf_counter() - start
+    if progress:
+        for req in outstanding:
+            if req is not None:
+                progress(req.nbytes)
+    return elapsed
+
+
+def measure_engine(
+    directory: str, size: int, config: AioConfig, progress: Progress | None = None
+) -> Point:
+    """Write then read ``size`` bytes sequentially with one engine configuration."""
+    request, pool_bytes = _pool_bytes(size, config)
+    pool = aligned_empty(pool_bytes)
+    _fill(pool)
+    slots = pool_bytes // request
+    views = [pool[i * request : (i + 1) * request] for i in range(slots)]
+    with IOEngine(config) as engine, SwapFile(directory, size, engine, name="bench") as sf:
+
+        def write(slot: int, offset: int, nbytes: int) -> IORequest:
+            return sf.write(views[slot][:nbytes], offset)
+
+        def read(slot: int, offset: int, nbytes: int) -> IORequest:
+            return sf.read(views[slot][:nbytes], offset)
+
+        write_s = _stream(write, size, request, slots, progress)
+        read_s = _stream(read, size, request, slots, progress)
+        backend = engine.backend
+    return Point(
+        backend=backend,
+        block_size=config.block_size,
+        queue_depth=config.queue_depth,
+        threads=config.threads,
+        write_gbps=size / write_s / GB,
+        read_gbps=size / read_s / GB,
+    )
+
+
+def _pattern(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of seeded random bytes."""
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+
+
+def _fill(buf: torch.Tensor) -> None:
+    """Fill ``buf`` with incompressible-looking bytes, so a compressing device cannot
+    flatter the write; a 1 MiB random block is tiled (generating GiBs would dominate)."""
+    block = _pattern(min(1 << 20, buf.numel()))
+    for start in range(0, buf.numel(), block.numel()):
+        end = min(start + block.numel(), buf.numel())
+        buf[start:end].copy_(block[: end - start])
+
+
+def measure_aiofiles(
+    directory: str, size: int, block_size: int, progress: Progress | None = None
+) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of buffered ``aiofiles`` I/O in ``block_size`` chunks.
+
+    The file is created in a private sub-directory of ``directory`` and removed.
+    """
+    import tempfile
+
+    private = tempfile.mkdtemp(prefix="infinity-bench-", dir=directory)
+    path = os.path.join(private, "aiofiles.bin")
+    try:
+        return asyncio.run(_aiofiles_pass(path, size, block_size, progress))
+    finally:
+        for step in (lambda: os.unlink(path), lambda: os.rmdir(private)):
+            try:
+                step()
+            except OSError:
+                pass
+
+
+async def _aiofiles_pass(
+    path: str, size: int, block_size: int, progress: Progress | None
+) -> tuple[float, float]:
+    import aiofiles
+
+    block = bytes(_pattern(block_size).numpy().tobytes())
+    start = time.perf_counter()
+    async with aiofiles.open(path, "wb") as f:
+        written = 0
+        while written < size:
+            n = min(block_size, size - written)
+            await f.write(block[:n] if n < block_size else block)
+            written += n
+            if progress:
+                progress(n)
+        await f.flush()
+        # NOTE: fsync is part of the write: without it the "write" only fills
+        # the page cache and the number says nothing about the disk.
+        fd = f.fileno()
+        await asyncio.to_thread(os.fsync, fd)
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)  # drop cached pages before the read
+    write_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    async with aiofiles.open(path, "rb") as f:
+        remaining = size
+        while remaining > 0:
+            chunk = await f.read(min(block_size, remaining))
+            if not chunk:
+                raise OSError(f"short read of the baseline file '{path}'")
+            remaining -= len(chunk)
+            if progress:
+                progress(len(chunk))
+    read_s = time.perf_counter() - start
+    return size / write_s / GB, size / read_s / GB
+
+
+def best_point(points: list[Point]) -> Point:
+    """The point with the highest read + write throughput (first one on a tie)."""
+    if not points:
+        raise ValueError("no points measured")
+    return max(points, key=lambda p: p.read_gbps + p.write_gbps)

@@ -1,0 +1,89 @@
+"""``infinity bench nvme`` at a tiny size: exit codes, JSON contract, plot, no leftovers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+from conftest import run_python
+
+import infinity
+
+
+def _run_cli(*args: str):
+    code = f"import sys; from infinity.cli.main import main; sys.exit(main({list(args)!r}))"
+    return run_python(code, timeout=120)
+
+
+def test_tiny_sweep_json_plot_and_cleanup(tmp_path):
+    out_dir = tmp_path / "bench"
+    out_dir.mkdir()
+    png = tmp_path / "sweep.png"
+    result = _run_cli(
+        "bench", "nvme", "--path", str(out_dir), "--size", "8MiB",
+        "--block-sizes", "256K", "--queue-depths", "4", "--json", "--plot", str(png),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    data = json.loads(last)
+    assert set(data) >= {"points", "best"}
+    backends = infinity.io.available_backends()
+    assert [p["backend"] for p in data["points"]] == backends  # one point per backend
+    for p in data["points"]:
+        assert p["block_size"] == 256 << 10 and p["queue_depth"] == 4 and p["threads"] == 1
+        assert p["write_gbps"] > 0 and p["read_gbps"] > 0
+    best = data["best"]
+    assert set(best) == {"read_gbps", "write_gbps", "aio"}
+    top = max(data["points"], key=lambda p: p["read_gbps"] + p["write_gbps"])
+    assert (best["read_gbps"], best["write_gbps"]) == (top["read_gbps"], top["write_gbps"])
+    # The aio block loads into Config unchanged.
+    loaded = dataclasses.asdict(infinity.Config(aio=best["aio"]).aio)
+    assert loaded == best["aio"]
+    assert best["aio"]["backend"] in backends
+    assert [b["block_size"] for b in data["baseline"]] == [256 << 10]
+    # A real PNG, and the table on stdout.
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "aiofiles (buffered)" in result.stdout and "GB/s" in result.stdout
+    assert os.listdir(out_dir) == []
+
+
+def test_created_directory_is_removed_again(tmp_path):
+    target = tmp_path / "made-by-bench"
+    result = _run_cli(
+        "bench", "nvme", "--path", str(target), "--size", "1MiB", "--block-sizes", "64K",
+        "--queue-depths", "2", "--backends", "threads", "--no-baseline",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--block-sizes", "3K"], "--block-sizes: 3K is not a multiple of 4K"),
+        (["--block-sizes", "big"], "--block-sizes: 'big' is not a size"),
+        (["--queue-depths", "0"], "--queue-depths: '0' is not an integer in 1..4096"),
+        (["--size", "1000"], "--size: 1000 must be a positive multiple of 4K"),
+        (["--backends", "spdk"], "--backends: unknown backend 'spdk'"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(tmp_path, flags, message):
+    result = _run_cli("bench", "nvme", "--path", str(tmp_path), "--size", "1MiB", *flags)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("infinity: error: ") and message in lines[0]
+    assert result.stdout == ""
+    assert os.listdir(tmp_path) == []
+
+
+def test_uncreatable_path_exits_2(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = _run_cli("bench", "nvme", "--path", str(blocker / "sub" / "dir"), "--size", "1MiB")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--path: cannot create" in lines[0], result.stderr
+    assert "is not an existing directory" in lines[0]
