@@ -32,6 +32,7 @@ class Copy:
 
     key: Hashable
     slot: Slot
+    nbytes: int = 0  # bytes of the chunk (the slot may be larger)
     pending: list[Pending] = field(default_factory=list)
     dirty: bool = False  # must be written back before the slot is reused
     pins: int = 0
@@ -39,8 +40,8 @@ class Copy:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The slot's bytes (uint8)."""
-        return self.slot.tensor
+        """The chunk's bytes in the slot (uint8)."""
+        return self.slot.tensor[: self.nbytes] if self.nbytes else self.slot.tensor
 
     def in_flight(self) -> bool:
         """Some transfer into or out of the slot has not completed."""
@@ -105,22 +106,35 @@ class TierCache:
         self.policy.touch(key, moment)
 
     def insert(self, key: Hashable, nbytes: int, moment: int) -> Copy:
-        """A new copy of ``key`` in a slot of ``nbytes``, evicting if the pool is full."""
+        """A new copy of ``key`` in the smallest free slot of at least ``nbytes``.
+
+        A chunk may sit in a larger slot than its own size (one spare slot of
+        the largest size then serves every size); if no slot is free, a copy
+        in a large-enough slot is evicted.
+        """
         if key in self._copies:
             raise AssertionError(f"{self.tier}: {key} is already resident")
-        pool = self.pools.get(nbytes)
-        if pool is None:
-            raise AssertionError(f"{self.tier}: no pool of {nbytes}-byte slots")
-        slot = pool.try_take()
+        fitting = [pool for size, pool in sorted(self.pools.items()) if size >= nbytes]
+        if not fitting:
+            raise AssertionError(f"{self.tier}: no pool has slots of {nbytes} bytes")
+        slot = self._take(fitting)
         while slot is None:
-            self._evict_one(pool, moment)
-            slot = pool.try_take()
-        copy = Copy(key, slot)
+            self._evict_one(fitting, moment)
+            slot = self._take(fitting)
+        copy = Copy(key, slot, nbytes=nbytes)
         self._copies[key] = copy
         self._by_ptr[slot.tensor.data_ptr()] = key
-        self.account.add(nbytes)
+        self.account.add(slot.nbytes)
         self.policy.touch(key, moment)
         return copy
+
+    @staticmethod
+    def _take(pools: list[SlabPool]) -> Slot | None:
+        for pool in pools:
+            slot = pool.try_take()
+            if slot is not None:
+                return slot
+        return None
 
     def remove(self, key: Hashable) -> None:
         """Drop ``key``'s copy without writing it back (the caller made it safe)."""
@@ -142,8 +156,8 @@ class TierCache:
             copy.dirty = False
         self.remove(key)
 
-    def _evict_one(self, pool: SlabPool, moment: int) -> None:
-        mine = [c for c in self._copies.values() if c.slot.pool is pool]
+    def _evict_one(self, pools: list[SlabPool], moment: int) -> None:
+        mine = [c for c in self._copies.values() if c.slot.pool in pools]
         candidates = [c.key for c in mine if c.evictable()]
         if candidates:
             self.evict(self.policy.choose(candidates, moment))
@@ -153,10 +167,9 @@ class TierCache:
             # Only transfers stand in the way: wait for one, then it is free to go.
             busy[0].wait()
             return
-        held = ", ".join(
-            f"{c.key} (pins={c.pins}, live views={len(c.aliases)})" for c in mine
-        )
+        held = ", ".join(f"{c.key} (pins={c.pins}, live views={len(c.aliases)})" for c in mine)
+        sizes = sorted({p.slot_bytes for p in pools})
         raise PoolExhausted(
-            f"every {pool.slot_bytes}-byte slot of the {self.tier} tier is in use ({held}). "
-            f"The {self.tier} budget holds {pool.count} such chunks; raise it or lower chunk_size."
+            f"every {self.tier} slot of {sizes[0]} bytes or more is in use ({held}); "
+            f"raise the {self.tier} budget or lower chunk_size."
         )

@@ -28,6 +28,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     trainable: bool
+    group: int = -1  # tensors of one module share a group; kept in one chunk when possible
 
     @property
     def numel(self) -> int:
@@ -107,6 +108,15 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _group_sizes(tensors: Sequence[TensorInfo], align: int) -> dict[tuple[int, bool], int]:
+    """Aligned elements each (module group, stream) needs when packed together."""
+    sizes: dict[tuple[int, bool], int] = {}
+    for info in tensors:
+        key = (info.group, info.trainable)
+        sizes[key] = _round_up(sizes.get(key, 0), align) + info.numel
+    return sizes
+
+
 def build_layout(
     tensors: Sequence[TensorInfo], chunk_elems: int, element_size: int
 ) -> ChunkLayout:
@@ -134,8 +144,17 @@ def build_layout(
             open_chunk[trainable] = []
             open_fill[trainable] = 0
 
+    group_size = _group_sizes(tensors, align)
     for i, info in enumerate(tensors):
         numel = info.numel
+        first_of_group = info.group >= 0 and (i == 0 or tensors[i - 1].group != info.group)
+        if first_of_group:
+            # NOTE: a module whose weight and bias straddle two chunks needs both
+            # resident at once; start a fresh chunk when that keeps it whole.
+            need = group_size[(info.group, info.trainable)]
+            fill = _round_up(open_fill[info.trainable], align)
+            if fill and fill + need > chunk_elems >= need:
+                close(info.trainable)
         if numel == 0:
             # NOTE: empty tensors take no bytes; they sit at offset 0 of the
             # current chunk so every tensor has a slot.

@@ -10,101 +10,17 @@ so checkpoints move between the two optimizers in both directions.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from infinity.optim import kernels
+from infinity.optim import offloaded
+from infinity.optim.hyper import _TORCH_GROUP_DEFAULTS, AdamHyperParams
 
 __all__ = ["AdamHyperParams", "CPUAdam"]
-
-# Keys torch.optim.Adam/AdamW keep in every param group. CPUAdam stores them
-# with torch's defaults so its state_dict loads into torch unchanged.
-_TORCH_GROUP_DEFAULTS: dict[str, Any] = {
-    "amsgrad": False,
-    "maximize": False,
-    "foreach": None,
-    "capturable": False,
-    "differentiable": False,
-    "fused": None,
-}
-# Group flags torch supports and CPUAdam does not: flag -> what to use instead.
-_UNSUPPORTED_FLAGS = {
-    "amsgrad": "torch.optim.AdamW(amsgrad=True)",
-    "maximize": "minimising the negated loss",
-    "capturable": "torch.optim.AdamW(capturable=True) on the GPU",
-    "differentiable": "torch.optim.AdamW(differentiable=True)",
-}
-
-
-@dataclass(frozen=True)
-class AdamHyperParams:
-    """The hyper-parameters of one param group, as plain validated floats.
-
-    ``adamw=True`` means decoupled weight decay (AdamW: ``p -= lr * wd * p``
-    before the Adam update); ``adamw=False`` means classic L2 regularisation
-    (Adam: ``wd * p`` is added to the gradient, so it also flows through the
-    moments).
-    """
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw: bool
-
-    @classmethod
-    def from_group(cls, group: dict[str, Any]) -> AdamHyperParams:
-        """Read and validate a param group (values may be floats or 1-element tensors).
-
-        Raises ``ValueError`` naming the key for out-of-range values and for
-        torch flags CPUAdam does not implement (``amsgrad``, ``maximize``, ...).
-        """
-        for flag, instead in _UNSUPPORTED_FLAGS.items():
-            if group.get(flag, False):
-                raise ValueError(f"CPUAdam does not implement {flag}=True; use {instead}")
-        betas = group["betas"]
-        if len(betas) != 2:
-            raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
-        return cls(
-            lr=_hyper("lr", group["lr"], low=0.0),
-            beta1=_hyper("betas[0]", betas[0], low=0.0, high=1.0),
-            beta2=_hyper("betas[1]", betas[1], low=0.0, high=1.0),
-            eps=_hyper("eps", group["eps"], low=0.0),
-            weight_decay=_hyper("weight_decay", group["weight_decay"], low=0.0),
-            adamw=bool(group["adamw"]),
-        )
-
-    def kernel_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`kernels.adam_step` for these hyper-parameters."""
-        return {
-            "lr": self.lr,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-            "adamw": self.adamw,
-        }
-
-
-def _hyper(name: str, value: Any, *, low: float, high: float | None = None) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(
-                f"{name} as a tensor must have one element, got shape {tuple(value.shape)}"
-            )
-        value = value.item()
-    x = float(value)
-    if not math.isfinite(x) or x < low or (high is not None and not x < high):
-        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"Invalid {name}: {value!r} (must be finite and {bound})")
-    return x
-
 
 def _check_dense_param(p: torch.Tensor) -> None:
     """Raise a clear error if CPUAdam cannot step ``p`` as a plain CPU tensor."""
@@ -213,7 +129,8 @@ class CPUAdam(Optimizer):
         try:
             AdamHyperParams.from_group(group)
             for p in group["params"]:
-                _check_dense_param(p)
+                if offloaded.engine_of_param(p) is None:
+                    _check_dense_param(p)
         except (TypeError, ValueError):
             self.param_groups.pop()  # leave the optimizer as it was
             raise
@@ -258,7 +175,45 @@ class CPUAdam(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             self._step_dense(group)
+        clip = getattr(self, "_clip_coef", {})
+        self._clip_coef = {}
+        for engine, hyper in offloaded.offloaded_hyper(self.param_groups).items():
+            engine.optimizer_step(hyper, clip_coef=clip.get(engine, 1.0))
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; gradients of offloaded parameters are always dropped (set to None)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if offloaded.engine_of_param(p) is not None:
+                    p.grad = None
+        super().zero_grad(set_to_none=set_to_none)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward()`` on: times the fp16 loss scale of offloaded models.
+
+        ``optimizer.scale_loss(loss).backward()`` works for every dtype (bf16 and
+        fp32 models return ``loss`` unchanged); fp16 models need it. ``step()``
+        removes the scale again and skips the step (halving the scale) when a
+        gradient overflowed.
+        """
+        return offloaded.scale_loss(self.param_groups, loss)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of all parameters by their total norm; returns the norm.
+
+        Same result as ``torch.nn.utils.clip_grad_norm_(params, max_norm)``, which
+        cannot see gradients held in chunks. Call it between ``backward()`` and
+        ``step()``: for offloaded parameters the coefficient is applied inside
+        the next step's fused kernel.
+        """
+        total, coefs = offloaded.clip_grad_norm_(
+            self.param_groups, max_norm, norm_type, error_if_nonfinite
+        )
+        self._clip_coef = coefs
+        return total
 
     def _step_dense(self, group: dict[str, Any]) -> None:
         """Step the plain CPU tensors of one param group, one kernel call per parameter."""
@@ -266,7 +221,7 @@ class CPUAdam(Optimizer):
         kwargs = hp.kernel_kwargs()
         for p in group["params"]:
             grad = p.grad
-            if grad is None:
+            if grad is None or offloaded.engine_of_param(p) is not None:
                 continue
             if grad.is_sparse:
                 raise RuntimeError(

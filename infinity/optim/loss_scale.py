@@ -34,7 +34,11 @@ class LossScaler:
 
     def state_dict(self) -> dict[str, float | int]:
         """Plain numbers, for checkpoints."""
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "good_steps": self.good_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         """Restore from :meth:`state_dict`."""

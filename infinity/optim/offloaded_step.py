@@ -19,19 +19,10 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+import itertools
+
 from infinity.optim import kernels
-
-
-@dataclass(frozen=True)
-class AdamHyper:
-    """Hyper-parameters of one parameter group, as the kernel takes them."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw: bool
+from infinity.optim.hyper import AdamHyperParams
 
 
 @dataclass(frozen=True)
@@ -40,13 +31,13 @@ class Run:
 
     start: int
     end: int
-    hyper: AdamHyper
+    hyper: AdamHyperParams
     step: int
 
 
 def plan_runs(
     members: list[tuple[int, int, int]],
-    hyper_of: Callable[[int], AdamHyper | None],
+    hyper_of: Callable[[int], AdamHyperParams | None],
     step_of: Callable[[int], int],
     capacity: int,
 ) -> tuple[list[Run], bool]:
@@ -78,7 +69,7 @@ def plan_runs(
         previous_skipped = False
     if covered and groups:
         groups[0][0] = 0
-        for a, b in zip(groups, groups[1:]):
+        for a, b in itertools.pairwise(groups):
             a[1] = b[0]
         groups[-1][1] = capacity
     runs = [Run(start, end, hyper, step) for start, end, hyper, step in groups]
@@ -129,7 +120,7 @@ def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: f
     manager.drop_param(chunk)
 
 
-def offloaded_step(engine, hyper_by_index: dict[int, AdamHyper], grad_scale: float) -> int:
+def offloaded_step(engine, hyper_by_index: dict[int, AdamHyperParams], grad_scale: float) -> int:
     """One optimizer step over every trainable chunk; returns the tensors updated.
 
     ``hyper_by_index`` maps a tensor index (of ``engine.registry``) to its
@@ -137,7 +128,7 @@ def offloaded_step(engine, hyper_by_index: dict[int, AdamHyper], grad_scale: flo
     """
     updated = 0
 
-    def hyper_of(index: int) -> AdamHyper | None:
+    def hyper_of(index: int) -> AdamHyperParams | None:
         return hyper_by_index.get(index) if engine.has_grad[index] else None
 
     for chunk, spec in enumerate(engine.layout.chunks):

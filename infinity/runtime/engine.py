@@ -19,7 +19,8 @@ from infinity.chunks.states import StateCounters, TensorState
 from infinity.config import Config
 from infinity.devices.base import make_backend
 from infinity.optim.loss_scale import LossScaler
-from infinity.optim.offloaded_step import AdamHyper, offloaded_step
+from infinity.optim.hyper import AdamHyperParams
+from infinity.optim.offloaded_step import offloaded_step
 from infinity.runtime.budgets import DTYPE_OF, choose_plan, resolve_budgets
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
 from infinity.runtime.sentinel import GradientInChunks, is_zeroed
@@ -294,7 +295,7 @@ class OffloadEngine:
         return root.parameters()
 
     # --- optimizer ------------------------------------------------------------------
-    def optimizer_step(self, hyper_by_index: dict[int, AdamHyper], clip_coef: float = 1.0) -> bool:
+    def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams], clip_coef: float = 1.0) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
         self.collect_zeroed_grads()
         self.manager.synchronize()

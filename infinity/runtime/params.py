@@ -100,8 +100,12 @@ class ParamRegistry:
         return reg
 
     def tensor_infos(self) -> list[TensorInfo]:
-        """What the layout needs, in registration order."""
-        return [TensorInfo(e.name, e.shape, e.trainable) for e in self.entries]
+        """What the layout needs, in registration order (grouped by first owning module)."""
+        group_of: dict[int, int] = {}
+        for g, entries in enumerate(self.owners.values()):
+            for e in entries:
+                group_of.setdefault(e.index, g)
+        return [TensorInfo(e.name, e.shape, e.trainable, group_of.get(e.index, -1)) for e in self.entries]
 
     def ancestors(self, module: nn.Module) -> Iterator[nn.Module]:
         """``module``'s parents up to the root."""

@@ -131,16 +131,16 @@ def min_device_slots(
     layout: ChunkLayout, element_size: int, working_sets: Sequence[frozenset[int]]
 ) -> dict[int, int]:
     """Device slots each size class needs: the largest set of chunks one module
-    holds at once (its own and its ancestors' parameters) plus one gradient slot."""
+    holds at once (its own and its ancestors' parameters), plus one slot of the
+    largest trainable size to receive gradients (a chunk fits any larger slot)."""
     need: Counter[int] = Counter()
     for chunk_set in working_sets:
         per_class = _classes(layout.chunks[i].capacity * element_size for i in chunk_set)
         for size, count in per_class.items():
             need[size] = max(need[size], count)
-    # One more slot per size class to receive gradients while parameters are in use.
-    trainable_sizes = {c.capacity * element_size for c in layout.chunks if c.trainable}
-    for size in trainable_sizes:
-        need[size] += 1
+    trainable_sizes = [c.capacity * element_size for c in layout.chunks if c.trainable]
+    if trainable_sizes:
+        need[max(trainable_sizes)] += 1
     if not need and layout.chunks:
         need[layout.chunks[0].capacity * element_size] = 1
     return dict(need)
@@ -186,9 +186,9 @@ def make_plan(
     grad_home: list[str | None] = [HOST if t else None for t in trainable]
     optim_home: list[str | None] = [HOST if t else None for t in trainable]
     staging: dict[str, Counter[int]] = {"param": Counter(), "grad": Counter(), "optim": Counter()}
-    for i in range(n):
-        if trainable[i]:
-            staging["grad"][pbytes[i]] = GRAD_STAGING_SLOTS
+    trainable_bytes = [pbytes[i] for i in range(n) if trainable[i]]
+    if trainable_bytes:
+        staging["grad"][max(trainable_bytes)] = GRAD_STAGING_SLOTS
 
     def host_need() -> int:
         homes = sum(pbytes[i] for i in range(n) if param_home[i] == HOST)
@@ -196,8 +196,13 @@ def make_plan(
         homes += sum(obytes[i] for i in range(n) if optim_home[i] == HOST)
         return homes + sum(s * c for pool in staging.values() for s, c in pool.items())
 
-    def add_staging(kind: str, size: int, count: int, available: int) -> None:
-        staging[kind][size] = max(staging[kind][size], min(count, available))
+    def add_staging(kind: str, size: int, count: int) -> None:
+        # NOTE: a chunk fits any larger slot, so one set of slots of the largest
+        # size a kind needs serves all its chunks (oversize ones included).
+        pool = staging[kind]
+        largest = max([size, *pool])
+        pool.clear()
+        pool[largest] = count
 
     # Move the coldest state to NVMe, chunk by chunk from the back, until it fits.
     # Order: optimizer units, then gradients, then parameters.
@@ -206,24 +211,19 @@ def make_plan(
     moves += [("param", i) for i in reversed(range(n))]
     param_slots = max(prefetch_depth + 2, OPTIM_PIPELINE_SLOTS)
     for kind, i in moves:
-        if host_need() <= budgets.host:
-            break
-        if budgets.nvme is None:
+        if host_need() <= budgets.host or budgets.nvme is None:
             break
         if kind == "optim":
             optim_home[i] = NVME
-            same = sum(1 for j in range(n) if trainable[j] and obytes[j] == obytes[i])
-            add_staging("optim", obytes[i], OPTIM_PIPELINE_SLOTS, same)
+            add_staging("optim", obytes[i], min(OPTIM_PIPELINE_SLOTS, sum(trainable)))
             if not has_master:
                 # fp32: the parameter chunk is the master; the step stages it too.
-                same_p = sum(1 for j in range(n) if pbytes[j] == pbytes[i])
-                add_staging("param", pbytes[i], OPTIM_PIPELINE_SLOTS, same_p)
+                add_staging("param", pbytes[i], min(OPTIM_PIPELINE_SLOTS, n))
         elif kind == "grad":
             grad_home[i] = NVME
         else:
             param_home[i] = NVME
-            same_p = sum(1 for j in range(n) if pbytes[j] == pbytes[i])
-            add_staging("param", pbytes[i], param_slots, same_p)
+            add_staging("param", pbytes[i], min(param_slots, n))
 
     need = host_need()
     if need > budgets.host:

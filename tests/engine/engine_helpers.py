@@ -18,7 +18,7 @@ SEQ = 32
 def tiny_gpt(seed: int = 0, **overrides) -> GPT:
     """A small GPT with GPT-2 style init (tied embeddings, root parameter)."""
     torch.manual_seed(seed)
-    fields = {"vocab_size": VOCAB, "seq_len": SEQ, "layers": 2, "hidden": 64, "heads": 4}
+    fields = {"vocab_size": VOCAB, "seq_len": SEQ, "layers": 4, "hidden": 32, "heads": 4}
     fields.update(overrides)
     model = GPT(GPTConfig(**fields))
     model.apply(init_weights)
@@ -104,3 +104,13 @@ def config(**kw) -> infinity.Config:
     kw.setdefault("device", "cpu")
     kw.setdefault("dtype", "fp32")
     return infinity.Config(**kw)
+
+
+def learnable_batches(n: int, seed: int = 1, batch: int = 4, seq: int = SEQ, vocab: int = VOCAB):
+    """Batches whose target is ``(token + 1) % vocab``: a rule a tiny model learns in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append((x, (x + 1) % vocab))
+    return out

@@ -11,6 +11,7 @@ import pytest
 import torch
 from engine_helpers import (
     batches,
+    learnable_batches,
     config,
     global_rel_error,
     param_bytes,
@@ -46,7 +47,7 @@ def test_gpt_fp32_matches_torch(case, tmp_path):
     model = tiny_gpt(checkpoint_activations=(case == "checkpointing"))
     ref, ref_opt = reference_pair(model)
     pbytes = param_bytes(model, 4)
-    cfg = {"device_memory": pbytes // 2, "chunk_size": "16KiB"}
+    cfg = {"device_memory": pbytes * 6 // 10, "chunk_size": "24KiB"}
     if case == "host_below_states":
         cfg.update(host_memory=pbytes * 2, nvme_path=str(tmp_path))  # states are 4x params
     accum = 2 if case == "grad_accumulation" else 1
@@ -58,7 +59,7 @@ def test_gpt_fp32_matches_torch(case, tmp_path):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     _check_fp32(model, ref)
     stats = infinity.stats(model)
-    assert stats["device_peak_bytes"] <= pbytes // 2
+    assert stats["device_peak_bytes"] <= pbytes * 6 // 10
     if case == "host_below_states":
         assert stats["host_peak_bytes"] <= pbytes * 2
         assert stats["nvme_read_bytes"] > 0 and stats["nvme_write_bytes"] > 0
@@ -73,7 +74,7 @@ def test_frozen_parameters_stay_put_and_others_match(tmp_path):
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3,
                                 weight_decay=0.1, foreach=False)
     frozen_before = {k: v.clone() for k, v in model.blocks[0].state_dict().items()}
-    model = _offloaded(model, device_memory=param_bytes(model, 4) // 2, chunk_size="16KiB")
+    model = _offloaded(model, device_memory=param_bytes(model, 4) * 6 // 10, chunk_size="24KiB")
     opt = CPUAdam([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
     data = batches(STEPS)
     train(model, opt, data)
@@ -104,7 +105,7 @@ class Branchy(torch.nn.Module):
 def test_branch_unused_in_some_steps_is_skipped_like_torch():
     model = Branchy()
     ref, ref_opt = reference_pair(model)
-    model = _offloaded(model, device_memory=param_bytes(model, 4), chunk_size="4KiB")
+    model = _offloaded(model, device_memory="32KiB", chunk_size="4KiB")
     opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
     g = torch.Generator().manual_seed(5)
     data = [(torch.randint(0, 50, (4, 8), generator=g), torch.randint(0, 50, (4, 8), generator=g), s % 2 == 0)
@@ -154,10 +155,10 @@ def test_16bit_loss_curves_follow_fp32(dtype, tmp_path):
     model = _offloaded(model, dtype=dtype, device_memory=pbytes // 2, host_memory=pbytes * 4,
                        nvme_path=str(tmp_path), chunk_size="8KiB")
     opt = CPUAdam(model.parameters(), lr=3e-3, weight_decay=0.1)
-    data = batches(12, seed=2)
+    data = learnable_batches(12, seed=2)
     scale = opt.scale_loss if dtype == "fp16" else None
     losses = train(model, opt, data, scale=scale)
     ref_losses = train(ref, ref_opt, data)
-    assert losses[-1] < losses[0] - 0.2  # it learns
-    for ours, theirs in zip(losses, ref_losses):
-        assert abs(ours - theirs) / theirs < 0.02
+    assert losses[-1] < losses[0] - 0.5  # it learns
+    for ours, theirs in zip(losses, ref_losses, strict=True):
+        assert abs(ours - theirs) / theirs < 0.02, (losses, ref_losses)
