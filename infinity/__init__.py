@@ -27,6 +27,15 @@ def gradients(model):  # noqa: ANN001, ANN201
     return _gradients(model, engine_of(model))
 
 
+def timeline(model):  # noqa: ANN001, ANN201
+    """The memory timeline of the last complete iteration: per moment, the phase
+    (forward/backward/grad/optimizer), the chunk accessed, bytes on the device and
+    host tiers, and which parameter/gradient chunks were on the device."""
+    from infinity.offload import engine_of
+
+    return engine_of(model).timeline.as_dict()
+
+
 __all__ = [
     "AioConfig",
     "CheckpointError",
@@ -40,5 +49,6 @@ __all__ = [
     "optim",
     "save_checkpoint",
     "stats",
+    "timeline",
 ]
 __version__ = "0.1.0"

@@ -142,6 +142,7 @@ def offloaded_step(engine, hyper_by_index: dict[int, AdamHyperParams], grad_scal
         if not runs:
             continue
         step_chunk(engine, chunk, runs, covered, grad_scale)
+        engine.sample("optimizer", chunk)
         for index, _offset, _numel in members:
             if hyper_of(index) is not None:
                 engine.tensor_steps[index] += 1

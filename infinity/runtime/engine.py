@@ -25,6 +25,7 @@ from infinity.runtime.budgets import DTYPE_OF, choose_plan, resolve_budgets
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
 from infinity.runtime.sentinel import GradientInChunks, is_zeroed
 from infinity.runtime.step_timer import StepTimer
+from infinity.runtime.timeline import Moment, Timeline
 from infinity.runtime.swap import open_swap
 from infinity.schedule.trace import TraceRecorder
 
@@ -72,6 +73,7 @@ class OffloadEngine:
             for m, es in self.registry.owners.items()
         }
         self.trace = TraceRecorder()
+        self.timeline = Timeline()
         self._backward_active = False
         self._param_count = len(self.registry.entries)
         self.tensor_steps = [0] * len(self.registry.entries)
@@ -125,6 +127,27 @@ class OffloadEngine:
             entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
         entry.param.data = entry.placeholder
 
+    def access(self, phase: str, chunk: int) -> None:
+        """Record one access in the trace and advance the moment."""
+        self.trace.record(phase, chunk)
+        self.manager.advance()
+
+    def sample(self, phase: str, chunk: int) -> None:
+        """Add the tiers' state after an access to the memory timeline."""
+        params, grads = [], []
+        for copy in self.manager.device:
+            (params if copy.key[0] is Kind.PARAM else grads).append(copy.key[1])
+        self.timeline.add(
+            Moment(
+                phase=phase,
+                chunk=chunk,
+                device_bytes=self.manager.device_account.used,
+                host_bytes=self.manager.host_account.used,
+                device_chunks=tuple(sorted(params)),
+                device_grads=tuple(sorted(grads)),
+            )
+        )
+
     # --- forward -----------------------------------------------------------------------
     def begin_module(self, module: nn.Module) -> None:
         """A module's forward starts: make its parameters' chunks resident and bind views."""
@@ -132,9 +155,9 @@ class OffloadEngine:
         for entry in self.registry.owners[module]:
             by_chunk.setdefault(self.layout.slots[entry.index].chunk, []).append(entry)
         for chunk, entries in by_chunk.items():
-            self.trace.record("forward", chunk)
-            self.manager.advance()
+            self.access("forward", chunk)
             copy = self.manager.param_on_device(chunk)
+            self.sample("forward", chunk)
             alias = self.backend.alias(copy.tensor)
             copy.add_alias(alias)
             for entry in entries:
@@ -156,6 +179,7 @@ class OffloadEngine:
         self._check_model()
         if not self._backward_active:
             self.trace.start_iteration()
+            self.timeline.finish_iteration()
             for counters in self.states:
                 counters.reset_step()
 
@@ -174,9 +198,9 @@ class OffloadEngine:
             return packed
         chunk, shape, stride, offset, dtype = packed
         self._note_backward()
-        self.trace.record("backward", chunk)
-        self.manager.advance()
+        self.access("backward", chunk)
         copy = self.manager.param_on_device(chunk)
+        self.sample("backward", chunk)
         alias = self.backend.alias(copy.tensor)
         copy.add_alias(alias)
         return torch.as_strided(alias.view(dtype), shape, stride, offset)
@@ -191,10 +215,10 @@ class OffloadEngine:
         if grad is None:
             return
         chunk = self.layout.slots[entry.index].chunk
-        self.trace.record("grad", chunk)
-        self.manager.advance()
+        self.access("grad", chunk)
         copy = self.manager.grad_on_device(chunk)
         self.chunk_view(copy.tensor, entry).copy_(grad)
+        self.sample("grad", chunk)
         self.has_grad[entry.index] = True
         self.set_state(entry, _S.HOLD_AFTER_BWD)
         counters = self.states[chunk]
