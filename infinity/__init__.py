@@ -19,7 +19,7 @@ from infinity.schedule.planner import PlanError
 from infinity.stats import stats
 
 
-def gradients(model):  # noqa: ANN001, ANN201
+def gradients(model):
     """Copies of the gradients held in chunks, by parameter name (needs RAM for all)."""
     from infinity.offload import engine_of
     from infinity.runtime.state_access import gradients as _gradients
@@ -27,7 +27,7 @@ def gradients(model):  # noqa: ANN001, ANN201
     return _gradients(model, engine_of(model))
 
 
-def timeline(model):  # noqa: ANN001, ANN201
+def timeline(model):
     """The memory timeline of the last complete iteration: per moment, the phase
     (forward/backward/grad/optimizer), the chunk accessed, bytes on the device and
     host tiers, and which parameter/gradient chunks were on the device."""

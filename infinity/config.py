@@ -26,6 +26,10 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and a fix."""
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
 def _size_or_auto(name: str, value: Any, *, minimum: int = 0) -> int | str:
     if value == AUTO:
         return AUTO
@@ -160,8 +164,7 @@ class Config:
         if self.chunk_size != AUTO and self.chunk_size % IO_ALIGNMENT:
             raise ConfigError(
                 f"chunk_size={self.chunk_size} must be a multiple of {IO_ALIGNMENT} bytes "
-                f"(O_DIRECT alignment), e.g. {self.chunk_size // IO_ALIGNMENT * IO_ALIGNMENT + IO_ALIGNMENT}"
-                " or 'auto'"
+                f"(O_DIRECT alignment), e.g. {_round_up(self.chunk_size, IO_ALIGNMENT)} or 'auto'"
             )
         if self.nvme_path is not None:
             if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):

@@ -10,13 +10,20 @@ from torch import nn
 from infinity.config import Config
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.hooks import HookSet
-from infinity.runtime.materialize import InitFn, check_initialisable, fill_chunks, materialize_buffers
+from infinity.runtime.materialize import (
+    InitFn,
+    check_initialisable,
+    fill_chunks,
+    materialize_buffers,
+)
 from infinity.runtime.state_dict import install_state_dict_hooks
 
 _ENGINE_ATTR = "_infinity_engine"
 
 
-def offload(model: nn.Module, config: Config | None = None, init: InitFn | None = None) -> nn.Module:
+def offload(
+    model: nn.Module, config: Config | None = None, init: InitFn | None = None
+) -> nn.Module:
     """Lay ``model``'s parameters out in chunks across the tiers and hook the model.
 
     Returns the same module, ready for a plain training loop with

@@ -73,7 +73,9 @@ def read_meta(path: Path) -> dict[str, Any]:
     for name, info in meta["files"].items():
         file = path / name
         if not file.is_file() or file.stat().st_size != info["bytes"]:
-            raise CheckpointError(f"{file} is missing or truncated (expected {info['bytes']} bytes)")
+            raise CheckpointError(
+                f"{file} is missing or truncated (expected {info['bytes']} bytes)"
+            )
     return meta
 
 

@@ -30,13 +30,15 @@ from infinity.runtime.engine import OffloadEngine
 FP32 = 4
 
 
-def _read_into(f, offset: int, dst: torch.Tensor) -> None:  # noqa: ANN001
+def _read_into(f, offset: int, dst: torch.Tensor) -> None:
     """Fill the uint8 tensor ``dst`` from byte ``offset`` of file ``f``."""
     f.seek(offset)
     view = dst.numpy()
     got = f.readinto(view)
     if got != view.nbytes:
-        raise CheckpointError(f"{f.name}: short read at offset {offset} ({got} of {view.nbytes} bytes)")
+        raise CheckpointError(
+            f"{f.name}: short read at offset {offset} ({got} of {view.nbytes} bytes)"
+        )
 
 
 def _match(engine: OffloadEngine, recs: dict[str, TensorRecord], dtype: str) -> None:
@@ -51,7 +53,9 @@ def _match(engine: OffloadEngine, recs: dict[str, TensorRecord], dtype: str) -> 
         if rec is None:
             problems.append(f"{entry.name}: not in checkpoint")
         elif rec.shape != entry.shape:
-            problems.append(f"{entry.name}: shape {rec.shape} in checkpoint, {entry.shape} in model")
+            problems.append(
+                f"{entry.name}: shape {rec.shape} in checkpoint, {entry.shape} in model"
+            )
         elif rec.trainable != entry.trainable and entry.trainable:
             problems.append(f"{entry.name}: frozen in checkpoint, trainable in model")
     if problems:
@@ -59,7 +63,11 @@ def _match(engine: OffloadEngine, recs: dict[str, TensorRecord], dtype: str) -> 
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer=None, *, verify: bool = True  # noqa: ANN001
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer=None,
+    *,
+    verify: bool = True,
 ) -> dict:
     """Restore parameters, fp32 masters, moments and step counts (and optimizer
     hyper-parameters) from ``path``; returns the checkpoint's metadata.
@@ -101,9 +109,13 @@ def load_checkpoint(
                     slot = engine.layout.slots[entry.index]
                     rec = recs[entry.name]
                     if rec.optim_offset is None:
-                        raise CheckpointError(f"{entry.name} has no optimizer state in the checkpoint")
+                        raise CheckpointError(
+                            f"{entry.name} has no optimizer state in the checkpoint"
+                        )
                     for k in range(parts):
-                        src = rec.optim_offset + (k * rec.chunk_capacity + rec.element_offset) * FP32
+                        src = (
+                            rec.optim_offset + (k * rec.chunk_capacity + rec.element_offset) * FP32
+                        )
                         at = (k * cap + slot.offset) * FP32
                         _read_into(fo, src, region[at : at + slot.numel * FP32])
                     engine.tensor_steps[entry.index] = rec.step
@@ -118,15 +130,17 @@ def load_checkpoint(
     return meta
 
 
-def _load_optimizer(engine: OffloadEngine, optimizer, groups: list[dict]) -> None:  # noqa: ANN001
+def _load_optimizer(engine: OffloadEngine, optimizer, groups: list[dict]) -> None:
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(
             f"checkpoint has {len(groups)} optimizer parameter groups, the optimizer has "
             f"{len(optimizer.param_groups)}"
         )
-    for saved, group in zip(groups, optimizer.param_groups):
+    for saved, group in zip(groups, optimizer.param_groups, strict=False):
         names = [engine.registry.entries[p._infinity_index].name for p in group["params"]]
         if names != saved["params"]:
-            raise CheckpointError("optimizer parameter groups hold different parameters than in the checkpoint")
+            raise CheckpointError(
+                "optimizer parameter groups hold different parameters than in the checkpoint"
+            )
         for key, value in saved["hyper"].items():
             group[key] = tuple(value) if isinstance(group.get(key), tuple) else value

@@ -24,7 +24,9 @@ from infinity.offload import engine_of, engine_of_param
 from infinity.runtime.engine import OffloadEngine
 
 
-def _stream(engine: OffloadEngine, kind: Kind, chunks: list[int], file: Path) -> tuple[dict[int, int], dict[str, int]]:
+def _stream(
+    engine: OffloadEngine, kind: Kind, chunks: list[int], file: Path
+) -> tuple[dict[int, int], dict[str, int]]:
     """Write ``chunks`` of ``kind`` back to back; returns file offset per chunk and size/CRC."""
     offsets: dict[int, int] = {}
     crc = 0
@@ -45,7 +47,7 @@ def _stream(engine: OffloadEngine, kind: Kind, chunks: list[int], file: Path) ->
     return offsets, {"bytes": position, "crc32": crc}
 
 
-def optimizer_groups(engine: OffloadEngine, optimizer) -> list[dict[str, Any]]:  # noqa: ANN001
+def optimizer_groups(engine: OffloadEngine, optimizer) -> list[dict[str, Any]]:
     """Each group's JSON-able hyper-parameters and the names of its parameters."""
     groups = []
     for group in optimizer.param_groups:
@@ -63,7 +65,7 @@ def optimizer_groups(engine: OffloadEngine, optimizer) -> list[dict[str, Any]]: 
     return groups
 
 
-def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer=None) -> Path:  # noqa: ANN001
+def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer=None) -> Path:
     """Write ``model`` (and ``optimizer``'s state) to the directory ``path``, atomically."""
     engine = engine_of(model)
     engine.manager.synchronize()

@@ -7,9 +7,9 @@ returns a slot, so the totals are right by construction.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from collections.abc import Iterator
 
 
 @dataclass

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from infinity.chunks.layout import TensorInfo, build_layout, chunk_alignment_elems
 
 MIN_AUTO_CHUNK_BYTES = 1 << 20
+MIN_AUTO_CHUNKS = 32
 _GRID_STEPS_PER_DOUBLING = 8
 _EXACT_CANDIDATES = 16
 
@@ -42,26 +43,41 @@ def chunk_size_candidates(
     return sorted(c for c in candidates if lo <= c <= hi)
 
 
+def _oversize_elems(layout) -> int:
+    return sum(c.capacity for c in layout.chunks if c.oversize)
+
+
 def search_chunk_size(
     tensors: Sequence[TensorInfo],
     element_size: int,
     *,
     max_bytes: int,
     min_bytes: int = MIN_AUTO_CHUNK_BYTES,
+    min_chunks: int = MIN_AUTO_CHUNKS,
 ) -> int:
     """Return the chunk size in elements that wastes least; ties go to the larger size.
 
-    ``max_bytes`` bounds the size from above (the planner derives it from the
-    budgets). A model smaller than ``min_bytes`` gets one chunk that fits it.
+    Bounds: at most ``max_bytes`` (the planner derives it from the budgets) and
+    small enough that the model spans about ``min_chunks`` chunks (placement
+    across tiers and prefetch need granularity). Waste alone would favour tiny
+    chunks with every tensor in an oversize chunk of its own (no waste, and no
+    point in chunks), so a candidate may put at most 10% more of the model into
+    oversize chunks than the largest candidate does. A model smaller than
+    ``min_bytes`` gets one chunk that fits it.
     """
     total = sum(t.numel for t in tensors)
     granule = chunk_alignment_elems(element_size)
     if total * element_size <= min_bytes:
         return max(granule, _round_up(total, granule))
+    max_bytes = max(min_bytes, min(max_bytes, total * element_size // min_chunks))
+    candidates = chunk_size_candidates(tensors, element_size, min_bytes, max_bytes)
+    layouts = {elems: build_layout(tensors, elems, element_size) for elems in candidates}
+    allowed = _oversize_elems(layouts[candidates[-1]]) + total // 10
     best: tuple[int, int] | None = None  # (waste, -size)
-    for elems in chunk_size_candidates(tensors, element_size, min_bytes, max_bytes):
-        waste = build_layout(tensors, elems, element_size).wasted_elems()
-        key = (waste, -elems)
+    for elems, layout in layouts.items():
+        if _oversize_elems(layout) > allowed:
+            continue
+        key = (layout.wasted_elems(), -elems)
         if best is None or key < best:
             best = key
     assert best is not None

@@ -117,9 +117,7 @@ def _group_sizes(tensors: Sequence[TensorInfo], align: int) -> dict[tuple[int, b
     return sizes
 
 
-def build_layout(
-    tensors: Sequence[TensorInfo], chunk_elems: int, element_size: int
-) -> ChunkLayout:
+def build_layout(tensors: Sequence[TensorInfo], chunk_elems: int, element_size: int) -> ChunkLayout:
     """Pack ``tensors`` in order into chunks of ``chunk_elems`` elements.
 
     Trainable and frozen tensors go to separate chunk streams (each keeps the
@@ -161,7 +159,9 @@ def build_layout(
             open_chunk[info.trainable].append((i, open_fill[info.trainable], 0, info.shape))
             continue
         if numel > chunk_elems:
-            closed.append((info.trainable, True, _round_up(numel, granule), [(i, 0, numel, info.shape)]))
+            closed.append(
+                (info.trainable, True, _round_up(numel, granule), [(i, 0, numel, info.shape)])
+            )
             continue
         start = _round_up(open_fill[info.trainable], align)
         if start + numel > chunk_elems:

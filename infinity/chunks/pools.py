@@ -77,7 +77,9 @@ class SlabPool:
 class Arena:
     """A single allocation split into fixed regions (permanent homes of chunks)."""
 
-    def __init__(self, tier: str, sizes: list[int], allocate: Callable[[int], torch.Tensor]) -> None:
+    def __init__(
+        self, tier: str, sizes: list[int], allocate: Callable[[int], torch.Tensor]
+    ) -> None:
         self.tier = tier
         total = sum(sizes)
         self.slab = allocate(total) if total else torch.empty(0, dtype=torch.uint8)

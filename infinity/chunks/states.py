@@ -66,7 +66,9 @@ class StateCounters:
         """Move tensor ``i`` to ``new``; raise :class:`IllegalTransition` if not allowed."""
         old = self.states[i]
         if (old, new) not in LEGAL_TRANSITIONS:
-            raise IllegalTransition(f"tensor {i}: {old.name} -> {new.name} is not a legal transition")
+            raise IllegalTransition(
+                f"tensor {i}: {old.name} -> {new.name} is not a legal transition"
+            )
         self.states[i] = new
         self.counts[old] -= 1
         self.counts[new] += 1

@@ -8,9 +8,9 @@ engine then has the same races as on a GPU, and tests catch a missing wait.
 from __future__ import annotations
 
 import ctypes
-import time
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 import torch
@@ -55,12 +55,12 @@ class _CopyThread:
                 continue
             try:
                 fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            except BaseException as exc:
                 future.set_exception(exc)
             else:
                 future.set_result(None)
 
-    def submit(self, fn) -> Future[None]:  # noqa: ANN001
+    def submit(self, fn) -> Future[None]:
         future: Future[None] = Future()
         if not self._thread.is_alive():
             raise RuntimeError("the copy thread has stopped")

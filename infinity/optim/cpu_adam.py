@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from infinity.optim import kernels
-from infinity.optim import offloaded
+from infinity.optim import kernels, offloaded
 from infinity.optim.hyper import _TORCH_GROUP_DEFAULTS, AdamHyperParams
 
 __all__ = ["AdamHyperParams", "CPUAdam"]
+
 
 def _check_dense_param(p: torch.Tensor) -> None:
     """Raise a clear error if CPUAdam cannot step ``p`` as a plain CPU tensor."""

@@ -23,7 +23,9 @@ def engine_of_param(param: torch.Tensor) -> Any | None:
     return ref() if ref is not None else None
 
 
-def offloaded_hyper(param_groups: Iterable[dict[str, Any]]) -> dict[Any, dict[int, AdamHyperParams]]:
+def offloaded_hyper(
+    param_groups: Iterable[dict[str, Any]],
+) -> dict[Any, dict[int, AdamHyperParams]]:
     """For each engine, the hyper-parameters of every offloaded parameter (by tensor index)."""
     out: dict[Any, dict[int, AdamHyperParams]] = {}
     for group in param_groups:

@@ -12,6 +12,7 @@ Tensors without a gradient are skipped exactly as ``torch.optim`` skips
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,8 +20,6 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
-import itertools
-
 from infinity.optim import kernels
 from infinity.optim.hyper import AdamHyperParams
 

@@ -32,7 +32,11 @@ def resolve_budgets(config: Config, device: torch.device) -> Budgets:
         dev = available // 4
     nvme: int | None = None
     if config.nvme_path is not None:
-        nvme = nvme_capacity(config.nvme_path) if config.nvme_memory == AUTO else int(config.nvme_memory)
+        nvme = (
+            nvme_capacity(config.nvme_path)
+            if config.nvme_memory == AUTO
+            else int(config.nvme_memory)
+        )
     return Budgets(device=dev, host=host, nvme=nvme)
 
 
@@ -91,3 +95,13 @@ def choose_plan(
         max_bytes //= 2
     assert last_error is not None
     raise last_error
+
+
+def plan_for(registry, config: Config, device: torch.device) -> Plan:
+    """The plan for a model's parameter registry under ``config`` (nothing is allocated)."""
+    return choose_plan(
+        registry.tensor_infos(),
+        registry.working_sets,
+        config=config,
+        budgets=resolve_budgets(config, device),
+    )

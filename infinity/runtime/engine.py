@@ -18,15 +18,15 @@ from infinity.chunks.manager import ChunkManager, typed
 from infinity.chunks.states import StateCounters, TensorState
 from infinity.config import Config
 from infinity.devices.base import make_backend
-from infinity.optim.loss_scale import LossScaler
 from infinity.optim.hyper import AdamHyperParams
+from infinity.optim.loss_scale import LossScaler
 from infinity.optim.offloaded_step import offloaded_step
-from infinity.runtime.budgets import DTYPE_OF, choose_plan, resolve_budgets
+from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
 from infinity.runtime.sentinel import GradientInChunks, is_zeroed
 from infinity.runtime.step_timer import StepTimer
-from infinity.runtime.timeline import Moment, Timeline
 from infinity.runtime.swap import open_swap
+from infinity.runtime.timeline import Moment, Timeline
 from infinity.schedule.trace import TraceRecorder
 
 log = logging.getLogger("infinity")
@@ -48,13 +48,7 @@ class OffloadEngine:
         self.registry = ParamRegistry.from_model(model)
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
-        self.budgets = resolve_budgets(config, self.device)
-        self.plan = choose_plan(
-            self.registry.tensor_infos(),
-            self.working_sets,
-            config=config,
-            budgets=self.budgets,
-        )
+        self.plan = plan_for(self.registry, config, self.device)
         self.layout: ChunkLayout = self.plan.layout
         self.swap = open_swap(config, self.plan.nvme_bytes)
         self.manager = ChunkManager(self.plan, self.dtype, self.backend, self.swap)
@@ -90,19 +84,6 @@ class OffloadEngine:
         self._closed = False
 
     # --- layout helpers ------------------------------------------------------------
-    def working_sets(self, layout: ChunkLayout) -> list[frozenset[int]]:
-        """Chunks each module holds at once: its own and its ancestors' parameters'."""
-        own: dict[nn.Module, set[int]] = {
-            m: {layout.slots[e.index].chunk for e in es} for m, es in self.registry.owners.items()
-        }
-        sets = []
-        for module, chunks in own.items():
-            held = set(chunks)
-            for parent in self.registry.ancestors(module):
-                held |= own.get(parent, set())
-            sets.append(frozenset(held))
-        return sets
-
     def set_state(self, entry: ParamEntry, state: TensorState) -> None:
         """Move one parameter to ``state`` (checked against the whitelist)."""
         chunk = self.layout.slots[entry.index].chunk
@@ -190,7 +171,13 @@ class OffloadEngine:
         if key is None or key[0] is not Kind.PARAM:
             return tensor
         chunk = key[1]
-        return (chunk, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+        return (
+            chunk,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.storage_offset(),
+            tensor.dtype,
+        )
 
     def unpack(self, packed):
         """Saved-tensor unpack hook: make the chunk resident again and rebuild the view."""
@@ -319,7 +306,9 @@ class OffloadEngine:
         return root.parameters()
 
     # --- optimizer ------------------------------------------------------------------
-    def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams], clip_coef: float = 1.0) -> bool:
+    def optimizer_step(
+        self, hyper_by_index: dict[int, AdamHyperParams], clip_coef: float = 1.0
+    ) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
         self.collect_zeroed_grads()
         self.manager.synchronize()
@@ -327,8 +316,9 @@ class OffloadEngine:
         if self.scaler is not None:
             if not self.loss_scaled and any(self.has_grad):
                 raise RuntimeError(
-                    "fp16 training needs loss scaling: call `optimizer.scale_loss(loss).backward()` "
-                    "instead of `loss.backward()` (bf16 and fp32 need no scaling)"
+                    "fp16 training needs loss scaling: call "
+                    "`optimizer.scale_loss(loss).backward()` instead of `loss.backward()` "
+                    "(bf16 and fp32 need no scaling)"
                 )
             found_inf = self.manager.found_inf
             grad_scale = clip_coef / self.scaler.scale

@@ -38,9 +38,7 @@ class HookSet:
         self.handles.append(model.register_forward_pre_hook(root_pre, prepend=True))
         for module in engine.registry.owners:
             self.handles.append(module.register_forward_pre_hook(self._pre(module)))
-            self.handles.append(
-                module.register_forward_hook(self._post(module), always_call=True)
-            )
+            self.handles.append(module.register_forward_hook(self._post(module), always_call=True))
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
         for entry in engine.registry.entries:
             if entry.trainable:

@@ -47,8 +47,8 @@ def check_initialisable(model: nn.Module, init: InitFn | None) -> None:
     if missing:
         raise ValueError(
             "these modules have parameters on the meta device but no reset_parameters() to "
-            f"initialise them: {', '.join(missing)}. Pass init=fn to infinity.offload(); fn(module) "
-            "is called once the module's parameters have memory."
+            f"initialise them: {', '.join(missing)}. Pass init=fn to infinity.offload(); "
+            "fn(module) is called once the module's parameters have memory."
         )
 
 
@@ -80,7 +80,9 @@ def fill_chunks(engine: OffloadEngine, model: nn.Module, init: InitFn | None) ->
         chunk = open_chunks.get(slot.chunk)
         if chunk is None:
             members = engine.chunk_members[slot.chunk]
-            chunk = open_chunks[slot.chunk] = _OpenChunk(layout.chunks[slot.chunk].capacity, len(members))
+            chunk = open_chunks[slot.chunk] = _OpenChunk(
+                layout.chunks[slot.chunk].capacity, len(members)
+            )
         return chunk.values[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def finish(entry: ParamEntry) -> None:

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from infinity.chunks.layout import TensorInfo
-
+from infinity.chunks.layout import ChunkLayout, TensorInfo
 
 _NAN_CELLS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -27,7 +26,9 @@ def _nan_cell(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _NAN_CELLS[key]
 
 
-def placeholder(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def placeholder(
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """What a parameter's ``.data`` is while its values live only in chunks.
 
     One shared NaN element expanded to the parameter's shape: metadata
@@ -105,7 +106,10 @@ class ParamRegistry:
         for g, entries in enumerate(self.owners.values()):
             for e in entries:
                 group_of.setdefault(e.index, g)
-        return [TensorInfo(e.name, e.shape, e.trainable, group_of.get(e.index, -1)) for e in self.entries]
+        return [
+            TensorInfo(e.name, e.shape, e.trainable, group_of.get(e.index, -1))
+            for e in self.entries
+        ]
 
     def ancestors(self, module: nn.Module) -> Iterator[nn.Module]:
         """``module``'s parents up to the root."""
@@ -113,6 +117,17 @@ class ParamRegistry:
         while parent is not None:
             yield parent
             parent = self.parents.get(parent)
+
+    def working_sets(self, layout: ChunkLayout) -> list[frozenset[int]]:
+        """Chunks each module holds at once: its own and its ancestors' parameters'."""
+        own = {m: {layout.slots[e.index].chunk for e in es} for m, es in self.owners.items()}
+        sets = []
+        for module, chunks in own.items():
+            held = set(chunks)
+            for parent in self.ancestors(module):
+                held |= own.get(parent, set())
+            sets.append(frozenset(held))
+        return sets
 
     def entry(self, param: torch.Tensor) -> ParamEntry | None:
         """The entry of ``param`` if it belongs to the model."""

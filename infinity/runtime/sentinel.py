@@ -29,7 +29,7 @@ class GradientInChunks(torch.Tensor):
         )
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # zero_grad(set_to_none=False) zeroes in place: accept it as "zeroed".
         if func is torch.ops.aten.zero_.default:
             args[0]._zeroed = True

@@ -47,7 +47,9 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
     entries = [engine.registry.entries[i] for i in values]
     for chunk, group in _by_chunk(engine, entries).items():
         for key, dtype in ((Kind.PARAM, engine.dtype), (Kind.OPTIM, torch.float32)):
-            if key is Kind.OPTIM and not (engine.plan.has_master and engine.layout.chunks[chunk].trainable):
+            if key is Kind.OPTIM and not (
+                engine.plan.has_master and engine.layout.chunks[chunk].trainable
+            ):
                 continue
             region, copy = engine.manager.open_host((key, chunk))
             try:
@@ -66,7 +68,9 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
         engine.manager.drop_param(chunk)
 
 
-def grad_norms(engine: OffloadEngine, indices: Iterable[int], norm_type: float) -> list[torch.Tensor]:
+def grad_norms(
+    engine: OffloadEngine, indices: Iterable[int], norm_type: float
+) -> list[torch.Tensor]:
     """Per-tensor gradient norms (fp32, loss scale removed) of tensors that have a gradient."""
     engine.collect_zeroed_grads()
     engine.manager.synchronize()
@@ -99,7 +103,9 @@ def gradients(model: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor
             flat = typed(region, engine.dtype)
             for entry in group:
                 slot = engine.layout.slots[entry.index]
-                out[entry.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                out[entry.name] = (
+                    flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                )
         finally:
             engine.manager.close_host(copy, modified=False)
     return out

@@ -17,15 +17,16 @@ from infinity.runtime.state_access import read_params, write_params
 def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
     """Hooks on every module that owns parameters; returns their handles."""
     handles: list[RemovableHandle] = []
-    for module, entries in engine.registry.owners.items():
+    for module, _entries in engine.registry.owners.items():
         names = {
-            name: engine.registry.by_id[id(p)]
-            for name, p in module.named_parameters(recurse=False)
+            name: engine.registry.by_id[id(p)] for name, p in module.named_parameters(recurse=False)
         }
         consumed: list[str] = []
 
-        def save_hook(mod, state_dict, prefix, local_metadata, names=names) -> None:  # noqa: ANN001
-            wanted = {prefix + name: entry for name, entry in names.items() if prefix + name in state_dict}
+        def save_hook(mod, state_dict, prefix, local_metadata, names=names) -> None:
+            wanted = {
+                prefix + name: entry for name, entry in names.items() if prefix + name in state_dict
+            }
             by_index = {e.index: key for key, e in wanted.items()}
             for entry, value in read_params(engine, wanted.values()):
                 state_dict[by_index[entry.index]] = value
@@ -35,8 +36,16 @@ def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
                         state_dict[key] = value
 
         def load_pre_hook(
-            mod, state_dict, prefix, local_metadata, strict, missing, unexpected, errors,  # noqa: ANN001
-            names=names, consumed=consumed,
+            mod,
+            state_dict,
+            prefix,
+            local_metadata,
+            strict,
+            missing,
+            unexpected,
+            errors,
+            names=names,
+            consumed=consumed,
         ) -> None:
             values = {}
             for name, entry in names.items():
@@ -47,7 +56,7 @@ def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
             if values:
                 write_params(engine, values)
 
-        def load_post_hook(mod, incompatible, consumed=consumed) -> None:  # noqa: ANN001
+        def load_post_hook(mod, incompatible, consumed=consumed) -> None:
             for key in consumed:
                 if key in incompatible.missing_keys:
                     incompatible.missing_keys.remove(key)
@@ -57,4 +66,3 @@ def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
         handles.append(module.register_load_state_dict_pre_hook(load_pre_hook))
         handles.append(module.register_load_state_dict_post_hook(load_post_hook))
     return handles
-

@@ -26,7 +26,7 @@ class EvictionPolicy(abc.ABC):
     def choose(self, candidates: Sequence[Hashable], moment: int) -> Hashable:
         """The candidate to evict now (``candidates`` is never empty)."""
 
-    def forget(self, key: Hashable) -> None:  # noqa: B027 - optional hook
+    def forget(self, key: Hashable) -> None:
         """``key`` left the cache."""
 
 

@@ -225,6 +225,23 @@ def make_plan(
             param_home[i] = NVME
             add_staging("param", pbytes[i], min(param_slots, n))
 
+    # Still too big: run the pipelines shallower (fewer staging slots) before
+    # giving up; depth buys overlap, not correctness.
+    for kind in ("param", "optim", "grad", "param", "optim"):
+        if host_need() <= budgets.host:
+            break
+        for size, count in staging[kind].items():
+            staging[kind][size] = max(1, count - 1 if kind != "param" else count // 2)
+
+    # Shallower staging may have freed room: bring the hottest states back.
+    homes = {"optim": optim_home, "grad": grad_home, "param": param_home}
+    for kind, i in reversed(moves):
+        if homes[kind][i] != NVME:
+            continue
+        homes[kind][i] = HOST
+        if host_need() > budgets.host:
+            homes[kind][i] = NVME
+
     need = host_need()
     if need > budgets.host:
         if budgets.nvme is None:
@@ -270,9 +287,7 @@ def estimate_traffic(plan: Plan) -> dict[str, int]:
     nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
     nvme_grad = sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] == NVME)
     nvme_optim = sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i] == NVME)
-    updated_nvme_params = sum(
-        plan.param_bytes(i) for i in on_nvme if plan.grad_home[i] is not None
-    )
+    updated_nvme_params = sum(plan.param_bytes(i) for i in on_nvme if plan.grad_home[i] is not None)
     fp32_params_read = 0 if plan.has_master else updated_nvme_params
     return {
         "h2d_bytes": params * fetches,

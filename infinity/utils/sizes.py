@@ -23,7 +23,9 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 def parse_size(value: int | str, *, name: str = "size") -> int:
     """Return ``value`` in bytes; raise ``ValueError`` naming ``name`` if it is not a size."""
     if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not a size; use bytes (int) or a string like '512MiB'")
+        raise ValueError(
+            f"{name}={value!r} is not a size; use bytes (int) or a string like '512MiB'"
+        )
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name}={value} is negative; sizes are >= 0 bytes")

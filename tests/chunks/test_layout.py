@@ -13,7 +13,8 @@ from infinity.chunks.layout import IO_ALIGNMENT, TensorInfo, build_layout
 
 def _tensors(sizes, trainable=None):
     trainable = trainable or [True] * len(sizes)
-    return [TensorInfo(f"t{i}", (n,), t) for i, (n, t) in enumerate(zip(sizes, trainable))]
+    pairs = zip(sizes, trainable, strict=True)
+    return [TensorInfo(f"t{i}", (n,), t) for i, (n, t) in enumerate(pairs)]
 
 
 def _check_invariants(tensors, layout, element_size):
@@ -22,12 +23,12 @@ def _check_invariants(tensors, layout, element_size):
     for spec in layout.chunks:
         assert spec.capacity * element_size % IO_ALIGNMENT == 0
         spans = sorted((s.offset, s.offset + s.numel) for s in spec.slots if s.numel)
-        for (a0, a1), (b0, _) in itertools.pairwise(spans):
+        for (_a0, a1), (b0, _) in itertools.pairwise(spans):
             assert a1 <= b0, "tensors overlap inside a chunk"
         for s in spec.slots:
             assert 0 <= s.offset and s.offset + s.numel <= spec.capacity
             assert tensors[s.index].trainable == spec.trainable
-    for t, s in zip(tensors, layout.slots):
+    for t, s in zip(tensors, layout.slots, strict=False):
         assert s.numel == t.numel and s.shape == t.shape
 
 
@@ -62,13 +63,14 @@ def test_bad_chunk_size_is_rejected():
 
 def test_search_finds_the_least_waste_among_candidates():
     tensors = _tensors([3000, 3000, 3000, 500, 9000, 120])
-    best = search_chunk_size(tensors, 4, max_bytes=1 << 16, min_bytes=4096)
+    best = search_chunk_size(tensors, 4, max_bytes=1 << 16, min_bytes=4096, min_chunks=1)
     waste = build_layout(tensors, best, 4).wasted_elems()
-    # brute force over every 4 KiB-aligned size in range
+    # brute force over every 4 KiB-aligned size that holds the largest tensor
     brute = min(
         build_layout(tensors, elems, 4).wasted_elems()
-        for elems in range(1024, (1 << 16) // 4 + 1, 1024)
+        for elems in range(9216, (1 << 16) // 4 + 1, 1024)
     )
+    assert best >= 9000  # no oversize chunk when a chunk can hold every tensor
     assert waste <= brute
     assert best * 4 <= 1 << 16
 
@@ -77,3 +79,13 @@ def test_tiny_model_gets_one_chunk():
     tensors = _tensors([100, 200])
     elems = search_chunk_size(tensors, 2, max_bytes=1 << 20)
     assert build_layout(tensors, elems, 2).num_chunks == 1
+
+
+def test_search_keeps_granularity_and_avoids_oversize_everything():
+    # one big embedding and many layer matrices (GPT-like)
+    tensors = _tensors([400_000] + [20_000] * 60)
+    elems = search_chunk_size(tensors, 2, max_bytes=64 << 20, min_bytes=1 << 16)
+    layout = build_layout(tensors, elems, 2)
+    assert layout.num_chunks >= 16  # granularity for placement and prefetch
+    oversize = [c for c in layout.chunks if c.oversize]
+    assert len(oversize) <= 1  # only the embedding, not every matrix

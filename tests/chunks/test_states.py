@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from infinity.chunks.states import IllegalTransition, StateCounters, TensorState as S
+from infinity.chunks.states import IllegalTransition, StateCounters
+from infinity.chunks.states import TensorState as S
 
 
 def test_counters_follow_transitions():

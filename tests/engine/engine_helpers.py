@@ -29,7 +29,10 @@ def batches(n: int, seed: int = 1, batch: int = 2, seq: int = SEQ, vocab: int = 
     """``n`` random (input, target) batches."""
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
+        (
+            torch.randint(0, vocab, (batch, seq), generator=g),
+            torch.randint(0, vocab, (batch, seq), generator=g),
+        )
         for _ in range(n)
     ]
 
@@ -107,7 +110,7 @@ def config(**kw) -> infinity.Config:
 
 
 def learnable_batches(n: int, seed: int = 1, batch: int = 4, seq: int = SEQ, vocab: int = VOCAB):
-    """Batches whose target is ``(token + 1) % vocab``: a rule a tiny model learns in a few steps."""
+    """Batches whose target is ``(token + 1) % vocab``: a tiny model learns it in a few steps."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):

@@ -17,8 +17,13 @@ def _setup(tmp_path, dtype="bf16", chunk="12KiB", seed=0):
     pbytes = param_bytes(model, 2)
     model = infinity.offload(
         model,
-        config(dtype=dtype, device_memory=pbytes * 6 // 10, host_memory=pbytes * 4,
-               nvme_path=str(tmp_path / "nvme"), chunk_size=chunk),
+        config(
+            dtype=dtype,
+            device_memory=pbytes * 6 // 10,
+            host_memory=pbytes * 4,
+            nvme_path=str(tmp_path / "nvme"),
+            chunk_size=chunk,
+        ),
     )
     opt = CPUAdam(model.parameters(), lr=3e-3, weight_decay=0.1)
     return model, opt
@@ -74,8 +79,9 @@ def test_checkpoint_files_are_plain_and_corruption_is_detected(tmp_path):
     sd = model.state_dict()
     for t in meta["tensors"]:
         n = sd[t["name"]].numel()
-        stored = torch.frombuffer(bytearray(raw[t["param_offset"] : t["param_offset"] + 2 * n]),
-                                  dtype=torch.bfloat16)
+        stored = torch.frombuffer(
+            bytearray(raw[t["param_offset"] : t["param_offset"] + 2 * n]), dtype=torch.bfloat16
+        )
         assert torch.equal(stored, sd[t["name"]].reshape(-1))
     with open(path / "optim.bin", "r+b") as f:
         f.seek(100)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from engine_helpers import (
     batches,
-    learnable_batches,
     config,
     global_rel_error,
+    learnable_batches,
     param_bytes,
     per_tensor_rel_errors,
     reference_pair,
@@ -71,8 +71,9 @@ def test_frozen_parameters_stay_put_and_others_match(tmp_path):
     for p in model.blocks[0].parameters():
         p.requires_grad_(False)
     ref, _ = reference_pair(model)
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3,
-                                weight_decay=0.1, foreach=False)
+    ref_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, foreach=False
+    )
     frozen_before = {k: v.clone() for k, v in model.blocks[0].state_dict().items()}
     model = _offloaded(model, device_memory=param_bytes(model, 4) * 6 // 10, chunk_size="24KiB")
     opt = CPUAdam([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
@@ -108,8 +109,14 @@ def test_branch_unused_in_some_steps_is_skipped_like_torch():
     model = _offloaded(model, device_memory="32KiB", chunk_size="4KiB")
     opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
     g = torch.Generator().manual_seed(5)
-    data = [(torch.randint(0, 50, (4, 8), generator=g), torch.randint(0, 50, (4, 8), generator=g), s % 2 == 0)
-            for s in range(6)]
+    data = [
+        (
+            torch.randint(0, 50, (4, 8), generator=g),
+            torch.randint(0, 50, (4, 8), generator=g),
+            s % 2 == 0,
+        )
+        for s in range(6)
+    ]
 
     def loss_fn(m, batch):
         x, y, use_b = batch
@@ -123,16 +130,26 @@ def test_branch_unused_in_some_steps_is_skipped_like_torch():
 def test_llama_tied_embeddings_fp32_matches_torch(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     ref, ref_opt = reference_pair(model)
     pbytes = param_bytes(model, 4)
-    model = _offloaded(model, device_memory=pbytes // 2, host_memory=pbytes * 2,
-                       nvme_path=str(tmp_path), chunk_size="16KiB")
+    model = _offloaded(
+        model,
+        device_memory=pbytes // 2,
+        host_memory=pbytes * 2,
+        nvme_path=str(tmp_path),
+        chunk_size="16KiB",
+    )
     opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
     data = batches(STEPS, vocab=128)
 
@@ -152,8 +169,14 @@ def test_16bit_loss_curves_follow_fp32(dtype, tmp_path):
     model = tiny_gpt(seed=1)
     ref, ref_opt = reference_pair(model, lr=3e-3)
     pbytes = param_bytes(model, 2)
-    model = _offloaded(model, dtype=dtype, device_memory=pbytes // 2, host_memory=pbytes * 4,
-                       nvme_path=str(tmp_path), chunk_size="8KiB")
+    model = _offloaded(
+        model,
+        dtype=dtype,
+        device_memory=pbytes // 2,
+        host_memory=pbytes * 4,
+        nvme_path=str(tmp_path),
+        chunk_size="8KiB",
+    )
     opt = CPUAdam(model.parameters(), lr=3e-3, weight_decay=0.1)
     data = learnable_batches(12, seed=2)
     scale = opt.scale_loss if dtype == "fp16" else None

@@ -20,7 +20,9 @@ def test_budgets_too_small_fail_before_anything_is_touched(tmp_path):
     with pytest.raises(infinity.PlanError, match="set nvme_path"):
         infinity.offload(model, config(device_memory="1MiB", host_memory=param_bytes(model, 4)))
     with pytest.raises(infinity.PlanError, match=r"host_memory=.*staging buffers alone"):
-        infinity.offload(model, config(device_memory="1MiB", host_memory=4096, nvme_path=str(tmp_path)))
+        infinity.offload(
+            model, config(device_memory="1MiB", host_memory=4096, nvme_path=str(tmp_path))
+        )
     # the model is untouched and still trains normally; no swap files were left
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
@@ -34,8 +36,13 @@ def test_nvme_too_small_names_nvme_memory(tmp_path):
     with pytest.raises(infinity.PlanError, match="nvme_memory"):
         infinity.offload(
             model,
-            config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
-                   nvme_path=str(tmp_path), nvme_memory=8192, chunk_size="16KiB"),
+            config(
+                device_memory="1MiB",
+                host_memory=param_bytes(model, 4) * 2,
+                nvme_path=str(tmp_path),
+                nvme_memory=8192,
+                chunk_size="16KiB",
+            ),
         )
 
 
@@ -45,16 +52,24 @@ def test_unwritable_nvme_path_is_a_clear_error(tmp_path):
     with pytest.raises(OSError, match="does not exist"):
         infinity.offload(
             model,
-            config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
-                   nvme_path=str(missing), chunk_size="16KiB"),
+            config(
+                device_memory="1MiB",
+                host_memory=param_bytes(model, 4) * 2,
+                nvme_path=str(missing),
+                chunk_size="16KiB",
+            ),
         )
     afile = tmp_path / "file"
     afile.write_text("x")
     with pytest.raises(OSError, match="not a directory"):
         infinity.offload(
             model,
-            config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
-                   nvme_path=str(afile / "sub"), chunk_size="16KiB"),
+            config(
+                device_memory="1MiB",
+                host_memory=param_bytes(model, 4) * 2,
+                nvme_path=str(afile / "sub"),
+                chunk_size="16KiB",
+            ),
         )
 
 
@@ -77,8 +92,13 @@ def test_invalid_config_values_name_the_field(field, value, message):
 
 
 def test_config_file_round_trip(tmp_path):
-    cfg = infinity.Config(device_memory="1GiB", host_memory=123456789, nvme_path="/tmp/x",
-                          dtype="fp16", aio={"block_size": "256K", "queue_depth": 8})
+    cfg = infinity.Config(
+        device_memory="1GiB",
+        host_memory=123456789,
+        nvme_path="/tmp/x",
+        dtype="fp16",
+        aio={"block_size": "256K", "queue_depth": 8},
+    )
     cfg.to_file(tmp_path / "c.json")
     assert infinity.Config.from_file(tmp_path / "c.json") == cfg
     (tmp_path / "bad.json").write_text("{not json")
@@ -137,8 +157,12 @@ def test_no_swap_files_remain_after_close(tmp_path):
     model = tiny_gpt()
     model = infinity.offload(
         model,
-        config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
-               nvme_path=str(tmp_path), chunk_size="16KiB"),
+        config(
+            device_memory="1MiB",
+            host_memory=param_bytes(model, 4) * 2,
+            nvme_path=str(tmp_path),
+            chunk_size="16KiB",
+        ),
     )
     assert any(tmp_path.iterdir())
     model._infinity_engine.close()

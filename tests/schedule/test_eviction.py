@@ -35,7 +35,8 @@ def test_belady_is_never_worse_than_lru():
         uses: dict[int, list[int]] = {}
         for m, k in enumerate(seq):
             uses.setdefault(k, []).append(m)
-        belady = _misses(lambda u=uses, n=len(seq): BeladyPolicy(u, n), seq, 3)
+        period = len(seq)
+        belady = _misses(lambda u=uses, n=period: BeladyPolicy(u, n), seq, 3)
         lru = _misses(LRUPolicy, seq, 3)
         assert belady <= lru
 

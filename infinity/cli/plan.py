@@ -1,0 +1,121 @@
+"""``infinity plan``: where each kind of state would live, and the bytes moved per step.
+
+Nothing is allocated: the model is built on the ``meta`` device, laid out in
+chunks and planned against the budgets, exactly as ``infinity.offload`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from infinity.cli.main import CommandError
+from infinity.config import Config, ConfigError
+from infinity.models.gpt import GPT, describe
+from infinity.models.presets import PRESETS, preset
+from infinity.runtime.budgets import plan_for
+from infinity.runtime.params import ParamRegistry
+from infinity.schedule.planner import PlanError
+from infinity.utils.sizes import format_size
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``infinity plan``."""
+    parser.add_argument(
+        "--model",
+        default="small",
+        help=f"a GPT preset ({', '.join(PRESETS)}) or a transformers config.json path",
+    )
+    for flag in ("layers", "hidden", "heads", "vocab-size", "seq-len"):
+        parser.add_argument(f"--{flag}", type=int, help=f"override the preset's {flag}")
+    parser.add_argument("--device-memory", default="auto", help="device budget, e.g. 2GiB")
+    parser.add_argument("--host-memory", default="auto", help="host budget, e.g. 8GiB")
+    parser.add_argument("--nvme-path", default=None, help="directory of the NVMe tier")
+    parser.add_argument("--nvme-memory", default="auto", help="cap on swap bytes")
+    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--chunk-size", default="auto", help="bytes per chunk or 'auto'")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
+    if args.model.endswith(".json"):
+        try:
+            import transformers
+        except ImportError:
+            raise CommandError("reading a config.json needs `pip install transformers`") from None
+        try:
+            cfg = transformers.AutoConfig.from_pretrained(args.model)
+        except (OSError, ValueError) as exc:
+            raise CommandError(f"cannot read model config {args.model!r}: {exc}") from None
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        n = sum(p.numel() for p in model.parameters())
+        return model, f"{cfg.model_type} from {args.model} ({n / 1e6:.1f}M parameters)"
+    try:
+        cfg = preset(
+            args.model,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            vocab_size=args.vocab_size,
+            seq_len=args.seq_len,
+        )
+    except (KeyError, ValueError) as exc:
+        raise CommandError(str(exc).strip("'\"")) from None
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return model, describe(cfg)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan for the model and budgets."""
+    try:
+        config = Config(
+            device_memory=args.device_memory,
+            host_memory=args.host_memory,
+            nvme_path=args.nvme_path,
+            nvme_memory=args.nvme_memory,
+            dtype=args.dtype,
+            chunk_size=args.chunk_size,
+            device=args.device,
+        )
+    except ConfigError as exc:
+        raise CommandError(str(exc)) from None
+    model, title = _build_model(args)
+    device = torch.device(
+        "cuda" if config.device == "auto" and torch.cuda.is_available() else "cpu"
+    )
+    if config.device not in ("auto", "cpu"):
+        device = torch.device(config.device)
+    try:
+        plan = plan_for(ParamRegistry.from_model(model), config, device)
+    except PlanError as exc:
+        raise CommandError(str(exc)) from None
+    if args.json:
+        n = plan.layout.num_chunks
+        print(
+            json.dumps(
+                {
+                    "model": title,
+                    "chunk_size": plan.layout.chunk_bytes,
+                    "num_chunks": n,
+                    "device_bytes": plan.device_bytes,
+                    "host_bytes": plan.host_bytes,
+                    "nvme_bytes": plan.nvme_bytes,
+                    "homes": {
+                        "param": list(plan.param_home),
+                        "grad": list(plan.grad_home),
+                        "optim": list(plan.optim_home),
+                    },
+                    "traffic_per_step": plan.traffic,
+                }
+            )
+        )
+        return 0
+    print(title)
+    print(f"model states: {format_size(plan.home_bytes('host') + plan.home_bytes('nvme'))}")
+    print(plan.describe())
+    return 0
