@@ -33,6 +33,7 @@ class Copy:
     key: Hashable
     slot: Slot
     nbytes: int = 0  # bytes of the chunk (the slot may be larger)
+    fill: Pending | None = None  # the transfer that brings the data in (staging reads)
     pending: list[Pending] = field(default_factory=list)
     dirty: bool = False  # must be written back before the slot is reused
     pins: int = 0
@@ -121,6 +122,35 @@ class TierCache:
         while slot is None:
             self._evict_one(fitting, moment)
             slot = self._take(fitting)
+        return self._place(key, slot, nbytes, moment)
+
+    def try_insert(
+        self, key: Hashable, nbytes: int, moment: int, may_evict: Callable[[Hashable], bool]
+    ) -> Copy | None:
+        """Like :meth:`insert` but never blocks: a free slot, or the eviction of a copy
+        the policy picks among evictable ones if ``may_evict(victim)``; else ``None``.
+
+        Prefetching uses it: it must not wait, nor push out a chunk needed sooner.
+        """
+        if key in self._copies:
+            raise AssertionError(f"{self.tier}: {key} is already resident")
+        fitting = [pool for size, pool in sorted(self.pools.items()) if size >= nbytes]
+        slot = self._take(fitting)
+        if slot is None:
+            candidates = [
+                c.key for c in self._copies.values() if c.slot.pool in fitting and c.evictable()
+            ]
+            if not candidates:
+                return None
+            victim = self.policy.choose(candidates, moment)
+            if not may_evict(victim):
+                return None
+            self.evict(victim)
+            slot = self._take(fitting)
+            assert slot is not None
+        return self._place(key, slot, nbytes, moment)
+
+    def _place(self, key: Hashable, slot: Slot, nbytes: int, moment: int) -> Copy:
         copy = Copy(key, slot, nbytes=nbytes)
         self._copies[key] = copy
         self._by_ptr[slot.tensor.data_ptr()] = key

@@ -19,6 +19,7 @@ from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.cache import Copy, TierCache
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
+from infinity.chunks.transfers import ChainedTransfer
 from infinity.devices.base import DeviceBackend
 from infinity.schedule.eviction import EvictionPolicy, LRUPolicy
 from infinity.schedule.planner import HOST, Plan
@@ -84,44 +85,105 @@ class ChunkManager:
         """Bytes of ``key`` in any tier."""
         return self.homes.nbytes(key)
 
-    def _staged(self, key: Key, *, load: bool) -> Copy:
-        """A host staging copy of an NVMe-homed key, read from NVMe if ``load``."""
+    def _staged(
+        self, key: Key, *, load: bool, wait: bool = True, prefetch: bool = False
+    ) -> Copy | None:
+        """A host staging copy of an NVMe-homed key, its read started if ``load``.
+
+        ``wait`` blocks until every transfer on it is done (needed before
+        modifying it). ``prefetch`` never blocks for a slot: ``None`` if no
+        slot can be had without waiting.
+        """
         cache = self.staging[key[0]]
         copy = cache.get(key)
         if copy is None:
-            copy = cache.insert(key, self.nbytes(key), self.moment)
+            if prefetch:
+                copy = cache.try_insert(key, self.nbytes(key), self.moment, lambda _k: True)
+                if copy is None:
+                    return None
+            else:
+                copy = cache.insert(key, self.nbytes(key), self.moment)
             if load:
-                copy.pending.append(self.homes.read(key, copy.tensor))
+                copy.fill = self.homes.read(key, copy.tensor)
+                copy.pending.append(copy.fill)
         cache.touch(key, self.moment)
-        with self.traffic.waiting("nvme"):
-            copy.wait()
-        return copy
-
-    def host_source(self, key: Key) -> tuple[torch.Tensor, Copy | None]:
-        """Host bytes of ``key`` (its home, or a staged copy read from NVMe)."""
-        if self.homes.tier(key) == HOST:
-            return self.homes.host(key), None
-        copy = self._staged(key, load=True)
-        return copy.tensor, copy
-
-    # --- device tier -------------------------------------------------------------
-    def param_on_device(self, i: int) -> Copy:
-        """Parameter chunk ``i`` resident on the device (fetched if needed)."""
-        key = (Kind.PARAM, i)
-        copy = self.device.get(key)
-        if copy is None:
-            copy = self.device.insert(key, self.nbytes(key), self.moment)
-            src, staged = self.host_source(key)
-            handle = self.backend.copy_async(copy.tensor, src)
-            copy.pending.append(handle)
-            if staged is not None:
-                staged.pending.append(handle)  # the staging slot is read until the copy ends
-            self.traffic.h2d_bytes += self.nbytes(key)
-        self.device.touch(key, self.moment)
-        if copy.pending:
-            with self.traffic.waiting("device"):
+        if wait and copy.pending:
+            with self.traffic.waiting("nvme"):
                 copy.wait()
         return copy
+
+    def prefetch_host(self, key: Key) -> None:
+        """Start reading an NVMe-homed key into host staging (no-op if host-homed)."""
+        if self.homes.tier(key) != HOST:
+            self._staged(key, load=True, wait=False, prefetch=True)
+
+    # --- device tier -------------------------------------------------------------
+    def fetch_param(self, i: int, *, prefetch: bool = False) -> Copy | None:
+        """Start bringing parameter chunk ``i`` to the device; returns its device copy.
+
+        With ``prefetch`` nothing blocks and nothing needed sooner than chunk
+        ``i`` is evicted (per the eviction policy's next-use estimate); then
+        ``None`` means "not now".
+        """
+        key = (Kind.PARAM, i)
+        copy = self.device.get(key)
+        if copy is not None:
+            return copy
+        nbytes = self.nbytes(key)
+        if prefetch:
+            copy = self.device.try_insert(key, nbytes, self.moment, self._sooner_than(key))
+            if copy is None:
+                return None
+        else:
+            copy = self.device.insert(key, nbytes, self.moment)
+        if self.homes.tier(key) == HOST:
+            copy.pending.append(self.backend.copy_async(copy.tensor, self.homes.host(key)))
+        else:
+            staged = self._staged(key, load=True, wait=False, prefetch=prefetch)
+            if staged is None:
+                self.device.remove(key)
+                return None
+            dst, src = copy.tensor, staged.tensor
+            chain = ChainedTransfer(staged.fill, lambda: self.backend.copy_async(dst, src))
+            copy.pending.append(chain)
+            staged.pending.append(chain)  # the staging slot is read until the copy ends
+        self.traffic.h2d_bytes += nbytes
+        return copy
+
+    def _sooner_than(self, key: Key):  # noqa: ANN202
+        """Eviction filter for prefetching ``key``: only copies needed after it."""
+        policy = self.device.policy
+        if not hasattr(policy, "next_use"):
+            return lambda _victim: False
+        mine = policy.next_use(key, self.moment)
+        return lambda victim: policy.next_use(victim, self.moment) > mine
+
+    def param_on_device(self, i: int) -> Copy:
+        """Parameter chunk ``i`` resident on the device (fetched if needed)."""
+        copy = self.fetch_param(i)
+        assert copy is not None
+        self.device.touch(copy.key, self.moment)
+        if copy.pending:
+            with self.traffic.waiting("device"):
+                for pending in copy.pending:
+                    pending.wait_for_compute()
+        return copy
+
+    def param_alias(self, i: int) -> torch.Tensor:
+        """Parameter chunk ``i`` on the device, as a fresh alias of its slot (uint8).
+
+        NOTE: the alias is registered before this returns, so nothing (a
+        prefetch, another fetch) can evict the copy while the caller binds views.
+        """
+        copy = self.param_on_device(i)
+        alias = self.backend.alias(copy.tensor)
+        copy.add_alias(alias)
+        return alias
+
+    def poll(self) -> None:
+        """Advance two-stage transfers whose first stage has landed (never blocks)."""
+        for copy in self.device:
+            copy.in_flight()
 
     def grad_on_device(self, i: int) -> Copy:
         """Gradient chunk ``i`` on the device (a zeroed slot if it has none)."""
@@ -162,36 +224,42 @@ class ChunkManager:
         nbytes = self.nbytes(key)
         self.traffic.d2h_bytes += nbytes
         if self.homes.tier(key) == HOST and not self.grad_valid[i]:
-            handle = self.backend.copy_async(self.homes.host(key), copy.tensor)
-            with self.traffic.waiting("device"):
-                handle.wait()
+            self._copy_back(self.homes.host(key), copy)
             self.grad_valid[i] = True
             return
-        stage_key = ("incoming", i)
+        if self.homes.tier(key) == HOST:
+            self._add_into(self.homes.host(key), copy, i, nbytes)
+        else:
+            # NOTE: the home on NVMe is only ever changed through its staging
+            # copy, so a cached staging copy can never be stale.
+            home = self._staged(key, load=self.grad_valid[i])
+            assert home is not None
+            home.pins += 1  # the transient slot below must not take this one
+            try:
+                if self.grad_valid[i]:
+                    self._add_into(home.tensor, copy, i, nbytes)
+                else:
+                    self._copy_back(home.tensor, copy)
+            finally:
+                home.pins -= 1
+            home.pending.append(self.homes.write(key, home.tensor))
+        self.grad_valid[i] = True
+
+    def _copy_back(self, dst: torch.Tensor, copy: Copy) -> None:
+        handle = self.backend.copy_async(dst, copy.tensor)
+        with self.traffic.waiting("device"):
+            handle.wait()
+
+    def _add_into(self, total: torch.Tensor, copy: Copy, i: int, nbytes: int) -> None:
+        """``total += `` the device gradient chunk, through a transient staging slot."""
         cache = self.staging[Kind.GRAD]
+        stage_key = ("incoming", i)
         stage = cache.insert(stage_key, nbytes, self.moment)
         try:
-            handle = self.backend.copy_async(stage.tensor, copy.tensor)
-            with self.traffic.waiting("device"):
-                handle.wait()
-            if self.homes.tier(key) == HOST:
-                home = typed(self.homes.host(key), self.dtype)
-                home.add_(typed(stage.tensor, self.dtype))
-                self._check_sum(home)
-            else:
-                if self.grad_valid[i]:
-                    old = self._staged(key, load=True)
-                    total = typed(old.tensor, self.dtype)
-                    total.add_(typed(stage.tensor, self.dtype))
-                    self._check_sum(total)
-                    out = old
-                else:
-                    out = stage
-                with self.traffic.waiting("nvme"):
-                    self.homes.write(key, out.tensor).wait()
-                if out is not stage:
-                    cache.remove(key)
-            self.grad_valid[i] = True
+            self._copy_back(stage.tensor, copy)
+            summed = typed(total, self.dtype)
+            summed.add_(typed(stage.tensor, self.dtype))
+            self._check_sum(summed)
         finally:
             cache.remove(stage_key)
 
@@ -208,24 +276,32 @@ class ChunkManager:
 
     # --- host side: optimizer and state access ----------------------------------
     def open_host(self, key: Key, *, load: bool = True) -> tuple[torch.Tensor, Copy | None]:
-        """Host bytes of ``key`` for reading or updating; pair with :meth:`close_host`."""
+        """Host bytes of ``key`` to read or update; pair with :meth:`close_host`.
+
+        A host-homed key gives its home; an NVMe-homed one a pinned staging
+        copy (read first if ``load``), whose earlier transfers have all landed.
+        """
         if self.homes.tier(key) == HOST:
             return self.homes.host(key), None
         copy = self._staged(key, load=load)
+        assert copy is not None
         copy.pins += 1
         return copy.tensor, copy
 
     def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None:
-        """Finish with a host copy from :meth:`open_host`: write it home if modified."""
+        """Finish with :meth:`open_host`: start writing it home if ``modified``.
+
+        ``keep`` leaves the staging copy cached (the write completes in the
+        background; the slot is reused only after it has); otherwise this waits.
+        """
         if copy is None:
             return
         copy.pins -= 1
-        cache = self.staging[copy.key[0]]
         if modified:
-            request = self.homes.write(copy.key, copy.tensor)
-            copy.pending.append(request)
+            copy.pending.append(self.homes.write(copy.key, copy.tensor))
         if not keep:
-            cache.remove(copy.key)
+            with self.traffic.waiting("nvme"):
+                self.staging[copy.key[0]].remove(copy.key)
 
     def write_initial(self, i: int, values: torch.Tensor) -> None:
         """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``."""

@@ -27,6 +27,8 @@ from infinity.runtime.sentinel import GradientInChunks, is_zeroed
 from infinity.runtime.step_timer import StepTimer
 from infinity.runtime.swap import open_swap
 from infinity.runtime.timeline import Moment, Timeline
+from infinity.schedule.eviction import TraceDrivenPolicy
+from infinity.schedule.prefetch import Prefetcher
 from infinity.schedule.trace import TraceRecorder
 
 log = logging.getLogger("infinity")
@@ -51,7 +53,11 @@ class OffloadEngine:
         self.plan = plan_for(self.registry, config, self.device)
         self.layout: ChunkLayout = self.plan.layout
         self.swap = open_swap(config, self.plan.nvme_bytes)
-        self.manager = ChunkManager(self.plan, self.dtype, self.backend, self.swap)
+        self.policy = TraceDrivenPolicy()
+        self.manager = ChunkManager(
+            self.plan, self.dtype, self.backend, self.swap, device_policy=self.policy
+        )
+        self.prefetcher: Prefetcher | None = None
         n = self.layout.num_chunks
         self.chunk_members: list[list[ParamEntry]] = [[] for _ in range(n)]
         for entry in self.registry.entries:
@@ -109,9 +115,38 @@ class OffloadEngine:
         entry.param.data = entry.placeholder
 
     def access(self, phase: str, chunk: int) -> None:
-        """Record one access in the trace and advance the moment."""
+        """Record one access: it becomes the current moment of the iteration."""
+        self.manager.moment = self.trace.moment
         self.trace.record(phase, chunk)
-        self.manager.advance()
+        self.policy.active = self.trace.on_track
+        self.manager.poll()
+
+    def prefetch(self) -> None:
+        """Start fetching the chunks the trace says come next (never blocks)."""
+        if self.prefetcher is None or not self.trace.on_track:
+            return
+        resident = self.manager.device
+        for chunk in self.prefetcher.plan(self.manager.moment, lambda c: (Kind.PARAM, c) in resident):
+            if self.manager.fetch_param(chunk, prefetch=True) is None:
+                break  # no room without evicting something needed sooner
+
+    def _new_trace(self) -> None:
+        """A finished iteration became the trace: rebuild Belady's uses and the prefetcher."""
+        trace = self.trace.trace
+        if trace is None:
+            return
+        uses: dict = {}
+        for position, (phase, chunk) in enumerate(trace.accesses):
+            kind = Kind.GRAD if phase == "grad" else Kind.PARAM
+            uses.setdefault((kind, chunk), []).append(position)
+        self.policy.set_trace(uses, len(trace))
+        depth = self.config.prefetch_depth
+        budget = self.config.prefetch_bytes
+        if budget == "auto":
+            budget = depth * self.layout.chunk_bytes
+        self.prefetcher = (
+            Prefetcher(trace, depth, int(budget), lambda c: self.plan.param_bytes(c)) if depth else None
+        )
 
     def sample(self, phase: str, chunk: int) -> None:
         """Add the tiers' state after an access to the memory timeline."""
@@ -137,13 +172,12 @@ class OffloadEngine:
             by_chunk.setdefault(self.layout.slots[entry.index].chunk, []).append(entry)
         for chunk, entries in by_chunk.items():
             self.access("forward", chunk)
-            copy = self.manager.param_on_device(chunk)
-            self.sample("forward", chunk)
-            alias = self.backend.alias(copy.tensor)
-            copy.add_alias(alias)
+            alias = self.manager.param_alias(chunk)
             for entry in entries:
                 entry.param.data = self.chunk_view(alias, entry)
                 self.set_state(entry, _S.COMPUTE)
+            self.sample("forward", chunk)
+        self.prefetch()
 
     def end_module(self, module: nn.Module) -> None:
         """A module's forward ended: drop the views; the chunks become evictable."""
@@ -159,7 +193,10 @@ class OffloadEngine:
         """The root module's forward starts: check the model, start a new iteration."""
         self._check_model()
         if not self._backward_active:
+            previous = self.trace.trace
             self.trace.start_iteration()
+            if self.trace.trace is not previous:
+                self._new_trace()
             self.timeline.finish_iteration()
             for counters in self.states:
                 counters.reset_step()
@@ -186,10 +223,9 @@ class OffloadEngine:
         chunk, shape, stride, offset, dtype = packed
         self._note_backward()
         self.access("backward", chunk)
-        copy = self.manager.param_on_device(chunk)
+        alias = self.manager.param_alias(chunk)
         self.sample("backward", chunk)
-        alias = self.backend.alias(copy.tensor)
-        copy.add_alias(alias)
+        self.prefetch()
         return torch.as_strided(alias.view(dtype), shape, stride, offset)
 
     # --- gradients -----------------------------------------------------------------------
@@ -329,6 +365,9 @@ class OffloadEngine:
                 return False
         offloaded_step(self, hyper_by_index, grad_scale)
         self.step_count += 1
+        # The next forward's first chunks can travel while the user loads data.
+        self.manager.moment = -1
+        self.prefetch()
         self.step_timer.lap()
         return True
 

@@ -88,3 +88,46 @@ class BeladyPolicy(EvictionPolicy):
 
     def forget(self, key: Hashable) -> None:
         self._fallback.forget(key)
+
+
+class TraceDrivenPolicy(EvictionPolicy):
+    """Belady while the running iteration follows the trace, LRU otherwise.
+
+    ``active`` is switched by the engine as it compares each access with the
+    trace; a model that changed its path must not be judged by a stale plan.
+    """
+
+    name = "trace"
+
+    def __init__(self) -> None:
+        self._lru = LRUPolicy()
+        self._belady: BeladyPolicy | None = None
+        self.active = False
+
+    def set_trace(self, uses: Mapping[Hashable, Sequence[int]], period: int) -> None:
+        """Use a new trace's access moments."""
+        self._belady = BeladyPolicy(uses, period)
+
+    def _on(self) -> bool:
+        return self.active and self._belady is not None
+
+    def touch(self, key: Hashable, moment: int) -> None:
+        self._lru.touch(key, moment)
+        if self._belady is not None:
+            self._belady.touch(key, moment)
+
+    def choose(self, candidates: Sequence[Hashable], moment: int) -> Hashable:
+        if self._on():
+            assert self._belady is not None
+            return self._belady.choose(candidates, moment)
+        return self._lru.choose(candidates, moment)
+
+    def next_use(self, key: Hashable, moment: int) -> float:
+        """Moments until ``key`` is needed (Belady's estimate; 0 without a trace)."""
+        if self._on():
+            assert self._belady is not None
+            return self._belady.next_use(key, moment)
+        return 0.0
+
+    def forget(self, key: Hashable) -> None:
+        self._lru.forget(key)

@@ -52,12 +52,15 @@ class TraceRecorder:
     def start_iteration(self) -> None:
         """A new forward starts: close the running recording."""
         if self._current:
-            finished = Trace(tuple(self._current))
-            if self.trace is not None and finished != self.trace:
-                self.retraces += 1
-                if self.retraces == 1:
-                    log.info("infinity: the model took a different path; re-tracing")
-            self.trace = finished
+            if self.trace is None or not self.on_track or len(self._current) != len(self.trace):
+                if self.trace is not None:
+                    self.retraces += 1
+                    if self.retraces == 1:
+                        log.info(
+                            "infinity: the model took a different path than the warm-up "
+                            "trace; re-tracing (prefetch resumes on the next iteration)"
+                        )
+                self.trace = Trace(tuple(self._current))
             self.iterations += 1
         self._current = []
         self.on_track = self.trace is not None
