@@ -113,10 +113,22 @@ def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: f
                 out16=params[span] if has_master else None,
             )
     finally:
+        # NOTE: write-backs finish in the background (keep=True): the slot is
+        # reused only once its write has landed, so chunk i-1 is written while
+        # chunk i computes and chunk i+1 is read.
         manager.close_host(grad_copy, modified=False)
-        manager.close_host(optim_copy, modified=True)
-        manager.close_host(param_copy, modified=True)
+        manager.close_host(optim_copy, modified=True, keep=True)
+        manager.close_host(param_copy, modified=True, keep=True)
     manager.drop_param(chunk)
+
+
+def prefetch_chunk(engine, chunk: int, covered: bool) -> None:
+    """Start reading what :func:`step_chunk` will need for ``chunk`` (NVMe homes only)."""
+    manager = engine.manager
+    manager.prefetch_host((Kind.GRAD, chunk))
+    manager.prefetch_host((Kind.OPTIM, chunk))
+    if not (engine.plan.has_master and covered):
+        manager.prefetch_host((Kind.PARAM, chunk))
 
 
 def offloaded_step(engine, hyper_by_index: dict[int, AdamHyperParams], grad_scale: float) -> int:
@@ -130,6 +142,7 @@ def offloaded_step(engine, hyper_by_index: dict[int, AdamHyperParams], grad_scal
     def hyper_of(index: int) -> AdamHyperParams | None:
         return hyper_by_index.get(index) if engine.has_grad[index] else None
 
+    work = []
     for chunk, spec in enumerate(engine.layout.chunks):
         if not spec.trainable:
             continue
@@ -138,8 +151,13 @@ def offloaded_step(engine, hyper_by_index: dict[int, AdamHyperParams], grad_scal
             for e in engine.chunk_members[chunk]
         ]
         runs, covered = plan_runs(members, hyper_of, engine.tensor_steps.__getitem__, spec.capacity)
-        if not runs:
-            continue
+        if runs:
+            work.append((chunk, members, runs, covered))
+    # Pipeline: read unit i+1 while the kernel runs on unit i (and i-1 is written back).
+    for position, (chunk, members, runs, covered) in enumerate(work):
+        if position + 1 < len(work):
+            after = work[position + 1]
+            prefetch_chunk(engine, after[0], after[3])
         step_chunk(engine, chunk, runs, covered, grad_scale)
         engine.sample("optimizer", chunk)
         for index, _offset, _numel in members:
