@@ -127,9 +127,12 @@ class Config:
         prefetch_depth: chunks in flight ahead of compute (0 disables prefetch).
         prefetch_bytes: byte budget for prefetched-but-unused chunks; ``"auto"``:
             ``prefetch_depth`` chunks.
-        overlap_optimizer: run the optimizer step of a chunk during backward once its
-            gradients are complete. ``"auto"``: when nothing global (grad clipping,
-            fp16 overflow check) needs all gradients first.
+        overlap_optimizer: run the optimizer step of a chunk during backward as soon
+            as its gradients are complete. ``True`` is a promise that every backward
+            is followed by ``optimizer.step()`` with no gradient clipping in between
+            and no gradient accumulation (checked: breaking it raises); not with
+            fp16, whose overflow check needs every gradient first. ``"auto"``
+            currently means ``False``: guessing the promise would need a rollback.
         initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss
             scaling (scale halves on overflow, doubles after ``loss_scale_window``
             good steps).
@@ -187,6 +190,11 @@ class Config:
         if self.overlap_optimizer not in (AUTO, True, False):
             raise ConfigError(
                 f"overlap_optimizer={self.overlap_optimizer!r} must be 'auto', True or False"
+            )
+        if self.overlap_optimizer is True and self.dtype == "fp16":
+            raise ConfigError(
+                "overlap_optimizer=True cannot be used with dtype='fp16': the overflow check "
+                "needs every gradient before any step; use dtype='bf16' or overlap_optimizer=False"
             )
         for name in ("initial_loss_scale", "min_loss_scale"):
             value = getattr(self, name)

@@ -10,6 +10,8 @@ so checkpoints move between the two optimizers in both directions.
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -121,6 +123,9 @@ class CPUAdam(Optimizer):
         }
         AdamHyperParams.from_group(defaults)  # fail before touching any parameter
         super().__init__(params, defaults)
+        for engine in offloaded.engines(self.param_groups):
+            # overlap_optimizer=True steps chunks during backward with these groups.
+            engine.optimizer = weakref.ref(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does), validating its hyper-parameters and parameters."""

@@ -87,6 +87,8 @@ def clip_grad_norm_(
     for g in plain:
         norms.append(torch.linalg.vector_norm(g.detach(), norm_type).float())
     per_engine = offloaded_hyper(param_groups)
+    for engine in per_engine:
+        engine.check_not_stepped_early("clip_grad_norm_")
     for engine, hyper in per_engine.items():
         norms.extend(grad_norms(engine, hyper.keys(), norm_type))
     if not norms:

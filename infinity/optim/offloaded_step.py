@@ -131,21 +131,21 @@ def prefetch_chunk(engine, chunk: int, covered: bool) -> None:
         manager.prefetch_host((Kind.PARAM, chunk))
 
 
-def offloaded_step(engine, hyper_by_index: dict[int, AdamHyperParams], grad_scale: float) -> int:
-    """One optimizer step over every trainable chunk; returns the tensors updated.
+def run_chunks(
+    engine, chunks: list[int], hyper_by_index: dict[int, AdamHyperParams], grad_scale: float
+) -> int:
+    """Step the given trainable chunks, pipelined; returns the tensors updated.
 
     ``hyper_by_index`` maps a tensor index (of ``engine.registry``) to its
     group's hyper-parameters; tensors the optimizer does not own are left alone.
     """
-    updated = 0
 
     def hyper_of(index: int) -> AdamHyperParams | None:
         return hyper_by_index.get(index) if engine.has_grad[index] else None
 
     work = []
-    for chunk, spec in enumerate(engine.layout.chunks):
-        if not spec.trainable:
-            continue
+    for chunk in chunks:
+        spec = engine.layout.chunks[chunk]
         members = [
             (e.index, engine.layout.slots[e.index].offset, engine.layout.slots[e.index].numel)
             for e in engine.chunk_members[chunk]
@@ -153,6 +153,7 @@ def offloaded_step(engine, hyper_by_index: dict[int, AdamHyperParams], grad_scal
         runs, covered = plan_runs(members, hyper_of, engine.tensor_steps.__getitem__, spec.capacity)
         if runs:
             work.append((chunk, members, runs, covered))
+    updated = 0
     # Pipeline: read unit i+1 while the kernel runs on unit i (and i-1 is written back).
     for position, (chunk, members, runs, covered) in enumerate(work):
         if position + 1 < len(work):
@@ -165,3 +166,11 @@ def offloaded_step(engine, hyper_by_index: dict[int, AdamHyperParams], grad_scal
                 engine.tensor_steps[index] += 1
                 updated += 1
     return updated
+
+
+def offloaded_step(
+    engine, hyper_by_index: dict[int, AdamHyperParams], grad_scale: float, skip: set[int]
+) -> int:
+    """One optimizer step over every trainable chunk not in ``skip`` (already stepped)."""
+    chunks = [i for i, spec in enumerate(engine.layout.chunks) if spec.trainable and i not in skip]
+    return run_chunks(engine, chunks, hyper_by_index, grad_scale)

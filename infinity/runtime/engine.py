@@ -20,7 +20,7 @@ from infinity.config import Config
 from infinity.devices.base import make_backend
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
-from infinity.optim.offloaded_step import offloaded_step
+from infinity.optim.offloaded_step import offloaded_step, run_chunks
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
 from infinity.runtime.sentinel import GradientInChunks, is_zeroed
@@ -86,6 +86,13 @@ class OffloadEngine:
         self.loss_scaled = False
         self.step_count = 0
         self.step_timer = StepTimer(self.manager.traffic)
+        # overlap_optimizer=True: the optimizer registers itself; chunks stepped
+        # during the current backward are remembered until step().
+        self.overlap = config.overlap_optimizer is True
+        self.optimizer = None  # weakref to the CPUAdam holding this model's parameters
+        self.stepped_early: set[int] = set()
+        self._early_hyper = None
+        self.early_chunk_steps = 0
         self.hooks = None
         self._closed = False
 
@@ -126,7 +133,9 @@ class OffloadEngine:
         if self.prefetcher is None or not self.trace.on_track:
             return
         resident = self.manager.device
-        for chunk in self.prefetcher.plan(self.manager.moment, lambda c: (Kind.PARAM, c) in resident):
+        for chunk in self.prefetcher.plan(
+            self.manager.moment, lambda c: (Kind.PARAM, c) in resident
+        ):
             if self.manager.fetch_param(chunk, prefetch=True) is None:
                 break  # no room without evicting something needed sooner
 
@@ -145,7 +154,9 @@ class OffloadEngine:
         if budget == "auto":
             budget = depth * self.layout.chunk_bytes
         self.prefetcher = (
-            Prefetcher(trace, depth, int(budget), lambda c: self.plan.param_bytes(c)) if depth else None
+            Prefetcher(trace, depth, int(budget), lambda c: self.plan.param_bytes(c))
+            if depth
+            else None
         )
 
     def sample(self, phase: str, chunk: int) -> None:
@@ -247,6 +258,30 @@ class OffloadEngine:
         counters = self.states[chunk]
         if counters.count(_S.HOLD_AFTER_FWD) == 0 and not counters.in_compute:
             self.manager.flush_grad(chunk)
+            if self.overlap and self.optimizer is not None:
+                self._step_early(chunk)
+
+    def _step_early(self, chunk: int) -> None:
+        """overlap_optimizer: update a chunk whose gradients are all in, during backward."""
+        from infinity.optim.offloaded import offloaded_hyper
+
+        optimizer = self.optimizer()
+        if optimizer is None:
+            return
+        if self._early_hyper is None:
+            self._early_hyper = offloaded_hyper(optimizer.param_groups).get(self, {})
+        run_chunks(self, [chunk], self._early_hyper, grad_scale=1.0)
+        self.stepped_early.add(chunk)
+        self.early_chunk_steps += 1
+
+    def check_not_stepped_early(self, what: str) -> None:
+        """Raise if chunks were already updated in this backward (overlap_optimizer=True)."""
+        if self.stepped_early:
+            raise RuntimeError(
+                f"{what} after a backward whose chunks were already updated "
+                "(Config(overlap_optimizer=True) steps each chunk as soon as its gradients are "
+                "complete). With gradient clipping or accumulation use overlap_optimizer=False."
+            )
 
     def before_grad(self, grad: torch.Tensor) -> None:
         """Tensor hook of a parameter, run before its AccumulateGrad."""
@@ -256,6 +291,7 @@ class OffloadEngine:
         """First event of a backward pass: settle last step's gradients, arm the end hook."""
         if self._backward_active:
             return
+        self.check_not_stepped_early("a second backward before optimizer.step()")
         self._backward_active = True
         # Sentinels the user dropped (zero_grad) mean "zeroed"; the rest must
         # leave param.grad before AccumulateGrad runs, or it would add to them.
@@ -363,7 +399,9 @@ class OffloadEngine:
             if found_inf:
                 self.step_timer.lap()
                 return False
-        offloaded_step(self, hyper_by_index, grad_scale)
+        offloaded_step(self, hyper_by_index, grad_scale, skip=self.stepped_early)
+        self.stepped_early = set()
+        self._early_hyper = None
         self.step_count += 1
         # The next forward's first chunks can travel while the user loads data.
         self.manager.moment = -1

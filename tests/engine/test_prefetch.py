@@ -19,8 +19,13 @@ def _run(tmp_path, *, depth, dtype="bf16", nvme=True, delay_us=0, copy_delay=0.0
     kw = {"host_memory": pbytes * 3, "nvme_path": str(tmp_path)} if nvme else {}
     model = infinity.offload(
         model,
-        config(dtype=dtype, device_memory=pbytes * 6 // 10, chunk_size="8KiB",
-               prefetch_depth=depth, **kw),
+        config(
+            dtype=dtype,
+            device_memory=pbytes * 6 // 10,
+            chunk_size="8KiB",
+            prefetch_depth=depth,
+            **kw,
+        ),
     )
     engine = model._infinity_engine
     if delay_us:
@@ -44,7 +49,9 @@ def test_prefetch_and_pipeline_are_bitwise_equal_to_synchronous(tmp_path, nvme):
 
 def test_slow_disk_and_slow_copies_change_timing_only(tmp_path):
     fast_losses, fast_state, fast = _run(tmp_path, depth=2, steps=3)
-    slow_losses, slow_state, slow = _run(tmp_path, depth=2, steps=3, delay_us=3000, copy_delay=0.002)
+    slow_losses, slow_state, slow = _run(
+        tmp_path, depth=2, steps=3, delay_us=3000, copy_delay=0.002
+    )
     assert slow_losses == fast_losses
     for k, v in fast_state.items():
         assert torch.equal(slow_state[k], v), k
@@ -75,7 +82,9 @@ def test_eviction_stress_random_orders_tiny_budget(tmp_path):
     model = Shuffled()
     ref, ref_opt = reference_pair(model)
     budget = 3 * 12 * 1024  # three 12 KiB slots: one layer + its gradient + one spare
-    model = infinity.offload(model, config(device_memory=budget, chunk_size="12KiB", prefetch_depth=2))
+    model = infinity.offload(
+        model, config(device_memory=budget, chunk_size="12KiB", prefetch_depth=2)
+    )
     engine = model._infinity_engine
     opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
     rng = random.Random(0)
@@ -100,8 +109,10 @@ def test_eviction_stress_random_orders_tiny_budget(tmp_path):
 
 
 def test_belady_is_used_once_a_trace_exists(tmp_path):
-    model = infinity.offload(tiny_gpt(), config(device_memory=param_bytes(tiny_gpt(), 4) // 2,
-                                                 chunk_size="8KiB", prefetch_depth=2))
+    model = infinity.offload(
+        tiny_gpt(),
+        config(device_memory=param_bytes(tiny_gpt(), 4) // 2, chunk_size="8KiB", prefetch_depth=2),
+    )
     opt = CPUAdam(model.parameters(), lr=1e-3)
     engine = model._infinity_engine
     train(model, opt, batches(3))
@@ -109,3 +120,42 @@ def test_belady_is_used_once_a_trace_exists(tmp_path):
     assert engine.policy.active  # following the trace
     resident = {c.key for c in engine.manager.device}
     assert any(key[0] is Kind.PARAM for key in resident)  # the next forward was prefetched
+
+
+def _overlap_run(tmp_path, overlap, *, clip=False, accumulate=False):
+    model = tiny_gpt(seed=0)
+    pbytes = param_bytes(model, 2)
+    model = infinity.offload(
+        model,
+        config(
+            dtype="bf16",
+            device_memory=pbytes * 6 // 10,
+            host_memory=pbytes * 3,
+            nvme_path=str(tmp_path),
+            chunk_size="8KiB",
+            overlap_optimizer=overlap,
+        ),
+    )
+    opt = CPUAdam(model.parameters(), lr=3e-3, weight_decay=0.1)
+    before = (lambda _s: opt.clip_grad_norm_(1.0)) if clip else None
+    losses = train(model, opt, batches(4, seed=4), accum=2 if accumulate else 1, before_step=before)
+    return losses, model.state_dict(), model._infinity_engine
+
+
+def test_overlapped_optimizer_step_is_bitwise_equal(tmp_path):
+    plain_losses, plain_state, _ = _overlap_run(tmp_path, False)
+    losses, state, engine = _overlap_run(tmp_path, True)
+    assert losses == plain_losses
+    for k, v in plain_state.items():
+        assert torch.equal(state[k], v), k
+    assert engine.step_count == 4
+    assert engine.early_chunk_steps > 4  # chunks were really stepped during backward
+
+
+def test_overlap_refuses_clipping_and_accumulation(tmp_path):
+    with pytest.raises(RuntimeError, match="clip_grad_norm_ after a backward"):
+        _overlap_run(tmp_path, True, clip=True)
+    with pytest.raises(RuntimeError, match="second backward before optimizer.step"):
+        _overlap_run(tmp_path, True, accumulate=True)
+    with pytest.raises(infinity.ConfigError, match="fp16"):
+        infinity.Config(dtype="fp16", overlap_optimizer=True)

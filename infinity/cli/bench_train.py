@@ -1,0 +1,86 @@
+"""``infinity bench train``: offloaded step time against plain PyTorch (see infinity.bench.train)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from infinity.bench.train import run_all
+from infinity.cli.main import CommandError
+from infinity.models.gpt import GPTConfig
+from infinity.utils.sizes import format_size
+
+TARGETS = {"b": ("vs_plain", 1.15), "c": ("vs_bound", 1.2), "d": ("vs_bound", 1.2)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``infinity bench train``."""
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
+    parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object on the last line"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every case and print the table (and JSON)."""
+    if min(args.layers, args.hidden, args.heads, args.seq_len, args.batch_size, args.steps) < 1:
+        raise CommandError(
+            "--layers, --hidden, --heads, --seq-len, --batch-size and --steps must be >= 1"
+        )
+    try:
+        cfg = GPTConfig(
+            vocab_size=256,
+            seq_len=args.seq_len,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    try:
+        os.makedirs(args.nvme_path, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(f"cannot use --nvme-path {args.nvme_path!r}: {exc.strerror}") from None
+    report = run_all(
+        cfg,
+        batch=args.batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        nvme_dir=args.nvme_path,
+        progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True),
+    )
+    print(
+        f"{report['model']}: {report['params'] / 1e6:.1f}M parameters, batch {args.batch_size} x "
+        f"{args.seq_len} tokens; NVMe {report['nvme_read_gbps']:.2f} GB/s read, "
+        f"{report['nvme_write_gbps']:.2f} GB/s write (1 GB = 1e9 bytes)"
+    )
+    print(
+        f"{'case':<5}{'step s':>8}{'x plain':>9}{'IO bound s':>12}{'x bound':>9}"
+        f"{'h2d':>11}{'d2h':>11}{'nvme rd':>11}{'nvme wr':>11}  target"
+    )
+    for case in report["cases"]:
+        t = case["traffic_per_step"]
+        target = TARGETS.get(case["case"])
+        verdict = ""
+        if target:
+            key, limit = target
+            verdict = f"{key} <= {limit}: {'met' if case[key] <= limit else 'MISSED'}"
+        print(
+            f"{case['case']:<5}{case['step_seconds']:>8.3f}{case['vs_plain']:>9.2f}"
+            f"{case['io_lower_bound_seconds']:>12.3f}{case['vs_bound']:>9.2f}"
+            f"{format_size(t.get('h2d_bytes', 0)):>11}{format_size(t.get('d2h_bytes', 0)):>11}"
+            f"{format_size(t.get('nvme_read_bytes', 0)):>11}{format_size(t.get('nvme_write_bytes', 0)):>11}"
+            f"  {verdict}"
+        )
+    if args.json:
+        print(json.dumps(report))
+    return 0
