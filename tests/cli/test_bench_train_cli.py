@@ -1,0 +1,32 @@
+"""``infinity bench train`` at tiny size: every case runs and the report is complete."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_train_tiny(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "infinity", "bench", "train", "--layers", "4", "--hidden", "64",
+         "--heads", "2", "--seq-len", "16", "--batch-size", "1", "--steps", "2", "--warmup", "1",
+         "--nvme-path", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    cases = {c["case"]: c for c in report["cases"]}
+    assert set(cases) == {"a", "b", "c", "d"}
+    assert cases["a"]["vs_plain"] == 1.0
+    assert cases["b"]["traffic_per_step"]["h2d_bytes"] > 0
+    assert cases["b"]["traffic_per_step"]["nvme_write_bytes"] == 0
+    for name in "cd":
+        traffic = cases[name]["traffic_per_step"]
+        assert traffic["nvme_read_bytes"] > 0 and traffic["nvme_write_bytes"] > 0
+        assert cases[name]["io_lower_bound_seconds"] > 0
+    assert report["nvme_read_gbps"] > 0
+    assert list(tmp_path.iterdir()) == []  # swap and bench files removed
+    bad = subprocess.run([sys.executable, "-m", "infinity", "bench", "train", "--hidden", "30",
+                          "--heads", "4"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "divisible" in bad.stderr

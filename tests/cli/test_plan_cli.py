@@ -1,0 +1,39 @@
+"""``infinity plan``: the plan printed for a model and budgets, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "infinity", "plan", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_plan_puts_optimizer_state_on_nvme_first(tmp_path):
+    out = _plan("--model", "small", "--device-memory", "512MiB", "--host-memory", "1GiB",
+                "--nvme-path", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout.strip().splitlines()[-1])
+    homes = plan["homes"]
+    assert homes["optim"].count("nvme") >= homes["grad"].count("nvme") >= homes["param"].count("nvme")
+    assert "nvme" in homes["optim"]
+    assert plan["host_bytes"] <= 1 << 30 and plan["device_bytes"] <= 512 << 20
+    assert plan["traffic_per_step"]["nvme_write_bytes"] > 0
+    assert list(tmp_path.iterdir()) == []  # planning creates no files
+
+
+def test_plan_table_and_errors(tmp_path):
+    out = _plan("--model", "tiny", "--device-memory", "8MiB", "--host-memory", "64MiB")
+    assert out.returncode == 0, out.stderr
+    assert "parameters" in out.stdout and "bytes moved per step" in out.stdout
+    bad = _plan("--model", "small", "--device-memory", "1GiB", "--host-memory", "1GiB")
+    assert bad.returncode == 2
+    assert "set nvme_path" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    unknown = _plan("--model", "huge")
+    assert unknown.returncode == 2 and "unknown preset" in unknown.stderr
+    size = _plan("--device-memory", "lots")
+    assert size.returncode == 2 and "device_memory='lots'" in size.stderr
