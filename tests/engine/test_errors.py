@@ -167,3 +167,29 @@ def test_no_swap_files_remain_after_close(tmp_path):
     assert any(tmp_path.iterdir())
     model._infinity_engine.close()
     assert not any(os.scandir(tmp_path))
+
+
+def test_disk_error_mid_training_is_a_clear_error_and_cleanup_still_works(tmp_path):
+    import errno
+
+    from infinity.io import NVMeIOError
+
+    model = tiny_gpt()
+    model = infinity.offload(
+        model,
+        config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
+               nvme_path=str(tmp_path), chunk_size="16KiB"),
+    )
+    engine = model._infinity_engine
+    opt = CPUAdam(model.parameters(), lr=1e-3)
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    engine.swap.engine.inject_fault(1, errno.ENOSPC, per="request")
+    with pytest.raises(NVMeIOError) as info:
+        opt.step()
+        engine.manager.synchronize()
+    message = str(info.value)
+    assert info.value.errno == errno.ENOSPC
+    assert str(tmp_path) in message and "offset" in message
+    engine.close()
+    assert not any(os.scandir(tmp_path))
