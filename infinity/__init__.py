@@ -14,7 +14,7 @@ from infinity import optim
 from infinity.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from infinity.config import AioConfig, Config, ConfigError
 from infinity.offload import offload
-from infinity.runtime.engine import ModelChangedError
+from infinity.runtime.errors import ModelChangedError
 from infinity.schedule.planner import PlanError
 from infinity.stats import stats
 

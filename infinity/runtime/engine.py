@@ -18,13 +18,13 @@ from infinity.chunks.manager import ChunkManager, typed
 from infinity.chunks.states import StateCounters, TensorState
 from infinity.config import Config
 from infinity.devices.base import make_backend
-from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
-from infinity.optim.offloaded_step import offloaded_step, run_chunks
 from infinity.runtime.budgets import DTYPE_OF, plan_for
+from infinity.runtime.errors import ModelChangedError
+from infinity.runtime.gradients import GradientEvents
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
-from infinity.runtime.sentinel import GradientInChunks, is_zeroed
 from infinity.runtime.step_timer import StepTimer
+from infinity.runtime.stepping import OptimizerSteps
 from infinity.runtime.swap import open_swap
 from infinity.runtime.timeline import Moment, Timeline
 from infinity.schedule.eviction import TraceDrivenPolicy
@@ -35,11 +35,7 @@ log = logging.getLogger("infinity")
 _S = TensorState
 
 
-class ModelChangedError(RuntimeError):
-    """The model's parameters were replaced, added or converted after ``offload``."""
-
-
-class OffloadEngine:
+class OffloadEngine(GradientEvents, OptimizerSteps):
     """Runtime state of one offloaded model."""
 
     def __init__(self, model: nn.Module, config: Config) -> None:
@@ -239,123 +235,6 @@ class OffloadEngine:
         self.prefetch()
         return torch.as_strided(alias.view(dtype), shape, stride, offset)
 
-    # --- gradients -----------------------------------------------------------------------
-    def on_grad(self, param: torch.Tensor) -> None:
-        """A parameter's gradient is ready: move it into its gradient chunk."""
-        self._note_backward()
-        entry = self.registry.by_id[id(param)]
-        grad = param.grad
-        param.grad = None
-        if grad is None:
-            return
-        chunk = self.layout.slots[entry.index].chunk
-        self.access("grad", chunk)
-        copy = self.manager.grad_on_device(chunk)
-        self.chunk_view(copy.tensor, entry).copy_(grad)
-        self.sample("grad", chunk)
-        self.has_grad[entry.index] = True
-        self.set_state(entry, _S.HOLD_AFTER_BWD)
-        counters = self.states[chunk]
-        if counters.count(_S.HOLD_AFTER_FWD) == 0 and not counters.in_compute:
-            self.manager.flush_grad(chunk)
-            if self.overlap and self.optimizer is not None:
-                self._step_early(chunk)
-
-    def _step_early(self, chunk: int) -> None:
-        """overlap_optimizer: update a chunk whose gradients are all in, during backward."""
-        from infinity.optim.offloaded import offloaded_hyper
-
-        optimizer = self.optimizer()
-        if optimizer is None:
-            return
-        if self._early_hyper is None:
-            self._early_hyper = offloaded_hyper(optimizer.param_groups).get(self, {})
-        run_chunks(self, [chunk], self._early_hyper, grad_scale=1.0)
-        self.stepped_early.add(chunk)
-        self.early_chunk_steps += 1
-
-    def check_not_stepped_early(self, what: str) -> None:
-        """Raise if chunks were already updated in this backward (overlap_optimizer=True)."""
-        if self.stepped_early:
-            raise RuntimeError(
-                f"{what} after a backward whose chunks were already updated "
-                "(Config(overlap_optimizer=True) steps each chunk as soon as its gradients are "
-                "complete). With gradient clipping or accumulation use overlap_optimizer=False."
-            )
-
-    def before_grad(self, grad: torch.Tensor) -> None:
-        """Tensor hook of a parameter, run before its AccumulateGrad."""
-        self._note_backward()
-
-    def _note_backward(self) -> None:
-        """First event of a backward pass: settle last step's gradients, arm the end hook."""
-        if self._backward_active:
-            return
-        self.check_not_stepped_early("a second backward before optimizer.step()")
-        self._backward_active = True
-        # Sentinels the user dropped (zero_grad) mean "zeroed"; the rest must
-        # leave param.grad before AccumulateGrad runs, or it would add to them.
-        self.collect_zeroed_grads()
-        for entry in self.registry.entries:
-            if isinstance(entry.param.grad, GradientInChunks):
-                entry.param.grad = None
-        # NOTE: queue_callback runs once the whole backward pass is done;
-        # that is where partial gradient chunks (unused parameters) go home.
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _end_backward(self) -> None:
-        self._backward_active = False
-        self.manager.flush_all_grads()
-        self.set_sentinels()
-        self.trace.end_backward()
-
-    def set_sentinels(self) -> None:
-        """Every parameter with a gradient in chunks shows a sentinel in ``.grad``."""
-        for entry in self.registry.entries:
-            if self.has_grad[entry.index] and entry.param.grad is None:
-                entry.param.grad = GradientInChunks(entry.param.data)
-
-    def collect_zeroed_grads(self) -> None:
-        """Gradients whose ``param.grad`` the user set to ``None`` (zero_grad) are dropped."""
-        zeroed_chunks: dict[int, list[ParamEntry]] = {}
-        for entry in self.registry.entries:
-            if not self.has_grad[entry.index]:
-                continue
-            grad = entry.param.grad
-            if grad is not None and not isinstance(grad, GradientInChunks):
-                raise ModelChangedError(
-                    f"{entry.name}.grad was assigned a tensor; gradients of offloaded parameters "
-                    "live in chunks and cannot be set by hand"
-                )
-            if is_zeroed(grad):
-                entry.param.grad = None
-                self.has_grad[entry.index] = False
-                zeroed_chunks.setdefault(self.layout.slots[entry.index].chunk, []).append(entry)
-        for chunk, entries in zeroed_chunks.items():
-            if not any(self.has_grad[e.index] for e in self.chunk_members[chunk]):
-                self.manager.grad_valid[chunk] = False
-            else:
-                self._zero_grad_ranges(chunk, entries)
-        if zeroed_chunks and not any(self.has_grad):
-            self.manager.found_inf = False
-
-    def reset_gradients(self) -> None:
-        """Forget every gradient (after loading a checkpoint)."""
-        for entry in self.registry.entries:
-            if isinstance(entry.param.grad, GradientInChunks):
-                entry.param.grad = None
-        self.has_grad = [False] * len(self.registry.entries)
-        self.manager.invalidate_grads()
-
-    def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:
-        """Zero some tensors' gradients inside a chunk whose other gradients stay."""
-        if not self.manager.grad_valid[chunk]:
-            return
-        region, copy = self.manager.open_host((Kind.GRAD, chunk))
-        for entry in entries:
-            self.chunk_view(region, entry).zero_()
-        self.manager.close_host(copy, modified=True)
-
     def _check_model(self) -> None:
         """Refuse to run if parameters were swapped, added or converted after offload."""
         for entry in self.registry.entries:
@@ -376,38 +255,6 @@ class OffloadEngine:
     def _root_parameters(self):
         root = next(m for m, parent in self.registry.parents.items() if parent is None)
         return root.parameters()
-
-    # --- optimizer ------------------------------------------------------------------
-    def optimizer_step(
-        self, hyper_by_index: dict[int, AdamHyperParams], clip_coef: float = 1.0
-    ) -> bool:
-        """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
-        self.collect_zeroed_grads()
-        self.manager.synchronize()
-        grad_scale = clip_coef
-        if self.scaler is not None:
-            if not self.loss_scaled and any(self.has_grad):
-                raise RuntimeError(
-                    "fp16 training needs loss scaling: call "
-                    "`optimizer.scale_loss(loss).backward()` instead of `loss.backward()` "
-                    "(bf16 and fp32 need no scaling)"
-                )
-            found_inf = self.manager.found_inf
-            grad_scale = clip_coef / self.scaler.scale
-            self.scaler.update(found_inf)
-            self.loss_scaled = False
-            if found_inf:
-                self.step_timer.lap()
-                return False
-        offloaded_step(self, hyper_by_index, grad_scale, skip=self.stepped_early)
-        self.stepped_early = set()
-        self._early_hyper = None
-        self.step_count += 1
-        # The next forward's first chunks can travel while the user loads data.
-        self.manager.moment = -1
-        self.prefetch()
-        self.step_timer.lap()
-        return True
 
     def close(self) -> None:
         """Wait for transfers, release threads and remove the swap file (idempotent)."""

@@ -1,0 +1,67 @@
+"""The optimizer side of the engine: the step over chunks, and stepping during backward.
+
+A mixin of :class:`~infinity.runtime.engine.OffloadEngine`.
+"""
+
+from __future__ import annotations
+
+from infinity.optim.hyper import AdamHyperParams
+from infinity.optim.offloaded_step import offloaded_step, run_chunks
+
+
+class OptimizerSteps:
+    """Optimizer steps of offloaded parameters (called by ``CPUAdam``)."""
+
+    def optimizer_step(
+        self, hyper_by_index: dict[int, AdamHyperParams], clip_coef: float = 1.0
+    ) -> bool:
+        """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
+        self.collect_zeroed_grads()
+        self.manager.synchronize()
+        grad_scale = clip_coef
+        if self.scaler is not None:
+            if not self.loss_scaled and any(self.has_grad):
+                raise RuntimeError(
+                    "fp16 training needs loss scaling: call "
+                    "`optimizer.scale_loss(loss).backward()` instead of `loss.backward()` "
+                    "(bf16 and fp32 need no scaling)"
+                )
+            found_inf = self.manager.found_inf
+            grad_scale = clip_coef / self.scaler.scale
+            self.scaler.update(found_inf)
+            self.loss_scaled = False
+            if found_inf:
+                self.step_timer.lap()
+                return False
+        offloaded_step(self, hyper_by_index, grad_scale, skip=self.stepped_early)
+        self.stepped_early = set()
+        self._early_hyper = None
+        self.step_count += 1
+        # The next forward's first chunks can travel while the user loads data.
+        self.manager.moment = -1
+        self.prefetch()
+        self.step_timer.lap()
+        return True
+
+    def _step_early(self, chunk: int) -> None:
+        """overlap_optimizer: update a chunk whose gradients are all in, during backward."""
+        from infinity.optim.offloaded import offloaded_hyper
+
+        optimizer = self.optimizer()
+        if optimizer is None:
+            return
+        if self._early_hyper is None:
+            self._early_hyper = offloaded_hyper(optimizer.param_groups).get(self, {})
+        run_chunks(self, [chunk], self._early_hyper, grad_scale=1.0)
+        self.stepped_early.add(chunk)
+        self.early_chunk_steps += 1
+
+    def check_not_stepped_early(self, what: str) -> None:
+        """Raise if chunks were already updated in this backward (overlap_optimizer=True)."""
+        if self.stepped_early:
+            raise RuntimeError(
+                f"{what} after a backward whose chunks were already updated "
+                "(Config(overlap_optimizer=True) steps each chunk as soon as its gradients are "
+                "complete). With gradient clipping or accumulation use overlap_optimizer=False."
+            )
+
