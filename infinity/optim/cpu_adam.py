@@ -299,14 +299,16 @@ class CPUAdam(Optimizer):
             exp_avgs.append(flats[2])
             exp_avg_sqs.append(flats[3])
             batch_steps.append(state["step"])
+        # NOTE: the step counters advance only after the kernel ran, so a step
+        # rejected by validation (e.g. a checkpoint with mis-sized moments)
+        # leaves parameters, moments and counters all as they were.
         if batch_steps:
-            # NOTE: one op for all step counters, as torch's multi-tensor Adam does.
-            torch._foreach_add_(batch_steps, 1)
-            steps = [int(s) for s in torch.stack(batch_steps).tolist()]
+            steps = [int(s) + 1 for s in torch.stack(batch_steps).tolist()]
             kernels.adam_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps, **kwargs)
+            torch._foreach_add_(batch_steps, 1)  # one op for all, as torch's multi-tensor Adam
         for p, grad, state in others:
+            _step_copies(p, grad, state, int(state["step"].item()) + 1, kwargs)
             state["step"] += 1
-            _step_copies(p, grad, state, int(state["step"].item()), kwargs)
 
 
 def _step_dtype() -> torch.dtype:
