@@ -77,8 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _parse_args(args: argparse.Namespace) -> tuple[int, int, int]:
     try:
         n = parse_size(args.size, name="--size")
-    except ValueError as exc:
-        raise CommandError(str(exc)) from None
+    except ValueError:
+        raise CommandError(
+            f"--size={args.size!r} is not a parameter count; use e.g. 64M "
+            "(= 64 x 2^20 parameters), 1G or 500000"
+        ) from None
     if n < 1:
         raise CommandError(f"--size={args.size!r} must be at least 1 parameter")
     threads = kernels.default_num_threads() if args.threads is None else args.threads
