@@ -10,6 +10,8 @@ ISA and every thread count.
 
 Every argument is validated here, in Python, with an error that names it: a
 bad tensor never reaches the native code as a bad pointer.
+:func:`adam_step_many` does the same for a list of tensors in one call (what
+:class:`infinity.optim.CPUAdam` uses for a param group).
 """
 
 from __future__ import annotations
