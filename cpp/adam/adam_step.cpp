@@ -4,111 +4,140 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
+#include "adam/fp_env.hpp"
 #include "adam/isa.hpp"
+#include "adam/partition.hpp"
 #include "common/thread_pool.hpp"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 namespace infinity::adam {
 namespace {
-
-// Thread ranges start on multiples of this many elements: a multiple of the
-// widest vector (16 floats), so only the global tail ever runs scalar code,
-// and of a cache line in every buffer (64 floats = 256 B, 64 halves = 128 B),
-// so two threads never write the same line.
-constexpr int64_t kBlock = 64;
-// Below this many elements per thread, waking a worker costs more than the
-// work it takes over (~10 us wake-up vs ~1.4 ns per element).
-constexpr int64_t kMinPerThread = int64_t{1} << 15;
-// Tasks per thread: a few, so a core shared with another process delays the
-// step by the share of its last task only.
-constexpr int64_t kTasksPerThread = 4;
-
-/// Runs the task with the caller's MXCSR (flush-to-zero, denormals-are-zero,
-/// rounding mode), so worker threads compute exactly what the caller would.
-class ScopedFpEnv {
-  public:
-    explicit ScopedFpEnv(unsigned csr) {
-#if defined(__x86_64__)
-        saved_ = _mm_getcsr();
-        if (saved_ != csr) _mm_setcsr(csr);
-        wanted_ = csr;
-#else
-        (void)csr;
-#endif
-    }
-    ~ScopedFpEnv() {
-#if defined(__x86_64__)
-        if (saved_ != wanted_) _mm_setcsr(saved_);
-#endif
-    }
-    ScopedFpEnv(const ScopedFpEnv&) = delete;
-    ScopedFpEnv& operator=(const ScopedFpEnv&) = delete;
-
-  private:
-    unsigned saved_ = 0;
-    unsigned wanted_ = 0;
-};
-
-unsigned current_csr() {
-#if defined(__x86_64__)
-    return _mm_getcsr();
-#else
-    return 0;
-#endif
-}
 
 void require(bool ok, const std::string& message) {
     if (!ok) throw std::invalid_argument(message);
 }
 
-bool valid_dtype(DType d) {
-    return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
-}
+bool valid_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
 
-void validate(const AdamBuffers& b, const AdamHyper& h) {
-    require(b.n >= 0, "adam_step: n must be >= 0");
-    require(h.step >= 1, "adam_step: step must be >= 1 (the step count after the increment)");
-    require(valid_dtype(b.grad_dtype), "adam_step: unknown grad dtype code");
+size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+void validate(const AdamBuffers& b, const AdamHyper& h, const std::string& where) {
+    require(b.n >= 0, where + "n must be >= 0");
+    require(h.step >= 1, where + "step must be >= 1 (the step count after the increment)");
+    require(valid_dtype(b.grad_dtype), where + "unknown grad dtype code");
     require(b.out16 == nullptr || b.out_dtype == DType::kBF16 || b.out_dtype == DType::kF16,
-            "adam_step: out16 dtype must be bf16 or fp16");
+            where + "out16 dtype must be bf16 or fp16");
     if (b.n > 0) {
         require(b.param && b.grad && b.exp_avg && b.exp_avg_sq,
-                "adam_step: null buffer pointer for a non-empty step");
+                where + "null buffer pointer for a non-empty step");
     }
     for (double x : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.grad_scale}) {
-        require(std::isfinite(x), "adam_step: hyper-parameters must be finite");
+        require(std::isfinite(x), where + "hyper-parameters must be finite");
     }
+}
+
+bool same_hyper(const AdamHyper& a, const AdamHyper& b) {
+    return a.step == b.step && a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 &&
+           a.eps == b.eps && a.weight_decay == b.weight_decay && a.adamw == b.adamw &&
+           a.grad_scale == b.grad_scale;
+}
+
+/// A byte range of one buffer of one tensor.
+struct Span {
+    uintptr_t begin;
+    uintptr_t end;
+    size_t tensor;
+    const char* name;
+    bool written;
+};
+
+/// Checks overlaps between the buffers of all tensors (pointer arithmetic
+/// only). Throws if one tensor's own buffers overlap (the update would read
+/// what it has just written); returns whether buffers of two different
+/// tensors overlap in a way that makes the order of the updates matter.
+bool check_overlaps(const std::vector<AdamBuffers>& buffers) {
+    std::vector<Span> spans;
+    spans.reserve(buffers.size() * 5);
+    for (size_t t = 0; t < buffers.size(); ++t) {
+        const AdamBuffers& b = buffers[t];
+        if (b.n == 0) continue;
+        const auto add = [&](const void* p, size_t elem, const char* name, bool written) {
+            const auto begin = reinterpret_cast<uintptr_t>(p);
+            spans.push_back({begin, begin + static_cast<uintptr_t>(b.n) * elem, t, name, written});
+        };
+        add(b.param, 4, "master", true);
+        add(b.grad, dtype_size(b.grad_dtype), "grad", false);
+        add(b.exp_avg, 4, "exp_avg", true);
+        add(b.exp_avg_sq, 4, "exp_avg_sq", true);
+        if (b.out16) add(b.out16, 2, "out16", true);
+    }
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+        return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+    });
+    bool cross = false;
+    // Each span against the following ones that start before it ends.
+    for (size_t i = 0; i < spans.size(); ++i) {
+        for (size_t j = i + 1; j < spans.size() && spans[j].begin < spans[i].end; ++j) {
+            const Span& a = spans[i];
+            const Span& b = spans[j];
+            if (a.tensor == b.tensor) {
+                throw std::invalid_argument("tensor " + std::to_string(a.tensor) + ": " + a.name +
+                                            " and " + b.name + " overlap in memory");
+            }
+            cross = cross || a.written || b.written;
+        }
+    }
+    return cross;
+}
+
+/// Runs the planned update of `buffers` on the compute pool.
+void run(const std::vector<AdamBuffers>& buffers, const std::vector<AdamCoeffs>& coeffs) {
+    const RangeFn kernel = range_fn(active_isa());
+    std::vector<int64_t> sizes(buffers.size());
+    for (size_t t = 0; t < buffers.size(); ++t) sizes[t] = buffers[t].n;
+    const TaskPlan plan = plan_tasks(sizes, compute_threads());
+    const auto run_task = [&](int64_t task) {
+        for (size_t s = plan.offsets[task]; s < plan.offsets[task + 1]; ++s) {
+            const Segment& seg = plan.segments[s];
+            kernel(buffers[seg.tensor], coeffs[seg.tensor], seg.begin, seg.end);
+        }
+    };
+    if (plan.num_tasks() <= 1) {
+        if (plan.num_tasks() == 1) run_task(0);
+        return;
+    }
+    const unsigned csr = current_fp_env();
+    compute_pool()->run(static_cast<int64_t>(plan.num_tasks()), [&](int64_t task) {
+        ScopedFpEnv env(csr);
+        run_task(task);
+    });
 }
 
 }  // namespace
 
 void adam_step(const AdamBuffers& b, const AdamHyper& h) {
-    validate(b, h);
+    validate(b, h, "adam_step: ");
+    check_overlaps({b});
     if (b.n == 0) return;
-    const AdamCoeffs c = make_coeffs(h);
-    const RangeFn kernel = range_fn(active_isa());
-    const int64_t n = b.n;
+    run({b}, {make_coeffs(h)});
+}
 
-    const int threads = compute_threads();
-    if (threads <= 1 || n < 2 * kMinPerThread) {
-        kernel(b, c, 0, n);
+void adam_step_many(const std::vector<AdamBuffers>& buffers, const std::vector<AdamHyper>& hypers) {
+    require(buffers.size() == hypers.size(), "adam_step_many: one AdamHyper per tensor");
+    std::vector<AdamCoeffs> coeffs(buffers.size());
+    for (size_t t = 0; t < buffers.size(); ++t) {
+        validate(buffers[t], hypers[t], "adam_step_many: tensor " + std::to_string(t) + ": ");
+        // NOTE: usually every tensor has the same hyper-parameters and step;
+        // reuse the coefficients instead of three pow() calls per tensor.
+        const bool same = t > 0 && same_hyper(hypers[t], hypers[t - 1]);
+        coeffs[t] = same ? coeffs[t - 1] : make_coeffs(hypers[t]);
+    }
+    if (check_overlaps(buffers)) {
+        for (size_t t = 0; t < buffers.size(); ++t) run({buffers[t]}, {coeffs[t]});
         return;
     }
-    const std::shared_ptr<ThreadPool> pool = compute_pool();
-    const int64_t wanted = std::min<int64_t>(pool->num_threads() * kTasksPerThread,
-                                             n / kMinPerThread);
-    const int64_t per_task = (((n + wanted - 1) / wanted) + kBlock - 1) / kBlock * kBlock;
-    const int64_t tasks = (n + per_task - 1) / per_task;
-    const unsigned csr = current_csr();
-    pool->run(tasks, [&](int64_t t) {
-        ScopedFpEnv env(csr);
-        const int64_t begin = t * per_task;
-        kernel(b, c, begin, std::min(n, begin + per_task));
-    });
+    run(buffers, coeffs);
 }
 
 }  // namespace infinity::adam

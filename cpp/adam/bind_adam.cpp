@@ -55,6 +55,42 @@ void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, ui
     adam::adam_step(b, h);
 }
 
+void step_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+               const std::vector<int>& grad_dtypes, const std::vector<uintptr_t>& exp_avgs,
+               const std::vector<uintptr_t>& exp_avg_sqs, const std::vector<uintptr_t>& out16s,
+               const std::vector<int>& out_dtypes, const std::vector<int64_t>& numels,
+               const std::vector<int64_t>& steps, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool adamw, double grad_scale) {
+    const size_t count = params.size();
+    for (size_t size : {grads.size(), grad_dtypes.size(), exp_avgs.size(), exp_avg_sqs.size(),
+                        out16s.size(), out_dtypes.size(), numels.size(), steps.size()}) {
+        if (size != count) throw std::invalid_argument("step_many: all lists need one entry per tensor");
+    }
+    std::vector<adam::AdamBuffers> buffers(count);
+    std::vector<adam::AdamHyper> hypers(count);
+    for (size_t i = 0; i < count; ++i) {
+        adam::AdamBuffers& b = buffers[i];
+        b.param = as_ptr<float>(params[i]);
+        b.grad = as_ptr<const void>(grads[i]);
+        b.grad_dtype = to_dtype(grad_dtypes[i], "grad");
+        b.exp_avg = as_ptr<float>(exp_avgs[i]);
+        b.exp_avg_sq = as_ptr<float>(exp_avg_sqs[i]);
+        b.out16 = as_ptr<void>(out16s[i]);
+        if (out16s[i] != 0) b.out_dtype = to_dtype(out_dtypes[i], "out16");
+        b.n = numels[i];
+        adam::AdamHyper& h = hypers[i];
+        h.step = steps[i];
+        h.lr = lr;
+        h.beta1 = beta1;
+        h.beta2 = beta2;
+        h.eps = eps;
+        h.weight_decay = weight_decay;
+        h.adamw = adamw;
+        h.grad_scale = grad_scale;
+    }
+    adam::adam_step_many(buffers, hypers);
+}
+
 std::vector<std::string> available_isas() {
     std::vector<std::string> out;
     for (adam::Isa isa : adam::available_isas()) out.emplace_back(adam::isa_name(isa));
@@ -71,6 +107,13 @@ void bind_adam(py::module_& m) {
           py::arg("grad_scale"),
           "Fused Adam/AdamW step over raw, validated buffers (dtype codes: 0 fp32, 1 bf16, 2 "
           "fp16; out16=0 for none). Releases the GIL.");
+    m.def("step_many", &step_many, py::call_guard<py::gil_scoped_release>(), py::arg("params"),
+          py::arg("grads"), py::arg("grad_dtypes"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+          py::arg("out16s"), py::arg("out_dtypes"), py::arg("numels"), py::arg("steps"),
+          py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+          py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"),
+          "step() over several tensors in one pool dispatch: one list entry per tensor, shared "
+          "hyper-parameters, per-tensor step counts. Releases the GIL.");
     m.def("available_isas", &available_isas, "ISAs this CPU can run, widest first.");
     m.def("active_isa", [] { return std::string(adam::isa_name(adam::active_isa())); },
           "The ISA the next step uses.");

@@ -105,7 +105,9 @@ int read_int(const std::string& path) {
 
 }  // namespace
 
-int default_num_threads() {
+namespace {
+
+int detect_num_threads() {
     int logical = static_cast<int>(std::thread::hardware_concurrency());
     int physical = logical;
 #if defined(__linux__)
@@ -127,6 +129,15 @@ int default_num_threads() {
     }
 #endif
     return std::clamp(std::min(physical, logical), 1, 64);
+}
+
+}  // namespace
+
+int default_num_threads() {
+    // NOTE: detected once: it reads sysfs for every allowed CPU (~20 us), and
+    // the default must stay cheap because every step asks for it.
+    static const int detected = detect_num_threads();
+    return detected;
 }
 
 namespace {

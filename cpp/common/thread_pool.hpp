@@ -58,6 +58,7 @@ class ThreadPool {
 /// Threads a compute pool should use by default: the distinct physical cores
 /// among the CPUs this process may run on (sched_getaffinity), so hyper-thread
 /// siblings do not compete for one core's load/store units; capped at 64.
+/// Detected once per process.
 int default_num_threads();
 
 /// The process-wide compute pool, created on first use with

@@ -18,6 +18,8 @@ Bytes moved per parameter (what a step must read and write, the STREAM
 convention): fp32 reads p, g, m, v and writes p, m, v: 7 x 4 = 28 B; mixed
 reads p, m, v (4 B) and g (2 B), writes p, m, v and the bf16 copy: also 28 B.
 Torch's mixed composition is credited with the same 28 B (it moves more).
+``--isa`` forces the kernel's instruction set (e.g. ``avx2`` to see what a
+machine without AVX-512 would get).
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=5, help="timed rounds after one warm-up (default 5)"
     )
     parser.add_argument(
+        "--isa",
+        default="auto",
+        help="kernel instruction set: auto (widest available), avx512, avx2 or scalar",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print one JSON object on the last line"
     )
 
@@ -70,8 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _parse_args(args: argparse.Namespace) -> tuple[int, int, int]:
     try:
         n = parse_size(args.size, name="--size")
-    except ValueError as exc:
-        raise CommandError(str(exc)) from None
+    except ValueError:
+        raise CommandError(
+            f"--size={args.size!r} is not a parameter count; use e.g. 64M "
+            "(= 64 x 2^20 parameters), 1G or 500000"
+        ) from None
     if n < 1:
         raise CommandError(f"--size={args.size!r} must be at least 1 parameter")
     threads = kernels.default_num_threads() if args.threads is None else args.threads
@@ -79,6 +89,11 @@ def _parse_args(args: argparse.Namespace) -> tuple[int, int, int]:
         raise CommandError(f"--threads={threads} must be >= 1")
     if args.repeats < 1:
         raise CommandError(f"--repeats={args.repeats} must be >= 1")
+    if args.isa != "auto" and args.isa not in kernels.available_isas():
+        raise CommandError(
+            f"--isa={args.isa!r} is not available on this CPU; "
+            f"choose auto or one of {', '.join(kernels.available_isas())}"
+        )
     need, have = n * _FOOTPRINT_PER_PARAM, psutil.virtual_memory().available
     if need > 0.8 * have:
         raise CommandError(
@@ -223,7 +238,11 @@ def _print_table(report: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table, and with ``--json`` one JSON object on the last line."""
     n, threads, repeats = _parse_args(args)
-    report = _report(n, threads, repeats, _measure(n, threads, repeats))
+    kernels.force_isa(None if args.isa == "auto" else args.isa)
+    try:
+        report = _report(n, threads, repeats, _measure(n, threads, repeats))
+    finally:
+        kernels.force_isa(None)
     _print_table(report)
     if args.json:
         print(json.dumps(report))

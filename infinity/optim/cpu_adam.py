@@ -26,6 +26,8 @@ __all__ = ["AdamHyperParams", "CPUAdam"]
 
 def _check_dense_param(p: torch.Tensor) -> None:
     """Raise a clear error if CPUAdam cannot step ``p`` as a plain CPU tensor."""
+    if p.is_cpu is True and p.dtype is torch.float32 and p.layout is torch.strided:
+        return  # the common case, tested with the cheapest attributes
     where = f"a parameter of shape {tuple(p.shape)}"
     if p.device.type != "cpu":
         raise ValueError(
@@ -221,9 +223,14 @@ class CPUAdam(Optimizer):
         return total
 
     def _step_dense(self, group: dict[str, Any]) -> None:
-        """Step the plain CPU tensors of one param group, one kernel call per parameter."""
-        hp = AdamHyperParams.from_group(group)
-        kwargs = hp.kernel_kwargs()
+        """Step the plain CPU tensors of one param group in one native multi-tensor call."""
+        kwargs = AdamHyperParams.from_group(group).kernel_kwargs()
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        exp_avgs: list[torch.Tensor] = []
+        exp_avg_sqs: list[torch.Tensor] = []
+        batch_steps: list[torch.Tensor] = []
+        others = []  # layouts the kernel cannot step in place
         for p in group["params"]:
             grad = p.grad
             if grad is None or offloaded.engine_of_param(p) is not None:
@@ -243,10 +250,25 @@ class CPUAdam(Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=_step_dtype())
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            flats = _flat_buffers(p, grad, state["exp_avg"], state["exp_avg_sq"])
+            if flats is None:
+                others.append((p, grad, state))
+                continue
+            params.append(flats[0])
+            grads.append(flats[1])
+            exp_avgs.append(flats[2])
+            exp_avg_sqs.append(flats[3])
+            batch_steps.append(state["step"])
+        # NOTE: the step counters advance only after the kernel ran, so a step
+        # rejected by validation (e.g. a checkpoint with mis-sized moments)
+        # leaves parameters, moments and counters all as they were.
+        if batch_steps:
+            steps = [int(s) + 1 for s in torch.stack(batch_steps).tolist()]
+            kernels.adam_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps, **kwargs)
+            torch._foreach_add_(batch_steps, 1)  # one op for all, as torch's multi-tensor Adam
+        for p, grad, state in others:
+            _step_copies(p, grad, state, int(state["step"].item()) + 1, kwargs)
             state["step"] += 1
-            _update(
-                p, grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), kwargs
-            )
 
 
 def _step_dtype() -> torch.dtype:
@@ -255,26 +277,38 @@ def _step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _update(
-    p: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: int,
-    kwargs: dict[str, Any],
-) -> None:
-    """One kernel call for one parameter, on its memory in place when the layouts allow."""
+def _flat_buffers(
+    p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+) -> list[torch.Tensor] | None:
+    """The tensors as flat views of their memory, if the kernel can update them in place.
+
+    True when all are contiguous, or all share one gap-free layout (e.g.
+    channels_last): then element i of each view is the same logical element.
+    """
+    if (
+        p.is_contiguous()
+        and grad.is_contiguous()
+        and exp_avg.is_contiguous()
+        and exp_avg_sq.is_contiguous()
+    ):
+        return [p, grad, exp_avg, exp_avg_sq]
     tensors = (p, grad, exp_avg, exp_avg_sq)
-    if all(t.is_contiguous() for t in tensors):
-        kernels.adam_step(p, grad, exp_avg, exp_avg_sq, step=step, **kwargs)
-        return
-    if all(t.stride() == p.stride() for t in tensors):
-        flats = [_flat_memory(t) for t in tensors]
-        if all(f is not None for f in flats):
-            kernels.adam_step(*flats, step=step, **kwargs)  # type: ignore[misc]
-            return
-    # NOTE: rare layouts (views with gaps, mismatched strides) are stepped on
-    # contiguous copies, then copied back: same result, two extra passes.
+    first = tensors[0].stride()
+    if any(t.stride() != first for t in tensors):
+        return None
+    flats = [_flat_memory(t) for t in tensors]
+    return None if any(f is None for f in flats) else flats  # type: ignore[return-value]
+
+
+def _step_copies(
+    p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], step: int, kwargs: dict[str, Any]
+) -> None:
+    """Step a parameter with an unusual layout on contiguous copies, then copy back.
+
+    NOTE: rare (views with gaps, gradients with other strides than their
+    parameter); same result as in place, two extra passes over memory.
+    """
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
     pc, mc, vc = p.contiguous(), exp_avg.contiguous(), exp_avg_sq.contiguous()
     kernels.adam_step(pc, grad.contiguous(), mc, vc, step=step, **kwargs)
     for dst, src in ((p, pc), (exp_avg, mc), (exp_avg_sq, vc)):

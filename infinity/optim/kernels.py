@@ -10,14 +10,17 @@ ISA and every thread count.
 
 Every argument is validated here, in Python, with an error that names it: a
 bad tensor never reaches the native code as a bad pointer.
+:func:`adam_step_many` does the same for a list of tensors in one call (what
+:class:`infinity.optim.CPUAdam` uses for a param group).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
 import operator
+from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -26,6 +29,7 @@ from infinity._native import native
 __all__ = [
     "active_isa",
     "adam_step",
+    "adam_step_many",
     "available_isas",
     "default_num_threads",
     "force_isa",
@@ -36,23 +40,43 @@ __all__ = [
 # dtype codes of the native API (cpp/adam/adam_types.hpp, DType)
 _GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_CODES = {torch.bfloat16: 1, torch.float16: 2}
+_F32 = torch.float32
+_STRIDED = torch.strided
 _FP32 = (torch.float32,)
+_GRAD_DTYPES = tuple(_GRAD_CODES)
+_OUT_DTYPES = tuple(_OUT_CODES)
+_module: ModuleType | None = None
 
 
-def _adam():
-    return native().adam
+def _adam() -> ModuleType:
+    """``infinity._C.adam``, looked up once (this sits on the per-chunk path)."""
+    global _module
+    if _module is None:
+        _module = native().adam
+    return _module
 
 
-def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None) -> int:
-    """Check one buffer; return its numel."""
+# NOTE: the checks below run on every call (the chunk engine calls once per
+# chunk), so they use the cheapest tensor attributes: `is_cpu` instead of
+# `device.type` (6x faster), identity tests, no allocations on the happy path.
+
+
+def _check_tensor(
+    name: str,
+    t: object,
+    dtypes: tuple[torch.dtype, ...],
+    numel: int | None,
+    reference: str = "master",
+) -> int:
+    """Check one buffer; return its numel (which must equal ``numel`` if given)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if t.is_cpu is not True:
         raise ValueError(
             f"{name} is on device '{t.device}'; adam_step updates CPU tensors only "
             "(move the buffers to CPU memory first)"
         )
-    if t.layout != torch.strided:
+    if t.layout is not torch.strided:
         raise ValueError(f"{name} has layout {t.layout}; adam_step needs dense (strided) tensors")
     if t.dtype not in dtypes:
         expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
@@ -67,37 +91,36 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: 
     n = t.numel()
     if numel is not None and n != numel:
         raise ValueError(
-            f"{name} has {n} elements but master has {numel}; all buffers need the same numel"
+            f"{name} has {n} elements but {reference} has {numel}; all buffers need the same numel"
         )
     return n
 
 
-def _check_disjoint(buffers: list[tuple[str, torch.Tensor]]) -> None:
-    spans = []
-    for name, t in buffers:
-        nbytes = t.numel() * t.element_size()
-        if nbytes:
-            start = t.data_ptr()
-            spans.append((start, start + nbytes, name))
-    spans.sort()
-    for (_, end_a, name_a), (start_b, _, name_b) in itertools.pairwise(spans):
-        if start_b < end_a:
-            raise ValueError(
-                f"{name_a} and {name_b} overlap in memory; adam_step needs separate buffers "
-                "(it reads and writes them in one pass)"
-            )
+def _check_disjoint(buffers: tuple[tuple[str, torch.Tensor], ...]) -> None:
+    end, previous = 0, ""
+    for start, size, name in sorted([(t.data_ptr(), t.nbytes, name) for name, t in buffers]):
+        if size:
+            if start < end:
+                raise ValueError(
+                    f"{previous} and {name} overlap in memory; adam_step needs separate "
+                    "buffers (it reads and writes them in one pass)"
+                )
+            end, previous = start + size, name
 
 
 def _finite(
     name: str, value: object, *, low: float | None = None, high: float | None = None
 ) -> float:
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+    if type(value) is float:  # the common case, checked first
+        x = value
+    elif isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if isinstance(value, torch.Tensor) and value.numel() != 1:
+    elif isinstance(value, torch.Tensor) and value.numel() != 1:
         raise TypeError(
             f"{name} must be a float or a 1-element tensor, got shape {tuple(value.shape)}"
         )
-    x = float(value)
+    else:
+        x = float(value)
     if not math.isfinite(x):
         raise ValueError(f"{name}={x} must be finite")
     if low is not None and x < low:
@@ -159,32 +182,17 @@ def adam_step(
             buffers, ``step < 1``, or a hyper-parameter out of range.
     """
     n = _check_tensor("master", master, _FP32, None)
-    _check_tensor("grad", grad, tuple(_GRAD_CODES), n)
+    _check_tensor("grad", grad, _GRAD_DTYPES, n)
     _check_tensor("exp_avg", exp_avg, _FP32, n)
     _check_tensor("exp_avg_sq", exp_avg_sq, _FP32, n)
-    buffers = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    buffers = (("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
     if out16 is not None:
-        _check_tensor("out16", out16, tuple(_OUT_CODES), n)
-        buffers.append(("out16", out16))
+        _check_tensor("out16", out16, _OUT_DTYPES, n)
+        buffers += (("out16", out16),)
     _check_disjoint(buffers)
 
-    if isinstance(step, bool):
-        raise TypeError("step must be an int, got bool")
-    try:
-        step = operator.index(step)
-    except TypeError:
-        raise TypeError(f"step must be an int, got {type(step).__name__}") from None
-    if step < 1:
-        raise ValueError(f"step={step} must be >= 1 (the step count after the increment)")
-    lr = _finite("lr", lr, low=0.0)
-    beta1 = _finite("beta1", beta1, low=0.0, high=1.0)
-    beta2 = _finite("beta2", beta2, low=0.0, high=1.0)
-    eps = _finite("eps", eps, low=0.0)
-    weight_decay = _finite("weight_decay", weight_decay, low=0.0)
-    grad_scale = _finite("grad_scale", grad_scale)
-    if not isinstance(adamw, bool):
-        raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
-
+    step = _check_step("step", step)
+    hyper = _check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
     _adam().step(
         master.data_ptr(),
         grad.data_ptr(),
@@ -195,13 +203,159 @@ def adam_step(
         0 if out16 is None else _OUT_CODES[out16.dtype],
         n,
         step,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
+        *hyper,
+    )
+
+
+def adam_step_many(
+    masters: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    steps: int | Sequence[int],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    out16s: Sequence[torch.Tensor | None] | None = None,
+) -> None:
+    """:func:`adam_step` over several tensors at once, in one native call.
+
+    Tensor ``i`` is updated exactly (bitwise) as ``adam_step(masters[i],
+    grads[i], exp_avgs[i], exp_avg_sqs[i], step=steps[i], ..., out16=out16s[i])``
+    would, but all tensors share one dispatch to the thread pool and small
+    tensors are packed into common tasks: what torch calls a multi-tensor
+    (``foreach``/``fused``) step. ``steps`` is one int for all tensors or one
+    per tensor; the other hyper-parameters are shared.
+
+    Each tensor's buffers must not overlap each other (``ValueError`` naming
+    the tensor's index). Buffers of *different* tensors may overlap (e.g. the
+    same parameter twice); the tensors are then updated one after the other
+    in list order, as a per-tensor loop would.
+    """
+    count = len(masters)
+    for name, seq in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        if len(seq) != count:
+            raise ValueError(f"{name} has {len(seq)} tensors but masters has {count}")
+    if out16s is not None and len(out16s) != count:
+        raise ValueError(f"out16s has {len(out16s)} entries but masters has {count}")
+    if not isinstance(steps, (list, tuple)):
+        step_list = [_check_step("steps", steps)] * count
+    else:
+        if len(steps) != count:
+            raise ValueError(f"steps has {len(steps)} entries but masters has {count}")
+        step_list = [_check_step(f"steps[{i}]", s) for i, s in enumerate(steps)]
+    hyper = _check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
+
+    numels, grad_codes, out_ptrs, out_codes = [], [], [], []
+    for i in range(count):
+        n = _check_four(i, masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i])
+        numels.append(n)
+        grad_codes.append(_GRAD_CODES[grads[i].dtype])
+        out = None if out16s is None else out16s[i]
+        if out is None:
+            out_ptrs.append(0)
+            out_codes.append(0)
+        else:
+            _check_tensor(f"out16s[{i}]", out, _OUT_DTYPES, n, "masters")
+            out_ptrs.append(out.data_ptr())
+            out_codes.append(_OUT_CODES[out.dtype])
+    # NOTE: overlaps are checked natively (sorting every buffer's address
+    # range); it is pointer arithmetic only, nothing is dereferenced first.
+    _adam().step_many(
+        [t.data_ptr() for t in masters],
+        [t.data_ptr() for t in grads],
+        grad_codes,
+        [t.data_ptr() for t in exp_avgs],
+        [t.data_ptr() for t in exp_avg_sqs],
+        out_ptrs,
+        out_codes,
+        numels,
+        step_list,
+        *hyper,
+    )
+
+
+def _check_four(i: int, p: object, g: object, m: object, v: object) -> int:
+    """Check tensor i of adam_step_many; return its numel.
+
+    NOTE: one combined test on the happy path (this runs once per parameter
+    tensor per step); the detailed checks that name the culprit run only when
+    it fails.
+    """
+    try:
+        n = p.numel()  # type: ignore[attr-defined]
+        if (
+            p.is_cpu is True  # type: ignore[attr-defined]
+            and g.is_cpu is True  # type: ignore[attr-defined]
+            and m.is_cpu is True  # type: ignore[attr-defined]
+            and v.is_cpu is True  # type: ignore[attr-defined]
+            and p.dtype is _F32  # type: ignore[attr-defined]
+            and m.dtype is _F32  # type: ignore[attr-defined]
+            and v.dtype is _F32  # type: ignore[attr-defined]
+            and g.dtype in _GRAD_DTYPES  # type: ignore[attr-defined]
+            and p.layout is _STRIDED  # type: ignore[attr-defined]
+            and g.layout is _STRIDED  # type: ignore[attr-defined]
+            and m.layout is _STRIDED  # type: ignore[attr-defined]
+            and v.layout is _STRIDED  # type: ignore[attr-defined]
+            and p.is_contiguous()  # type: ignore[attr-defined]
+            and g.is_contiguous()  # type: ignore[attr-defined]
+            and m.is_contiguous()  # type: ignore[attr-defined]
+            and v.is_contiguous()  # type: ignore[attr-defined]
+            and g.numel() == n  # type: ignore[attr-defined]
+            and m.numel() == n  # type: ignore[attr-defined]
+            and v.numel() == n  # type: ignore[attr-defined]
+            and isinstance(p, torch.Tensor)
+            and isinstance(g, torch.Tensor)
+            and isinstance(m, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+        ):
+            return n
+    except (AttributeError, TypeError):
+        pass  # not tensors: the detailed checks below say which
+    n = _check_tensor(f"masters[{i}]", p, _FP32, None)
+    _check_tensor(f"grads[{i}]", g, _GRAD_DTYPES, n, "masters")
+    _check_tensor(f"exp_avgs[{i}]", m, _FP32, n, "masters")
+    _check_tensor(f"exp_avg_sqs[{i}]", v, _FP32, n, "masters")
+    raise AssertionError("unreachable: the detailed checks must reject what the fast one did")
+
+
+def _check_step(name: str, step: object) -> int:
+    if isinstance(step, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        value = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(step).__name__}") from None
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1 (the step count after the increment)")
+    return value
+
+
+def _check_hyper(
+    lr: object,
+    beta1: object,
+    beta2: object,
+    eps: object,
+    weight_decay: object,
+    adamw: object,
+    grad_scale: object,
+) -> tuple[float, float, float, float, float, bool, float]:
+    """Validated hyper-parameters in the order of the native signature."""
+    if not isinstance(adamw, bool):
+        raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
+    return (
+        _finite("lr", lr, low=0.0),
+        _finite("beta1", beta1, low=0.0, high=1.0),
+        _finite("beta2", beta2, low=0.0, high=1.0),
+        _finite("eps", eps, low=0.0),
+        _finite("weight_decay", weight_decay, low=0.0),
         adamw,
-        grad_scale,
+        _finite("grad_scale", grad_scale),
     )
 
 

@@ -85,27 +85,29 @@ def test_worker_threads_use_the_callers_denormal_mode() -> None:
     # Under torch.set_flush_denormal(True) (FTZ/DAZ in the caller's MXCSR)
     # subnormal inputs read as zero, so lr=0 turns subnormal parameters into
     # signed zeros; without it they pass through unchanged. Pool threads must
-    # follow the caller's mode in both cases.
+    # follow the caller's mode in both cases, also when they were started
+    # before the caller changed it.
     n = 3 * 2**16 + 5
     p0 = torch.full((n,), 1e-40)
     p0[::2] = -1e-40
     signed_zeros = torch.zeros(n).copysign(p0)
 
-    def run(threads: int) -> torch.Tensor:
-        kernels.set_num_threads(threads)
+    def run() -> torch.Tensor:
         p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
         kernels.adam_step(p, torch.zeros(n), m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8)
         return p
 
-    for threads in (1, 2):
-        assert_same_bits(run(threads), p0)
+    kernels.set_num_threads(2)
+    assert_same_bits(run(), p0)  # starts the pool's worker with denormals on
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
-        for threads in (1, 2):
-            assert_same_bits(run(threads), signed_zeros)
+        assert_same_bits(run(), signed_zeros)  # the same pool, now flushing
+        kernels.set_num_threads(1)
+        assert_same_bits(run(), signed_zeros)
     finally:
         torch.set_flush_denormal(False)
+    assert_same_bits(run(), p0)
 
 
 def test_isa_and_thread_controls() -> None:

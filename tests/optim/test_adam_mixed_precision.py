@@ -70,8 +70,10 @@ def test_16bit_grads_and_output_match_torch_on_upcast_grads(
     assert_rel_close(p, expected)
 
 
+@pytest.mark.parametrize("isa", kernels.available_isas())
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_every_16bit_gradient_value_is_read_exactly(dtype: torch.dtype) -> None:
+def test_every_16bit_gradient_value_is_read_exactly(dtype: torch.dtype, isa: str) -> None:
+    kernels.force_isa(isa)
     # With beta1 = 0 the first moment after one step is exactly the gradient,
     # so exp_avg exposes the kernel's 16 -> 32 bit conversion of all 65536 values.
     g16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).clone()
@@ -84,8 +86,10 @@ def test_every_16bit_gradient_value_is_read_exactly(dtype: torch.dtype) -> None:
     assert m[~finite].isnan().all()  # torch's lerp gives NaN there too: 0 * inf
 
 
+@pytest.mark.parametrize("isa", kernels.available_isas())
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_16bit_output_rounds_like_torch_on_crafted_values(dtype: torch.dtype) -> None:
+def test_16bit_output_rounds_like_torch_on_crafted_values(dtype: torch.dtype, isa: str) -> None:
+    kernels.force_isa(isa)  # each ISA's conversion against torch's, not just against each other
     crafted = torch.tensor(_CRAFTED[dtype], dtype=torch.float32)
     in_range = torch.linspace(-70000.0, 70000.0, 4099)
     tiny = torch.linspace(-(2.0**-13), 2.0**-13, 4099)

@@ -189,3 +189,17 @@ def test_cpu_adam_checks_groups_added_later() -> None:
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, device="meta"))]})
     with pytest.raises(ValueError, match="Invalid eps"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))], "eps": -1.0})
+
+
+def test_cpu_adam_rejects_a_checkpoint_with_missized_moments_without_side_effects() -> None:
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = CPUAdam([p], lr=0.1)
+    p.grad = torch.ones(8)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = torch.zeros(5)  # torch's load_state_dict does not check sizes
+    opt.load_state_dict(sd)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="has 5 elements"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and opt.state[p]["step"].item() == 1

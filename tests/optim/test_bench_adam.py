@@ -27,10 +27,22 @@ def test_bench_adam_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--size", "lots"], ["--size", "0"], ["--repeats", "0"], ["--threads", "0"]],
-    ids=["bad-size", "zero-size", "zero-repeats", "zero-threads"],
+    [
+        ["--size", "lots"],
+        ["--size", "0"],
+        ["--repeats", "0"],
+        ["--threads", "0"],
+        ["--isa", "sse9"],
+    ],
+    ids=["bad-size", "zero-size", "zero-repeats", "zero-threads", "bad-isa"],
 )
 def test_bench_adam_rejects_bad_flags(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "adam", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("infinity: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_bench_adam_forced_isa(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "adam", "--size", "4K", "--repeats", "1", "--isa", "scalar", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["isa"] == "scalar"

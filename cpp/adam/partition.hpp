@@ -1,0 +1,38 @@
+// Splitting the elements of one or more tensors into tasks for the pool.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace infinity::adam {
+
+/// Segments start at multiples of this many elements within their tensor: a
+/// multiple of the widest vector (16 floats), so scalar code only ever runs
+/// on a tensor's own tail, and of a cache line in every buffer (64 floats =
+/// 256 B, 64 halves = 128 B), so two threads never write the same line.
+constexpr int64_t kBlock = 64;
+
+/// Elements [begin, end) of tensor `tensor`.
+struct Segment {
+    int64_t tensor;
+    int64_t begin;
+    int64_t end;
+};
+
+/// Tasks of one step: task t is segments[offsets[t] .. offsets[t + 1]).
+struct TaskPlan {
+    std::vector<Segment> segments;
+    std::vector<std::size_t> offsets;
+
+    std::size_t num_tasks() const { return offsets.empty() ? 0 : offsets.size() - 1; }
+};
+
+/// Plans tasks of about equal size over tensors of `sizes` elements for
+/// `threads` threads: a few tasks per thread (claimed dynamically, so a core
+/// busy with another process delays the step by one task at most), small
+/// tensors packed together, large ones split on kBlock boundaries. Returns a
+/// single task when splitting would cost more than it saves.
+TaskPlan plan_tasks(const std::vector<int64_t>& sizes, int threads);
+
+}  // namespace infinity::adam
