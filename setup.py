@@ -23,6 +23,8 @@ ext = Pybind11Extension(
     "infinity._C",
     sorted(glob.glob("cpp/**/*.cpp", recursive=True)),
     include_dirs=["cpp"],
+    # NOTE: without the headers listed, editing one would not trigger a rebuild.
+    depends=sorted(glob.glob("cpp/**/*.hpp", recursive=True)),
     cxx_std=17,
     extra_compile_args=_CXX_FLAGS,
     extra_link_args=["-pthread"],
