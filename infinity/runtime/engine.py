@@ -199,6 +199,10 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
     def begin_forward(self) -> None:
         """The root module's forward starts: check the model, start a new iteration."""
         self._check_model()
+        if self._backward_active and torch._C._current_graph_task_id() == -1:
+            # A backward that never finished (interrupted, or an exception inside
+            # it): its end-of-backward callback will not come, so settle it now.
+            self._end_backward()
         if not self._backward_active:
             previous = self.trace.trace
             self.trace.start_iteration()

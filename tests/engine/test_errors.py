@@ -193,3 +193,24 @@ def test_disk_error_mid_training_is_a_clear_error_and_cleanup_still_works(tmp_pa
     assert str(tmp_path) in message and "offset" in message
     engine.close()
     assert not any(os.scandir(tmp_path))
+
+
+def test_interrupted_backward_leaves_a_usable_engine():
+    model = infinity.offload(tiny_gpt(), config(device_memory="1MiB", chunk_size="16KiB"))
+    opt = CPUAdam(model.parameters(), lr=1e-3)
+    x, y = batches(1)[0]
+    loss = model(x, y)
+
+    def boom(grad):
+        raise KeyboardInterrupt
+
+    handle = model.blocks[0].fc.weight.register_hook(boom)
+    with pytest.raises(KeyboardInterrupt):
+        loss.backward()
+    handle.remove()
+    # the next iteration works and trains like a fresh one
+    for x, y in batches(2):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
