@@ -1,7 +1,7 @@
 """Our I/O engine against fio on the same directory, in the same run.
 
-For each repeat, interleaved so drift in the disk or the machine hits both
-alike: fio (``--direct=1 --ioengine=libaio --iodepth=QD --rw=write`` then
+For each repeat, interleaved (in alternating order) so drift in the disk or
+the machine hits both alike: fio (``--direct=1 --ioengine=libaio --iodepth=QD --rw=write`` then
 ``--rw=read``, fresh file) and then infinity's engine on each backend (fresh
 preallocated swap file, sequential write then read, same block size, queue
 depth and size). Prints the median GB/s (1e9 bytes/s) of each and the ratios
@@ -94,16 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     fio: list[tuple[float, float]] = []
     ours: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}
     for i in range(args.repeat):
-        fio.append(fio_pass(args.path, size, block_size, args.queue_depth))
-        print(f"repeat {i + 1}: fio write {fio[-1][0]:.3f} read {fio[-1][1]:.3f} GB/s", flush=True)
-        for backend in backends:
-            config = AioConfig(backend, block_size, args.queue_depth, args.threads)
-            p = measure_engine(args.path, size, config)
-            ours[backend].append((p.write_gbps, p.read_gbps))
-            print(
-                f"repeat {i + 1}: {backend} write {p.write_gbps:.3f} read {p.read_gbps:.3f} GB/s",
-                flush=True,
-            )
+        # NOTE: the order alternates between repeats, so whatever state one
+        # run leaves behind (device or host caches, free-extent layout) favours
+        # neither side systematically.
+        order = ["fio", *backends] if i % 2 == 0 else [*backends, "fio"]
+        for name in order:
+            if name == "fio":
+                w, r = fio_pass(args.path, size, block_size, args.queue_depth)
+                fio.append((w, r))
+            else:
+                config = AioConfig(name, block_size, args.queue_depth, args.threads)
+                p = measure_engine(args.path, size, config)
+                w, r = p.write_gbps, p.read_gbps
+                ours[name].append((w, r))
+            print(f"repeat {i + 1}: {name:<8} write {w:.3f} read {r:.3f} GB/s", flush=True)
 
     def median(values: list[tuple[float, float]], k: int) -> float:
         return statistics.median(v[k] for v in values)

@@ -34,6 +34,7 @@ class Worker {
     void loop();
     void fill(bool& closed, Clock::time_point& later);
     void stage(std::uint32_t slot);
+    void handle_done();
     void handle(const Completion& c);
     void fail_piece(std::uint32_t slot, int err, const std::string& detail);
     void finish_piece(std::uint32_t slot);
@@ -50,6 +51,7 @@ class Worker {
     std::vector<std::uint32_t> free_;   // slots not holding a piece
     std::vector<std::uint32_t> retry_;  // slots to stage again (short transfer, EAGAIN)
     std::vector<Completion> done_;      // completions waiting to be handled
+    std::vector<Completion> batch_;     // done_ being handled
     std::thread thread_;
 };
 

@@ -22,10 +22,7 @@ from infinity.config import AioConfig
 from infinity.io import IOEngine, IORequest, SwapFile, aligned_empty
 
 GB = 10**9
-# Bytes per request handed to the engine. Several requests are kept queued so
-# the engine never runs dry between them (its workers take pieces of the next
-# request as soon as a slot frees).
-REQUEST_BYTES = 16 << 20
+MIN_REQUEST_BYTES = 1 << 20
 # Cap on the host memory used for I/O buffers, whatever the queue shape.
 MAX_BUFFER_BYTES = 1 << 30
 
@@ -58,11 +55,22 @@ class Point:
 
 
 def _pool_bytes(size: int, config: AioConfig) -> tuple[int, int]:
-    """(request size, buffer pool size): enough queued bytes to keep every worker's queue full."""
-    request = max(REQUEST_BYTES, config.block_size)
-    in_flight = config.block_size * config.queue_depth * config.threads
-    pool = max(2 * in_flight, 4 * request)
-    pool = min(pool, MAX_BUFFER_BYTES, size)
+    """(request size, buffer pool size) for one configuration.
+
+    The pool is twice the bytes the engine keeps in flight, cut into requests
+    of a quarter of that (at least 1 MiB), so several requests are always queued (the workers
+    take pieces of the next one as soon as a slot frees) while the buffers,
+    reused round-robin, stay about as small as fio's per-I/O buffers.
+
+    NOTE: the footprint matters on virtualised disks: with buffers 8x larger
+    than fio's, reads measured ~15% slower here for reasons outside the engine
+    (the host's copy into guest memory leaves the CPU caches).
+    """
+    bs = config.block_size
+    in_flight = bs * config.queue_depth * config.threads
+    # At least 1 MiB per request, so the Python loop is never what limits.
+    request = max(bs, max(in_flight // 4, MIN_REQUEST_BYTES) // bs * bs)
+    pool = min(max(2 * in_flight, 2 * request), MAX_BUFFER_BYTES, size)
     request = min(request, pool)
     pool = max(request, pool // request * request)
     return request, pool

@@ -99,7 +99,7 @@ def plot(points: list[Point], baseline: dict[int, tuple[float, float]], path: st
     for ax, kind in zip(axes, ("write", "read"), strict=True):
         for (backend, threads, qd), pts in sorted(groups.items()):
             pts = sorted(pts, key=lambda p: p.block_size)
-            label = f"qd={qd}" + (f" {backend} t={threads}" if several else "")
+            label = (f"{backend} threads={threads} " if several else "") + f"qd={qd}"
             ax.plot(
                 [p.block_size for p in pts],
                 [getattr(p, f"{kind}_gbps") for p in pts],

@@ -80,6 +80,9 @@ class IOEngine:
 
     Closing (``close()``, the end of a ``with`` block, garbage collection or
     interpreter exit) waits for every request still queued or in flight.
+    Methods may be called from several threads. An engine cannot be used in
+    a child created by ``fork()`` after it (its worker threads exist only in
+    the parent): that raises ``RuntimeError``; make a new engine there.
 
     Fault injection for tests: :meth:`inject_fault` and :meth:`inject_delay`.
     """

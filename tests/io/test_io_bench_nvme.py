@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
-from conftest import run_python
+from conftest import REPO_ROOT, run_python
 
 import infinity
 
@@ -87,3 +91,33 @@ def test_uncreatable_path_exits_2(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--path: cannot create" in lines[0], result.stderr
     assert "is not an existing directory" in lines[0]
+
+
+def test_ctrl_c_removes_files(tmp_path):
+    """SIGINT in the middle of a point exits 130 and leaves nothing behind."""
+    out_dir = tmp_path / "bench"
+    out_dir.mkdir()
+    args = [
+        "bench", "nvme", "--path", str(out_dir), "--size", "2GiB", "--block-sizes", "64K",
+        "--queue-depths", "2", "--backends", "threads", "--no-baseline",
+    ]  # fmt: skip
+    code = f"import sys; from infinity.cli.main import main; sys.exit(main({args!r}))"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not os.listdir(out_dir):  # the swap file's private directory appears
+            assert proc.poll() is None, "the benchmark ended before it could be interrupted"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)  # let transfers start
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "infinity: interrupted" in stderr
+    assert os.listdir(out_dir) == []
