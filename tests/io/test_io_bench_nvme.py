@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO_ROOT, run_python
+from io_helpers import REPO_ROOT, run_python
 
 import infinity
 

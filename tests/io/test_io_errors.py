@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from conftest import file_bytes, mounted_tmpfs, random_tensor, run_python
+from io_helpers import file_bytes, mounted_tmpfs, random_tensor, run_python
 
 from infinity.io import IOEngine, NVMeIOError, SwapFile, aligned_empty, wait_all
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import file_bytes, random_tensor
+from io_helpers import file_bytes, random_tensor
 
 from infinity.io import IOEngine, SwapFile, aligned_empty, wait_all
 

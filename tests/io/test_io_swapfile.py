@@ -9,7 +9,7 @@ import stat
 import warnings
 
 import pytest
-from conftest import file_bytes, mounted_tmpfs, random_tensor, run_python
+from io_helpers import file_bytes, mounted_tmpfs, random_tensor, run_python
 
 from infinity.io import SwapFile, aligned_empty
 from infinity.io import swapfile as swapfile_module
