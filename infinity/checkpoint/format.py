@@ -17,6 +17,7 @@ layout (other budgets, other chunk size) of the same model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
 from dataclasses import dataclass
@@ -50,10 +51,7 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -12,6 +12,7 @@ frozen chunks have no gradient and no optimizer state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,10 +34,7 @@ class TensorInfo:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

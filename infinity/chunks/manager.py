@@ -150,7 +150,7 @@ class ChunkManager:
         self.traffic.h2d_bytes += nbytes
         return copy
 
-    def _sooner_than(self, key: Key):  # noqa: ANN202
+    def _sooner_than(self, key: Key):
         """Eviction filter for prefetching ``key``: only copies needed after it."""
         policy = self.device.policy
         if not hasattr(policy, "next_use"):

@@ -1,4 +1,4 @@
-"""``infinity bench train``: offloaded step time against plain PyTorch (see infinity.bench.train)."""
+"""``infinity bench train``: offloaded step time against plain PyTorch (infinity.bench.train)."""
 
 from __future__ import annotations
 
@@ -77,9 +77,11 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{case['case']:<5}{case['step_seconds']:>8.3f}{case['vs_plain']:>9.2f}"
             f"{case['io_lower_bound_seconds']:>12.3f}{case['vs_bound']:>9.2f}"
-            f"{format_size(t.get('h2d_bytes', 0)):>11}{format_size(t.get('d2h_bytes', 0)):>11}"
-            f"{format_size(t.get('nvme_read_bytes', 0)):>11}{format_size(t.get('nvme_write_bytes', 0)):>11}"
-            f"  {verdict}"
+            + "".join(
+                f"{format_size(t.get(k, 0)):>11}"
+                for k in ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes")
+            )
+            + f"  {verdict}"
         )
     if args.json:
         print(json.dumps(report))

@@ -11,7 +11,6 @@ so checkpoints move between the two optimizers in both directions.
 from __future__ import annotations
 
 import weakref
-
 from collections.abc import Callable, Iterable
 from typing import Any
 

@@ -114,4 +114,3 @@ class GradientEvents:
         for entry in entries:
             self.chunk_view(region, entry).zero_()
         self.manager.close_host(copy, modified=True)
-

@@ -64,4 +64,3 @@ class OptimizerSteps:
                 "(Config(overlap_optimizer=True) steps each chunk as soon as its gradients are "
                 "complete). With gradient clipping or accumulation use overlap_optimizer=False."
             )
-

@@ -9,10 +9,33 @@ import sys
 
 def test_bench_train_tiny(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "infinity", "bench", "train", "--layers", "4", "--hidden", "64",
-         "--heads", "2", "--seq-len", "16", "--batch-size", "1", "--steps", "2", "--warmup", "1",
-         "--nvme-path", str(tmp_path), "--json"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "infinity",
+            "bench",
+            "train",
+            "--layers",
+            "4",
+            "--hidden",
+            "64",
+            "--heads",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--nvme-path",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -27,6 +50,10 @@ def test_bench_train_tiny(tmp_path):
         assert cases[name]["io_lower_bound_seconds"] > 0
     assert report["nvme_read_gbps"] > 0
     assert list(tmp_path.iterdir()) == []  # swap and bench files removed
-    bad = subprocess.run([sys.executable, "-m", "infinity", "bench", "train", "--hidden", "30",
-                          "--heads", "4"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "infinity", "bench", "train", "--hidden", "30", "--heads", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "divisible" in bad.stderr

@@ -9,17 +9,31 @@ import sys
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "infinity", "plan", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "infinity", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
 def test_plan_puts_optimizer_state_on_nvme_first(tmp_path):
-    out = _plan("--model", "small", "--device-memory", "512MiB", "--host-memory", "1GiB",
-                "--nvme-path", str(tmp_path), "--json")
+    out = _plan(
+        "--model",
+        "small",
+        "--device-memory",
+        "512MiB",
+        "--host-memory",
+        "1GiB",
+        "--nvme-path",
+        str(tmp_path),
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout.strip().splitlines()[-1])
     homes = plan["homes"]
-    assert homes["optim"].count("nvme") >= homes["grad"].count("nvme") >= homes["param"].count("nvme")
+    assert (
+        homes["optim"].count("nvme") >= homes["grad"].count("nvme") >= homes["param"].count("nvme")
+    )
     assert "nvme" in homes["optim"]
     assert plan["host_bytes"] <= 1 << 30 and plan["device_bytes"] <= 512 << 20
     assert plan["traffic_per_step"]["nvme_write_bytes"] > 0

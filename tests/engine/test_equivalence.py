@@ -166,8 +166,13 @@ def test_llama_tied_embeddings_fp32_matches_torch(tmp_path):
 def _llama(vocab=128):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
@@ -186,8 +191,14 @@ def test_llama_16bit_loss_curve_follows_fp32(dtype, tmp_path):
     model = _llama(vocab=96)
     ref, ref_opt = reference_pair(model, lr=3e-3)
     pbytes = param_bytes(model, 2)
-    model = _offloaded(model, dtype=dtype, device_memory=pbytes // 2, host_memory=pbytes * 4,
-                       nvme_path=str(tmp_path), chunk_size="8KiB")
+    model = _offloaded(
+        model,
+        dtype=dtype,
+        device_memory=pbytes // 2,
+        host_memory=pbytes * 4,
+        nvme_path=str(tmp_path),
+        chunk_size="8KiB",
+    )
     opt = CPUAdam(model.parameters(), lr=3e-3, weight_decay=0.1)
     data = learnable_batches(12, seed=3)
     losses = train(model, opt, data, loss_fn=_llama_loss, scale=opt.scale_loss)

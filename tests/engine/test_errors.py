@@ -177,8 +177,12 @@ def test_disk_error_mid_training_is_a_clear_error_and_cleanup_still_works(tmp_pa
     model = tiny_gpt()
     model = infinity.offload(
         model,
-        config(device_memory="1MiB", host_memory=param_bytes(model, 4) * 2,
-               nvme_path=str(tmp_path), chunk_size="16KiB"),
+        config(
+            device_memory="1MiB",
+            host_memory=param_bytes(model, 4) * 2,
+            nvme_path=str(tmp_path),
+            chunk_size="16KiB",
+        ),
     )
     engine = model._infinity_engine
     opt = CPUAdam(model.parameters(), lr=1e-3)
