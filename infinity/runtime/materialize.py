@@ -9,6 +9,8 @@ whole in RAM: at most the chunks one module spans are open at a time.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -19,6 +21,7 @@ from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry
 
 InitFn = Callable[[nn.Module], None]
+log = logging.getLogger("infinity")
 
 
 def default_init(module: nn.Module) -> None:
@@ -60,6 +63,34 @@ def materialize_buffers(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = torch.empty_like(buf, device=device)
 
 
+class _Progress:
+    """Logs "n of N chunks" every few seconds while filling a large model.
+
+    NOTE: initialising a big model on NVMe takes minutes; a silent pause there is
+    what users of other offload engines report as a hang.
+    """
+
+    def __init__(self, total: int, every_s: float = 5.0) -> None:
+        self.total = total
+        self.done = 0
+        self.every_s = every_s
+        self._start = self._last = time.monotonic()
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self._last >= self.every_s or (
+            self.done == self.total and now - self._start > self.every_s
+        ):
+            self._last = now
+            log.info(
+                "infinity: filled %d of %d chunks (%.0f s)",
+                self.done,
+                self.total,
+                now - self._start,
+            )
+
+
 class _OpenChunk:
     """An fp32 scratch chunk waiting for its tensors' values."""
 
@@ -74,6 +105,7 @@ def fill_chunks(engine: OffloadEngine, model: nn.Module, init: InitFn | None) ->
     layout = engine.layout
     open_chunks: dict[int, _OpenChunk] = {}
     done: set[int] = set()
+    progress = _Progress(layout.num_chunks)
 
     def scratch_view(entry: ParamEntry) -> torch.Tensor:
         slot = layout.slots[entry.index]
@@ -94,6 +126,7 @@ def fill_chunks(engine: OffloadEngine, model: nn.Module, init: InitFn | None) ->
         if chunk.pending == 0:
             engine.manager.write_initial(chunk_index, chunk.values)
             del open_chunks[chunk_index]
+            progress.advance()
 
     on_meta = {e.index for e in engine.registry.entries if e.param.is_meta}
     for entry in engine.registry.entries:
