@@ -4,7 +4,9 @@ Cases (same model, same batches):
   a. plain PyTorch in RAM with ``torch.optim.AdamW(fused=True)``;
   b. offloaded, device budget half the parameters, everything else in RAM;
   c. offloaded, optimizer states on NVMe (parameters and gradients on the host);
-  d. offloaded, everything beyond a small host budget on NVMe.
+  d. offloaded, everything beyond a small host budget (15% of the states) on NVMe.
+c and d run with ``overlap_optimizer=True`` (this loop steps after every
+backward, without clipping); c0 and d0 are the same without it.
 Each offloaded step time is reported as a ratio to (a) and, for the NVMe
 cases, against ``max(compute time of (a), I/O lower bound)``, the lower bound
 being the NVMe bytes of one step divided by the bandwidth measured in the same
@@ -63,49 +65,59 @@ def _model(cfg: GPTConfig) -> GPT:
     return model
 
 
-def _timed(step: Callable[[tuple], None], data: list, warmup: int) -> list[float]:
-    times = []
-    for i, batch in enumerate(data):
+class Runner:
+    """One case, able to run one training step at a time (so cases can be interleaved)."""
+
+    def __init__(
+        self, name: str, description: str, model, optimizer, config: Config | None
+    ) -> None:
+        self.name, self.description = name, description
+        self.model, self.optimizer, self.config = model, optimizer, config
+        self.times: list[float] = []
+        self.laps: list[dict[str, float]] = []
+
+    def step(self, batch: tuple, timed: bool) -> None:
+        """One forward, backward and optimizer step; recorded if ``timed``."""
         start = time.perf_counter()
-        step(batch)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+        self.model(*batch).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        elapsed = time.perf_counter() - start
+        if timed:
+            self.times.append(elapsed)
+            if self.config is not None:
+                self.laps.append(dict(infinity.stats(self.model)["last_step"]))
+
+    def result(self) -> CaseResult:
+        """Median step time and mean traffic of the timed steps; releases the model."""
+        traffic = {}
+        if self.laps:
+            traffic = {
+                k: statistics.mean(lap.get(k, 0.0) for lap in self.laps) for k in self.laps[0]
+            }
+        if self.config is not None:
+            self.model._infinity_engine.close()
+        return CaseResult(
+            self.name,
+            self.description,
+            statistics.median(self.times),
+            self.times,
+            traffic,
+            self.config.to_dict() if self.config is not None else None,
+        )
 
 
-def run_plain(cfg: GPTConfig, data: list, warmup: int) -> CaseResult:
+def plain_runner(cfg: GPTConfig) -> Runner:
     """Case (a): the model and AdamW(fused=True) in RAM."""
     model = _model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step(batch: tuple) -> None:
-        model(*batch).backward()
-        opt.step()
-        opt.zero_grad()
-
-    times = _timed(step, data, warmup)
-    return CaseResult("a", "plain PyTorch, AdamW(fused=True)", statistics.median(times), times)
+    return Runner("a", "plain PyTorch, AdamW(fused=True)", model, opt, None)
 
 
-def run_offloaded(
-    name: str, description: str, cfg: GPTConfig, config: Config, data: list, warmup: int
-) -> CaseResult:
-    """One offloaded case; traffic is the mean per timed step."""
+def offloaded_runner(name: str, description: str, cfg: GPTConfig, config: Config) -> Runner:
+    """One offloaded case."""
     model = infinity.offload(_model(cfg), config)
-    opt = CPUAdam(model.parameters(), lr=1e-4)
-    laps: list[dict[str, float]] = []
-
-    def step(batch: tuple) -> None:
-        model(*batch).backward()
-        opt.step()
-        opt.zero_grad()
-        laps.append(dict(infinity.stats(model)["last_step"]))
-
-    times = _timed(step, data, warmup)
-    timed = laps[warmup:]
-    traffic = {k: statistics.mean(lap.get(k, 0.0) for lap in timed) for k in timed[0]}
-    model._infinity_engine.close()
-    return CaseResult(name, description, statistics.median(times), times, traffic, config.to_dict())
+    return Runner(name, description, model, CPUAdam(model.parameters(), lr=1e-4), config)
 
 
 def host_budget_for(cfg: GPTConfig, base: Config, wanted: Callable[[object], bool]) -> int:
@@ -132,47 +144,55 @@ def run_all(
     nvme_dir: str,
     progress: Progress | None = None,
 ) -> dict:
-    """Every case plus the NVMe bandwidth of ``nvme_dir``; a JSON-ready report."""
+    """Every case plus the NVMe bandwidth of ``nvme_dir``; a JSON-ready report.
+
+    NOTE: the cases' steps are interleaved (a, b, c, d, a, b, ...) so that a
+    burst of load from elsewhere on the machine hits every case alike.
+    """
     note = progress or (lambda _msg: None)
     data = _batches(cfg, batch, steps + warmup)
     param_bytes = cfg.num_params * 4
-    results = []
-    note("a: plain PyTorch")
-    plain = run_plain(cfg, data, warmup)
-    results.append(plain)
     base = Config(device="cpu", dtype="fp32", device_memory=param_bytes // 2)
-    note("b: device budget = half the parameters")
-    results.append(
-        run_offloaded("b", "offloaded, device = 1/2 params, rest in RAM", cfg, base, data, warmup)
-    )
     with tempfile.TemporaryDirectory(dir=nvme_dir) as tmp:
         nvme = base.replace(nvme_path=tmp)
         optim_only = host_budget_for(
             cfg, nvme, lambda p: NVME not in p.param_home and NVME not in p.grad_home
         )
-        note("c: optimizer states on NVMe")
-        results.append(
-            run_offloaded(
+        # "small" host: 15% of the model states (and at least what staging needs)
+        small = max(host_budget_for(cfg, nvme, lambda p: True), cfg.num_params * 16 * 15 // 100)
+        overlap = {"overlap_optimizer": True}  # the loop below steps after every backward
+        note("building the cases")
+        runners = [
+            plain_runner(cfg),
+            offloaded_runner("b", "offloaded, device = 1/2 params, rest in RAM", cfg, base),
+            offloaded_runner(
                 "c",
-                "offloaded, optimizer states on NVMe",
+                "optimizer states on NVMe, optimizer overlapped with backward",
+                cfg,
+                nvme.replace(host_memory=optim_only, **overlap),
+            ),
+            offloaded_runner(
+                "c0",
+                "as c, optimizer step after backward",
                 cfg,
                 nvme.replace(host_memory=optim_only),
-                data,
-                warmup,
-            )
-        )
-        smallest = host_budget_for(cfg, nvme, lambda p: True)
-        note("d: everything beyond a small host budget on NVMe")
-        results.append(
-            run_offloaded(
+            ),
+            offloaded_runner(
                 "d",
-                "offloaded, small host budget, rest on NVMe",
+                "small host budget, rest on NVMe, optimizer overlapped",
                 cfg,
-                nvme.replace(host_memory=int(smallest * 1.25)),
-                data,
-                warmup,
-            )
-        )
+                nvme.replace(host_memory=small, **overlap),
+            ),
+            offloaded_runner(
+                "d0", "as d, optimizer step after backward", cfg, nvme.replace(host_memory=small)
+            ),
+        ]
+        for i, batch_ in enumerate(data):
+            note(f"step {i + 1} of {len(data)}" + (" (warm-up)" if i < warmup else ""))
+            for runner in runners:
+                runner.step(batch_, timed=i >= warmup)
+        results = [r.result() for r in runners]
+        plain = results[0]
         note("NVMe bandwidth")
         size = min(1 << 30, max(256 << 20, param_bytes * 2))
         bw = measure_engine(tmp, size, AioConfig())

@@ -147,7 +147,8 @@ class TierCache:
                 return None
             self.evict(victim)
             slot = self._take(fitting)
-            assert slot is not None
+            if slot is None:
+                return None  # the victim's write-back is still landing
         return self._place(key, slot, nbytes, moment)
 
     def _place(self, key: Hashable, slot: Slot, nbytes: int, moment: int) -> Copy:
@@ -179,12 +180,27 @@ class TierCache:
         self.policy.forget(key)
 
     def evict(self, key: Hashable) -> None:
-        """Write ``key`` back if dirty, then free its slot."""
+        """Write ``key`` back if dirty, then free its slot.
+
+        A write-back may finish asynchronously: the copy then stays in its slot
+        under a *retired* key (``key`` itself is free to be fetched again) and
+        the slot is freed once the transfer has completed.
+        """
         copy = self._copies[key]
         if copy.dirty:
             self._write_back(copy)
             copy.dirty = False
-        self.remove(key)
+        if copy.in_flight():
+            self._retire(copy)
+        else:
+            self.remove(key)
+
+    def _retire(self, copy: Copy) -> None:
+        del self._copies[copy.key]
+        self.policy.forget(copy.key)
+        copy.key = ("retired", copy.key, id(copy))
+        self._copies[copy.key] = copy
+        self._by_ptr[copy.slot.tensor.data_ptr()] = copy.key
 
     def _evict_one(self, pools: list[SlabPool], moment: int) -> None:
         mine = [c for c in self._copies.values() if c.slot.pool in pools]

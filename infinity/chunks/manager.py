@@ -77,6 +77,8 @@ class ChunkManager:
         n = plan.layout.num_chunks
         # Gradient homes hold data of the current accumulation cycle only when valid.
         self.grad_valid = [False] * n
+        # Device -> host copies still landing in host homes (gradient flushes).
+        self.home_fill: dict[Key, object] = {}
         self.found_inf = False
         self.check_overflow = False
 
@@ -111,6 +113,21 @@ class ChunkManager:
             with self.traffic.waiting("nvme"):
                 copy.wait()
         return copy
+
+    def _wait_home(self, key: Key) -> None:
+        """Wait for a device -> host copy still landing in a host home."""
+        fill = self.home_fill.pop(key, None)
+        if fill is not None:
+            with self.traffic.waiting("device"):
+                fill.wait()
+
+    def host_ready(self, key: Key) -> bool:
+        """``key``'s bytes are in host memory now (its home, or a landed staging read)."""
+        if self.homes.tier(key) == HOST:
+            fill = self.home_fill.get(key)
+            return fill is None or fill.done()
+        copy = self.staging[key[0]].get(key)
+        return copy is not None and (copy.fill is None or copy.fill.done())
 
     def prefetch_host(self, key: Key) -> None:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed)."""
@@ -223,23 +240,33 @@ class ChunkManager:
         key: Key = (Kind.GRAD, i)
         nbytes = self.nbytes(key)
         self.traffic.d2h_bytes += nbytes
-        if self.homes.tier(key) == HOST and not self.grad_valid[i]:
-            self._copy_back(self.homes.host(key), copy)
+        if not self.grad_valid[i]:
+            # First gradients of this accumulation cycle: a plain copy home, left
+            # in flight (the device slot is reused only once it has landed).
             self.grad_valid[i] = True
+            if self.homes.tier(key) == HOST:
+                d2h = self.backend.copy_async(self.homes.host(key), copy.tensor)
+                copy.pending.append(d2h)
+                self.home_fill[key] = d2h
+                return
+            home = self._staged(key, load=False)
+            assert home is not None
+            d2h = self.backend.copy_async(home.tensor, copy.tensor)
+            copy.pending.append(d2h)
+            home.fill = d2h  # readers of the staging copy wait for it
+            home.pending.append(ChainedTransfer(d2h, lambda: self.homes.write(key, home.tensor)))
             return
         if self.homes.tier(key) == HOST:
+            self._wait_home(key)
             self._add_into(self.homes.host(key), copy, i, nbytes)
         else:
             # NOTE: the home on NVMe is only ever changed through its staging
             # copy, so a cached staging copy can never be stale.
-            home = self._staged(key, load=self.grad_valid[i])
+            home = self._staged(key, load=True)
             assert home is not None
             home.pins += 1  # the transient slot below must not take this one
             try:
-                if self.grad_valid[i]:
-                    self._add_into(home.tensor, copy, i, nbytes)
-                else:
-                    self._copy_back(home.tensor, copy)
+                self._add_into(home.tensor, copy, i, nbytes)
             finally:
                 home.pins -= 1
             home.pending.append(self.homes.write(key, home.tensor))
@@ -282,6 +309,7 @@ class ChunkManager:
         copy (read first if ``load``), whose earlier transfers have all landed.
         """
         if self.homes.tier(key) == HOST:
+            self._wait_home(key)
             return self.homes.host(key), None
         copy = self._staged(key, load=load)
         assert copy is not None
@@ -324,6 +352,8 @@ class ChunkManager:
 
     def synchronize(self) -> None:
         """Wait for every transfer in flight in every tier."""
+        for key in list(self.home_fill):
+            self._wait_home(key)
         for cache in (self.device, *self.staging.values()):
             for copy in cache:
                 copy.wait()

@@ -13,6 +13,7 @@ from infinity.models.gpt import GPTConfig
 from infinity.utils.sizes import format_size
 
 TARGETS = {"b": ("vs_plain", 1.15), "c": ("vs_bound", 1.2), "d": ("vs_bound", 1.2)}
+# c0/d0 (no overlap) are reported for comparison, without a target.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

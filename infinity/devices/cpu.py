@@ -97,7 +97,17 @@ class CpuBackend(DeviceBackend):
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.copy_delay_s:
             time.sleep(self.copy_delay_s)
-        dst.copy_(src)
+        # NOTE: a plain single-threaded memmove (ctypes releases the GIL), not
+        # dst.copy_(src): torch's copy opens an OpenMP team of its own on this
+        # thread, which fights the compute thread's team for the same cores
+        # (spin-waiting threads doubled step times on a 2-core machine).
+        nbytes = dst.numel() * dst.element_size()
+        assert (
+            nbytes == src.numel() * src.element_size()
+            and dst.is_contiguous()
+            and src.is_contiguous()
+        )
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> TransferHandle:
         return _FutureHandle(self._worker.submit(lambda: self._copy(dst, src)))

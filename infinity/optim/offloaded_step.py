@@ -122,55 +122,80 @@ def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: f
     manager.drop_param(chunk)
 
 
-def prefetch_chunk(engine, chunk: int, covered: bool) -> None:
-    """Start reading what :func:`step_chunk` will need for ``chunk`` (NVMe homes only)."""
-    manager = engine.manager
-    manager.prefetch_host((Kind.GRAD, chunk))
-    manager.prefetch_host((Kind.OPTIM, chunk))
-    if not (engine.plan.has_master and covered):
-        manager.prefetch_host((Kind.PARAM, chunk))
+@dataclass(frozen=True)
+class ChunkWork:
+    """What one chunk's update needs: its tensors and kernel runs."""
+
+    chunk: int
+    updated: tuple[int, ...]  # tensor indices whose step advances
+    runs: tuple[Run, ...]
+    covered: bool  # every tensor updated: the old parameter chunk need not be read
+
+    def keys(self, has_master: bool) -> list[tuple[Kind, int]]:
+        """The storage keys :func:`step_chunk` reads."""
+        keys = [(Kind.GRAD, self.chunk), (Kind.OPTIM, self.chunk)]
+        if not (has_master and self.covered):
+            keys.append((Kind.PARAM, self.chunk))
+        return keys
 
 
-def run_chunks(
-    engine, chunks: list[int], hyper_by_index: dict[int, AdamHyperParams], grad_scale: float
-) -> int:
-    """Step the given trainable chunks, pipelined; returns the tensors updated.
-
-    ``hyper_by_index`` maps a tensor index (of ``engine.registry``) to its
-    group's hyper-parameters; tensors the optimizer does not own are left alone.
-    """
+def plan_chunk(
+    engine, chunk: int, hyper_by_index: dict[int, AdamHyperParams]
+) -> ChunkWork | None:
+    """The update of ``chunk``, or ``None`` if none of its tensors has a gradient."""
+    members = tuple(
+        (e.index, engine.layout.slots[e.index].offset, engine.layout.slots[e.index].numel)
+        for e in engine.chunk_members[chunk]
+    )
 
     def hyper_of(index: int) -> AdamHyperParams | None:
         return hyper_by_index.get(index) if engine.has_grad[index] else None
 
-    work = []
-    for chunk in chunks:
-        spec = engine.layout.chunks[chunk]
-        members = [
-            (e.index, engine.layout.slots[e.index].offset, engine.layout.slots[e.index].numel)
-            for e in engine.chunk_members[chunk]
-        ]
-        runs, covered = plan_runs(members, hyper_of, engine.tensor_steps.__getitem__, spec.capacity)
-        if runs:
-            work.append((chunk, members, runs, covered))
+    capacity = engine.layout.chunks[chunk].capacity
+    runs, covered = plan_runs(list(members), hyper_of, engine.tensor_steps.__getitem__, capacity)
+    updated = tuple(i for i, _offset, numel in members if numel and hyper_of(i) is not None)
+    return ChunkWork(chunk, updated, tuple(runs), covered) if runs else None
+
+
+def prefetch_chunk(engine, work: ChunkWork) -> None:
+    """Start reading what :func:`step_chunk` will need (NVMe homes only; never blocks)."""
+    for key in work.keys(engine.plan.has_master):
+        engine.manager.prefetch_host(key)
+
+
+def chunk_ready(engine, work: ChunkWork) -> bool:
+    """Everything the update reads is in host memory (no wait would happen)."""
+    return all(engine.manager.host_ready(key) for key in work.keys(engine.plan.has_master))
+
+
+def finish_chunk(engine, work: ChunkWork, grad_scale: float) -> int:
+    """Run the update of one planned chunk; returns the tensors updated."""
+    step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
+    engine.sample("optimizer", work.chunk)
+    for index in work.updated:
+        engine.tensor_steps[index] += 1
+    return len(work.updated)
+
+
+def run_works(engine, works: list[ChunkWork], grad_scale: float) -> int:
+    """Update planned chunks in order, pipelined: read unit i+1 while the kernel runs
+    on unit i (and unit i-1 is written back)."""
     updated = 0
-    # Pipeline: read unit i+1 while the kernel runs on unit i (and i-1 is written back).
-    for position, (chunk, members, runs, covered) in enumerate(work):
-        if position + 1 < len(work):
-            after = work[position + 1]
-            prefetch_chunk(engine, after[0], after[3])
-        step_chunk(engine, chunk, runs, covered, grad_scale)
-        engine.sample("optimizer", chunk)
-        for index, _offset, _numel in members:
-            if hyper_of(index) is not None:
-                engine.tensor_steps[index] += 1
-                updated += 1
+    for position, work in enumerate(works):
+        if position + 1 < len(works):
+            prefetch_chunk(engine, works[position + 1])
+        updated += finish_chunk(engine, work, grad_scale)
     return updated
 
 
 def offloaded_step(
     engine, hyper_by_index: dict[int, AdamHyperParams], grad_scale: float, skip: set[int]
 ) -> int:
-    """One optimizer step over every trainable chunk not in ``skip`` (already stepped)."""
-    chunks = [i for i, spec in enumerate(engine.layout.chunks) if spec.trainable and i not in skip]
-    return run_chunks(engine, chunks, hyper_by_index, grad_scale)
+    """One optimizer step over every trainable chunk not in ``skip`` (already handled)."""
+    works = []
+    for chunk, spec in enumerate(engine.layout.chunks):
+        if spec.trainable and chunk not in skip:
+            work = plan_chunk(engine, chunk, hyper_by_index)
+            if work is not None:
+                works.append(work)
+    return run_works(engine, works, grad_scale)

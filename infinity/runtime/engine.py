@@ -86,7 +86,8 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         # during the current backward are remembered until step().
         self.overlap = config.overlap_optimizer is True
         self.optimizer = None  # weakref to the CPUAdam holding this model's parameters
-        self.stepped_early: set[int] = set()
+        self.stepped_early: set[int] = set()  # chunks updated (or queued) during backward
+        self.early_queue: list = []
         self._early_hyper = None
         self.early_chunk_steps = 0
         self.hooks = None
@@ -123,6 +124,8 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         self.trace.record(phase, chunk)
         self.policy.active = self.trace.on_track
         self.manager.poll()
+        if self.early_queue:
+            self.poll_early()
 
     def prefetch(self) -> None:
         """Start fetching the chunks the trace says come next (never blocks)."""
@@ -159,7 +162,9 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         """Add the tiers' state after an access to the memory timeline."""
         params, grads = [], []
         for copy in self.manager.device:
-            (params if copy.key[0] is Kind.PARAM else grads).append(copy.key[1])
+            kind = copy.key[0]
+            if kind is Kind.PARAM or kind is Kind.GRAD:  # not retired slots still landing
+                (params if kind is Kind.PARAM else grads).append(copy.key[1])
         self.timeline.add(
             Moment(
                 phase=phase,

@@ -6,7 +6,14 @@ A mixin of :class:`~infinity.runtime.engine.OffloadEngine`.
 from __future__ import annotations
 
 from infinity.optim.hyper import AdamHyperParams
-from infinity.optim.offloaded_step import offloaded_step, run_chunks
+from infinity.optim.offloaded_step import (
+    chunk_ready,
+    finish_chunk,
+    offloaded_step,
+    plan_chunk,
+    prefetch_chunk,
+    run_works,
+)
 
 
 class OptimizerSteps:
@@ -33,6 +40,9 @@ class OptimizerSteps:
             if found_inf:
                 self.step_timer.lap()
                 return False
+        # overlap_optimizer: chunks queued during backward whose reads had not landed.
+        run_works(self, self.early_queue, grad_scale)
+        self.early_queue = []
         offloaded_step(self, hyper_by_index, grad_scale, skip=self.stepped_early)
         self.stepped_early = set()
         self._early_hyper = None
@@ -44,7 +54,11 @@ class OptimizerSteps:
         return True
 
     def _step_early(self, chunk: int) -> None:
-        """overlap_optimizer: update a chunk whose gradients are all in, during backward."""
+        """overlap_optimizer: queue the update of a chunk whose gradients are all in.
+
+        Its reads start now; the update runs at a later hook once they have
+        landed (:meth:`poll_early`), so backward never waits on the disk for it.
+        """
         from infinity.optim.offloaded import offloaded_hyper
 
         optimizer = self.optimizer()
@@ -52,9 +66,24 @@ class OptimizerSteps:
             return
         if self._early_hyper is None:
             self._early_hyper = offloaded_hyper(optimizer.param_groups).get(self, {})
-        run_chunks(self, [chunk], self._early_hyper, grad_scale=1.0)
+        work = plan_chunk(self, chunk, self._early_hyper)
         self.stepped_early.add(chunk)
-        self.early_chunk_steps += 1
+        if work is not None:
+            prefetch_chunk(self, work)
+            self.early_queue.append(work)
+            self.poll_early()
+
+    def poll_early(self) -> None:
+        """Run queued early updates whose data is in host memory (never waits on I/O)."""
+        pending = []
+        for work in self.early_queue:
+            prefetch_chunk(self, work)  # retries reads that found no free slot
+            if chunk_ready(self, work):
+                finish_chunk(self, work, grad_scale=1.0)
+                self.early_chunk_steps += 1
+            else:
+                pending.append(work)
+        self.early_queue = pending
 
     def check_not_stepped_early(self, what: str) -> None:
         """Raise if chunks were already updated in this backward (overlap_optimizer=True)."""

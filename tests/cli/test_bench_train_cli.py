@@ -40,11 +40,11 @@ def test_bench_train_tiny(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     cases = {c["case"]: c for c in report["cases"]}
-    assert set(cases) == {"a", "b", "c", "d"}
+    assert set(cases) == {"a", "b", "c", "c0", "d", "d0"}
     assert cases["a"]["vs_plain"] == 1.0
     assert cases["b"]["traffic_per_step"]["h2d_bytes"] > 0
     assert cases["b"]["traffic_per_step"]["nvme_write_bytes"] == 0
-    for name in "cd":
+    for name in ("c", "c0", "d", "d0"):
         traffic = cases[name]["traffic_per_step"]
         assert traffic["nvme_read_bytes"] > 0 and traffic["nvme_write_bytes"] > 0
         assert cases[name]["io_lower_bound_seconds"] > 0
