@@ -35,7 +35,7 @@ def _phase_spans(phases: list[str]) -> list[tuple[str, int, int]]:
 
 
 def plot_timeline(timeline: dict[str, list], stats: dict[str, Any], path: Path, title: str) -> Path:
-    """Draw ``timeline`` (from ``infinity.timeline``) with budgets from ``stats``; write ``path``."""
+    """Draw ``timeline`` (from ``infinity.timeline``), budgets from ``stats``, into ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")  # NOTE: no display here, and never pop a window from a CLI
@@ -48,7 +48,7 @@ def plot_timeline(timeline: dict[str, list], stats: dict[str, Any], path: Path, 
         raise ValueError("the timeline is empty: no complete training iteration was recorded")
     x = list(range(n))
     fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(12, 7.5), sharex=True, gridspec_kw={"height_ratios": [1, 1.3]}
+        2, 1, figsize=(14, 7.5), sharex=True, gridspec_kw={"height_ratios": [1, 1.3]}
     )
     # Phases come in short runs (the gradient moments interleave with backward);
     # shading each run keeps that interleaving visible.
@@ -71,11 +71,11 @@ def plot_timeline(timeline: dict[str, list], stats: dict[str, Any], path: Path, 
             label=f"{label} (budget {format_size(budget)})",
         )
         top.axhline(budget / MIB, color=color, ls="--", lw=1)
+    placed = stats["placement"]
     nvme_note = (
-        f"NVMe: {format_size(stats['nvme_bytes'])} of swap files "
-        f"(parameters {stats['placement']['param']['nvme']}, gradients "
-        f"{stats['placement']['grad']['nvme']}, optimizer units {stats['placement']['optim']['nvme']} "
-        "chunks)"
+        f"NVMe: {format_size(stats['nvme_bytes'])} of swap files holding chunks of "
+        f"parameters {placed['param']['nvme']}, gradients {placed['grad']['nvme']}, "
+        f"optimizer states {placed['optim']['nvme']} (of {stats['num_chunks']})"
         if stats.get("nvme_bytes")
         else "NVMe: not used"
     )
@@ -87,16 +87,14 @@ def plot_timeline(timeline: dict[str, list], stats: dict[str, Any], path: Path, 
     ]
     handles, _ = top.get_legend_handles_labels()
     top.legend(
-        handles=handles + phase_handles, loc="upper left", fontsize=8, ncol=2, framealpha=0.9
+        handles=handles + phase_handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8
     )
 
-    for i, (params, grads) in enumerate(zip(timeline["device_chunks"], timeline["device_grads"])):
-        if params:
-            bottom.scatter([i] * len(params), params, marker="s", s=9, color="#1f77b4", lw=0)
-        if grads:
-            bottom.scatter(
-                [i] * len(grads), [g + 0.3 for g in grads], marker="s", s=9, color="#ff7f0e", lw=0
-            )
+    for key, color, lift in (("device_chunks", "#1f77b4", 0.0), ("device_grads", "#ff7f0e", 0.3)):
+        points = [(i, c + lift) for i, chunks in enumerate(timeline[key]) for c in chunks]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            bottom.scatter(xs, ys, marker="s", s=9, color=color, lw=0)
     bottom.scatter(x, timeline["chunk"], marker="x", s=14, color="black", lw=0.8)
     bottom.set_ylabel("chunk")
     bottom.set_xlabel("moment of the step (one chunk access each)")
@@ -108,9 +106,9 @@ def plot_timeline(timeline: dict[str, list], stats: dict[str, Any], path: Path, 
             Patch(color="#ff7f0e", label="gradient chunk on device"),
             plt.Line2D([], [], marker="x", color="black", ls="", label="chunk accessed"),
         ],
-        loc="upper right",
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
         fontsize=8,
-        framealpha=0.9,
     )
     bottom.set_xlim(-0.5, n - 0.5)
     fig.tight_layout()

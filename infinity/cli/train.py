@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from infinity.data import Corpus, CorpusError, load_corpus
 from infinity.models.gpt import describe
 
 DEFAULT_CHECKPOINT_DIR = "./.infinity/checkpoints"
-DEMO_BUDGET_ATTEMPTS = 4
+DEMO_BUDGET_ATTEMPTS = 6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +162,7 @@ class _Run:
     resume_from: Path | None
     resumed: ckpt.TrainerState | None
     started: float
+    last_saved: Path | None = None  # the newest complete checkpoint of this run
 
 
 def _header(run: _Run, session: Session) -> list[str]:
@@ -218,7 +220,7 @@ def _open_session(run: _Run) -> Session:
         except infinity.PlanError as exc:
             if not run.derived or attempt == DEMO_BUDGET_ATTEMPTS - 1:
                 raise CommandError(f"{exc} (flags: --device-memory, --host-memory)") from None
-            run.config = grow_derived(run.config, run.derived)
+            run.config = grow_derived(run.config, run.derived, str(exc))
         except infinity.ConfigError as exc:
             raise CommandError(str(exc)) from None
         except OSError as exc:
@@ -255,22 +257,46 @@ def run(args: argparse.Namespace) -> int:
     except CorpusError as exc:
         raise CommandError(str(exc)) from None
     plan = _Run(
-        args, settings, config, derived, corpus, report, ckpt_dir, resume_from, resumed, started
-    )
+        args, settings, config, derived, corpus, report, ckpt_dir, resume_from, resumed, started,
+        last_saved=resume_from,
+    )  # fmt: skip
     created = _prepare_nvme(config.nvme_path)
     try:
-        session = _open_session(plan)
-        try:
-            return _train(plan, session)
-        finally:
-            session.close()
+        # NOTE: the handlers cover everything from offload to cleanup, so a second
+        # Ctrl-C anywhere abandons the run with the message below, not a traceback.
+        with StopSignals(report.note) as stop:
+            try:
+                session = _open_session(plan)
+                try:
+                    return _train(plan, session, stop)
+                finally:
+                    session.close()
+            except KeyboardInterrupt:
+                report.alert(f"interrupted: the current step was abandoned; {_where(plan)}")
+                return 130
     finally:
         _remove_created(created)
 
 
-def _train(run: _Run, session: Session) -> int:
+def _where(run: _Run) -> str:
+    """Where a stopped run can be continued from."""
+    if run.last_saved is None:
+        return "no checkpoint was written (pass --checkpoint-dir to keep one)"
+    return f"last complete checkpoint: {run.last_saved} (continue with --resume)"
+
+
+def _save(run: _Run, session: Session, summary: RunSummary) -> None:
+    """Checkpoint the current step, unless nothing was trained or it is saved already."""
+    if run.ckpt_dir is None or not summary.losses:
+        return  # nothing trained in this invocation: the last checkpoint is still current
+    if run.last_saved != ckpt.checkpoint_path(run.ckpt_dir, session.step):
+        run.last_saved = session.save(run.ckpt_dir)
+        run.report.event("checkpoint", step=session.step, path=str(run.last_saved))
+
+
+def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     """The run proper, once the model is offloaded; returns the exit code."""
-    args, settings, report, ckpt_dir = run.args, run.settings, run.report, run.ckpt_dir
+    args, settings, report = run.args, run.settings, run.report
     if run.resumed is not None:
         try:
             session.restore(run.resume_from, run.resumed)
@@ -279,61 +305,41 @@ def _train(run: _Run, session: Session) -> int:
     report.start(_header(run, session))
     if run.resumed is not None:
         report.note(f"resumed from {run.resume_from} (step {run.resumed.step})")
-    elif ckpt_dir is not None and ckpt.latest_checkpoint(ckpt_dir) is not None:
+    elif run.ckpt_dir is not None and ckpt.latest_checkpoint(run.ckpt_dir) is not None:
         report.note(
-            f"note: {ckpt_dir} holds checkpoints of an earlier run; this new run replaces them "
-            "at its first save (pass --resume to continue that run instead)"
+            f"note: {run.ckpt_dir} holds checkpoints of an earlier run; this new run replaces "
+            "them at its first save (pass --resume to continue that run instead)"
         )
     summary = RunSummary(status="finished", first_step=session.step + 1, last_step=session.step)
-    last_saved: Path | None = run.resume_from
-    timeline = None
-
-    def save() -> None:
-        nonlocal last_saved
-        if ckpt_dir is not None and last_saved != ckpt.checkpoint_path(ckpt_dir, session.step):
-            last_saved = session.save(ckpt_dir)
-            report.event("checkpoint", step=session.step, path=str(last_saved))
-
-    def where() -> str:
-        if last_saved is None:
-            return "no checkpoint was written (pass --checkpoint-dir to keep one)"
-        return f"last complete checkpoint: {last_saved} (continue with --resume)"
-
-    try:
-        with StopSignals(report.note) as stop:
-            if args.eval_batches:
-                summary.eval_before = session.evaluate(args.eval_batches)
-                report.event("eval", step=session.step, loss=summary.eval_before)
-            train_started = time.perf_counter()
-            report.begin_steps(session.step + 1, settings.steps)
-            while session.step < settings.steps and not stop.requested:
-                record = session.train_step()
-                report.step(record)
-                summary.losses[record.step] = record.loss
-                summary.last_step = record.step
-                summary.tokens += settings.tokens_per_step
-                if args.checkpoint_every and record.step % args.checkpoint_every == 0:
-                    save()
-                if args.stop_after is not None and record.step >= args.stop_after:
-                    summary.status = "stopped"
-                    break
-            summary.train_seconds = time.perf_counter() - train_started
-            report.end_steps()
-            if stop.requested:
-                summary.status = "interrupted"
-            # NOTE: the timeline is taken before evaluating: every eval forward starts
-            # a new iteration, and the picture must show a training step.
-            timeline = infinity.timeline(session.model) if summary.losses else None
-            save()
-            if args.eval_batches and summary.status == "finished":
-                summary.eval_after = session.evaluate(args.eval_batches)
-                report.event("eval", step=session.step, loss=summary.eval_after)
-    except KeyboardInterrupt:
-        report.end_steps()
-        report.note(f"interrupted: the current step was abandoned; {where()}")
-        return 130
+    if args.eval_batches and not stop.requested:
+        summary.eval_before = session.evaluate(args.eval_batches)
+        report.event("eval", step=session.step, loss=summary.eval_before)
+    train_started = time.perf_counter()
+    report.begin_steps(session.step + 1, settings.steps)
+    while session.step < settings.steps and not stop.requested:
+        record = session.train_step()
+        report.step(record)
+        summary.losses[record.step] = record.loss
+        summary.last_step = record.step
+        summary.tokens += settings.tokens_per_step
+        if args.checkpoint_every and record.step % args.checkpoint_every == 0:
+            _save(run, session, summary)
+        if args.stop_after is not None and record.step >= args.stop_after:
+            summary.status = "stopped"
+            break
+    summary.train_seconds = time.perf_counter() - train_started
+    report.end_steps()
+    if stop.requested:
+        summary.status = "interrupted"
+    # NOTE: the timeline is taken before evaluating: every eval forward starts a new
+    # iteration, and the picture must show a training step.
+    timeline = infinity.timeline(session.model) if summary.losses else None
+    _save(run, session, summary)
+    if args.eval_batches and summary.status == "finished":
+        summary.eval_after = session.evaluate(args.eval_batches)
+        report.event("eval", step=session.step, loss=summary.eval_after)
     summary.stats = infinity.stats(session.model)
-    summary.checkpoint = str(last_saved) if last_saved else None
+    summary.checkpoint = str(run.last_saved) if run.last_saved else None
     plot = _none(args.plot)
     if plot and timeline is not None:
         from infinity.cli.timeline_plot import plot_timeline
@@ -343,6 +349,6 @@ def _train(run: _Run, session: Session) -> int:
     summary.wall_seconds = time.perf_counter() - run.started
     report.finish(summary)
     if summary.status == "interrupted":
-        report.note(f"stopped by signal after step {session.step}; {where()}")
-        return 128 + (stop.signum or 2)
+        report.alert(f"stopped by signal after step {session.step}; {_where(run)}")
+        return 128 + (stop.signum or signal.SIGINT)
     return 0

@@ -12,6 +12,7 @@ import math
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 
@@ -40,7 +41,7 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, on_first) -> None:  # noqa: ANN001 - a callable taking the message
+    def __init__(self, on_first: Callable[[str], None]) -> None:
         self.signum: int | None = None
         self._on_first = on_first
         self._previous: dict[int, object] = {}

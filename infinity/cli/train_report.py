@@ -178,6 +178,11 @@ class HumanReport:
     def event(self, kind: str, **data: Any) -> None:
         """Structured events are for :class:`JsonReport`; people get notes instead."""
 
+    def alert(self, text: str) -> None:
+        """A line that must be seen even with ``--quiet`` (on stderr)."""
+        self.end_steps()
+        print(f"infinity: {text}", file=sys.stderr, flush=True)
+
     def finish(self, summary: RunSummary) -> None:
         """Print the summary table."""
         self.end_steps()
@@ -217,6 +222,11 @@ class JsonReport:
     def note(self, text: str) -> None:
         """Notes become ``note`` events."""
         self.event("note", text=text)
+
+    def alert(self, text: str) -> None:
+        """An ``alert`` event, and the line on stderr for the person watching."""
+        self.event("alert", text=text)
+        print(f"infinity: {text}", file=sys.stderr, flush=True)
 
     def finish(self, summary: RunSummary) -> None:
         """The ``summary`` event (losses keyed by step)."""

@@ -1,7 +1,8 @@
 """Settings of an ``infinity train`` run: presets, flags, a config file and a resumed run.
 
 Precedence, highest first: a flag on the command line, the run being resumed
-(``--resume`` continues with the settings it was started with), the preset.
+(``--resume`` continues with the settings it was started with), the preset
+(whose shape must then match the checkpoint's).
 Budgets come from ``--device-memory``/``--host-memory``, else the ``--config``
 file, else *demo budgets* derived from the model so that its states exceed
 both the device and the host budget and every tier is used.
@@ -48,7 +49,7 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(2, 64, 2, 64, 8, 40, 3e-3, "seconds; for tests and smoke checks"),
+    "tiny": Preset(2, 128, 4, 64, 8, 40, 3e-3, "seconds; for tests and smoke checks"),
     "small": Preset(4, 256, 4, 128, 16, 300, 3e-3, "the demo: a few minutes on 2 CPU cores"),
     "medium": Preset(8, 512, 8, 256, 16, 1000, 1e-3, "25M parameters, ~400 MB of states"),
     "large": Preset(12, 768, 12, 512, 8, 2000, 6e-4, "GPT-2 small shape, ~1.4 GB of states"),
@@ -119,7 +120,7 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
         given = getattr(args, name)
         if given is not None:
             return given
-        if resumed is not None and args.preset is None:
+        if resumed is not None:
             return (
                 getattr(resumed, name) if hasattr(resumed, name) else getattr(resumed.model, name)
             )
@@ -149,6 +150,14 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
         clip_grad=pick("clip_grad", 1.0),
         seed=pick("seed", 0),
     )
+    preset_shape = (preset.layers, preset.hidden, preset.heads, preset.seq_len)
+    if resumed is not None and args.preset is not None:
+        m = resumed.model
+        if preset_shape != (m.layers, m.hidden, m.heads, m.seq_len):
+            raise CommandError(
+                f"--preset {args.preset} is not the shape of the checkpoint's model "
+                f"({_shape(resumed)}); drop --preset when resuming"
+            )
     if resumed is not None and (settings.model, settings.dtype) != (resumed.model, resumed.dtype):
         raise CommandError(
             f"the checkpoint holds a {_shape(resumed)} model but the flags ask for "
@@ -209,7 +218,13 @@ def build_config(args: argparse.Namespace, settings: RunSettings) -> tuple[Confi
         raise CommandError(str(exc)) from None
 
 
-def grow_derived(config: Config, derived: tuple[str, ...]) -> Config:
-    """Double the derived budgets: for small models, where one module's chunks (the
-    planner's minimum working set) outweigh the fractions above."""
-    return config.replace(**{key: getattr(config, key) * 2 for key in derived})
+def grow_derived(config: Config, derived: tuple[str, ...], error: str) -> Config:
+    """Grow the derived budget the planner found too small by half (both if unclear).
+
+    For small models the planner's minimum (one module's chunks, staging slots)
+    can outweigh the fractions above."""
+    named = [key for key in derived if error.startswith(f"{key}=")]
+    grown = {
+        key: align_up(getattr(config, key) * 3 // 2, BUDGET_ALIGNMENT) for key in named or derived
+    }
+    return config.replace(**grown)
