@@ -130,6 +130,20 @@ def loss_line(summary: RunSummary) -> str:
     return text or "no step was run"
 
 
+def loss_curve(losses: dict[int, float], points: int = 10) -> str:
+    """The loss at ``points`` places of the run, each the mean of a window of steps."""
+    steps = sorted(losses)
+    if not steps:
+        return ""
+    points = min(points, len(steps))
+    cells = []
+    for k in range(points):
+        window = steps[k * len(steps) // points : (k + 1) * len(steps) // points]
+        mean = sum(losses[s] for s in window) / len(window)
+        cells.append(f"{mean:.2f}@{window[-1]}")
+    return "loss curve (mean over windows, @ last step): " + "  ".join(cells)
+
+
 class HumanReport:
     """Text for people: header and summary on stdout, a progress bar on stderr."""
 
@@ -188,6 +202,7 @@ class HumanReport:
         self.end_steps()
         self._print(loss_line(summary))
         if not self.quiet:
+            self._print(loss_curve(summary.losses))
             self._print(summary_table(summary, summary.stats))
             if summary.plot:
                 self._print(f"memory timeline: {summary.plot}")

@@ -32,6 +32,13 @@ BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 DEMO_DEVICE_FRACTION = 0.5  # of the parameter bytes
 DEMO_HOST_FRACTION = 0.5  # of the model-state bytes
 BUDGET_ALIGNMENT = 64 << 10
+# Config fields that have a flag here, to say engine messages in flags.
+FLAG_OF = {
+    "device_memory": "--device-memory",
+    "host_memory": "--host-memory",
+    "chunk_size": "--chunk-size",
+    "nvme_path": "--nvme-path",
+}
 
 
 @dataclass(frozen=True)
@@ -50,10 +57,10 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(2, 128, 4, 64, 8, 40, 3e-3, "seconds; for tests and smoke checks"),
-    "small": Preset(4, 256, 4, 128, 16, 300, 3e-3, "the demo: a few minutes on 2 CPU cores"),
-    "medium": Preset(8, 512, 8, 256, 16, 1000, 1e-3, "25M parameters, ~400 MB of states"),
-    "large": Preset(12, 768, 12, 512, 8, 2000, 6e-4, "GPT-2 small shape, ~1.4 GB of states"),
-    "xl": Preset(24, 1024, 16, 512, 8, 2000, 3e-4, "GPT-2 medium shape, ~5 GB of states"),
+    "small": Preset(4, 256, 4, 128, 16, 300, 1.2e-3, "the demo: a few minutes on 2 CPU cores"),
+    "medium": Preset(8, 512, 8, 256, 16, 1000, 6e-4, "25M parameters, ~400 MB of states"),
+    "large": Preset(12, 768, 12, 512, 8, 2000, 3e-4, "GPT-2 small shape, ~1.4 GB of states"),
+    "xl": Preset(24, 1024, 16, 512, 8, 2000, 2e-4, "GPT-2 medium shape, ~5 GB of states"),
 }
 DEFAULT_PRESET = "small"
 
@@ -195,7 +202,11 @@ def build_config(args: argparse.Namespace, settings: RunSettings) -> tuple[Confi
         except ConfigError as exc:
             raise CommandError(f"--config: {exc}") from None
         given = {k: v for k, v in given.items() if k in keys}
-    for key, flag in (("device_memory", "--device-memory"), ("host_memory", "--host-memory")):
+    for key, flag in (
+        ("device_memory", "--device-memory"),
+        ("host_memory", "--host-memory"),
+        ("chunk_size", "--chunk-size"),
+    ):
         value = _size_flag(flag, getattr(args, key))
         if value is not None:
             given[key] = value
@@ -215,7 +226,14 @@ def build_config(args: argparse.Namespace, settings: RunSettings) -> tuple[Confi
     try:
         return Config.from_dict(given), tuple(derived)
     except ConfigError as exc:
-        raise CommandError(str(exc)) from None
+        raise CommandError(as_flags(str(exc))) from None
+
+
+def as_flags(message: str) -> str:
+    """An engine message in this command's words: ``device_memory=X`` → ``--device-memory X``."""
+    for field in FLAG_OF:
+        message = message.replace(f"{field}=", f"{FLAG_OF[field]} ").replace(field, FLAG_OF[field])
+    return message
 
 
 def grow_derived(config: Config, derived: tuple[str, ...], error: str) -> Config:
