@@ -41,6 +41,7 @@ def plot_timeline(timeline: dict[str, list], stats: dict[str, Any], path: Path, 
     matplotlib.use("Agg")  # NOTE: no display here, and never pop a window from a CLI
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     phases = timeline["phase"]
     n = len(phases)
@@ -97,6 +98,7 @@ def plot_timeline(timeline: dict[str, list], stats: dict[str, Any], path: Path, 
             bottom.scatter(xs, ys, marker="s", s=9, color=color, lw=0)
     bottom.scatter(x, timeline["chunk"], marker="x", s=14, color="black", lw=0.8)
     bottom.set_ylabel("chunk")
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_xlabel("moment of the step (one chunk access each)")
     num_chunks = stats.get("num_chunks") or (max(timeline["chunk"]) + 1)
     bottom.set_ylim(-0.7, num_chunks - 0.3)

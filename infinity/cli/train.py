@@ -341,7 +341,13 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
         try:
             session.restore(run.resume_from, run.resumed)
         except infinity.CheckpointError as exc:
-            raise CommandError(f"--resume: {exc}") from None
+            older = [
+                path
+                for _step, path in ckpt.complete_checkpoints(run.resume_from.parent)
+                if path != run.resume_from
+            ]
+            hint = f"; an older one is {older[-1]} (--resume {older[-1]})" if older else ""
+            raise CommandError(f"--resume: {exc}{hint}") from None
     report.start(_header(run, session))
     if run.resumed is not None:
         report.note(f"resumed from {run.resume_from} (step {run.resumed.step})")
@@ -362,6 +368,8 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
         summary.losses[record.step] = record.loss
         summary.last_step = record.step
         summary.tokens += settings.tokens_per_step
+        for key, value in (record.traffic | record.waits).items():
+            summary.step_totals[key] = summary.step_totals.get(key, 0.0) + value
         if args.checkpoint_every and record.step % args.checkpoint_every == 0:
             _save(run, session, summary)
         if args.stop_after is not None and record.step >= args.stop_after:
@@ -388,6 +396,8 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
         summary.plot = str(plot_timeline(timeline, summary.stats, Path(plot), title))
     summary.wall_seconds = time.perf_counter() - run.started
     report.finish(summary)
+    if summary.status == "stopped":
+        report.note(f"stopped after step {session.step} (--stop-after); {_where(run)}")
     if summary.status == "interrupted":
         report.alert(f"stopped by signal after step {session.step}; {_where(run)}")
         return 128 + (stop.signum or signal.SIGINT)

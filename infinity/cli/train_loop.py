@@ -20,12 +20,13 @@ import torch
 
 import infinity
 from infinity.cli import train_checkpoints as ckpt
-from infinity.cli.train_report import TRAFFIC_KEYS, StepRecord
+from infinity.cli.train_report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
 from infinity.cli.train_settings import RunSettings
 from infinity.data import Batches, Corpus
 from infinity.models.gpt import GPT, init_weights
 
-EVAL_SEED_OFFSET = 1_000_003  # held-out batches never share a stream with training ones
+EVAL_SEED_OFFSET = 1_000_003
+COUNTER_KEYS = TRAFFIC_KEYS + WAIT_KEYS  # held-out batches never share a stream with training ones
 
 
 def lr_factor(done: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -141,9 +142,9 @@ class Session:
         return ckpt.save(directory, self.model, self.optimizer, self.trainer_state())
 
     # --- work -----------------------------------------------------------------------------
-    def _snapshot(self) -> dict[str, int]:
+    def _snapshot(self) -> dict[str, float]:
         stats = infinity.stats(self.model)
-        return {k: int(stats[k]) for k in TRAFFIC_KEYS}
+        return {k: stats[k] for k in COUNTER_KEYS}
 
     def train_step(self) -> StepRecord:
         """One optimizer step over ``grad_accum`` micro-batches."""
@@ -169,16 +170,17 @@ class Session:
         self.tokens += s.tokens_per_step
         self.last_loss = total / s.grad_accum
         seconds = time.perf_counter() - started
-        traffic = self._snapshot()
-        moved = {k: traffic[k] - self._traffic[k] for k in TRAFFIC_KEYS}
-        self._traffic = traffic
+        counters = self._snapshot()
+        delta = {k: counters[k] - self._traffic[k] for k in COUNTER_KEYS}
+        self._traffic = counters
         return StepRecord(
             step=step,
             loss=self.last_loss,
             lr=lr,
             seconds=seconds,
             tokens_per_second=s.tokens_per_step / max(seconds, 1e-9),
-            traffic=moved,
+            traffic={k: int(delta[k]) for k in TRAFFIC_KEYS},
+            waits={k: delta[k] for k in WAIT_KEYS},
             grad_norm=None if norm is None or not math.isfinite(norm) else norm,
             skipped=skipped,
         )

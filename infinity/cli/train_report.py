@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from infinity.utils.sizes import format_size
 
 TRAFFIC_KEYS = ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes")
+WAIT_KEYS = ("wait_nvme_seconds", "wait_device_seconds")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class StepRecord:
     seconds: float
     tokens_per_second: float
     traffic: dict[str, int]  # bytes moved during this step, per link (TRAFFIC_KEYS)
+    waits: dict[str, float]  # seconds this step waited on each tier (WAIT_KEYS)
     grad_norm: float | None = None
     skipped: bool = False  # fp16: overflow, the update was skipped
 
@@ -44,6 +46,7 @@ class RunSummary:
     wall_seconds: float = 0.0
     train_seconds: float = 0.0
     tokens: int = 0
+    step_totals: dict[str, float] = field(default_factory=dict)  # sums of the steps' counters
     checkpoint: str | None = None
     plot: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
@@ -94,20 +97,22 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
         f"{format_size(stats['nvme_bytes']):>12}{'':>7}"
     )
     gb = 1e9
-    steps = max(1, summary.last_step - summary.first_step + 1)
+    steps = max(1, len(summary.losses))
+    per_step = {k: summary.step_totals.get(k, 0.0) / steps for k in TRAFFIC_KEYS + WAIT_KEYS}
     rows.append(
         f"NVMe traffic: {stats['nvme_read_bytes'] / gb:.2f} GB read, "
-        f"{stats['nvme_write_bytes'] / gb:.2f} GB written "
-        f"({format_size(stats['nvme_read_bytes'] / steps)} / "
-        f"{format_size(stats['nvme_write_bytes'] / steps)} per step); "
-        f"host↔device {(stats['h2d_bytes'] + stats['d2h_bytes']) / gb:.2f} GB"
+        f"{stats['nvme_write_bytes'] / gb:.2f} GB written in all; per step "
+        f"{format_size(per_step['nvme_read_bytes'])} read, "
+        f"{format_size(per_step['nvme_write_bytes'])} written, host↔device "
+        f"{format_size(per_step['h2d_bytes'] + per_step['d2h_bytes'])}"
     )
     train = max(summary.train_seconds, 1e-9)
-    wait_nvme, wait_dev = stats["wait_nvme_seconds"], stats["wait_device_seconds"]
+    wait_nvme = summary.step_totals.get("wait_nvme_seconds", 0.0)
+    wait_dev = summary.step_totals.get("wait_device_seconds", 0.0)
     rows.append(
         f"time: {summary.train_seconds:.1f} s training ({summary.wall_seconds:.1f} s in all); "
         f"waiting on NVMe {wait_nvme / train:.1%}, on device copies {wait_dev / train:.1%}, "
-        f"computing {max(0.0, 1 - (wait_nvme + wait_dev) / train):.1%}"
+        f"the rest computing"
     )
     if summary.train_seconds > 0:
         rows.append(f"throughput: {summary.tokens / summary.train_seconds / 1000:.1f}k tokens/s")

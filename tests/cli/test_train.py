@@ -131,6 +131,21 @@ def test_resume_continues_the_same_loss_curve(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "ckpt" / "step-00000006" / "trainer.json").is_file()
 
 
+def test_damaged_newest_checkpoint_is_refused_naming_the_older_one(tmp_path, capsys):
+    flags = ["--nvme-path", str(tmp_path / "nvme"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    quiet = ["--eval-batches", "0", "--plot", "none", "--quiet"]
+    assert main([*TINY, "--steps", "4", "--checkpoint-every", "2", *flags, *quiet]) == 0
+    params = tmp_path / "ckpt" / "step-00000004" / "param.bin"
+    data = bytearray(params.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    params.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main([*TINY, "--resume", "--steps", "6", *flags, *quiet]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "step-00000004" in err and str(tmp_path / "ckpt" / "step-00000002") in err
+
+
 def test_ctrl_c_stops_with_a_loadable_checkpoint_and_no_swap_files(tmp_path):
     proc = _subprocess(
         "--steps", "100000", "--checkpoint-every", "3", "--json", *_paths(tmp_path), cwd=tmp_path
