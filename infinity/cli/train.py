@@ -165,27 +165,30 @@ def _none(text: str | None) -> str | None:
 
 
 def _resume_point(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
-    """The checkpoint to resume from (if any) and the checkpoint directory."""
-    directory = _none(args.checkpoint_dir) if args.checkpoint_dir else DEFAULT_CHECKPOINT_DIR
+    """The checkpoint to resume from (if any) and the directory for new checkpoints."""
+    given_dir = args.checkpoint_dir is not None
+    text = _none(args.checkpoint_dir) if given_dir else DEFAULT_CHECKPOINT_DIR
+    directory = Path(text) if text else None
     if args.resume is None:
-        return None, Path(directory) if directory else None
+        return None, directory
     if args.resume == "latest":
         if directory is None:
             raise CommandError("--resume needs a --checkpoint-dir to look in (it is 'none')")
-        found = ckpt.latest_checkpoint(Path(directory))
+        found = ckpt.latest_checkpoint(directory)
         if found is None:
             raise CommandError(
                 f"--resume: no complete checkpoint in '{directory}'; start without --resume, "
                 "or point --checkpoint-dir at the run's directory"
             )
-        return found, Path(directory)
+        return found, directory
     given = Path(args.resume)
     found = given if (given / ckpt.TRAINER_FILE).is_file() else ckpt.latest_checkpoint(given)
     if found is None:
         raise CommandError(
             f"--resume: '{given}' is neither a checkpoint nor a directory holding one"
         )
-    return found, Path(args.checkpoint_dir) if args.checkpoint_dir else found.parent
+    # New checkpoints go next to the resumed one unless --checkpoint-dir says otherwise.
+    return found, directory if given_dir else found.parent
 
 
 @dataclass

@@ -32,6 +32,7 @@ BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 DEMO_DEVICE_FRACTION = 0.5  # of the parameter bytes
 DEMO_HOST_FRACTION = 0.5  # of the model-state bytes
 BUDGET_ALIGNMENT = 64 << 10
+MAX_SEQ_LEN = 8192
 # Config fields that have a flag here, to say engine messages in flags.
 FLAG_OF = {
     "device_memory": "--device-memory",
@@ -116,6 +117,11 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
     preset = PRESETS[args.preset or DEFAULT_PRESET]
     for flag in ("layers", "hidden", "heads", "seq_len", "batch_size", "grad_accum", "steps"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.seq_len is not None and args.seq_len > MAX_SEQ_LEN:
+        raise CommandError(
+            f"--seq-len {args.seq_len} is above {MAX_SEQ_LEN}: activations (which stay in RAM) "
+            "grow with its square; use a shorter context"
+        )
     if args.warmup is not None and args.warmup < 0:
         raise CommandError(f"--warmup must be >= 0 steps, got {args.warmup}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
