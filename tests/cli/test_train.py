@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from infinity.models.gpt import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["train", "--preset", "tiny"]
+WATCHDOG_SECONDS = 240
 
 
 def _paths(tmp: Path) -> list[str]:
@@ -51,10 +53,15 @@ def _train_in_process(capsys, *flags: str) -> tuple[int, list[dict]]:
 
 def _subprocess(*flags: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout, not an installed copy
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "infinity", *TINY, *flags],
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    # NOTE: a watchdog, so a hung run fails the test instead of blocking a read forever.
+    watchdog = threading.Timer(WATCHDOG_SECONDS, proc.kill)
+    watchdog.daemon = True
+    watchdog.start()
+    return proc
 
 
 def _load_into_fresh_model(path: Path, tmp: Path) -> GPT:
