@@ -38,7 +38,8 @@ def _paths(tmp: Path) -> list[str]:
 
 
 def _events(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    """Parse --json output: every line of stdout must be one JSON object."""
+    return [json.loads(line) for line in text.splitlines()]
 
 
 def _summary(events: list[dict]) -> dict:
