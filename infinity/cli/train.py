@@ -1,0 +1,287 @@
+"""``infinity train``: train a GPT-style byte-level model beyond the memory budgets.
+
+The text is the Python standard library's own source (present on every
+machine, offline). The model's parameters, gradients and optimizer states
+live in chunks over the device, host and NVMe tiers; by default the budgets
+are derived from the model so its states exceed both the device and the host
+budget. Shows a progress bar with the bytes each tier moves, and at the end a
+summary table and a memory-timeline PNG of one step. Ctrl-C stops after the
+current step with a checkpoint (exit code 130); ``--resume`` continues the
+same loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import infinity
+from infinity.cli import train_checkpoints as ckpt
+from infinity.cli.main import CommandError
+from infinity.cli.train_args import DEFAULT_CHECKPOINT_DIR, add_arguments
+from infinity.cli.train_loop import Session, StopSignals
+from infinity.cli.train_report import HumanReport, JsonReport, RunSummary, budget_lines
+from infinity.cli.train_settings import (
+    RunSettings,
+    as_flags,
+    build_config,
+    grow_derived,
+    resolve_settings,
+)
+from infinity.data import Corpus, CorpusError, load_corpus
+from infinity.models.gpt import describe
+
+DEMO_BUDGET_ATTEMPTS = 6
+
+__all__ = ["add_arguments", "run"]
+
+
+def _none(text: str | None) -> str | None:
+    return None if text is None or text.lower() == "none" else text
+
+
+def _resume_point(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """The checkpoint to resume from (if any) and the directory for new checkpoints."""
+    given_dir = args.checkpoint_dir is not None
+    text = _none(args.checkpoint_dir) if given_dir else DEFAULT_CHECKPOINT_DIR
+    directory = Path(text) if text else None
+    if args.resume is None:
+        return None, directory
+    if args.resume == "latest":
+        if directory is None:
+            raise CommandError("--resume needs a --checkpoint-dir to look in (it is 'none')")
+        found = ckpt.latest_checkpoint(directory)
+        if found is None:
+            raise CommandError(
+                f"--resume: no complete checkpoint in '{directory}'; start without --resume, "
+                "or point --checkpoint-dir at the run's directory"
+            )
+        return found, directory
+    given = Path(args.resume)
+    found = given if (given / ckpt.TRAINER_FILE).is_file() else ckpt.latest_checkpoint(given)
+    if found is None:
+        raise CommandError(
+            f"--resume: '{given}' is neither a checkpoint nor a directory holding one"
+        )
+    # New checkpoints go next to the resumed one unless --checkpoint-dir says otherwise.
+    return found, directory if given_dir else found.parent
+
+
+@dataclass
+class _Run:
+    """What one invocation decided before training starts."""
+
+    args: argparse.Namespace
+    settings: RunSettings
+    config: infinity.Config
+    derived: tuple[str, ...]  # budgets derived from the model (demo budgets)
+    corpus: Corpus
+    report: HumanReport | JsonReport
+    ckpt_dir: Path | None
+    resume_from: Path | None
+    resumed: ckpt.TrainerState | None
+    started: float
+    last_saved: Path | None = None  # the newest complete checkpoint of this run
+
+
+def _header(run: _Run, session: Session) -> list[str]:
+    """What will run, on what text, and where its states live."""
+    s, m, corpus = run.settings, run.settings.model, run.corpus
+    stats = {**infinity.stats(session.model), "nvme_path": run.config.nvme_path}
+    return [
+        f"infinity train: {describe(m)}, context {m.seq_len} bytes, {s.dtype}, "
+        f"device {stats['device']}",
+        f"data: {corpus.files} files of Python standard-library source in {corpus.root} "
+        f"({corpus.train.numel() / 1e6:.1f} MB to train on, "
+        f"{corpus.eval.numel() / 1e6:.1f} MB held out)",
+        f"steps: {s.steps} x {s.batch_size * s.grad_accum} sequences = "
+        f"{s.tokens_per_step} tokens/step; AdamW lr {s.lr:g} (warmup {s.warmup}, cosine to "
+        f"{s.lr * s.min_lr_ratio:g}), clip {s.clip_grad:g}, seed {s.seed}",
+        *budget_lines(s.state_bytes(), stats, bool(run.derived)),
+        "plan:",
+        *("  " + line for line in session.model._infinity_engine.plan.describe().splitlines()),
+    ]
+
+
+def _prepare_nvme(path: str | None) -> list[Path]:
+    """Create the NVMe directory (and missing parents); returns what was created."""
+    if path is None:
+        return []
+    created = []
+    target = Path(path).absolute()
+    for directory in [target, *target.parents][::-1]:
+        if not directory.exists():
+            try:
+                directory.mkdir()
+            except OSError as exc:
+                raise CommandError(
+                    f"--nvme-path: cannot create '{directory}': {exc.strerror}"
+                ) from None
+            created.append(directory)
+    if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
+        raise CommandError(f"--nvme-path: '{target}' is not a writable directory")
+    return created
+
+
+def _remove_created(created: list[Path]) -> None:
+    for directory in reversed(created):
+        try:
+            directory.rmdir()  # only when empty: never removes anything but our own dirs
+        except OSError:
+            break
+
+
+def _open_session(run: _Run) -> Session:
+    """Offload the model; derived (demo) budgets grow until the planner accepts them."""
+    for attempt in range(DEMO_BUDGET_ATTEMPTS):
+        try:
+            return Session(run.settings, run.config, run.corpus)
+        except infinity.PlanError as exc:
+            if not run.derived or attempt == DEMO_BUDGET_ATTEMPTS - 1:
+                raise CommandError(as_flags(str(exc))) from None
+            run.config = grow_derived(run.config, run.derived, str(exc))
+        except infinity.ConfigError as exc:
+            raise CommandError(as_flags(str(exc))) from None
+        except OSError as exc:
+            raise CommandError(
+                f"cannot set up the NVMe tier in '{run.config.nvme_path}': {exc}"
+            ) from None
+    raise AssertionError("unreachable")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``infinity train``; returns the exit code."""
+    started = time.perf_counter()
+    report = JsonReport() if args.json else HumanReport(quiet=args.quiet)
+    if args.checkpoint_every < 0 or args.eval_batches < 0:
+        raise CommandError("--checkpoint-every and --eval-batches must be >= 0")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise CommandError(f"--stop-after must be a step >= 1, got {args.stop_after}")
+    resume_from, ckpt_dir = _resume_point(args)
+    resumed = None
+    if resume_from is not None:
+        try:
+            resumed = ckpt.read_state(resume_from)
+        except infinity.CheckpointError as exc:
+            raise CommandError(f"--resume: {exc}") from None
+    settings = resolve_settings(args, resumed.settings if resumed else None)
+    if resumed is not None and resumed.step >= settings.steps:
+        raise CommandError(
+            f"--resume: {resume_from} is at step {resumed.step}, the end of a "
+            f"{settings.steps}-step run; pass --steps N with N > {resumed.step} to train further"
+        )
+    config, derived = build_config(args, settings)
+    try:
+        corpus = load_corpus()
+    except CorpusError as exc:
+        raise CommandError(str(exc)) from None
+    plan = _Run(
+        args, settings, config, derived, corpus, report, ckpt_dir, resume_from, resumed, started,
+        last_saved=resume_from,
+    )  # fmt: skip
+    created = _prepare_nvme(config.nvme_path)
+    try:
+        # NOTE: the handlers cover everything from offload to cleanup, so a second
+        # Ctrl-C anywhere abandons the run with the message below, not a traceback.
+        with StopSignals(report.note) as stop:
+            try:
+                session = _open_session(plan)
+                try:
+                    return _train(plan, session, stop)
+                finally:
+                    session.close()
+            except KeyboardInterrupt:
+                report.alert(f"interrupted: the current step was abandoned; {_where(plan)}")
+                return 130
+    finally:
+        _remove_created(created)
+
+
+def _where(run: _Run) -> str:
+    """Where a stopped run can be continued from."""
+    if run.last_saved is None:
+        return "no checkpoint was written (pass --checkpoint-dir to keep one)"
+    return f"last complete checkpoint: {run.last_saved} (continue with --resume)"
+
+
+def _save(run: _Run, session: Session, summary: RunSummary) -> None:
+    """Checkpoint the current step, unless nothing was trained or it is saved already."""
+    if run.ckpt_dir is None or not summary.losses:
+        return  # nothing trained in this invocation: the last checkpoint is still current
+    if run.last_saved != ckpt.checkpoint_path(run.ckpt_dir, session.step):
+        run.last_saved = session.save(run.ckpt_dir)
+        run.report.event("checkpoint", step=session.step, path=str(run.last_saved))
+
+
+def _train(run: _Run, session: Session, stop: StopSignals) -> int:
+    """The run proper, once the model is offloaded; returns the exit code."""
+    args, settings, report = run.args, run.settings, run.report
+    if run.resumed is not None:
+        try:
+            session.restore(run.resume_from, run.resumed)
+        except infinity.CheckpointError as exc:
+            older = [
+                path
+                for _step, path in ckpt.complete_checkpoints(run.resume_from.parent)
+                if path != run.resume_from
+            ]
+            hint = f"; an older one is {older[-1]} (--resume {older[-1]})" if older else ""
+            raise CommandError(f"--resume: {exc}{hint}") from None
+    report.start(_header(run, session))
+    if run.resumed is not None:
+        report.note(f"resumed from {run.resume_from} (step {run.resumed.step})")
+    elif run.ckpt_dir is not None and ckpt.latest_checkpoint(run.ckpt_dir) is not None:
+        report.note(
+            f"note: {run.ckpt_dir} holds checkpoints of an earlier run; this new run replaces "
+            "them at its first save (pass --resume to continue that run instead)"
+        )
+    summary = RunSummary(status="finished", first_step=session.step + 1, last_step=session.step)
+    if args.eval_batches and not stop.requested:
+        summary.eval_before = session.evaluate(args.eval_batches)
+        report.event("eval", step=session.step, loss=summary.eval_before)
+    train_started = time.perf_counter()
+    report.begin_steps(session.step + 1, settings.steps)
+    while session.step < settings.steps and not stop.requested:
+        record = session.train_step()
+        report.step(record)
+        summary.losses[record.step] = record.loss
+        summary.last_step = record.step
+        summary.tokens += settings.tokens_per_step
+        for key, value in (record.traffic | record.waits).items():
+            summary.step_totals[key] = summary.step_totals.get(key, 0.0) + value
+        if args.checkpoint_every and record.step % args.checkpoint_every == 0:
+            _save(run, session, summary)
+        if args.stop_after is not None and record.step >= args.stop_after:
+            summary.status = "stopped"
+            break
+    summary.train_seconds = time.perf_counter() - train_started
+    report.end_steps()
+    if stop.requested:
+        summary.status = "interrupted"
+    # NOTE: the timeline is taken before evaluating: every eval forward starts a new
+    # iteration, and the picture must show a training step.
+    timeline = infinity.timeline(session.model) if summary.losses else None
+    _save(run, session, summary)
+    if args.eval_batches and summary.status == "finished":
+        summary.eval_after = session.evaluate(args.eval_batches)
+        report.event("eval", step=session.step, loss=summary.eval_after)
+    summary.stats = infinity.stats(session.model)
+    summary.checkpoint = str(run.last_saved) if run.last_saved else None
+    plot = _none(args.plot)
+    if plot and timeline is not None:
+        from infinity.cli.timeline_plot import plot_timeline
+
+        title = f"{describe(settings.model)}, {settings.dtype}: memory over one training step"
+        summary.plot = str(plot_timeline(timeline, summary.stats, Path(plot), title))
+    summary.wall_seconds = time.perf_counter() - run.started
+    report.finish(summary)
+    if summary.status == "stopped":
+        report.note(f"stopped after step {session.step} (--stop-after); {_where(run)}")
+    if summary.status == "interrupted":
+        report.alert(f"stopped by signal after step {session.step}; {_where(run)}")
+        return 128 + (stop.signum or signal.SIGINT)
+    return 0

@@ -1,0 +1,129 @@
+"""The flags of ``infinity train`` (the command itself is :mod:`infinity.cli.train`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from infinity.cli.train_settings import DEFAULT_PLOT, PRESETS
+
+DEFAULT_CHECKPOINT_DIR = "./.infinity/checkpoints"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``infinity train``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "\n".join(
+        [
+            "presets:",
+            *(
+                f"  {name:<7} {p.layers:>2} x {p.hidden:<5} seq {p.seq_len:<4} {p.steps:>5} steps  "
+                f"{p.about}"
+                for name, p in PRESETS.items()
+            ),
+            "examples:",
+            "  infinity train                                   # the demo (preset small)",
+            "  infinity train --device-memory 2MiB --host-memory 16MiB --plot tight.png",
+            "  infinity train --preset medium --checkpoint-every 100   # Ctrl-C, then --resume",
+        ]
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--preset", choices=list(PRESETS), help="model size and run length (default: small)"
+    )
+    model.add_argument("--layers", metavar="N", type=int, help="transformer blocks")
+    model.add_argument("--hidden", metavar="N", type=int, help="width of the residual stream")
+    model.add_argument(
+        "--heads", metavar="N", type=int, help="attention heads (must divide --hidden)"
+    )
+    model.add_argument("--seq-len", metavar="N", type=int, help="context length in bytes")
+    model.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"), help="compute dtype (default: bf16)"
+    )
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", metavar="N", type=int, help="optimizer steps of the whole run")
+    train.add_argument("--batch-size", metavar="N", type=int, help="sequences per micro-batch")
+    train.add_argument(
+        "--grad-accum", metavar="N", type=int, help="micro-batches per optimizer step (default: 1)"
+    )
+    train.add_argument(
+        "--lr", metavar="LR", type=float, help="peak learning rate (warmup, then cosine to 10%%)"
+    )
+    train.add_argument(
+        "--warmup",
+        metavar="N",
+        type=int,
+        help="warmup steps (default: 10%% of --steps, at most 100)",
+    )
+    train.add_argument(
+        "--clip-grad", metavar="NORM", type=float, help="max gradient norm, 0 = off (default: 1.0)"
+    )
+    train.add_argument(
+        "--seed",
+        metavar="N",
+        type=int,
+        help="seed of the initial weights and the batches (default: 0)",
+    )
+    train.add_argument(
+        "--eval-batches",
+        metavar="N",
+        type=int,
+        default=4,
+        help="held-out batches for the eval loss (0 = skip)",
+    )
+    memory = parser.add_argument_group("memory tiers")
+    memory.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="device budget, e.g. 64MiB (default: derived from the model)",
+    )
+    memory.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        help="host budget, e.g. 1GiB (default: derived from the model)",
+    )
+    memory.add_argument(
+        "--nvme-path",
+        metavar="DIR",
+        help="directory for swap files, or 'none' (default: ./.infinity/nvme)",
+    )
+    memory.add_argument(
+        "--chunk-size", metavar="SIZE", help="bytes per chunk, a multiple of 4KiB (default: auto)"
+    )
+    memory.add_argument(
+        "--config", metavar="FILE", help="an infinity.Config JSON file; flags override it"
+    )
+    state = parser.add_argument_group("checkpoints")
+    state.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help=f"where checkpoints go, or 'none' (default: {DEFAULT_CHECKPOINT_DIR})",
+    )
+    state.add_argument(
+        "--checkpoint-every",
+        metavar="N",
+        type=int,
+        default=0,
+        help="also save every N steps (default: at the end and on Ctrl-C)",
+    )
+    state.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="CHECKPOINT",
+        help="continue the newest run in --checkpoint-dir (or the checkpoint given)",
+    )
+    state.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="STEP",
+        help="stop after this step with a checkpoint, to --resume later",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=DEFAULT_PLOT,
+        help=f"memory-timeline PNG, or 'none' (default: {DEFAULT_PLOT})",
+    )
+    out.add_argument("--quiet", action="store_true", help="no header and no progress bar")
+    out.add_argument("--json", action="store_true", help="JSON lines on stdout instead of text")

@@ -1,0 +1,199 @@
+"""The training session behind ``infinity train``: model, optimizer, schedule, one step.
+
+Only public API: ``infinity.offload`` builds the model straight into chunks
+(from the ``meta`` device, so it never exists whole in RAM), ``CPUAdam`` steps
+it, a torch ``LambdaLR`` drives warmup + cosine, and ``infinity.stats`` gives
+the bytes each step moved.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType, TracebackType
+
+import torch
+
+import infinity
+from infinity.cli import train_checkpoints as ckpt
+from infinity.cli.train_report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
+from infinity.cli.train_settings import RunSettings
+from infinity.data import Batches, Corpus
+from infinity.models.gpt import GPT, init_weights
+
+EVAL_SEED_OFFSET = 1_000_003
+COUNTER_KEYS = TRAFFIC_KEYS + WAIT_KEYS  # held-out batches never share a stream with training ones
+
+
+def lr_factor(done: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak LR after ``done`` steps: linear warmup, then cosine decay."""
+    if done < warmup:
+        return (done + 1) / warmup
+    progress = min(1.0, (done - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class StopSignals:
+    """Ctrl-C (or SIGTERM) once: stop after the current step. Twice: abandon it now."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, on_first: Callable[[str], None]) -> None:
+        self.signum: int | None = None
+        self._on_first = on_first
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt  # second signal: abandon the step
+        self.signum = signum
+        self._on_first("stopping after this step (press Ctrl-C again to abandon it)")
+
+    @property
+    def requested(self) -> bool:
+        """Whether a stop was asked for."""
+        return self.signum is not None
+
+    def __enter__(self) -> StopSignals:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+class Session:
+    """An offloaded GPT with its optimizer, LR schedule and data streams."""
+
+    def __init__(self, settings: RunSettings, config: infinity.Config, corpus: Corpus) -> None:
+        self.settings = settings
+        self.run_id = uuid.uuid4().hex[:12]
+        self.step = 0  # optimizer steps done
+        self.tokens = 0
+        self.last_loss: float | None = None
+        torch.manual_seed(settings.seed)  # NOTE: the initial weights follow --seed
+        with torch.device("meta"):
+            model = GPT(settings.model)
+        self.model = infinity.offload(model, config, init=init_weights)
+        try:
+            self.optimizer = infinity.optim.CPUAdam(
+                self.model.parameters(),
+                lr=settings.lr,
+                betas=(0.9, 0.95),
+                weight_decay=settings.weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer,
+                lambda done: lr_factor(
+                    done, settings.warmup, settings.steps, settings.min_lr_ratio
+                ),
+            )
+        except BaseException:
+            self.close()
+            raise
+        m = settings.model
+        self.batches = Batches(corpus.train, m.seq_len, settings.batch_size, settings.seed)
+        self.eval_batches = Batches(
+            corpus.eval, m.seq_len, settings.batch_size, settings.seed + EVAL_SEED_OFFSET
+        )
+        self._traffic = self._snapshot()
+
+    # --- state ----------------------------------------------------------------------------
+    def restore(self, path: Path, state: ckpt.TrainerState) -> None:
+        """Continue the run saved at ``path``: weights, optimizer, schedule, RNG, counters."""
+        ckpt.restore(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+        # NOTE: the schedule may have changed (a larger --steps, a new --lr); the LR of
+        # the next step is the current schedule's value at this step, not the one saved.
+        s = self.settings
+        factor = lr_factor(state.step, s.warmup, s.steps, s.min_lr_ratio)
+        self.scheduler.base_lrs = [s.lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = s.lr
+            group["lr"] = s.lr * factor
+        torch.set_rng_state(torch.frombuffer(bytearray(state.rng), dtype=torch.uint8))
+        self.run_id = state.run_id
+        self.step = state.step
+        self.tokens = state.tokens
+        self.last_loss = state.last_loss
+
+    def trainer_state(self) -> ckpt.TrainerState:
+        """What a checkpoint needs besides the model and optimizer states."""
+        return ckpt.TrainerState(
+            step=self.step,
+            run_id=self.run_id,
+            settings=self.settings,
+            scheduler=self.scheduler.state_dict(),
+            rng=bytes(torch.get_rng_state().numpy()),
+            tokens=self.tokens,
+            last_loss=self.last_loss,
+        )
+
+    def save(self, directory: Path) -> Path:
+        """Write a checkpoint of the current step into ``directory``."""
+        return ckpt.save(directory, self.model, self.optimizer, self.trainer_state())
+
+    # --- work -----------------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, float]:
+        stats = infinity.stats(self.model)
+        return {k: stats[k] for k in COUNTER_KEYS}
+
+    def train_step(self) -> StepRecord:
+        """One optimizer step over ``grad_accum`` micro-batches."""
+        s = self.settings
+        started = time.perf_counter()
+        step = self.step + 1
+        lr = self.optimizer.param_groups[0]["lr"]
+        total = 0.0
+        for micro in range(s.grad_accum):
+            inputs, targets = self.batches.get(step, micro)
+            loss = self.model(inputs, targets)
+            self.optimizer.scale_loss(loss / s.grad_accum).backward()
+            total += loss.item()
+        norm = None
+        if s.clip_grad > 0:
+            norm = float(self.optimizer.clip_grad_norm_(s.clip_grad))
+        before = infinity.stats(self.model).get("skipped_steps", 0)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        skipped = infinity.stats(self.model).get("skipped_steps", 0) > before
+        self.step = step
+        self.tokens += s.tokens_per_step
+        self.last_loss = total / s.grad_accum
+        seconds = time.perf_counter() - started
+        counters = self._snapshot()
+        delta = {k: counters[k] - self._traffic[k] for k in COUNTER_KEYS}
+        self._traffic = counters
+        return StepRecord(
+            step=step,
+            loss=self.last_loss,
+            lr=lr,
+            seconds=seconds,
+            tokens_per_second=s.tokens_per_step / max(seconds, 1e-9),
+            traffic={k: int(delta[k]) for k in TRAFFIC_KEYS},
+            waits={k: delta[k] for k in WAIT_KEYS},
+            grad_norm=None if norm is None or not math.isfinite(norm) else norm,
+            skipped=skipped,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, batches: int) -> float:
+        """Mean loss over ``batches`` fixed held-out batches (the same ones every time)."""
+        losses = [self.model(*self.eval_batches.get(i)).item() for i in range(batches)]
+        self._traffic = self._snapshot()  # evaluation traffic is not a training step's
+        return sum(losses) / len(losses)
+
+    def close(self) -> None:
+        """Release the engine: threads stop and the swap files are removed."""
+        engine = getattr(self.model, "_infinity_engine", None)
+        if engine is not None:
+            engine.close()

@@ -1,0 +1,255 @@
+"""What ``infinity train`` shows: the header, per-step progress and the final summary.
+
+Two reporters share one interface: :class:`HumanReport` (text on stdout, a
+tqdm bar on stderr) and :class:`JsonReport` (one JSON object per line on
+stdout: ``start``, ``step``, ``eval``, ``checkpoint``, ``summary``), for tools.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+from infinity.utils.sizes import format_size
+
+TRAFFIC_KEYS = ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes")
+WAIT_KEYS = ("wait_nvme_seconds", "wait_device_seconds")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step as the reports see it."""
+
+    step: int
+    loss: float
+    lr: float
+    seconds: float
+    tokens_per_second: float
+    traffic: dict[str, int]  # bytes moved during this step, per link (TRAFFIC_KEYS)
+    waits: dict[str, float]  # seconds this step waited on each tier (WAIT_KEYS)
+    grad_norm: float | None = None
+    skipped: bool = False  # fp16: overflow, the update was skipped
+
+
+@dataclass
+class RunSummary:
+    """Totals of one invocation, printed at the end (and saved as JSON)."""
+
+    status: str  # "finished" | "stopped" | "interrupted"
+    first_step: int
+    last_step: int
+    losses: dict[int, float] = field(default_factory=dict)
+    eval_before: float | None = None
+    eval_after: float | None = None
+    wall_seconds: float = 0.0
+    train_seconds: float = 0.0
+    tokens: int = 0
+    step_totals: dict[str, float] = field(default_factory=dict)  # sums of the steps' counters
+    checkpoint: str | None = None
+    plot: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / (1 << 20):.0f}M"
+
+
+def postfix(record: StepRecord) -> str:
+    """The progress-bar text of one step: loss, speed and bytes moved per tier."""
+    t = record.traffic
+    return (
+        f"loss {record.loss:.3f} | {record.tokens_per_second / 1000:.1f}k tok/s | "
+        f"host→dev {_mb(t['h2d_bytes'])} dev→host {_mb(t['d2h_bytes'])} "
+        f"nvme r {_mb(t['nvme_read_bytes'])} w {_mb(t['nvme_write_bytes'])} /step"
+        + (" | skipped (fp16 overflow)" if record.skipped else "")
+    )
+
+
+def budget_lines(state_bytes: int, stats: dict[str, Any], demo: bool) -> list[str]:
+    """Model-state bytes against each tier's budget (what makes this run 'beyond memory')."""
+    dev, host = stats["device_budget_bytes"], stats["host_budget_bytes"]
+    lines = [
+        f"model states  {format_size(state_bytes):>12}  (parameters, gradients, optimizer)",
+        f"device budget {format_size(dev):>12}  = {dev / state_bytes:6.1%} of the states",
+        f"host budget   {format_size(host):>12}  = {host / state_bytes:6.1%} of the states",
+        f"nvme swap     {format_size(stats['nvme_bytes']):>12}  in {stats.get('nvme_path') or '-'}",
+    ]
+    if demo:
+        lines.append(
+            "(demo budgets, derived from the model; set --device-memory/--host-memory to change)"
+        )
+    return lines
+
+
+def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
+    """The end-of-run table: peaks against budgets, NVMe traffic, time waiting on I/O."""
+    rows = [f"{'tier':<8}{'budget':>12}{'peak':>12}{'use':>7}"]
+    for tier in ("device", "host"):
+        budget, peak = stats[f"{tier}_budget_bytes"], stats[f"{tier}_peak_bytes"]
+        rows.append(
+            f"{tier:<8}{format_size(budget):>12}{format_size(peak):>12}{peak / budget:>7.0%}"
+        )
+    nvme_budget = stats.get("nvme_budget_bytes")
+    rows.append(
+        f"{'nvme':<8}{(format_size(nvme_budget) if nvme_budget else '-'):>12}"
+        f"{format_size(stats['nvme_bytes']):>12}{'':>7}"
+    )
+    gb = 1e9
+    steps = max(1, len(summary.losses))
+    per_step = {k: summary.step_totals.get(k, 0.0) / steps for k in TRAFFIC_KEYS + WAIT_KEYS}
+    rows.append(
+        f"NVMe traffic: {stats['nvme_read_bytes'] / gb:.2f} GB read, "
+        f"{stats['nvme_write_bytes'] / gb:.2f} GB written in all; per step "
+        f"{format_size(per_step['nvme_read_bytes'])} read, "
+        f"{format_size(per_step['nvme_write_bytes'])} written, host↔device "
+        f"{format_size(per_step['h2d_bytes'] + per_step['d2h_bytes'])}"
+    )
+    train = max(summary.train_seconds, 1e-9)
+    wait_nvme = summary.step_totals.get("wait_nvme_seconds", 0.0)
+    wait_dev = summary.step_totals.get("wait_device_seconds", 0.0)
+    rows.append(
+        f"time: {summary.train_seconds:.1f} s training ({summary.wall_seconds:.1f} s in all); "
+        f"waiting on NVMe {wait_nvme / train:.1%}, on device copies {wait_dev / train:.1%}, "
+        f"the rest computing"
+    )
+    if summary.train_seconds > 0:
+        rows.append(f"throughput: {summary.tokens / summary.train_seconds / 1000:.1f}k tokens/s")
+    if stats.get("skipped_steps"):
+        rows.append(f"fp16: {stats['skipped_steps']} step(s) skipped on overflow")
+    return "\n".join(rows)
+
+
+def loss_line(summary: RunSummary) -> str:
+    """First, best and last training loss (and held-out loss before/after)."""
+    losses = list(summary.losses.values())
+    text = ""
+    if losses:
+        text = (
+            f"train loss {losses[0]:.3f} (step {summary.first_step}) → {losses[-1]:.3f} "
+            f"(step {summary.last_step}), best {min(losses):.3f}"
+        )
+    if summary.eval_before is not None and summary.eval_after is not None:
+        text += f"; held-out loss {summary.eval_before:.3f} → {summary.eval_after:.3f}"
+    return text or "no step was run"
+
+
+def loss_curve(losses: dict[int, float], points: int = 10) -> str:
+    """The loss at ``points`` places of the run, each the mean of a window of steps."""
+    steps = sorted(losses)
+    if not steps:
+        return ""
+    points = min(points, len(steps))
+    cells = []
+    for k in range(points):
+        window = steps[k * len(steps) // points : (k + 1) * len(steps) // points]
+        mean = sum(losses[s] for s in window) / len(window)
+        cells.append(f"{mean:.2f}@{window[-1]}")
+    return "loss curve (mean over windows, @ last step): " + "  ".join(cells)
+
+
+class HumanReport:
+    """Text for people: header and summary on stdout, a progress bar on stderr."""
+
+    def __init__(self, quiet: bool = False, out: TextIO | None = None) -> None:
+        self.quiet = quiet
+        self.out = out or sys.stdout
+        self._bar = None
+
+    def _print(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def start(self, lines: list[str]) -> None:
+        """Print what will run, and where the states live."""
+        if not self.quiet:
+            self._print("\n".join(lines))
+
+    def begin_steps(self, first: int, last: int) -> None:
+        """Open the progress bar for steps ``first..last``."""
+        if self.quiet:
+            return
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            total=last, initial=first - 1, unit="step", dynamic_ncols=True, file=sys.stderr
+        )
+
+    def step(self, record: StepRecord) -> None:
+        """One optimizer step finished."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(postfix(record), refresh=False)
+            self._bar.update(1)
+
+    def end_steps(self) -> None:
+        """Close the progress bar."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def note(self, text: str) -> None:
+        """A line worth showing (checkpoint written, eval loss, stopping)."""
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        elif not self.quiet:
+            self._print(text)
+
+    def event(self, kind: str, **data: Any) -> None:
+        """Structured events are for :class:`JsonReport`; people get notes instead."""
+
+    def alert(self, text: str) -> None:
+        """A line that must be seen even with ``--quiet`` (on stderr)."""
+        self.end_steps()
+        print(f"infinity: {text}", file=sys.stderr, flush=True)
+
+    def finish(self, summary: RunSummary) -> None:
+        """Print the summary table."""
+        self.end_steps()
+        self._print(loss_line(summary))
+        if not self.quiet:
+            self._print(loss_curve(summary.losses))
+            self._print(summary_table(summary, summary.stats))
+            if summary.plot:
+                self._print(f"memory timeline: {summary.plot}")
+        if summary.checkpoint:
+            self._print(f"checkpoint: {summary.checkpoint}")
+
+
+class JsonReport:
+    """One JSON object per line on stdout, for scripts and tests."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+
+    def event(self, kind: str, **data: Any) -> None:
+        """Write one event line."""
+        print(json.dumps({"event": kind, **data}), file=self.out, flush=True)
+
+    def start(self, lines: list[str]) -> None:
+        """The header as text lines (the ``start`` event)."""
+        self.event("start", lines=lines)
+
+    def begin_steps(self, first: int, last: int) -> None:
+        """Steps ``first..last`` follow."""
+
+    def step(self, record: StepRecord) -> None:
+        """One ``step`` event."""
+        self.event("step", **asdict(record))
+
+    def end_steps(self) -> None:
+        """No bar to close."""
+
+    def note(self, text: str) -> None:
+        """Notes become ``note`` events."""
+        self.event("note", text=text)
+
+    def alert(self, text: str) -> None:
+        """An ``alert`` event, and the line on stderr for the person watching."""
+        self.event("alert", text=text)
+        print(f"infinity: {text}", file=sys.stderr, flush=True)
+
+    def finish(self, summary: RunSummary) -> None:
+        """The ``summary`` event (losses keyed by step)."""
+        data = asdict(summary)
+        data["losses"] = {str(k): v for k, v in summary.losses.items()}
+        self.event("summary", **data)

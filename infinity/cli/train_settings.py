@@ -1,0 +1,254 @@
+"""Settings of an ``infinity train`` run: presets, flags, a config file and a resumed run.
+
+Precedence, highest first: a flag on the command line, the run being resumed
+(``--resume`` continues with the settings it was started with), the preset
+(whose shape must then match the checkpoint's).
+Budgets come from ``--device-memory``/``--host-memory``, else the ``--config``
+file, else *demo budgets* derived from the model so that its states exceed
+both the device and the host budget and every tier is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from infinity.cli.main import CommandError
+from infinity.config import Config, ConfigError
+from infinity.models.gpt import GPTConfig
+from infinity.utils.sizes import align_up, parse_size
+
+DEFAULT_NVME_PATH = "./.infinity/nvme"
+DEFAULT_PLOT = "./.infinity/timeline.png"
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+# NOTE: demo budgets. The device caches about half of the parameter chunks, so
+# chunks are evicted in forward and fetched again in backward; the host holds
+# half of all model states (parameters, gradients, staging and some optimizer
+# units), so most optimizer states live on NVMe.
+DEMO_DEVICE_FRACTION = 0.5  # of the parameter bytes
+DEMO_HOST_FRACTION = 0.5  # of the model-state bytes
+BUDGET_ALIGNMENT = 64 << 10
+MAX_SEQ_LEN = 8192
+# Config fields that have a flag here, to say engine messages in flags.
+FLAG_OF = {
+    "device_memory": "--device-memory",
+    "host_memory": "--host-memory",
+    "chunk_size": "--chunk-size",
+    "nvme_path": "--nvme-path",
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape and the training length that suits it."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    about: str
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(2, 128, 4, 64, 8, 40, 3e-3, "seconds; for tests and smoke checks"),
+    "small": Preset(4, 256, 4, 128, 16, 300, 1.2e-3, "the demo: a few minutes on 2 CPU cores"),
+    "medium": Preset(8, 512, 8, 256, 16, 1000, 6e-4, "25M parameters, ~400 MB of states"),
+    "large": Preset(12, 768, 12, 512, 8, 2000, 3e-4, "GPT-2 small shape, ~1.4 GB of states"),
+    "xl": Preset(24, 1024, 16, 512, 8, 2000, 2e-4, "GPT-2 medium shape, ~5 GB of states"),
+}
+DEFAULT_PRESET = "small"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything that defines a training run (saved with each checkpoint)."""
+
+    model: GPTConfig
+    dtype: str
+    batch_size: int
+    grad_accum: int
+    steps: int
+    lr: float
+    warmup: int
+    min_lr_ratio: float
+    weight_decay: float
+    clip_grad: float
+    seed: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens (bytes) that one optimizer step trains on."""
+        return self.batch_size * self.grad_accum * self.model.seq_len
+
+    def state_bytes(self) -> int:
+        """Bytes of model states: parameters, gradients, fp32 master (16-bit only), moments."""
+        element = BYTES_PER_ELEMENT[self.dtype]
+        master = 4 if element < 4 else 0
+        return self.model.num_params * (2 * element + master + 8)
+
+    def param_bytes(self) -> int:
+        """Bytes of the parameters in the compute dtype."""
+        return self.model.num_params * BYTES_PER_ELEMENT[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``from_dict`` rebuilds an equal object)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSettings:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**{**data, "model": GPTConfig(**data["model"])})
+
+
+def _positive(flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise CommandError(f"{flag} must be a positive integer, got {value}")
+
+
+def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> RunSettings:
+    """The run's settings from flags, the resumed run and the preset (in that order)."""
+    preset = PRESETS[args.preset or DEFAULT_PRESET]
+    for flag in ("layers", "hidden", "heads", "seq_len", "batch_size", "grad_accum", "steps"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.seq_len is not None and args.seq_len > MAX_SEQ_LEN:
+        raise CommandError(
+            f"--seq-len {args.seq_len} is above {MAX_SEQ_LEN}: activations (which stay in RAM) "
+            "grow with its square; use a shorter context"
+        )
+    if args.warmup is not None and args.warmup < 0:
+        raise CommandError(f"--warmup must be >= 0 steps, got {args.warmup}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise CommandError(f"--lr must be a positive number, got {args.lr}")
+    if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad >= 0):
+        raise CommandError(f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
+
+    def pick(name: str, preset_value: Any) -> Any:
+        given = getattr(args, name)
+        if given is not None:
+            return given
+        if resumed is not None:
+            return (
+                getattr(resumed, name) if hasattr(resumed, name) else getattr(resumed.model, name)
+            )
+        return preset_value
+
+    shape = {
+        key: pick(key, getattr(preset, key)) for key in ("layers", "hidden", "heads", "seq_len")
+    }
+    if shape["hidden"] % shape["heads"]:
+        raise CommandError(
+            f"--hidden {shape['hidden']} is not divisible by --heads {shape['heads']}; "
+            f"pick a divisor, e.g. --heads {_divisor_below(shape['hidden'], shape['heads'])}"
+        )
+    model = GPTConfig(vocab_size=256, tie_embeddings=True, **shape)
+    steps = pick("steps", preset.steps)
+    default_warmup = resumed.warmup if resumed is not None else max(1, min(100, steps // 10))
+    settings = RunSettings(
+        model=model,
+        dtype=pick("dtype", "bf16"),
+        batch_size=pick("batch_size", preset.batch_size),
+        grad_accum=pick("grad_accum", 1),
+        steps=steps,
+        lr=pick("lr", preset.lr),
+        warmup=args.warmup if args.warmup is not None else default_warmup,
+        min_lr_ratio=resumed.min_lr_ratio if resumed is not None else 0.1,
+        weight_decay=resumed.weight_decay if resumed is not None else 0.1,
+        clip_grad=pick("clip_grad", 1.0),
+        seed=pick("seed", 0),
+    )
+    preset_shape = (preset.layers, preset.hidden, preset.heads, preset.seq_len)
+    if resumed is not None and args.preset is not None:
+        m = resumed.model
+        if preset_shape != (m.layers, m.hidden, m.heads, m.seq_len):
+            raise CommandError(
+                f"--preset {args.preset} is not the shape of the checkpoint's model "
+                f"({_shape(resumed)}); drop --preset when resuming"
+            )
+    if resumed is not None and (settings.model, settings.dtype) != (resumed.model, resumed.dtype):
+        raise CommandError(
+            f"the checkpoint holds a {_shape(resumed)} model but the flags ask for "
+            f"{_shape(settings)}; resume with the checkpoint's shape, or use another "
+            "--checkpoint-dir to start a new run"
+        )
+    return settings
+
+
+def _divisor_below(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _shape(s: RunSettings) -> str:
+    m = s.model
+    return f"{m.layers}x{m.hidden} ({m.heads} heads, seq {m.seq_len}, {s.dtype})"
+
+
+def _size_flag(flag: str, text: str | None) -> int | str | None:
+    if text is None or text == "auto":
+        return text
+    try:
+        return parse_size(text, name=flag)
+    except ValueError:
+        raise CommandError(f"{flag} {text!r} is not a size; use e.g. 64MiB, 2GiB or auto") from None
+
+
+def build_config(args: argparse.Namespace, settings: RunSettings) -> tuple[Config, tuple[str, ...]]:
+    """The ``infinity.Config`` for the run, and which budgets were derived (demo budgets)."""
+    given: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            given = Config.from_file(args.config).to_dict()
+            keys = set(json.loads(Path(args.config).read_text()))
+        except ConfigError as exc:
+            raise CommandError(f"--config: {exc}") from None
+        given = {k: v for k, v in given.items() if k in keys}
+    for key, flag in (
+        ("device_memory", "--device-memory"),
+        ("host_memory", "--host-memory"),
+        ("chunk_size", "--chunk-size"),
+    ):
+        value = _size_flag(flag, getattr(args, key))
+        if value is not None:
+            given[key] = value
+    if args.nvme_path is not None:
+        given["nvme_path"] = None if args.nvme_path.lower() == "none" else args.nvme_path
+    given["dtype"] = settings.dtype
+    given.setdefault("nvme_path", DEFAULT_NVME_PATH)
+    derived = []
+    if "device_memory" not in given:
+        need = math.ceil(settings.param_bytes() * DEMO_DEVICE_FRACTION)
+        given["device_memory"] = align_up(need, BUDGET_ALIGNMENT)
+        derived.append("device_memory")
+    if "host_memory" not in given:
+        need = math.ceil(settings.state_bytes() * DEMO_HOST_FRACTION)
+        given["host_memory"] = align_up(need, BUDGET_ALIGNMENT)
+        derived.append("host_memory")
+    try:
+        return Config.from_dict(given), tuple(derived)
+    except ConfigError as exc:
+        raise CommandError(as_flags(str(exc))) from None
+
+
+def as_flags(message: str) -> str:
+    """An engine message in this command's words: ``device_memory=X`` → ``--device-memory X``."""
+    for field in FLAG_OF:
+        message = message.replace(f"{field}=", f"{FLAG_OF[field]} ").replace(field, FLAG_OF[field])
+    return message
+
+
+def grow_derived(config: Config, derived: tuple[str, ...], error: str) -> Config:
+    """Grow the derived budget the planner found too small by half (both if unclear).
+
+    For small models the planner's minimum (one module's chunks, staging slots)
+    can outweigh the fractions above."""
+    named = [key for key in derived if error.startswith(f"{key}=")]
+    grown = {
+        key: align_up(getattr(config, key) * 3 // 2, BUDGET_ALIGNMENT) for key in named or derived
+    }
+    return config.replace(**grown)
