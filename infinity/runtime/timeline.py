@@ -34,9 +34,12 @@ class Timeline:
         self.current.append(moment)
 
     def finish_iteration(self) -> None:
-        """The iteration ended: keep it as ``last``."""
-        if self.current:
-            self.last, self.current = self.current, []
+        """The iteration ended: keep it as ``last`` (a forward-only pass, such as an
+        evaluation, does not replace a training step)."""
+        trained = any(m.phase != "forward" for m in self.current)
+        if self.current and (trained or not self.last):
+            self.last = self.current
+        self.current = []
 
     def as_dict(self) -> dict[str, list]:
         """Columns of the last complete iteration (or the running one if none)."""

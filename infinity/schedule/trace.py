@@ -51,7 +51,7 @@ class TraceRecorder:
 
     def start_iteration(self) -> None:
         """A new forward starts: close the running recording."""
-        if self._current:
+        if self._current and self._keeps(self._current):
             if self.trace is None or not self.on_track or len(self._current) != len(self.trace):
                 if self.trace is not None:
                     self.retraces += 1
@@ -64,6 +64,13 @@ class TraceRecorder:
             self.iterations += 1
         self._current = []
         self.on_track = self.trace is not None
+
+    def _keeps(self, accesses: list[Access]) -> bool:
+        """A forward-only pass (evaluation) does not replace a training trace."""
+        if self.trace is None:
+            return True
+        trains = any(phase != "forward" for phase, _ in self.trace.accesses)
+        return not trains or any(phase != "forward" for phase, _ in accesses)
 
     def record(self, phase: str, chunk: int) -> None:
         """Append one access; notice when the iteration leaves the trace."""

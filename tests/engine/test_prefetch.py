@@ -159,3 +159,19 @@ def test_overlap_refuses_clipping_and_accumulation(tmp_path):
         _overlap_run(tmp_path, True, accumulate=True)
     with pytest.raises(infinity.ConfigError, match="fp16"):
         infinity.Config(dtype="fp16", overlap_optimizer=True)
+
+
+def test_evaluation_passes_leave_the_training_trace_alone():
+    model = infinity.offload(tiny_gpt(), config(device_memory=param_bytes(tiny_gpt(), 4) // 2,
+                                                 chunk_size="8KiB", prefetch_depth=2))
+    opt = CPUAdam(model.parameters(), lr=1e-3)
+    engine = model._infinity_engine
+    data = batches(4)
+    train(model, opt, data[:2])
+    trace = engine.trace.trace
+    with torch.no_grad():
+        model(*data[2])
+        model(*data[3])
+    train(model, opt, data[2:])
+    assert engine.trace.trace is trace and engine.trace.retraces == 0
+    assert {"forward", "backward", "grad", "optimizer"} <= set(infinity.timeline(model)["phase"])
