@@ -139,9 +139,7 @@ class ChunkWork:
         return keys
 
 
-def plan_chunk(
-    engine, chunk: int, hyper_by_index: dict[int, AdamHyperParams]
-) -> ChunkWork | None:
+def plan_chunk(engine, chunk: int, hyper_by_index: dict[int, AdamHyperParams]) -> ChunkWork | None:
     """The update of ``chunk``, or ``None`` if none of its tensors has a gradient."""
     members = tuple(
         (e.index, engine.layout.slots[e.index].offset, engine.layout.slots[e.index].numel)

@@ -162,8 +162,10 @@ def test_overlap_refuses_clipping_and_accumulation(tmp_path):
 
 
 def test_evaluation_passes_leave_the_training_trace_alone():
-    model = infinity.offload(tiny_gpt(), config(device_memory=param_bytes(tiny_gpt(), 4) // 2,
-                                                 chunk_size="8KiB", prefetch_depth=2))
+    model = infinity.offload(
+        tiny_gpt(),
+        config(device_memory=param_bytes(tiny_gpt(), 4) // 2, chunk_size="8KiB", prefetch_depth=2),
+    )
     opt = CPUAdam(model.parameters(), lr=1e-3)
     engine = model._infinity_engine
     data = batches(4)
