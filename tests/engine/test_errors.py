@@ -153,9 +153,10 @@ def test_fp16_without_loss_scaling_is_refused(tmp_path):
         opt.step()
 
 
-def test_no_swap_files_remain_after_close(tmp_path):
+def _on_nvme(tmp_path):
+    """A tiny GPT whose host budget forces states onto NVMe in ``tmp_path``."""
     model = tiny_gpt()
-    model = infinity.offload(
+    return infinity.offload(
         model,
         config(
             device_memory="1MiB",
@@ -164,6 +165,10 @@ def test_no_swap_files_remain_after_close(tmp_path):
             chunk_size="16KiB",
         ),
     )
+
+
+def test_no_swap_files_remain_after_close(tmp_path):
+    model = _on_nvme(tmp_path)
     assert any(tmp_path.iterdir())
     model._infinity_engine.close()
     assert not any(os.scandir(tmp_path))
@@ -174,16 +179,7 @@ def test_disk_error_mid_training_is_a_clear_error_and_cleanup_still_works(tmp_pa
 
     from infinity.io import NVMeIOError
 
-    model = tiny_gpt()
-    model = infinity.offload(
-        model,
-        config(
-            device_memory="1MiB",
-            host_memory=param_bytes(model, 4) * 2,
-            nvme_path=str(tmp_path),
-            chunk_size="16KiB",
-        ),
-    )
+    model = _on_nvme(tmp_path)
     engine = model._infinity_engine
     opt = CPUAdam(model.parameters(), lr=1e-3)
     x, y = batches(1)[0]
