@@ -146,7 +146,7 @@ class Config:
     chunk_size: int | str = AUTO
     device: str = AUTO
     aio: AioConfig = field(default_factory=AioConfig)
-    prefetch_depth: int = 2
+    prefetch_depth: int = 4
     prefetch_bytes: int | str = AUTO
     overlap_optimizer: bool | str = AUTO
     initial_loss_scale: float = 2.0**16

@@ -7,6 +7,7 @@ live view handed out (tracked through storage weak references of aliases).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -87,6 +88,7 @@ class TierCache:
         self._write_back = write_back
         self._copies: dict[Hashable, Copy] = {}
         self._by_ptr: dict[int, Hashable] = {}
+        self._collected = False  # a gc pass was already tried for the current shortage
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._copies
@@ -152,6 +154,7 @@ class TierCache:
         return self._place(key, slot, nbytes, moment)
 
     def _place(self, key: Hashable, slot: Slot, nbytes: int, moment: int) -> Copy:
+        self._collected = False
         copy = Copy(key, slot, nbytes=nbytes)
         self._copies[key] = copy
         self._by_ptr[slot.tensor.data_ptr()] = key
@@ -178,6 +181,15 @@ class TierCache:
         copy.slot.pool.give_back(copy.slot)
         self.account.sub(copy.slot.nbytes)
         self.policy.forget(key)
+
+    def discard(self, key: Hashable) -> None:
+        """Forget ``key``'s copy (it is stale): free the slot now, or, while views of
+        it are still alive somewhere, retire it until they die."""
+        copy = self._copies[key]
+        if copy.pins or copy.has_live_views() or copy.in_flight():
+            self._retire(copy)
+        else:
+            self.remove(key)
 
     def evict(self, key: Hashable) -> None:
         """Write ``key`` back if dirty, then free its slot.
@@ -213,6 +225,12 @@ class TierCache:
             # Only transfers stand in the way: wait for one, then it is free to go.
             busy[0].wait()
             return
+        if any(c.pins == 0 and c.aliases for c in mine) and not self._collected:
+            # Views kept alive only by reference cycles die in a collection.
+            self._collected = True
+            gc.collect()
+            return
+        self._collected = False
         held = ", ".join(f"{c.key} (pins={c.pins}, live views={len(c.aliases)})" for c in mine)
         sizes = sorted({p.slot_bytes for p in pools})
         raise PoolExhausted(

@@ -228,7 +228,10 @@ class ChunkManager:
         """Forget cached copies of parameter chunk ``i`` (its home was updated)."""
         key = (Kind.PARAM, i)
         if key in self.device:
-            self.device.remove(key)
+            # NOTE: a view made before the update may still be alive (a cycle not
+            # yet collected, or an autograd node still running during an
+            # overlapped step): it keeps the old values, and its slot, until it dies.
+            self.device.discard(key)
 
     def _write_back_device(self, copy: Copy) -> None:
         kind, i = copy.key

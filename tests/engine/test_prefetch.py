@@ -177,3 +177,22 @@ def test_evaluation_passes_leave_the_training_trace_alone():
     train(model, opt, data[2:])
     assert engine.trace.trace is trace and engine.trace.retraces == 0
     assert {"forward", "backward", "grad", "optimizer"} <= set(infinity.timeline(model)["phase"])
+
+
+def test_a_view_kept_across_the_step_keeps_its_slot_and_old_values():
+    model = infinity.offload(tiny_gpt(), config(device_memory="1MiB", chunk_size="8KiB"))
+    opt = CPUAdam(model.parameters(), lr=1e-2)
+    engine = model._infinity_engine
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    held = engine.manager.param_alias(0)  # e.g. a user kept a weight view from forward
+    before = held.clone()
+    opt.step()
+    assert torch.equal(held, before)  # the stale copy was retired, not overwritten
+    fresh = engine.manager.param_alias(0)
+    assert not torch.equal(fresh, before)  # the next use sees the update
+    retired = [c for c in engine.manager.device if c.key[0] == "retired"]
+    assert retired
+    del held, fresh
+    model(x, y)  # needs slots again: the retired one is freed once unused
+    assert engine.manager.device_account.used <= engine.plan.device_bytes
