@@ -11,8 +11,6 @@ their homes and the optimizer through host staging.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
@@ -72,7 +70,7 @@ class ChunkManager:
             }
             self.host_account.reserved += sum(p.reserved_bytes for p in pools.values())
             self.staging[kind] = TierCache(
-                "host", pools, LRUPolicy(), self.host_account, self._write_back_staged
+                "host", pools, LRUPolicy(), self.host_account, self._never_dirty
             )
         n = plan.layout.num_chunks
         # Gradient homes hold data of the current accumulation cycle only when valid.
@@ -299,10 +297,11 @@ class ChunkManager:
         if self.check_overflow and not bool(torch.isfinite(grads).all()):
             self.found_inf = True
 
-    def _write_back_staged(self, copy: Copy) -> None:
-        key = copy.key
-        with self.traffic.waiting("nvme"):
-            self.homes.write(key, copy.tensor).wait()
+    @staticmethod
+    def _never_dirty(copy: Copy) -> None:
+        # Staging copies are written home as soon as they are modified
+        # (close_host), so eviction never finds one dirty.
+        raise AssertionError(f"staging copy {copy.key} was left dirty")
 
     # --- host side: optimizer and state access ----------------------------------
     def open_host(self, key: Key, *, load: bool = True) -> tuple[torch.Tensor, Copy | None]:
@@ -361,12 +360,3 @@ class ChunkManager:
             for copy in cache:
                 copy.wait()
         self.backend.synchronize()
-
-    def advance(self) -> int:
-        """Move to the next moment of the step; returns it."""
-        self.moment += 1
-        return self.moment
-
-    def resident(self, key: Hashable) -> bool:
-        """``key`` has a copy on the device."""
-        return key in self.device

@@ -64,10 +64,6 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         }
         self.states = [StateCounters(len(m)) for m in self.chunk_members]
         self.has_grad = [False] * len(self.registry.entries)
-        self.module_chunks = {
-            m: sorted({self.layout.slots[e.index].chunk for e in es})
-            for m, es in self.registry.owners.items()
-        }
         self.trace = TraceRecorder()
         self.timeline = Timeline()
         self._backward_active = False
