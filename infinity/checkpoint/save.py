@@ -33,7 +33,7 @@ def _stream(
     position = 0
     with open(file, "wb") as f:
         for chunk in chunks:
-            region, copy = engine.manager.open_host((kind, chunk))
+            region, copy = engine.manager.open_host((kind, chunk), writable=False)
             try:
                 data = memoryview(region.numpy())
                 f.write(data)

@@ -86,13 +86,20 @@ class ChunkManager:
         return self.homes.nbytes(key)
 
     def _staged(
-        self, key: Key, *, load: bool, wait: bool = True, prefetch: bool = False
+        self,
+        key: Key,
+        *,
+        load: bool,
+        wait: bool = True,
+        prefetch: bool = False,
+        writable: bool = True,
     ) -> Copy | None:
         """A host staging copy of an NVMe-homed key, its read started if ``load``.
 
-        ``wait`` blocks until every transfer on it is done (needed before
-        modifying it). ``prefetch`` never blocks for a slot: ``None`` if no
-        slot can be had without waiting.
+        ``wait`` blocks until the data has landed and, if ``writable``, until
+        every transfer reading the buffer (write-backs, copies to the device)
+        is done too, so it may be modified. ``prefetch`` never blocks for a
+        slot: ``None`` if no slot can be had without waiting.
         """
         cache = self.staging[key[0]]
         copy = cache.get(key)
@@ -107,9 +114,14 @@ class ChunkManager:
                 copy.fill = self.homes.read(key, copy.tensor)
                 copy.pending.append(copy.fill)
         cache.touch(key, self.moment)
-        if wait and copy.pending:
+        if wait and writable and copy.pending:
             with self.traffic.waiting("nvme"):
                 copy.wait()
+        elif wait and copy.fill is not None and not copy.fill.done():
+            # NOTE: reading needs only the incoming data; a write-back of the
+            # same bytes still in flight does not stand in the way.
+            with self.traffic.waiting("nvme"):
+                copy.fill.wait()
         return copy
 
     def _wait_home(self, key: Key) -> None:
@@ -304,16 +316,19 @@ class ChunkManager:
         raise AssertionError(f"staging copy {copy.key} was left dirty")
 
     # --- host side: optimizer and state access ----------------------------------
-    def open_host(self, key: Key, *, load: bool = True) -> tuple[torch.Tensor, Copy | None]:
+    def open_host(
+        self, key: Key, *, load: bool = True, writable: bool = True
+    ) -> tuple[torch.Tensor, Copy | None]:
         """Host bytes of ``key`` to read or update; pair with :meth:`close_host`.
 
         A host-homed key gives its home; an NVMe-homed one a pinned staging
-        copy (read first if ``load``), whose earlier transfers have all landed.
+        copy (read first if ``load``). Its data has landed; with ``writable``
+        every transfer still reading the buffer has finished as well.
         """
         if self.homes.tier(key) == HOST:
             self._wait_home(key)
             return self.homes.host(key), None
-        copy = self._staged(key, load=load)
+        copy = self._staged(key, load=load, writable=writable)
         assert copy is not None
         copy.pins += 1
         return copy.tensor, copy

@@ -80,7 +80,7 @@ def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: f
     manager = engine.manager
     capacity = engine.layout.chunks[chunk].capacity
     has_master = engine.plan.has_master
-    grad_bytes, grad_copy = manager.open_host((Kind.GRAD, chunk))
+    grad_bytes, grad_copy = manager.open_host((Kind.GRAD, chunk), writable=False)
     optim_bytes, optim_copy = manager.open_host((Kind.OPTIM, chunk))
     # 16-bit: the parameter chunk is only written (unless some tensors keep old values).
     param_bytes, param_copy = manager.open_host(
@@ -116,7 +116,7 @@ def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: f
         # NOTE: write-backs finish in the background (keep=True): the slot is
         # reused only once its write has landed, so chunk i-1 is written while
         # chunk i computes and chunk i+1 is read.
-        manager.close_host(grad_copy, modified=False)
+        manager.close_host(grad_copy, modified=False, keep=True)
         manager.close_host(optim_copy, modified=True, keep=True)
         manager.close_host(param_copy, modified=True, keep=True)
     manager.drop_param(chunk)

@@ -32,7 +32,7 @@ def read_params(
     for chunk, group in _by_chunk(engine, entries).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
         key = (Kind.OPTIM, chunk) if use_master else (Kind.PARAM, chunk)
-        region, copy = engine.manager.open_host(key)
+        region, copy = engine.manager.open_host(key, writable=False)
         try:
             flat = typed(region, torch.float32 if use_master else engine.dtype)
             for entry in group:
@@ -77,7 +77,7 @@ def _grad_views(
     engine.manager.synchronize()
     wanted = [engine.registry.entries[i] for i in indices if engine.has_grad[i]]
     for chunk, group in _by_chunk(engine, wanted).items():
-        region, copy = engine.manager.open_host((Kind.GRAD, chunk))
+        region, copy = engine.manager.open_host((Kind.GRAD, chunk), writable=False)
         try:
             flat = typed(region, engine.dtype)
             for entry in group:

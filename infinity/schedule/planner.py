@@ -24,7 +24,7 @@ HOST, NVME = "host", "nvme"
 FP32_BYTES = 4
 # Host staging slots: optimizer pipeline = read i+1, compute i, write back i-1.
 OPTIM_PIPELINE_SLOTS = 3
-GRAD_STAGING_SLOTS = 2
+GRAD_STAGING_SLOTS = 4
 
 
 class PlanError(ValueError):
