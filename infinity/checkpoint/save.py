@@ -8,6 +8,8 @@ by rename: an interrupted save leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -117,14 +119,48 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer=No
     return target
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if result != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            return False  # filesystem or kernel without exchange
+        raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+    return True
+
+
 def _replace(new: Path, target: Path) -> None:
-    """Put ``new`` at ``target``; an older checkpoint there is removed only afterwards."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-    os.rename(new, target)
+    """Put ``new`` at ``target``; an older checkpoint there is removed only afterwards.
+
+    NOTE: with an exchange the swap is one atomic step; without one, the old
+    checkpoint moves aside first and is put back if anything (Ctrl-C included)
+    stops the second rename, so ``target`` never ends up missing.
+    """
+    if not target.exists():
+        os.rename(new, target)
+        fsync_dir(target.parent)
+        return
+    if _exchange(new, target):
+        fsync_dir(target.parent)
+        shutil.rmtree(new, ignore_errors=True)  # now holds the old checkpoint
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(target, old)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
     fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)

@@ -44,11 +44,15 @@ class StopSignals:
 
     def __init__(self, on_first: Callable[[str], None]) -> None:
         self.signum: int | None = None
+        self.abandoned = False
         self._on_first = on_first
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.abandoned:
+            return  # NOTE: a third signal must not interrupt the clean-up of the second
         if self.signum is not None:
+            self.abandoned = True
             raise KeyboardInterrupt  # second signal: abandon the step
         self.signum = signum
         self._on_first("stopping after this step (press Ctrl-C again to abandon it)")

@@ -116,3 +116,34 @@ def test_mismatched_model_is_refused(tmp_path):
     other = infinity.offload(tiny_gpt(hidden=64), config(dtype="bf16", device_memory="1MiB"))
     with pytest.raises(infinity.CheckpointError, match="shape"):
         infinity.load_checkpoint(tmp_path / "ckpt", other)
+
+
+def test_replacing_a_checkpoint_never_leaves_the_path_missing(tmp_path, monkeypatch):
+    import os
+
+    import infinity.checkpoint.save as save_mod
+
+    for exchange in (True, False):
+        new, target = tmp_path / f"new{exchange}", tmp_path / f"ckpt{exchange}"
+        new.mkdir()
+        target.mkdir()
+        (new / "f").write_text("new")
+        (target / "f").write_text("old")
+        if not exchange:
+            monkeypatch.setattr(save_mod, "_exchange", lambda a, b: False)
+            real_rename, calls = os.rename, []
+
+            def flaky_rename(a, b):
+                calls.append(a)
+                if len(calls) == 2:  # interrupted between moving the old one aside and the new in
+                    raise KeyboardInterrupt
+                real_rename(a, b)
+
+            monkeypatch.setattr(save_mod.os, "rename", flaky_rename)
+            with pytest.raises(KeyboardInterrupt):
+                save_mod._replace(new, target)
+            monkeypatch.setattr(save_mod.os, "rename", real_rename)
+            assert (target / "f").read_text() == "old"  # rolled back, not missing
+        save_mod._replace(new, target)
+        assert (target / "f").read_text() == "new"
+        assert not new.exists()
