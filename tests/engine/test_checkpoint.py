@@ -133,7 +133,7 @@ def test_replacing_a_checkpoint_never_leaves_the_path_missing(tmp_path, monkeypa
             monkeypatch.setattr(save_mod, "_exchange", lambda a, b: False)
             real_rename, calls = os.rename, []
 
-            def flaky_rename(a, b):
+            def flaky_rename(a, b, calls=calls, real_rename=real_rename):
                 calls.append(a)
                 if len(calls) == 2:  # interrupted between moving the old one aside and the new in
                     raise KeyboardInterrupt
