@@ -127,10 +127,10 @@ def test_branch_unused_in_some_steps_is_skipped_like_torch():
     _check_fp32(model, ref)
 
 
-def test_llama_tied_embeddings_fp32_matches_torch(tmp_path):
+def _llama(vocab=128):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=128,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -140,7 +140,11 @@ def test_llama_tied_embeddings_fp32_matches_torch(tmp_path):
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_llama_tied_embeddings_fp32_matches_torch(tmp_path):
+    model = _llama()
     ref, ref_opt = reference_pair(model)
     pbytes = param_bytes(model, 4)
     model = _offloaded(
@@ -161,22 +165,6 @@ def test_llama_tied_embeddings_fp32_matches_torch(tmp_path):
     ref_losses = train(ref, ref_opt, data, loss_fn=loss_fn)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     _check_fp32(model, ref)
-
-
-def _llama(vocab=128):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def _llama_loss(m, batch):
