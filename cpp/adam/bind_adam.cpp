@@ -31,9 +31,8 @@ adam::DType to_dtype(int code, const char* what) {
     return static_cast<adam::DType>(code);
 }
 
-void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-          uintptr_t out16, int out_dtype, int64_t n, int64_t step_count, double lr, double beta1,
-          double beta2, double eps, double weight_decay, bool adamw, double grad_scale) {
+adam::AdamBuffers make_buffers(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
+                               uintptr_t exp_avg_sq, uintptr_t out16, int out_dtype, int64_t n) {
     adam::AdamBuffers b;
     b.param = as_ptr<float>(param);
     b.grad = as_ptr<const void>(grad);
@@ -43,6 +42,11 @@ void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, ui
     b.out16 = as_ptr<void>(out16);
     if (out16 != 0) b.out_dtype = to_dtype(out_dtype, "out16");
     b.n = n;
+    return b;
+}
+
+adam::AdamHyper make_hyper(int64_t step_count, double lr, double beta1, double beta2, double eps,
+                           double weight_decay, bool adamw, double grad_scale) {
     adam::AdamHyper h;
     h.step = step_count;
     h.lr = lr;
@@ -52,7 +56,14 @@ void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, ui
     h.weight_decay = weight_decay;
     h.adamw = adamw;
     h.grad_scale = grad_scale;
-    adam::adam_step(b, h);
+    return h;
+}
+
+void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+          uintptr_t out16, int out_dtype, int64_t n, int64_t step_count, double lr, double beta1,
+          double beta2, double eps, double weight_decay, bool adamw, double grad_scale) {
+    adam::adam_step(make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, out16, out_dtype, n),
+                    make_hyper(step_count, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale));
 }
 
 void step_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
@@ -66,27 +77,14 @@ void step_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
                         out16s.size(), out_dtypes.size(), numels.size(), steps.size()}) {
         if (size != count) throw std::invalid_argument("step_many: all lists need one entry per tensor");
     }
-    std::vector<adam::AdamBuffers> buffers(count);
-    std::vector<adam::AdamHyper> hypers(count);
+    std::vector<adam::AdamBuffers> buffers;
+    std::vector<adam::AdamHyper> hypers;
+    buffers.reserve(count);
+    hypers.reserve(count);
     for (size_t i = 0; i < count; ++i) {
-        adam::AdamBuffers& b = buffers[i];
-        b.param = as_ptr<float>(params[i]);
-        b.grad = as_ptr<const void>(grads[i]);
-        b.grad_dtype = to_dtype(grad_dtypes[i], "grad");
-        b.exp_avg = as_ptr<float>(exp_avgs[i]);
-        b.exp_avg_sq = as_ptr<float>(exp_avg_sqs[i]);
-        b.out16 = as_ptr<void>(out16s[i]);
-        if (out16s[i] != 0) b.out_dtype = to_dtype(out_dtypes[i], "out16");
-        b.n = numels[i];
-        adam::AdamHyper& h = hypers[i];
-        h.step = steps[i];
-        h.lr = lr;
-        h.beta1 = beta1;
-        h.beta2 = beta2;
-        h.eps = eps;
-        h.weight_decay = weight_decay;
-        h.adamw = adamw;
-        h.grad_scale = grad_scale;
+        buffers.push_back(make_buffers(params[i], grads[i], grad_dtypes[i], exp_avgs[i],
+                                       exp_avg_sqs[i], out16s[i], out_dtypes[i], numels[i]));
+        hypers.push_back(make_hyper(steps[i], lr, beta1, beta2, eps, weight_decay, adamw, grad_scale));
     }
     adam::adam_step_many(buffers, hypers);
 }

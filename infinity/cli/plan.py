@@ -13,6 +13,7 @@ import torch
 
 from infinity.cli.main import CommandError
 from infinity.config import Config, ConfigError
+from infinity.devices.base import resolve_device
 from infinity.models.gpt import GPT, describe
 from infinity.models.presets import PRESETS, preset
 from infinity.runtime.budgets import plan_for
@@ -85,11 +86,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise CommandError(str(exc)) from None
     model, title = _build_model(args)
-    device = torch.device(
-        "cuda" if config.device == "auto" and torch.cuda.is_available() else "cpu"
-    )
-    if config.device not in ("auto", "cpu"):
-        device = torch.device(config.device)
+    device = torch.device(resolve_device(config.device))
     try:
         plan = plan_for(ParamRegistry.from_model(model), config, device)
     except PlanError as exc:

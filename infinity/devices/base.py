@@ -77,10 +77,16 @@ class DeviceBackend(abc.ABC):
         """Release threads or streams owned by the backend."""
 
 
+def resolve_device(device: str) -> str:
+    """A ``Config.device`` value with ``"auto"`` replaced (CUDA when available)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def make_backend(device: str) -> DeviceBackend:
     """The backend for a ``Config.device`` value (``"auto"`` picks CUDA when available)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     if device == "cpu":
         from infinity.devices.cpu import CpuBackend
 

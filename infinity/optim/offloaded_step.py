@@ -96,21 +96,15 @@ def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: f
         exp_avg, exp_avg_sq = views[-2], views[-1]
         for run in runs:
             span = slice(run.start, run.end)
-            h = run.hyper
             kernels.adam_step(
                 master[span],
                 grads[span],
                 exp_avg[span],
                 exp_avg_sq[span],
                 step=run.step,
-                lr=h.lr,
-                beta1=h.beta1,
-                beta2=h.beta2,
-                eps=h.eps,
-                weight_decay=h.weight_decay,
-                adamw=h.adamw,
                 grad_scale=grad_scale,
                 out16=params[span] if has_master else None,
+                **run.hyper.kernel_kwargs(),
             )
     finally:
         # NOTE: write-backs finish in the background (keep=True): the slot is
