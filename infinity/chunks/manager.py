@@ -77,6 +77,8 @@ class ChunkManager:
         self.grad_valid = [False] * n
         # Device -> host copies still landing in host homes (gradient flushes).
         self.home_fill: dict[Key, object] = {}
+        # Element ranges written into each device gradient chunk since its slot was taken.
+        self.grad_written: dict[int, list[tuple[int, int]]] = {}
         self.found_inf = False
         self.check_overflow = False
 
@@ -213,15 +215,40 @@ class ChunkManager:
             copy.in_flight()
 
     def grad_on_device(self, i: int) -> Copy:
-        """Gradient chunk ``i`` on the device (a zeroed slot if it has none)."""
+        """Gradient chunk ``i`` on the device (a fresh slot if it has none).
+
+        Callers fill it with :meth:`write_grad`; what they leave unwritten is
+        zeroed when the chunk is flushed.
+        """
         key = (Kind.GRAD, i)
         copy = self.device.get(key)
         if copy is None:
             copy = self.device.insert(key, self.nbytes(key), self.moment)
-            copy.tensor.zero_()
             copy.dirty = True
+            # NOTE: not zeroed now: most of a chunk is about to be overwritten by
+            # its tensors' gradients, so only the gaps are zeroed, at the flush.
+            self.grad_written[i] = []
         self.device.touch(key, self.moment)
         return copy
+
+    def write_grad(self, i: int, start: int, grad: torch.Tensor) -> None:
+        """Copy ``grad`` into device gradient chunk ``i`` at element ``start``."""
+        copy = self.device.get((Kind.GRAD, i))
+        assert copy is not None, f"gradient chunk {i} is not on the device"
+        flat = typed(copy.tensor, self.dtype)
+        end = start + grad.numel()
+        flat[start:end].view(grad.shape).copy_(grad)
+        self.grad_written[i].append((start, end))
+
+    def _zero_unwritten(self, i: int, grads: torch.Tensor) -> None:
+        """Zero what no gradient was written to in device chunk ``i`` (gaps, unused tensors)."""
+        cursor = 0
+        for start, end in sorted(self.grad_written.pop(i, [])):
+            if start > cursor:
+                grads[cursor:start].zero_()
+            cursor = max(cursor, end)
+        if cursor < grads.numel():
+            grads[cursor:].zero_()
 
     def flush_grad(self, i: int) -> None:
         """Move gradient chunk ``i`` off the device, adding it to its home."""
@@ -248,6 +275,7 @@ class ChunkManager:
         if kind is not Kind.GRAD:
             raise AssertionError(f"device copy {copy.key} is dirty but only gradients flow back")
         grads = typed(copy.tensor, self.dtype)
+        self._zero_unwritten(i, grads)
         if self.check_overflow and not bool(torch.isfinite(grads).all()):
             self.found_inf = True
         key: Key = (Kind.GRAD, i)

@@ -31,8 +31,9 @@ class GradientEvents:
             return
         chunk = self.layout.slots[entry.index].chunk
         self.access("grad", chunk)
-        copy = self.manager.grad_on_device(chunk)
-        self.chunk_view(copy.tensor, entry).copy_(grad)
+        self.manager.grad_on_device(chunk)
+        slot = self.layout.slots[entry.index]
+        self.manager.write_grad(chunk, slot.offset, grad)
         self.sample("grad", chunk)
         self.has_grad[entry.index] = True
         self.set_state(entry, _S.HOLD_AFTER_BWD)

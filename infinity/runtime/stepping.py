@@ -24,7 +24,9 @@ class OptimizerSteps:
     ) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
         self.collect_zeroed_grads()
-        self.manager.synchronize()
+        # NOTE: no global synchronize here: every reader waits for exactly the
+        # transfer it needs (a gradient's flush, a staging read), and writes
+        # still in flight from the backward keep running behind this step.
         grad_scale = clip_coef
         if self.scaler is not None:
             if not self.loss_scaled and any(self.has_grad):
