@@ -82,7 +82,7 @@ def load_checkpoint(
     recs = records(meta)
     _match(engine, recs, meta["dtype"])
     manager = engine.manager
-    manager.synchronize()
+    engine.synchronize()
     esize = engine.plan.element_size
     parts = 3 if engine.plan.has_master else 2
     with open(target / PARAM_FILE, "rb") as fp, open(target / OPTIM_FILE, "rb") as fo:

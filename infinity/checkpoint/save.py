@@ -70,7 +70,7 @@ def optimizer_groups(engine: OffloadEngine, optimizer) -> list[dict[str, Any]]:
 def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer=None) -> Path:
     """Write ``model`` (and ``optimizer``'s state) to the directory ``path``, atomically."""
     engine = engine_of(model)
-    engine.manager.synchronize()
+    engine.synchronize()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))

@@ -180,14 +180,14 @@ def run_works(engine, works: list[ChunkWork], grad_scale: float) -> int:
     return updated
 
 
-def offloaded_step(
-    engine, hyper_by_index: dict[int, AdamHyperParams], grad_scale: float, skip: set[int]
-) -> int:
-    """One optimizer step over every trainable chunk not in ``skip`` (already handled)."""
+def plan_works(
+    engine, hyper_by_index: dict[int, AdamHyperParams], skip: set[int]
+) -> list[ChunkWork]:
+    """The updates of one optimizer step: every trainable chunk not in ``skip`` (handled)."""
     works = []
     for chunk, spec in enumerate(engine.layout.chunks):
         if spec.trainable and chunk not in skip:
             work = plan_chunk(engine, chunk, hyper_by_index)
             if work is not None:
                 works.append(work)
-    return run_works(engine, works, grad_scale)
+    return works

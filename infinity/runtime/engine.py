@@ -86,6 +86,11 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         self.early_queue: list = []
         self._early_hyper = None
         self.early_chunk_steps = 0
+        # Updates queued by optimizer.step() that run when their chunk is next needed.
+        self.trailing: list = []
+        self.trailing_chunks: set[int] = set()
+        self.trailing_scale = 1.0
+        self.trailing_chunk_steps = 0  # updates that ran after optimizer.step() returned
         self.hooks = None
         self._closed = False
 
@@ -120,6 +125,8 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         self.trace.record(phase, chunk)
         self.policy.active = self.trace.on_track
         self.manager.poll()
+        if self.trailing:
+            self.poll_trailing(needed=chunk)
         if self.early_queue:
             self.poll_early()
 
@@ -131,6 +138,8 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         for chunk in self.prefetcher.plan(
             self.manager.moment, lambda c: (Kind.PARAM, c) in resident
         ):
+            if self.is_trailing(chunk):
+                break  # its update has not run: the home still holds old values
             if self.manager.fetch_param(chunk, prefetch=True) is None:
                 break  # no room without evicting something needed sooner
 
@@ -267,8 +276,10 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
             return
         self._closed = True
         try:
-            self.manager.synchronize()
+            self.synchronize()  # queued updates run, every transfer lands (errors raise)
         finally:
-            self.backend.close()
-        if self.swap is not None:
-            self.swap.close()
+            try:
+                self.backend.close()
+            finally:
+                if self.swap is not None:
+                    self.swap.close()

@@ -52,6 +52,7 @@ class GradientEvents:
         if self._backward_active:
             return
         self.check_not_stepped_early("a second backward before optimizer.step()")
+        self.settle_step()  # the updates still queued read the previous gradients
         self._backward_active = True
         # Sentinels the user dropped (zero_grad) mean "zeroed"; the rest must
         # leave param.grad before AccumulateGrad runs, or it would add to them.

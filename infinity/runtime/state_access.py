@@ -29,6 +29,7 @@ def read_params(
     engine: OffloadEngine, entries: Iterable[ParamEntry], *, master: bool = False
 ) -> Iterator[tuple[ParamEntry, torch.Tensor]]:
     """Copies of parameter values (compute dtype; fp32 masters when ``master``)."""
+    engine.settle_step()
     for chunk, group in _by_chunk(engine, entries).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
         key = (Kind.OPTIM, chunk) if use_master else (Kind.PARAM, chunk)
@@ -44,6 +45,7 @@ def read_params(
 
 def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None:
     """Set parameters (by tensor index) to ``values``; fp32 masters follow."""
+    engine.settle_step()
     entries = [engine.registry.entries[i] for i in values]
     for chunk, group in _by_chunk(engine, entries).items():
         for key, dtype in ((Kind.PARAM, engine.dtype), (Kind.OPTIM, torch.float32)):
@@ -73,8 +75,8 @@ def _grad_views(
 ) -> Iterator[tuple[ParamEntry, torch.Tensor]]:
     """Views of the gradients (host copies, valid during the iteration step) of
     the tensors in ``indices`` that have one, chunk by chunk."""
+    engine.synchronize()
     engine.collect_zeroed_grads()
-    engine.manager.synchronize()
     wanted = [engine.registry.entries[i] for i in indices if engine.has_grad[i]]
     for chunk, group in _by_chunk(engine, wanted).items():
         region, copy = engine.manager.open_host((Kind.GRAD, chunk), writable=False)

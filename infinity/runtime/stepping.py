@@ -1,19 +1,32 @@
-"""The optimizer side of the engine: the step over chunks, and stepping during backward.
+"""The optimizer side of the engine: the step over chunks, stepping during backward,
+and the step that trails into the next forward.
 
 A mixin of :class:`~infinity.runtime.engine.OffloadEngine`.
+
+NOTE: ``optimizer.step()`` updates host-homed chunks at once, but a chunk whose
+optimizer state (or gradient, or parameters) lives on NVMe is only *queued*: its
+update runs at a later hook, at the latest when the next forward (or anything
+else) first touches that chunk. The values seen are the same as with an eager
+step; what changes is that the disk traffic of the update overlaps compute.
 """
 
 from __future__ import annotations
 
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.offloaded_step import (
+    ChunkWork,
     chunk_ready,
     finish_chunk,
-    offloaded_step,
     plan_chunk,
+    plan_works,
     prefetch_chunk,
     run_works,
 )
+from infinity.schedule.planner import HOST
+
+# Trailing updates whose reads are in flight at once (the optimizer staging
+# slots of the planner hold one more, the unit being updated).
+TRAIL_LOOKAHEAD = 2
 
 
 class OptimizerSteps:
@@ -22,7 +35,11 @@ class OptimizerSteps:
     def optimizer_step(
         self, hyper_by_index: dict[int, AdamHyperParams], clip_coef: float = 1.0
     ) -> bool:
-        """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
+        """Update every parameter that has a gradient; False if fp16 overflow skipped it.
+
+        NVMe-bound chunks are queued, not updated yet (see the module note).
+        """
+        self.settle_step()  # a step still trailing (two steps without a forward between)
         self.collect_zeroed_grads()
         # NOTE: no global synchronize here: every reader waits for exactly the
         # transfer it needs (a gradient's flush, a staging read), and writes
@@ -43,12 +60,12 @@ class OptimizerSteps:
                 self.step_timer.lap()
                 return False
         # overlap_optimizer: chunks queued during backward whose reads had not landed.
-        run_works(self, self.early_queue, grad_scale)
+        works = self.early_queue + plan_works(self, hyper_by_index, skip=self.stepped_early)
         self.early_queue = []
-        offloaded_step(self, hyper_by_index, grad_scale, skip=self.stepped_early)
         self.stepped_early = set()
         self._early_hyper = None
         self.step_count += 1
+        self._start_trailing(works, grad_scale)
         # The next forward's first chunks can travel while the user loads data.
         self.manager.moment = -1
         self.prefetch()
@@ -95,3 +112,58 @@ class OptimizerSteps:
                 "(Config(overlap_optimizer=True) steps each chunk as soon as its gradients are "
                 "complete). With gradient clipping or accumulation use overlap_optimizer=False."
             )
+
+    # --- the step trailing into the next forward ----------------------------------------
+    def _start_trailing(self, works: list[ChunkWork], grad_scale: float) -> None:
+        """Update host-only chunks now; queue the rest in the order the forward needs them."""
+        has_master = self.plan.has_master
+        now, later = [], []
+        for work in works:
+            on_nvme = any(self.manager.homes.tier(k) != HOST for k in work.keys(has_master))
+            (later if on_nvme else now).append(work)
+        run_works(self, now, grad_scale)
+        first_use = self._first_forward_use()
+        later.sort(key=lambda w: first_use.get(w.chunk, len(first_use)))
+        self.trailing = later
+        self.trailing_chunks = {w.chunk for w in later}
+        self.trailing_scale = grad_scale
+        for work in later[:TRAIL_LOOKAHEAD]:
+            prefetch_chunk(self, work)  # the reads travel while the caller loads data
+
+    def _first_forward_use(self) -> dict[int, int]:
+        trace = self.trace.trace
+        first: dict[int, int] = {}
+        if trace is not None:
+            for moment, (phase, chunk) in enumerate(trace.accesses):
+                if phase == "forward":
+                    first.setdefault(chunk, moment)
+        return first
+
+    def poll_trailing(self, needed: int | None = None, *, settle: bool = False) -> None:
+        """Run queued updates: those whose data has landed, and (waiting for its reads)
+        every one up to chunk ``needed``; all of them if ``settle``."""
+        while self.trailing:
+            for ahead in self.trailing[:TRAIL_LOOKAHEAD]:
+                prefetch_chunk(self, ahead)  # never blocks; retried at every poll
+            work = self.trailing[0]
+            must = settle or (needed is not None and needed in self.trailing_chunks)
+            if not must and not chunk_ready(self, work):
+                return
+            self.trailing.pop(0)
+            self.trailing_chunks.discard(work.chunk)
+            finish_chunk(self, work, self.trailing_scale)
+            self.trailing_chunk_steps += 1
+
+    def settle_step(self) -> None:
+        """Finish every queued update (before anything reads or changes chunk data)."""
+        if self.trailing:
+            self.poll_trailing(settle=True)
+
+    def synchronize(self) -> None:
+        """Finish queued updates and wait for every transfer in flight."""
+        self.settle_step()
+        self.manager.synchronize()
+
+    def is_trailing(self, chunk: int) -> bool:
+        """Chunk ``chunk`` has an update queued: its parameter copies are stale."""
+        return chunk in self.trailing_chunks

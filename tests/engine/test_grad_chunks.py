@@ -55,9 +55,7 @@ def _expected_chunk(engine, chunk: int, ref: torch.nn.Module):
 
 @pytest.mark.parametrize("nvme", [False, True], ids=["host_homes", "nvme_homes"])
 @pytest.mark.parametrize("steps", [1, 2], ids=["first_backward", "after_a_step"])
-def test_gradient_chunks_hold_reference_gradients_and_zeros(
-    poisoned_device, tmp_path, nvme, steps
-):
+def test_gradient_chunks_hold_reference_gradients_and_zeros(poisoned_device, tmp_path, nvme, steps):
     model = Branchy()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
