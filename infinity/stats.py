@@ -34,6 +34,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "host_peak_bytes": manager.host_account.peak,
         "nvme_budget_bytes": plan.budgets.nvme,
         "nvme_bytes": manager.nvme_account.used,
+        # staging slabs registered with io_uring (no page pinning per transfer)
+        "nvme_registered_buffers": manager.fixed_buffers is None,
         "steps": engine.step_count,
         "placement": {
             kind: {tier: sum(h == tier for h in homes) for tier in (HOST, NVME)}

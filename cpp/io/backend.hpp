@@ -5,6 +5,7 @@
 // fault injection and request bookkeeping live in the worker, once for all.
 #pragma once
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -19,6 +20,13 @@ namespace infinity::io {
 struct Completion {
     std::uint32_t slot;
     std::int64_t res;
+};
+
+/// A memory region handed to the kernel once, for transfers without per-request
+/// page pinning (io_uring fixed buffers).
+struct Region {
+    char* base;
+    std::size_t len;
 };
 
 class Backend {
@@ -52,6 +60,18 @@ class Backend {
 
     /// Appends the completions ready now (never blocks); returns how many.
     virtual std::size_t reap(std::vector<Completion>& out) = 0;
+
+    /// Registers `regions` with the kernel so transfers inside one skip per-request
+    /// page pinning. Returns 0, or the errno why not (EOPNOTSUPP: this backend has
+    /// no such thing; ENOMEM: over RLIMIT_MEMLOCK; EBUSY: already registered).
+    /// Safe to call while the worker submits: the lookup table is swapped atomically.
+    virtual int register_regions(const std::vector<Region>& regions) {
+        static_cast<void>(regions);
+        return EOPNOTSUPP;
+    }
+
+    /// Transfers staged so far that used a registered region (any thread may ask).
+    virtual std::uint64_t fixed_transfers() const noexcept { return 0; }
 };
 
 /// Builds a backend by name with `depth` slots; throws SystemError (with the

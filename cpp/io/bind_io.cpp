@@ -126,6 +126,20 @@ void bind_io(py::module_& m) {
             },
             py::arg("write"), py::arg("ptr"), py::arg("nbytes"), py::arg("fd"), py::arg("offset"),
             py::arg("path"))
+        .def(
+            "register_buffers",
+            [](io::Engine& e, const std::vector<std::pair<std::uintptr_t, std::size_t>>& spans) {
+                std::vector<io::Region> regions;
+                regions.reserve(spans.size());
+                for (const auto& [ptr, len] : spans) {
+                    regions.push_back({reinterpret_cast<char*>(ptr), len});
+                }
+                py::gil_scoped_release release;
+                return e.register_buffers(regions);
+            },
+            py::arg("spans"),
+            "Register (address, length) spans as fixed buffers; 0 or the errno why not.")
+        .def_property_readonly("fixed_transfers", &io::Engine::fixed_transfers)
         .def("close", &io::Engine::close, py::call_guard<py::gil_scoped_release>(),
              "Finish every queued and in-flight request, then stop the workers.")
         .def_property_readonly("closed", &io::Engine::closed)

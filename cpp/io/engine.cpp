@@ -72,6 +72,26 @@ RequestPtr Engine::submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::u
     return request;
 }
 
+int Engine::register_buffers(const std::vector<Region>& regions) {
+    std::lock_guard<std::mutex> lock(close_mu_);
+    if (closed_) throw std::runtime_error("this I/O engine is closed");
+    int first_error = 0;
+    for (auto& w : workers_) {
+        const int err = w->register_regions(regions);
+        if (err != 0 && first_error == 0) first_error = err;
+    }
+    return first_error;
+}
+
+std::uint64_t Engine::fixed_transfers() const {
+    std::lock_guard<std::mutex> lock(close_mu_);
+    std::uint64_t total = 0;
+    for (const auto& w : workers_) {
+        if (w) total += w->fixed_transfers();
+    }
+    return total;
+}
+
 void Engine::close() {
     std::lock_guard<std::mutex> lock(close_mu_);
     if (closed_) return;

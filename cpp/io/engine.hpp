@@ -44,6 +44,14 @@ class Engine {
     RequestPtr submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::uint64_t offset,
                       std::string path);
 
+    /// Registers buffers with every worker's kernel queue, so transfers inside
+    /// them skip per-request page pinning (io_uring only). Returns 0, or the
+    /// errno why a worker could not (the engine keeps working without them).
+    /// The memory must outlive the engine.
+    int register_buffers(const std::vector<Region>& regions);
+    /// Pieces transferred through registered buffers so far (all workers).
+    std::uint64_t fixed_transfers() const;
+
     /// Stops accepting requests, finishes every queued and in-flight one, joins
     /// the workers. Idempotent and thread-safe.
     void close();

@@ -7,8 +7,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <memory>
+#include <mutex>
 
 #include "common/error.hpp"
 #include "common/mapped_region.hpp"
@@ -91,6 +96,14 @@ class UringBackend final : public Backend {
         io_uring_sqe* sqe = &sqes_[index];
         std::memset(sqe, 0, sizeof *sqe);
         sqe->opcode = op == Op::Read ? IORING_OP_READ : IORING_OP_WRITE;
+        if (auto table = std::atomic_load(&regions_)) {
+            const int found = find_region(*table, buf, len);
+            if (found >= 0) {
+                sqe->opcode = op == Op::Read ? IORING_OP_READ_FIXED : IORING_OP_WRITE_FIXED;
+                sqe->buf_index = static_cast<std::uint16_t>(found);
+                fixed_.fetch_add(1, std::memory_order_relaxed);
+            }
+        }
         sqe->fd = fd;
         sqe->addr = reinterpret_cast<std::uint64_t>(buf);
         sqe->len = len;
@@ -139,6 +152,31 @@ class UringBackend final : public Backend {
 
     int completion_fd() const noexcept override { return event_fd_.get(); }
 
+    std::uint64_t fixed_transfers() const noexcept override {
+        return fixed_.load(std::memory_order_relaxed);
+    }
+
+    int register_regions(const std::vector<Region>& regions) override {
+        if (regions.empty()) return 0;
+        if (regions.size() > kMaxRegions) return E2BIG;
+        std::vector<iovec> iov;
+        iov.reserve(regions.size());
+        for (const Region& r : regions) {
+            if (r.base == nullptr || r.len == 0 || r.len > kMaxRegionBytes) return EINVAL;
+            iov.push_back({r.base, r.len});
+        }
+        std::lock_guard<std::mutex> lock(register_mu_);
+        if (std::atomic_load(&regions_)) return EBUSY;
+        if (sys_io_uring_register(ring_fd_.get(), IORING_REGISTER_BUFFERS, iov.data(),
+                                  static_cast<unsigned>(iov.size())) < 0) {
+            return errno;
+        }
+        // Published only once the kernel has them: the worker never names a
+        // buffer index the ring does not know.
+        std::atomic_store(&regions_, std::make_shared<const std::vector<Region>>(regions));
+        return 0;
+    }
+
     std::size_t reap(std::vector<Completion>& out) override {
         unsigned head = *cq_head_;  // only this thread writes the head
         unsigned tail = load_acquire(cq_tail_);
@@ -166,6 +204,26 @@ class UringBackend final : public Backend {
     }
 
   private:
+    // The kernel's limits: at most UIO_MAXIOV buffers of at most 1 GiB each.
+    static constexpr std::size_t kMaxRegions = 1024;
+    static constexpr std::size_t kMaxRegionBytes = std::size_t{1} << 30;
+
+    // Index of the registered region holding [buf, buf + len), or -1.
+    static int find_region(const std::vector<Region>& table, const char* buf, std::size_t len) {
+        for (std::size_t i = 0; i < table.size(); ++i) {
+            const Region& r = table[i];
+            if (buf >= r.base && len <= r.len &&
+                static_cast<std::size_t>(buf - r.base) <= r.len - len) {
+                return static_cast<int>(i);
+            }
+        }
+        return -1;
+    }
+
+    std::mutex register_mu_;
+    std::atomic<std::uint64_t> fixed_{0};
+    std::shared_ptr<const std::vector<Region>> regions_;  // atomic_load/atomic_store only
+
     // Declaration order matters for destruction: the mappings go before the
     // ring descriptor they came from (members are destroyed in reverse).
     UniqueFd ring_fd_;

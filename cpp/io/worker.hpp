@@ -28,6 +28,13 @@ class Worker {
     /// Waits for the thread to drain and exit (after the queue is closed),
     /// then releases the backend.
     void join() noexcept;
+    /// See Backend::register_regions (0 or an errno).
+    int register_regions(const std::vector<Region>& regions) {
+        return backend_ ? backend_->register_regions(regions) : EBADF;
+    }
+    std::uint64_t fixed_transfers() const noexcept {
+        return backend_ ? backend_->fixed_transfers() : 0;
+    }
 
   private:
     void run() noexcept;

@@ -11,6 +11,8 @@ their homes and the optimizer through host staging.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
@@ -21,6 +23,8 @@ from infinity.chunks.transfers import ChainedTransfer
 from infinity.devices.base import DeviceBackend
 from infinity.schedule.eviction import EvictionPolicy, LRUPolicy
 from infinity.schedule.planner import HOST, Plan
+
+log = logging.getLogger("infinity")
 
 
 def typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -72,6 +76,7 @@ class ChunkManager:
             self.staging[kind] = TierCache(
                 "host", pools, LRUPolicy(), self.host_account, self._never_dirty
             )
+        self.fixed_buffers = self._register_staging(swap_file)
         n = plan.layout.num_chunks
         # Gradient homes hold data of the current accumulation cycle only when valid.
         self.grad_valid = [False] * n
@@ -81,6 +86,17 @@ class ChunkManager:
         self.grad_written: dict[int, list[tuple[int, int]]] = {}
         self.found_inf = False
         self.check_overflow = False
+
+    def _register_staging(self, swap_file) -> str | None:
+        """Register the staging slabs (every NVMe transfer lands in one) with the
+        I/O engine; ``None`` when done, else why not."""
+        if swap_file is None:
+            return "no NVMe tier"
+        slabs = [pool.slab for cache in self.staging.values() for pool in cache.pools.values()]
+        reason = swap_file.engine.register_buffers([s for s in slabs if s.numel()])
+        if reason is not None:
+            log.debug("staging buffers not registered with the kernel: %s", reason)
+        return reason
 
     # --- helpers -----------------------------------------------------------------
     def nbytes(self, key: Key) -> int:
