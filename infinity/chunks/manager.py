@@ -111,13 +111,16 @@ class ChunkManager:
         wait: bool = True,
         prefetch: bool = False,
         writable: bool = True,
+        from_device: bool = False,
     ) -> Copy | None:
         """A host staging copy of an NVMe-homed key, its read started if ``load``.
 
         ``wait`` blocks until the data has landed and, if ``writable``, until
         every transfer reading the buffer (write-backs, copies to the device)
         is done too, so it may be modified. ``prefetch`` never blocks for a
-        slot: ``None`` if no slot can be had without waiting.
+        slot: ``None`` if no slot can be had without waiting. ``from_device``
+        lets a parameter chunk come from its landed device copy instead of the
+        disk (not while fetching that very device copy, which is still empty).
         """
         cache = self.staging[key[0]]
         copy = cache.get(key)
@@ -129,7 +132,7 @@ class ChunkManager:
             else:
                 copy = cache.insert(key, self.nbytes(key), self.moment)
             if load:
-                copy.fill = self.homes.read(key, copy.tensor)
+                copy.fill = self._load_staging(key, copy, from_device)
                 copy.pending.append(copy.fill)
         cache.touch(key, self.moment)
         if wait and writable and copy.pending:
@@ -141,6 +144,20 @@ class ChunkManager:
             with self.traffic.waiting("nvme"):
                 copy.fill.wait()
         return copy
+
+    def _load_staging(self, key: Key, copy: Copy, from_device: bool):
+        """Start filling a staging copy: from the device copy of a parameter chunk
+        if allowed and landed (a device -> host copy instead of a disk read),
+        else from NVMe."""
+        on_device = self.device.get(key) if from_device and key[0] is Kind.PARAM else None
+        if on_device is None or on_device.in_flight():
+            return self.homes.read(key, copy.tensor)
+        # NOTE: device parameter copies are exact caches of their home (an
+        # update discards them), so these are the bytes the disk would give.
+        d2h = self.backend.copy_async(copy.tensor, on_device.tensor)
+        on_device.pending.append(d2h)  # the device slot is read until the copy ends
+        self.traffic.d2h_bytes += copy.nbytes
+        return d2h
 
     def _wait_home(self, key: Key) -> None:
         """Wait for a device -> host copy still landing in a host home."""
@@ -160,7 +177,7 @@ class ChunkManager:
     def prefetch_host(self, key: Key) -> None:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed)."""
         if self.homes.tier(key) != HOST:
-            self._staged(key, load=True, wait=False, prefetch=True)
+            self._staged(key, load=True, wait=False, prefetch=True, from_device=True)
 
     # --- device tier -------------------------------------------------------------
     def fetch_param(self, i: int, *, prefetch: bool = False) -> Copy | None:
@@ -372,7 +389,7 @@ class ChunkManager:
         if self.homes.tier(key) == HOST:
             self._wait_home(key)
             return self.homes.host(key), None
-        copy = self._staged(key, load=load, writable=writable)
+        copy = self._staged(key, load=load, writable=writable, from_device=True)
         assert copy is not None
         copy.pins += 1
         return copy.tensor, copy
