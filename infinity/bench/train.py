@@ -6,7 +6,8 @@ Cases (same model, same batches):
   c. offloaded, optimizer states on NVMe (parameters and gradients on the host);
   d. offloaded, everything beyond a small host budget (15% of the states) on NVMe.
 c and d run with ``overlap_optimizer=True`` (this loop steps after every
-backward, without clipping); c0 and d0 are the same without it.
+backward, without clipping); c0 and d0 are the same without it (the default:
+the step's NVMe-bound updates trail into the next forward).
 Each offloaded step time is reported as a ratio to (a) and, for the NVMe
 cases, against ``max(compute time of (a), I/O lower bound)``, the lower bound
 being the NVMe bytes of one step divided by the bandwidth measured in the same
@@ -76,17 +77,28 @@ class Runner:
         self.times: list[float] = []
         self.laps: list[dict[str, float]] = []
 
-    def step(self, batch: tuple, timed: bool) -> None:
-        """One forward, backward and optimizer step; recorded if ``timed``."""
+    def block(self, batches: list[tuple], timed: bool) -> None:
+        """Consecutive training steps, then a wait for everything they started;
+        each step is recorded (if ``timed``) as the block's time over its steps.
+
+        NOTE: the wait at the end is timed: an offloaded step may leave writes in
+        flight and updates queued for the next forward, and that work must be
+        paid by this case, not by whichever case runs next.
+        """
         start = time.perf_counter()
-        self.model(*batch).backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        laps = []
+        for batch in batches:
+            self.model(*batch).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            if self.config is not None:
+                laps.append(dict(infinity.stats(self.model)["last_step"]))
+        if self.config is not None:
+            self.model._infinity_engine.synchronize()
         elapsed = time.perf_counter() - start
         if timed:
-            self.times.append(elapsed)
-            if self.config is not None:
-                self.laps.append(dict(infinity.stats(self.model)["last_step"]))
+            self.times.extend([elapsed / len(batches)] * len(batches))
+            self.laps.extend(laps)
 
     def result(self) -> CaseResult:
         """Median step time and mean traffic of the timed steps; releases the model."""
@@ -142,15 +154,21 @@ def run_all(
     steps: int,
     warmup: int,
     nvme_dir: str,
+    block: int = 3,
     progress: Progress | None = None,
 ) -> dict:
     """Every case plus the NVMe bandwidth of ``nvme_dir``; a JSON-ready report.
 
-    NOTE: the cases' steps are interleaved (a, b, c, d, a, b, ...) so that a
-    burst of load from elsewhere on the machine hits every case alike.
+    NOTE: the cases run in interleaved blocks of ``block`` consecutive steps
+    (a, b, c, d, a, b, ...) so that a burst of load from elsewhere on the
+    machine hits every case alike, while inside a block each step overlaps its
+    own successor as in a real training loop.
     """
     note = progress or (lambda _msg: None)
-    data = _batches(cfg, batch, steps + warmup)
+    block = max(1, min(block, steps))
+    rounds = -(-steps // block)
+    warm_rounds = -(-warmup // block) if warmup else 0
+    data = _batches(cfg, batch, (rounds + warm_rounds) * block)
     param_bytes = cfg.num_params * 4
     base = Config(device="cpu", dtype="fp32", device_memory=param_bytes // 2)
     with tempfile.TemporaryDirectory(dir=nvme_dir) as tmp:
@@ -173,7 +191,7 @@ def run_all(
             ),
             offloaded_runner(
                 "c0",
-                "as c, optimizer step after backward",
+                "as c, step after backward (default)",
                 cfg,
                 nvme.replace(host_memory=optim_only),
             ),
@@ -184,13 +202,14 @@ def run_all(
                 nvme.replace(host_memory=small, **overlap),
             ),
             offloaded_runner(
-                "d0", "as d, optimizer step after backward", cfg, nvme.replace(host_memory=small)
+                "d0", "as d, step after backward (default)", cfg, nvme.replace(host_memory=small)
             ),
         ]
-        for i, batch_ in enumerate(data):
-            note(f"step {i + 1} of {len(data)}" + (" (warm-up)" if i < warmup else ""))
+        for r in range(rounds + warm_rounds):
+            warm = r < warm_rounds
+            note(f"round {r + 1} of {rounds + warm_rounds}" + (" (warm-up)" if warm else ""))
             for runner in runners:
-                runner.step(batch_, timed=i >= warmup)
+                runner.block(data[r * block : (r + 1) * block], timed=not warm)
         results = [r.result() for r in runners]
         plain = results[0]
         note("NVMe bandwidth")

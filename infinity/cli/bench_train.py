@@ -23,8 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per case")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=3,
+        help="consecutive steps per case before the next case runs (rounded up to whole blocks)",
+    )
     parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object on the last line"
@@ -33,10 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run every case and print the table (and JSON)."""
-    if min(args.layers, args.hidden, args.heads, args.seq_len, args.batch_size, args.steps) < 1:
+    sizes = (args.layers, args.hidden, args.heads, args.seq_len, args.batch_size, args.steps)
+    if min(*sizes, args.block) < 1:
         raise CommandError(
-            "--layers, --hidden, --heads, --seq-len, --batch-size and --steps must be >= 1"
+            "--layers, --hidden, --heads, --seq-len, --batch-size, --steps and --block must be >= 1"
         )
+    if args.warmup < 0:
+        raise CommandError(f"--warmup {args.warmup} must be >= 0")
     try:
         cfg = GPTConfig(
             vocab_size=256,
@@ -57,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
         nvme_dir=args.nvme_path,
+        block=args.block,
         progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True),
     )
     print(

@@ -29,6 +29,8 @@ def test_bench_train_tiny(tmp_path):
             "2",
             "--warmup",
             "1",
+            "--block",
+            "1",
             "--nvme-path",
             str(tmp_path),
             "--json",
@@ -42,6 +44,7 @@ def test_bench_train_tiny(tmp_path):
     cases = {c["case"]: c for c in report["cases"]}
     assert set(cases) == {"a", "b", "c", "c0", "d", "d0"}
     assert cases["a"]["vs_plain"] == 1.0
+    assert all(len(c["steps"]) == 2 for c in cases.values())
     assert cases["b"]["traffic_per_step"]["h2d_bytes"] > 0
     assert cases["b"]["traffic_per_step"]["nvme_write_bytes"] == 0
     for name in ("c", "c0", "d", "d0"):
@@ -57,3 +60,10 @@ def test_bench_train_tiny(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "divisible" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "infinity", "bench", "train", "--block", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--block" in bad.stderr
