@@ -38,15 +38,16 @@ def plan_runs(
     members: list[tuple[int, int, int]],
     hyper_of: Callable[[int], AdamHyperParams | None],
     step_of: Callable[[int], int],
-    capacity: int,
 ) -> tuple[list[Run], bool]:
     """Group a chunk's tensors into runs; ``members`` are (tensor index, offset, numel).
 
     ``hyper_of`` gives ``None`` for a tensor without gradient (skipped); runs
     break there and wherever hyper-parameters or step counts change. Returns
-    the runs and whether every tensor is updated: then the runs are stretched to
-    tile ``[0, capacity)`` (gaps hold zeros, which Adam keeps at zero) and the
-    old parameter values need not be read.
+    the runs and whether every tensor is updated: then the runs are stretched
+    over the gaps between them, from element 0 to the end of the last tensor
+    (gaps hold zeros, which Adam keeps at zero), and the old parameter values
+    need not be read. The chunk's empty tail is left out: updating zeros
+    would only cost time.
     """
     groups: list[list] = []  # [start, end, hyper, step]
     covered = True
@@ -70,7 +71,6 @@ def plan_runs(
         groups[0][0] = 0
         for a, b in itertools.pairwise(groups):
             a[1] = b[0]
-        groups[-1][1] = capacity
     runs = [Run(start, end, hyper, step) for start, end, hyper, step in groups]
     return runs, covered and bool(runs)
 
@@ -94,6 +94,10 @@ def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: f
         views = [state[k * capacity : (k + 1) * capacity] for k in range(parts)]
         master = views[0] if has_master else params
         exp_avg, exp_avg_sq = views[-2], views[-1]
+        if has_master and covered:
+            # NOTE: the parameter chunk was not read (every tensor is rewritten
+            # from its master): give the tail the zeros it had, not stale bytes.
+            params[runs[-1].end : capacity].zero_()
         for run in runs:
             span = slice(run.start, run.end)
             kernels.adam_step(
@@ -143,8 +147,7 @@ def plan_chunk(engine, chunk: int, hyper_by_index: dict[int, AdamHyperParams]) -
     def hyper_of(index: int) -> AdamHyperParams | None:
         return hyper_by_index.get(index) if engine.has_grad[index] else None
 
-    capacity = engine.layout.chunks[chunk].capacity
-    runs, covered = plan_runs(list(members), hyper_of, engine.tensor_steps.__getitem__, capacity)
+    runs, covered = plan_runs(list(members), hyper_of, engine.tensor_steps.__getitem__)
     updated = tuple(i for i, _offset, numel in members if numel and hyper_of(i) is not None)
     return ChunkWork(chunk, updated, tuple(runs), covered) if runs else None
 
