@@ -1,0 +1,145 @@
+"""The gradient side of the chunk manager: device gradient slots and their flush.
+
+A mixin of :class:`~infinity.chunks.manager.ChunkManager` (split out to keep one
+concern per module); it uses the manager's caches, homes, backend and counters.
+Gradients are the only data that flows device -> host: a flush copies a device
+gradient chunk to its home (host, or host staging then NVMe), overwriting at
+the start of an accumulation cycle and adding afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.chunks.cache import Copy
+from infinity.chunks.homes import Key, Kind
+from infinity.chunks.transfers import ChainedTransfer
+from infinity.schedule.planner import HOST
+
+
+def typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """View a uint8 region as a flat tensor of ``dtype``."""
+    return region.view(dtype)
+
+
+class GradientFlow:
+    """Device gradient chunks: taking a slot, writing gradients in, flushing them home."""
+
+    def grad_on_device(self, i: int) -> Copy:
+        """Gradient chunk ``i`` on the device (a fresh slot if it has none).
+
+        Callers fill it with :meth:`write_grad`; what they leave unwritten is
+        zeroed when the chunk is flushed.
+        """
+        key = (Kind.GRAD, i)
+        copy = self.device.get(key)
+        if copy is None:
+            copy = self.device.insert(key, self.nbytes(key), self.moment)
+            copy.dirty = True
+            # NOTE: not zeroed now: most of a chunk is about to be overwritten by
+            # its tensors' gradients, so only the gaps are zeroed, at the flush.
+            self.grad_written[i] = []
+        self.device.touch(key, self.moment)
+        return copy
+
+    def write_grad(self, i: int, start: int, grad: torch.Tensor) -> None:
+        """Copy ``grad`` into device gradient chunk ``i`` at element ``start``."""
+        copy = self.device.get((Kind.GRAD, i))
+        assert copy is not None, f"gradient chunk {i} is not on the device"
+        flat = typed(copy.tensor, self.dtype)
+        end = start + grad.numel()
+        flat[start:end].view(grad.shape).copy_(grad)
+        self.grad_written[i].append((start, end))
+
+    def _zero_unwritten(self, i: int, grads: torch.Tensor) -> None:
+        """Zero what no gradient was written to in device chunk ``i`` (gaps, unused tensors)."""
+        cursor = 0
+        for start, end in sorted(self.grad_written.pop(i, [])):
+            if start > cursor:
+                grads[cursor:start].zero_()
+            cursor = max(cursor, end)
+        if cursor < grads.numel():
+            grads[cursor:].zero_()
+
+    def flush_grad(self, i: int) -> None:
+        """Move gradient chunk ``i`` off the device, adding it to its home."""
+        if (Kind.GRAD, i) in self.device:
+            self.device.evict((Kind.GRAD, i))
+
+    def flush_all_grads(self) -> None:
+        """Flush every gradient chunk on the device (end of backward)."""
+        for copy in self.device:
+            if copy.key[0] is Kind.GRAD:
+                self.device.evict(copy.key)
+
+    def _write_back_device(self, copy: Copy) -> None:
+        kind, i = copy.key
+        if kind is not Kind.GRAD:
+            raise AssertionError(f"device copy {copy.key} is dirty but only gradients flow back")
+        grads = typed(copy.tensor, self.dtype)
+        self._zero_unwritten(i, grads)
+        if self.check_overflow and not bool(torch.isfinite(grads).all()):
+            self.found_inf = True
+        key: Key = (Kind.GRAD, i)
+        nbytes = self.nbytes(key)
+        self.traffic.d2h_bytes += nbytes
+        if not self.grad_valid[i]:
+            # First gradients of this accumulation cycle: a plain copy home, left
+            # in flight (the device slot is reused only once it has landed).
+            self.grad_valid[i] = True
+            if self.homes.tier(key) == HOST:
+                d2h = self.backend.copy_async(self.homes.host(key), copy.tensor)
+                copy.pending.append(d2h)
+                self.home_fill[key] = d2h
+                return
+            home = self._staged(key, load=False)
+            assert home is not None
+            d2h = self.backend.copy_async(home.tensor, copy.tensor)
+            copy.pending.append(d2h)
+            home.fill = d2h  # readers of the staging copy wait for it
+            home.pending.append(ChainedTransfer(d2h, lambda: self.homes.write(key, home.tensor)))
+            return
+        if self.homes.tier(key) == HOST:
+            self._wait_home(key)
+            self._add_into(self.homes.host(key), copy, i, nbytes)
+        else:
+            # NOTE: the home on NVMe is only ever changed through its staging
+            # copy, so a cached staging copy can never be stale.
+            home = self._staged(key, load=True)
+            assert home is not None
+            home.pins += 1  # the transient slot below must not take this one
+            try:
+                self._add_into(home.tensor, copy, i, nbytes)
+            finally:
+                home.pins -= 1
+            home.pending.append(self.homes.write(key, home.tensor))
+        self.grad_valid[i] = True
+
+    def _copy_back(self, dst: torch.Tensor, copy: Copy) -> None:
+        handle = self.backend.copy_async(dst, copy.tensor)
+        with self.traffic.waiting("device"):
+            handle.wait()
+
+    def _add_into(self, total: torch.Tensor, copy: Copy, i: int, nbytes: int) -> None:
+        """``total += `` the device gradient chunk, through a transient staging slot."""
+        cache = self.staging[Kind.GRAD]
+        stage_key = ("incoming", i)
+        stage = cache.insert(stage_key, nbytes, self.moment)
+        try:
+            self._copy_back(stage.tensor, copy)
+            summed = typed(total, self.dtype)
+            summed.add_(typed(stage.tensor, self.dtype))
+            self._check_sum(summed)
+        finally:
+            cache.remove(stage_key)
+
+    def _check_sum(self, grads: torch.Tensor) -> None:
+        # NOTE: adding two finite fp16 gradients can overflow, so accumulated
+        # sums are checked too, not only what came off the device.
+        if self.check_overflow and not bool(torch.isfinite(grads).all()):
+            self.found_inf = True
+
+    def invalidate_grads(self) -> None:
+        """Gradients were zeroed: the next flush overwrites instead of adding."""
+        self.grad_valid = [False] * len(self.grad_valid)
+        self.found_inf = False
