@@ -47,7 +47,8 @@ class Copy:
 
     def in_flight(self) -> bool:
         """Some transfer into or out of the slot has not completed."""
-        self.pending = [p for p in self.pending if not p.done()]
+        if self.pending:  # NOTE: the common case (nothing in flight) allocates nothing
+            self.pending = [p for p in self.pending if not p.done()]
         return bool(self.pending)
 
     def wait(self) -> None:
@@ -95,6 +96,10 @@ class TierCache:
 
     def __iter__(self) -> Iterator[Copy]:
         return iter(list(self._copies.values()))
+
+    def keys(self) -> list[Hashable]:
+        """Keys of the resident copies (a snapshot)."""
+        return list(self._copies)
 
     def key_at(self, data_ptr: int) -> Hashable | None:
         """The key whose copy starts at ``data_ptr`` (a slot's first byte), if any."""

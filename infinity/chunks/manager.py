@@ -241,7 +241,8 @@ class ChunkManager(GradientFlow):
     def poll(self) -> None:
         """Advance two-stage transfers whose first stage has landed (never blocks)."""
         for copy in self.device:
-            copy.in_flight()
+            if copy.pending:
+                copy.in_flight()
 
     def drop_param(self, i: int) -> None:
         """Forget cached copies of parameter chunk ``i`` (its home was updated)."""

@@ -165,19 +165,20 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
 
     def sample(self, phase: str, chunk: int) -> None:
         """Add the tiers' state after an access to the memory timeline."""
-        params, grads = [], []
-        for copy in self.manager.device:
-            kind = copy.key[0]
-            if kind is Kind.PARAM or kind is Kind.GRAD:  # not retired slots still landing
-                (params if kind is Kind.PARAM else grads).append(copy.key[1])
+        keys = self.manager.device.keys()
+        # NOTE: other keys are retired slots still landing; sorted lists of
+        # small ints are cheap, and this runs at every access.
+        params = tuple(sorted(k[1] for k in keys if k[0] is Kind.PARAM))
+        grads = tuple(sorted(k[1] for k in keys if k[0] is Kind.GRAD))
+        manager = self.manager
         self.timeline.add(
             Moment(
-                phase=phase,
-                chunk=chunk,
-                device_bytes=self.manager.device_account.used,
-                host_bytes=self.manager.host_account.used,
-                device_chunks=tuple(sorted(params)),
-                device_grads=tuple(sorted(grads)),
+                phase,
+                chunk,
+                manager.device_account.used,
+                manager.host_account.used,
+                params,
+                grads,
             )
         )
 

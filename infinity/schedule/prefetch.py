@@ -10,6 +10,7 @@ needed sooner; a consumer later waits only on its own chunk's handle.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable
 
 from infinity.schedule.trace import Trace
@@ -39,7 +40,7 @@ class Prefetcher:
         seen: set[int] = set()
         ahead = 0
         spent = 0
-        for _, chunk in self._needs[start:]:
+        for _, chunk in itertools.islice(self._needs, start, None):
             if chunk in seen:
                 continue
             seen.add(chunk)
