@@ -47,6 +47,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
         },
         "last_step": dict(engine.step_timer.last),
     }
+    if manager.fixed_buffers is not None and manager.fixed_buffers.startswith("io_uring"):
+        out["nvme_registration_error"] = manager.fixed_buffers  # the kernel refused
     out.update(manager.traffic.snapshot())
     if engine.scaler is not None:
         out["loss_scale"] = engine.scaler.scale

@@ -115,13 +115,18 @@ def _stream(
 def measure_engine(
     directory: str, size: int, config: AioConfig, progress: Progress | None = None
 ) -> Point:
-    """Write then read ``size`` bytes sequentially with one engine configuration."""
+    """Write then read ``size`` bytes sequentially with one engine configuration.
+
+    The buffer pool is registered with the engine (io_uring fixed buffers), as
+    the training engine registers its staging slabs.
+    """
     request, pool_bytes = _pool_bytes(size, config)
     pool = aligned_empty(pool_bytes)
     _fill(pool)
     slots = pool_bytes // request
     views = [pool[i * request : (i + 1) * request] for i in range(slots)]
     with IOEngine(config) as engine, SwapFile(directory, size, engine, name="bench") as sf:
+        engine.register_buffers([pool])  # None or why not: the plain path works too
 
         def write(slot: int, offset: int, nbytes: int) -> IORequest:
             return sf.write(views[slot][:nbytes], offset)

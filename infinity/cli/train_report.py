@@ -118,6 +118,12 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
         rows.append(f"throughput: {summary.tokens / summary.train_seconds / 1000:.1f}k tokens/s")
     if stats.get("skipped_steps"):
         rows.append(f"fp16: {stats['skipped_steps']} step(s) skipped on overflow")
+    if stats.get("nvme_registration_error"):
+        rows.append(
+            f"note: the staging buffers could not be registered with io_uring "
+            f"({stats['nvme_registration_error']}), so every transfer pins its pages (more CPU "
+            "per byte); a higher locked-memory limit (ulimit -l) lets them register"
+        )
     return "\n".join(rows)
 
 
