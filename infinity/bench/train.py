@@ -78,27 +78,26 @@ class Runner:
         self.laps: list[dict[str, float]] = []
 
     def block(self, batches: list[tuple], timed: bool) -> None:
-        """Consecutive training steps, then a wait for everything they started;
-        each step is recorded (if ``timed``) as the block's time over its steps.
+        """Consecutive training steps; all but the first are recorded if ``timed``.
 
-        NOTE: the wait at the end is timed: an offloaded step may leave writes in
-        flight and updates queued for the next forward, and that work must be
-        paid by this case, not by whichever case runs next.
+        NOTE: an offloaded step leaves writes in flight and updates queued for
+        the next forward. Inside a block each recorded step pays exactly the
+        leftovers of the step before it, as in a real training loop; the first
+        step only sets that up, and the wait at the end (untimed) keeps one
+        case's leftovers out of the next case's steps.
         """
-        start = time.perf_counter()
-        laps = []
-        for batch in batches:
+        for position, batch in enumerate(batches):
+            start = time.perf_counter()
             self.model(*batch).backward()
             self.optimizer.step()
             self.optimizer.zero_grad()
-            if self.config is not None:
-                laps.append(dict(infinity.stats(self.model)["last_step"]))
+            elapsed = time.perf_counter() - start
+            if timed and position > 0:
+                self.times.append(elapsed)
+                if self.config is not None:
+                    self.laps.append(dict(infinity.stats(self.model)["last_step"]))
         if self.config is not None:
             self.model._infinity_engine.synchronize()
-        elapsed = time.perf_counter() - start
-        if timed:
-            self.times.extend([elapsed / len(batches)] * len(batches))
-            self.laps.extend(laps)
 
     def result(self) -> CaseResult:
         """Median step time and mean traffic of the timed steps; releases the model."""
@@ -154,7 +153,7 @@ def run_all(
     steps: int,
     warmup: int,
     nvme_dir: str,
-    block: int = 3,
+    block: int = 4,
     progress: Progress | None = None,
 ) -> dict:
     """Every case plus the NVMe bandwidth of ``nvme_dir``; a JSON-ready report.
@@ -162,11 +161,13 @@ def run_all(
     NOTE: the cases run in interleaved blocks of ``block`` consecutive steps
     (a, b, c, d, a, b, ...) so that a burst of load from elsewhere on the
     machine hits every case alike, while inside a block each step overlaps its
-    own successor as in a real training loop.
+    own successor as in a real training loop (see :meth:`Runner.block`); a
+    block times ``block - 1`` steps.
     """
     note = progress or (lambda _msg: None)
-    block = max(1, min(block, steps))
-    rounds = -(-steps // block)
+    if block < 2:
+        raise ValueError(f"block={block} must be >= 2 (the first step of a block is not timed)")
+    rounds = -(-steps // (block - 1))
     warm_rounds = -(-warmup // block) if warmup else 0
     data = _batches(cfg, batch, (rounds + warm_rounds) * block)
     param_bytes = cfg.num_params * 4

@@ -23,13 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per case")
+    parser.add_argument("--steps", type=int, default=9, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed warm-up steps per case")
     parser.add_argument(
         "--block",
         type=int,
-        default=3,
-        help="consecutive steps per case before the next case runs (rounded up to whole blocks)",
+        default=4,
+        help="consecutive steps per case before the next case runs; the first of each "
+        "block is not timed (timed steps are rounded up to whole blocks)",
     )
     parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
     parser.add_argument(
@@ -40,10 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run every case and print the table (and JSON)."""
     sizes = (args.layers, args.hidden, args.heads, args.seq_len, args.batch_size, args.steps)
-    if min(*sizes, args.block) < 1:
+    if min(sizes) < 1:
         raise CommandError(
-            "--layers, --hidden, --heads, --seq-len, --batch-size, --steps and --block must be >= 1"
+            "--layers, --hidden, --heads, --seq-len, --batch-size and --steps must be >= 1"
         )
+    if args.block < 2:
+        raise CommandError(f"--block {args.block} must be >= 2 (a block's first step is untimed)")
     if args.warmup < 0:
         raise CommandError(f"--warmup {args.warmup} must be >= 0")
     try:

@@ -30,7 +30,7 @@ def test_bench_train_tiny(tmp_path):
             "--warmup",
             "1",
             "--block",
-            "1",
+            "2",
             "--nvme-path",
             str(tmp_path),
             "--json",
