@@ -117,3 +117,31 @@ def learnable_batches(n: int, seed: int = 1, batch: int = 4, seq: int = SEQ, voc
         x = torch.randint(0, vocab, (batch, seq), generator=g)
         out.append((x, (x + 1) % vocab))
     return out
+
+
+def nvme_pair(tmp_path, host_factor: float = 2.0, **overrides):
+    """A tiny GPT offloaded with its optimizer states on NVMe (host budget
+    ``host_factor`` x the parameter bytes), its CPUAdam, and the torch reference
+    pair: ``(model, optimizer, ref, ref_optimizer)``."""
+    from infinity.optim import CPUAdam
+
+    model = tiny_gpt()
+    ref, ref_opt = reference_pair(model)
+    pbytes = param_bytes(model, 4)
+    cfg = {
+        "device_memory": pbytes * 6 // 10,
+        "host_memory": int(pbytes * host_factor),
+        "chunk_size": "24KiB",
+        "nvme_path": str(tmp_path),
+    }
+    cfg.update(overrides)
+    model = infinity.offload(model, config(**cfg))
+    return model, CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1), ref, ref_opt
+
+
+def train_pair_error(model, opt, ref, ref_opt, steps: int) -> float:
+    """Train both for ``steps`` batches; the global relative error of ``model`` after."""
+    data = batches(steps)
+    train(model, opt, data)
+    train(ref, ref_opt, data)
+    return global_rel_error(model, ref)

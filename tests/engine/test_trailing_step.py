@@ -7,38 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import (
-    batches,
-    config,
-    global_rel_error,
-    gpt_loss,
-    param_bytes,
-    reference_pair,
-    tiny_gpt,
-)
+from engine_helpers import batches, global_rel_error, gpt_loss, nvme_pair
 
 import infinity
-from infinity.optim import CPUAdam
 
 TOL = 1e-5
 
 
 def _pair(tmp_path):
     """An offloaded tiny GPT whose optimizer states live on NVMe, and its torch reference."""
-    model = tiny_gpt()
-    ref, ref_opt = reference_pair(model)
-    pbytes = param_bytes(model, 4)
-    model = infinity.offload(
-        model,
-        config(
-            device_memory=pbytes * 6 // 10,
-            host_memory=pbytes * 2,
-            chunk_size="24KiB",
-            nvme_path=str(tmp_path),
-        ),
-    )
-    opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
-    return model, opt, ref, ref_opt
+    return nvme_pair(tmp_path)
 
 
 def _step_both(model, opt, ref, ref_opt, batch) -> None:
