@@ -8,6 +8,7 @@ unpacks a weight view, a gradient is ready, backward ends.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import torch
 from torch import nn
@@ -87,7 +88,7 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         self._early_hyper = None
         self.early_chunk_steps = 0
         # Updates queued by optimizer.step() that run when their chunk is next needed.
-        self.trailing: list = []
+        self.trailing: deque = deque()
         self.trailing_chunks: set[int] = set()
         self.trailing_scale = 1.0
         self.trailing_chunk_steps = 0  # updates that ran after optimizer.step() returned

@@ -12,6 +12,9 @@ step; what changes is that the disk traffic of the update overlaps compute.
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
+
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.offloaded_step import (
     ChunkWork,
@@ -124,7 +127,7 @@ class OptimizerSteps:
         run_works(self, now, grad_scale)
         first_use = self._first_forward_use()
         later.sort(key=lambda w: first_use.get(w.chunk, len(first_use)))
-        self.trailing = later
+        self.trailing = deque(later)
         self.trailing_chunks = {w.chunk for w in later}
         self.trailing_scale = grad_scale
         for work in later[:TRAIL_LOOKAHEAD]:
@@ -143,13 +146,13 @@ class OptimizerSteps:
         """Run queued updates: those whose data has landed, and (waiting for its reads)
         every one up to chunk ``needed``; all of them if ``settle``."""
         while self.trailing:
-            for ahead in self.trailing[:TRAIL_LOOKAHEAD]:
+            for ahead in itertools.islice(self.trailing, TRAIL_LOOKAHEAD):
                 prefetch_chunk(self, ahead)  # never blocks; retried at every poll
             work = self.trailing[0]
             must = settle or (needed is not None and needed in self.trailing_chunks)
             if not must and not chunk_ready(self, work):
                 return
-            self.trailing.pop(0)
+            self.trailing.popleft()
             self.trailing_chunks.discard(work.chunk)
             finish_chunk(self, work, self.trailing_scale)
             self.trailing_chunk_steps += 1
@@ -165,5 +168,6 @@ class OptimizerSteps:
         self.manager.synchronize()
 
     def is_trailing(self, chunk: int) -> bool:
-        """Chunk ``chunk`` has an update queued: its parameter copies are stale."""
+        """Chunk ``chunk`` has an update queued: its parameters (home and every copy)
+        still hold the values from before the step."""
         return chunk in self.trailing_chunks
