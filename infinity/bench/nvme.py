@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -39,6 +40,9 @@ class Point:
     threads: int
     write_gbps: float
     read_gbps: float
+    # CPU time of the whole process (every thread, user + kernel) per GB moved:
+    # what the transfers take from compute on the same cores.
+    cpu_ms_per_gb: float = 0.0
 
     def aio(self) -> dict[str, object]:
         """The ``aio`` config block of this point, as ``infinity.Config(aio=...)`` takes it."""
@@ -134,8 +138,10 @@ def measure_engine(
         def read(slot: int, offset: int, nbytes: int) -> IORequest:
             return sf.read(views[slot][:nbytes], offset)
 
+        cpu_before = _cpu_seconds()
         write_s = _stream(write, size, request, slots, progress)
         read_s = _stream(read, size, request, slots, progress)
+        cpu = _cpu_seconds() - cpu_before
         backend = engine.backend
     return Point(
         backend=backend,
@@ -144,7 +150,14 @@ def measure_engine(
         threads=config.threads,
         write_gbps=size / write_s / GB,
         read_gbps=size / read_s / GB,
+        cpu_ms_per_gb=cpu * 1000 / (2 * size / GB),
     )
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process, every thread included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _pattern(nbytes: int) -> torch.Tensor:

@@ -21,7 +21,14 @@ def _short_size(nbytes: int) -> str:
 
 def table(points: list[Point], baseline: dict[int, tuple[float, float]], size: int) -> str:
     """A fixed-width table of every point, the baseline rows and the best configuration."""
-    columns = ("threads", 7), ("block", 6), ("qd", 5), ("write GB/s", 11), ("read GB/s", 10)
+    columns = (
+        ("threads", 7),
+        ("block", 6),
+        ("qd", 5),
+        ("write GB/s", 11),
+        ("read GB/s", 10),
+        ("CPU ms/GB", 10),
+    )
     header = f"{'backend':<20} " + " ".join(f"{name:>{width}}" for name, width in columns)
     lines = [
         f"sequential O_DIRECT write then read of {format_size(size)} per point ({UNITS})",
@@ -31,12 +38,12 @@ def table(points: list[Point], baseline: dict[int, tuple[float, float]], size: i
     for p in points:
         lines.append(
             f"{p.backend:<20} {p.threads:>7} {_short_size(p.block_size):>6} {p.queue_depth:>5} "
-            f"{p.write_gbps:>11.3f} {p.read_gbps:>10.3f}"
+            f"{p.write_gbps:>11.3f} {p.read_gbps:>10.3f} {p.cpu_ms_per_gb:>10.1f}"
         )
     for bs, (w, r) in sorted(baseline.items()):
         lines.append(
             f"{'aiofiles (buffered)':<20} {'-':>7} {_short_size(bs):>6} {'-':>5} "
-            f"{w:>11.3f} {r:>10.3f}"
+            f"{w:>11.3f} {r:>10.3f} {'-':>10}"
         )
     if points:
         best = best_point(points)
@@ -49,6 +56,11 @@ def table(points: list[Point], baseline: dict[int, tuple[float, float]], size: i
         lines.append(
             "note: the aiofiles baseline is buffered; its write includes fsync and its page "
             "cache is dropped (posix_fadvise DONTNEED) before the read"
+        )
+    if points:
+        lines.append(
+            "CPU ms/GB: process CPU time (all threads, user + kernel) per GB written or read, "
+            "which training loses from compute on the same cores"
         )
     return "\n".join(lines)
 
