@@ -25,12 +25,9 @@ def typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class GradientFlow:
     """Device gradient chunks: taking a slot, writing gradients in, flushing them home."""
 
-    def grad_on_device(self, i: int) -> Copy:
-        """Gradient chunk ``i`` on the device (a fresh slot if it has none).
-
-        Callers fill it with :meth:`write_grad`; what they leave unwritten is
-        zeroed when the chunk is flushed.
-        """
+    def _grad_on_device(self, i: int) -> Copy:
+        """Gradient chunk ``i`` on the device (a fresh slot if it has none); what
+        :meth:`write_grad` leaves unwritten is zeroed when the chunk is flushed."""
         key = (Kind.GRAD, i)
         copy = self.device.get(key)
         if copy is None:
@@ -43,10 +40,9 @@ class GradientFlow:
         return copy
 
     def write_grad(self, i: int, start: int, grad: torch.Tensor) -> None:
-        """Copy ``grad`` into device gradient chunk ``i`` at element ``start``."""
-        copy = self.device.get((Kind.GRAD, i))
-        assert copy is not None, f"gradient chunk {i} is not on the device"
-        flat = typed(copy.tensor, self.dtype)
+        """Copy ``grad`` into device gradient chunk ``i`` at element ``start``
+        (taking a device slot for the chunk if it has none)."""
+        flat = typed(self._grad_on_device(i).tensor, self.dtype)
         end = start + grad.numel()
         flat[start:end].view(grad.shape).copy_(grad)
         self.grad_written[i].append((start, end))

@@ -166,12 +166,11 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
 
     def sample(self, phase: str, chunk: int) -> None:
         """Add the tiers' state after an access to the memory timeline."""
-        keys = self.manager.device.keys()
-        # NOTE: other keys are retired slots still landing; sorted lists of
-        # small ints are cheap, and this runs at every access.
+        manager = self.manager
+        keys = manager.device.keys()
+        # NOTE: other keys are retired slots still landing; this runs at every access.
         params = tuple(sorted(k[1] for k in keys if k[0] is Kind.PARAM))
         grads = tuple(sorted(k[1] for k in keys if k[0] is Kind.GRAD))
-        manager = self.manager
         self.timeline.add(
             Moment(
                 phase,

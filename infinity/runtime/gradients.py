@@ -29,10 +29,9 @@ class GradientEvents:
         param.grad = None
         if grad is None:
             return
-        chunk = self.layout.slots[entry.index].chunk
-        self.access("grad", chunk)
-        self.manager.grad_on_device(chunk)
         slot = self.layout.slots[entry.index]
+        chunk = slot.chunk
+        self.access("grad", chunk)
         self.manager.write_grad(chunk, slot.offset, grad)
         self.sample("grad", chunk)
         self.has_grad[entry.index] = True
