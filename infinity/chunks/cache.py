@@ -39,11 +39,23 @@ class Copy:
     dirty: bool = False  # must be written back before the slot is reused
     pins: int = 0
     aliases: list[StorageWeakRef] = field(default_factory=list)
+    # The chunk's bytes in the slot (uint8): made once, hooks ask for it constantly.
+    tensor: torch.Tensor = field(init=False, repr=False)
+    _typed: dict[torch.dtype, torch.Tensor] = field(init=False, repr=False, default_factory=dict)
 
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The chunk's bytes in the slot (uint8)."""
-        return self.slot.tensor[: self.nbytes] if self.nbytes else self.slot.tensor
+    def __post_init__(self) -> None:
+        self.tensor = self.slot.tensor[: self.nbytes] if self.nbytes else self.slot.tensor
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The chunk's bytes as a flat tensor of ``dtype`` (cached per dtype).
+
+        NOTE: these views share the slab's storage, not an alias's, so caching
+        them keeps no alias alive and never blocks eviction.
+        """
+        view = self._typed.get(dtype)
+        if view is None:
+            view = self._typed[dtype] = self.tensor.view(dtype)
+        return view
 
     def in_flight(self) -> bool:
         """Some transfer into or out of the slot has not completed."""
@@ -90,6 +102,7 @@ class TierCache:
         self._copies: dict[Hashable, Copy] = {}
         self._by_ptr: dict[int, Hashable] = {}
         self._collected = False  # a gc pass was already tried for the current shortage
+        self.version = 0  # changes whenever the set of resident keys changes
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._copies
@@ -163,6 +176,7 @@ class TierCache:
         copy = Copy(key, slot, nbytes=nbytes)
         self._copies[key] = copy
         self._by_ptr[slot.tensor.data_ptr()] = key
+        self.version += 1
         self.account.add(slot.nbytes)
         self.policy.touch(key, moment)
         return copy
@@ -183,6 +197,7 @@ class TierCache:
             raise AssertionError(f"{self.tier}: {key} dropped while in use")
         copy.wait()
         del self._by_ptr[copy.slot.tensor.data_ptr()]
+        self.version += 1
         copy.slot.pool.give_back(copy.slot)
         self.account.sub(copy.slot.nbytes)
         self.policy.forget(key)
@@ -218,6 +233,7 @@ class TierCache:
         copy.key = ("retired", copy.key, id(copy))
         self._copies[copy.key] = copy
         self._by_ptr[copy.slot.tensor.data_ptr()] = copy.key
+        self.version += 1
 
     def _evict_one(self, pools: list[SlabPool], moment: int) -> None:
         mine = [c for c in self._copies.values() if c.slot.pool in pools]

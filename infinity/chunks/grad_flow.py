@@ -42,7 +42,7 @@ class GradientFlow:
     def write_grad(self, i: int, start: int, grad: torch.Tensor) -> None:
         """Copy ``grad`` into device gradient chunk ``i`` at element ``start``
         (taking a device slot for the chunk if it has none)."""
-        flat = typed(self._grad_on_device(i).tensor, self.dtype)
+        flat = self._grad_on_device(i).typed(self.dtype)
         end = start + grad.numel()
         flat[start:end].view(grad.shape).copy_(grad)
         self.grad_written[i].append((start, end))
@@ -72,7 +72,7 @@ class GradientFlow:
         kind, i = copy.key
         if kind is not Kind.GRAD:
             raise AssertionError(f"device copy {copy.key} is dirty but only gradients flow back")
-        grads = typed(copy.tensor, self.dtype)
+        grads = copy.typed(self.dtype)
         self._zero_unwritten(i, grads)
         if self.check_overflow and not bool(torch.isfinite(grads).all()):
             self.found_inf = True
@@ -124,7 +124,7 @@ class GradientFlow:
         try:
             self._copy_back(stage.tensor, copy)
             summed = typed(total, self.dtype)
-            summed.add_(typed(stage.tensor, self.dtype))
+            summed.add_(stage.typed(self.dtype))
             self._check_sum(summed)
         finally:
             cache.remove(stage_key)

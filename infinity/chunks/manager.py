@@ -170,10 +170,12 @@ class ChunkManager(GradientFlow):
         copy = self.staging[key[0]].get(key)
         return copy is not None and (copy.fill is None or copy.fill.done())
 
-    def prefetch_host(self, key: Key) -> None:
-        """Start reading an NVMe-homed key into host staging (no-op if host-homed)."""
-        if self.homes.tier(key) != HOST:
-            self._staged(key, load=True, wait=False, prefetch=True, from_device=True)
+    def prefetch_host(self, key: Key) -> bool:
+        """Start reading an NVMe-homed key into host staging (no-op if host-homed);
+        False if no staging slot was free (try again later)."""
+        if self.homes.tier(key) == HOST:
+            return True
+        return self._staged(key, load=True, wait=False, prefetch=True, from_device=True) is not None
 
     # --- device tier -------------------------------------------------------------
     def fetch_param(self, i: int, *, prefetch: bool = False) -> Copy | None:

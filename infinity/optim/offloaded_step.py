@@ -152,10 +152,11 @@ def plan_chunk(engine, chunk: int, hyper_by_index: dict[int, AdamHyperParams]) -
     return ChunkWork(chunk, updated, tuple(runs), covered) if runs else None
 
 
-def prefetch_chunk(engine, work: ChunkWork) -> None:
-    """Start reading what :func:`step_chunk` will need (NVMe homes only; never blocks)."""
-    for key in work.keys(engine.plan.has_master):
-        engine.manager.prefetch_host(key)
+def prefetch_chunk(engine, work: ChunkWork) -> bool:
+    """Start reading what :func:`step_chunk` will need (NVMe homes only; never blocks);
+    False if some read found no free staging slot."""
+    started = [engine.manager.prefetch_host(key) for key in work.keys(engine.plan.has_master)]
+    return all(started)
 
 
 def chunk_ready(engine, work: ChunkWork) -> bool:

@@ -67,6 +67,7 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         self.has_grad = [False] * len(self.registry.entries)
         self.trace = TraceRecorder()
         self.timeline = Timeline()
+        self._resident: tuple[int, tuple[int, ...], tuple[int, ...]] = (-1, (), ())
         self._backward_active = False
         self._param_count = len(self.registry.entries)
         self.tensor_steps = [0] * len(self.registry.entries)
@@ -167,10 +168,14 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
     def sample(self, phase: str, chunk: int) -> None:
         """Add the tiers' state after an access to the memory timeline."""
         manager = self.manager
-        keys = manager.device.keys()
-        # NOTE: other keys are retired slots still landing; this runs at every access.
-        params = tuple(sorted(k[1] for k in keys if k[0] is Kind.PARAM))
-        grads = tuple(sorted(k[1] for k in keys if k[0] is Kind.GRAD))
+        version, params, grads = self._resident
+        if version != manager.device.version:
+            # NOTE: recomputed only when the device's keys changed (this runs at
+            # every access); other keys are retired slots still landing.
+            keys = manager.device.keys()
+            params = tuple(sorted(k[1] for k in keys if k[0] is Kind.PARAM))
+            grads = tuple(sorted(k[1] for k in keys if k[0] is Kind.GRAD))
+            self._resident = (manager.device.version, params, grads)
         self.timeline.add(
             Moment(
                 phase,

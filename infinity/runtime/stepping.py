@@ -98,8 +98,11 @@ class OptimizerSteps:
     def poll_early(self) -> None:
         """Run queued early updates whose data is in host memory (never waits on I/O)."""
         pending = []
+        starved = False
         for work in self.early_queue:
-            prefetch_chunk(self, work)  # retries reads that found no free slot
+            # Retry reads that found no free slot, in queue order: once one finds
+            # none, later ones would not either (and must not take slots first).
+            starved = starved or not prefetch_chunk(self, work)
             if chunk_ready(self, work):
                 finish_chunk(self, work, grad_scale=1.0)
                 self.early_chunk_steps += 1
