@@ -173,6 +173,10 @@ class ChunkManager(GradientFlow):
     def prefetch_host(self, key: Key) -> bool:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed);
         False if no staging slot was free (try again later)."""
+        cache = self.staging[key[0]]
+        if key in cache:  # NOTE: the common case: polls retry reads already started
+            cache.touch(key, self.moment)
+            return True
         if self.homes.tier(key) == HOST:
             return True
         return self._staged(key, load=True, wait=False, prefetch=True, from_device=True) is not None
