@@ -1,7 +1,5 @@
 """``python -m infinity``: the command line."""
 
-import sys
+from infinity.cli.main import entry
 
-from infinity.cli.main import main
-
-sys.exit(main())
+entry()

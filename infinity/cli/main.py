@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # (command path, module, help)
@@ -56,3 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("infinity: interrupted", file=sys.stderr)
         return 130
+
+
+def entry() -> None:
+    """The process entry point (``infinity`` and ``python -m infinity``): run
+    :func:`main`, then exit with its code.
+
+    NOTE: a command's own Ctrl-C handling ends when it returns. A second Ctrl-C
+    pressed while the process winds down (engine finalizers, interpreter
+    shutdown) would otherwise kill it by signal or print a traceback after a
+    clean stop; the run is already over, so it is ignored.
+    """
+    try:
+        code = main()
+    except KeyboardInterrupt:  # landed between the command's handlers and here
+        code = 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
