@@ -101,7 +101,7 @@ class OptimizerSteps:
         starved = False
         for work in self.early_queue:
             # Retry reads that found no free slot, in queue order: once one finds
-            # none, later ones would not either (and must not take slots first).
+            # none, later chunks must not take the next free slots before it.
             starved = starved or not prefetch_chunk(self, work)
             if chunk_ready(self, work):
                 finish_chunk(self, work, grad_scale=1.0)
