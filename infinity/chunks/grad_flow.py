@@ -74,8 +74,7 @@ class GradientFlow:
             raise AssertionError(f"device copy {copy.key} is dirty but only gradients flow back")
         grads = copy.typed(self.dtype)
         self._zero_unwritten(i, grads)
-        if self.check_overflow and not bool(torch.isfinite(grads).all()):
-            self.found_inf = True
+        self._check_finite(grads)
         key: Key = (Kind.GRAD, i)
         nbytes = self.nbytes(key)
         self.traffic.d2h_bytes += nbytes
@@ -125,13 +124,14 @@ class GradientFlow:
             self._copy_back(stage.tensor, copy)
             summed = typed(total, self.dtype)
             summed.add_(stage.typed(self.dtype))
-            self._check_sum(summed)
+            # NOTE: adding two finite fp16 gradients can overflow, so accumulated
+            # sums are checked too, not only what came off the device.
+            self._check_finite(summed)
         finally:
             cache.remove(stage_key)
 
-    def _check_sum(self, grads: torch.Tensor) -> None:
-        # NOTE: adding two finite fp16 gradients can overflow, so accumulated
-        # sums are checked too, not only what came off the device.
+    def _check_finite(self, grads: torch.Tensor) -> None:
+        """fp16: note an inf/NaN gradient (the step is then skipped)."""
         if self.check_overflow and not bool(torch.isfinite(grads).all()):
             self.found_inf = True
 
