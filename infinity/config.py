@@ -131,7 +131,9 @@ class Config:
             as its gradients are complete. ``True`` is a promise that every backward
             is followed by ``optimizer.step()`` with no gradient clipping in between
             and no gradient accumulation (checked: breaking it raises); not with
-            fp16, whose overflow check needs every gradient first. ``"auto"``
+            fp16, whose overflow check needs every gradient first. Gradients on
+            NVMe are then used from host memory and dropped, not written to disk,
+            so ``infinity.gradients(model)`` after the step raises. ``"auto"``
             currently means ``False``: guessing the promise would need a rollback.
         initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss
             scaling (scale halves on overflow, doubles after ``loss_scale_window``

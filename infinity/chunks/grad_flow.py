@@ -87,12 +87,21 @@ class GradientFlow:
                 copy.pending.append(d2h)
                 self.home_fill[key] = d2h
                 return
+            self.grad_consumed.discard(i)
             home = self._staged(key, load=False)
             assert home is not None
             d2h = self.backend.copy_async(home.tensor, copy.tensor)
             copy.pending.append(d2h)
             home.fill = d2h  # readers of the staging copy wait for it
-            home.pending.append(ChainedTransfer(d2h, lambda: self.homes.write(key, home.tensor)))
+            if self.consume_grads:
+                # NOTE: the step will most likely use these bytes straight from
+                # staging and drop them (consume_grad): write them home only if
+                # the slot is evicted first (_write_back_staging).
+                home.pending.append(d2h)
+                home.dirty = True
+            else:
+                write = ChainedTransfer(d2h, lambda: self.homes.write(key, home.tensor))
+                home.pending.append(write)
             return
         if self.homes.tier(key) == HOST:
             self._wait_home(key)
@@ -108,7 +117,34 @@ class GradientFlow:
             finally:
                 home.pins -= 1
             home.pending.append(self.homes.write(key, home.tensor))
+            home.dirty = False  # the sum is on its way home
         self.grad_valid[i] = True
+
+    def _write_back_staging(self, copy: Copy) -> None:
+        """Evicting a staging copy that was never written home: write it now."""
+        if copy.key[0] is not Kind.GRAD:
+            raise AssertionError(f"staging copy {copy.key} was left dirty")
+        copy.pending.append(self.homes.write(copy.key, copy.tensor))
+
+    def consume_grad(self, copy: Copy | None) -> None:
+        """The optimizer step is done with a gradient chunk's staging copy: if its
+        bytes never went home (``consume_grads``), drop them instead of writing them."""
+        if copy is None or not copy.dirty or copy.pins:
+            return
+        copy.dirty = False
+        self.grad_consumed.add(copy.key[1])
+        self.staging[Kind.GRAD].remove(copy.key)
+
+    def check_grad_kept(self, key: Key) -> None:
+        """Raise if ``key`` is a gradient chunk whose gradients a step consumed."""
+        kind, i = key
+        if kind is Kind.GRAD and self.grad_valid[i] and i in self.grad_consumed:
+            raise RuntimeError(
+                f"the gradients of chunk {i} were used by the overlapped optimizer step and are "
+                "not kept (Config(overlap_optimizer=True) drops them instead of writing them to "
+                "NVMe). Call optimizer.zero_grad() after optimizer.step(), and read gradients "
+                "before the step with overlap_optimizer=False."
+            )
 
     def _copy_back(self, dst: torch.Tensor, copy: Copy) -> None:
         handle = self.backend.copy_async(dst, copy.tensor)
@@ -138,4 +174,5 @@ class GradientFlow:
     def invalidate_grads(self) -> None:
         """Gradients were zeroed: the next flush overwrites instead of adding."""
         self.grad_valid = [False] * len(self.grad_valid)
+        self.grad_consumed.clear()
         self.found_inf = False

@@ -13,6 +13,7 @@ import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.pools import Arena
+from infinity.chunks.transfers import ChainedTransfer
 from infinity.schedule.planner import HOST, NVME, Plan
 
 
@@ -55,6 +56,7 @@ class HomeStore:
         host_account.reserved += self.arena.reserved_bytes
         host_account.add(self.arena.reserved_bytes)
         self._offset: dict[Key, int] = {}
+        self._writing: dict[Key, object] = {}  # the last write of each key, until it lands
         offset = 0
         for key, tier in self._where.items():
             if tier == NVME:
@@ -87,13 +89,28 @@ class HomeStore:
         return self._host[key]
 
     def read(self, key: Key, dst: torch.Tensor):
-        """Start reading an NVMe-homed key into ``dst`` (uint8, aligned); returns the request."""
-        request = self.swap_file.read(dst[: self._nbytes[key]], self._offset[key])
-        self.traffic.nvme_read_bytes += self._nbytes[key]
-        return request
+        """Start reading an NVMe-homed key into ``dst`` (uint8, aligned); returns the
+        transfer. It starts only once a write of the same key still in flight has landed."""
+        nbytes, offset = self._nbytes[key], self._offset[key]
+        self.traffic.nvme_read_bytes += nbytes
+        return self._after_write(key, lambda: self.swap_file.read(dst[:nbytes], offset))
 
     def write(self, key: Key, src: torch.Tensor):
-        """Start writing ``src`` to an NVMe-homed key; returns the request."""
-        request = self.swap_file.write(src[: self._nbytes[key]], self._offset[key])
-        self.traffic.nvme_write_bytes += self._nbytes[key]
-        return request
+        """Start writing ``src`` to an NVMe-homed key; returns the transfer (issued
+        after a write of the same key still in flight, so the last one wins)."""
+        nbytes, offset = self._nbytes[key], self._offset[key]
+        self.traffic.nvme_write_bytes += nbytes
+        transfer = self._after_write(key, lambda: self.swap_file.write(src[:nbytes], offset))
+        self._writing[key] = transfer
+        return transfer
+
+    def _after_write(self, key: Key, start):
+        # NOTE: requests to one file region may complete in any order. Callers
+        # mostly keep them apart (a staging copy stays cached while its write
+        # lands), but a copy evicted mid-write frees its key at once: this is
+        # what keeps a re-read of that key from seeing the old bytes.
+        previous = self._writing.get(key)
+        if previous is None or previous.done():
+            self._writing.pop(key, None)
+            return start()
+        return ChainedTransfer(previous, start)

@@ -70,7 +70,7 @@ class ChunkManager(GradientFlow):
             }
             self.host_account.reserved += sum(p.reserved_bytes for p in pools.values())
             self.staging[kind] = TierCache(
-                "host", pools, LRUPolicy(), self.host_account, self._never_dirty
+                "host", pools, LRUPolicy(), self.host_account, self._write_back_staging
             )
         self.fixed_buffers = self._register_staging(swap_file)
         n = plan.layout.num_chunks
@@ -82,6 +82,11 @@ class ChunkManager(GradientFlow):
         self.grad_written: dict[int, list[tuple[int, int]]] = {}
         self.found_inf = False
         self.check_overflow = False
+        # overlap_optimizer=True: NVMe-homed gradients wait in staging for their
+        # step and are dropped once used, never written (the promise of that
+        # mode is that nothing reads them after the step). Chunks so dropped:
+        self.consume_grads = False
+        self.grad_consumed: set[int] = set()
 
     def _register_staging(self, swap_file) -> str | None:
         """Register the staging slabs (every NVMe transfer lands in one) with the
@@ -121,6 +126,8 @@ class ChunkManager(GradientFlow):
         cache = self.staging[key[0]]
         copy = cache.get(key)
         if copy is None:
+            if load:
+                self.check_grad_kept(key)
             if prefetch:
                 copy = cache.try_insert(key, self.nbytes(key), self.moment, lambda _k: True)
                 if copy is None:
@@ -258,12 +265,6 @@ class ChunkManager(GradientFlow):
             # yet collected, or an autograd node still running during an
             # overlapped step): it keeps the old values, and its slot, until it dies.
             self.device.discard(key)
-
-    @staticmethod
-    def _never_dirty(copy: Copy) -> None:
-        # Staging copies are written home as soon as they are modified
-        # (close_host), so eviction never finds one dirty.
-        raise AssertionError(f"staging copy {copy.key} was left dirty")
 
     # --- host side: optimizer and state access ----------------------------------
     def open_host(

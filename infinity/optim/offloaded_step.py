@@ -117,6 +117,7 @@ def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: f
         manager.close_host(grad_copy, modified=False, keep=True)
         manager.close_host(optim_copy, modified=True, keep=True)
         manager.close_host(param_copy, modified=True, keep=True)
+    manager.consume_grad(grad_copy)
     manager.drop_param(chunk)
 
 

@@ -74,6 +74,7 @@ def choose_plan(
             budgets=budgets,
             working_sets=working_sets_of(layout),
             prefetch_depth=config.prefetch_depth,
+            consume_grads=config.overlap_optimizer is True,
         )
 
     if config.chunk_size != AUTO:

@@ -83,6 +83,7 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         # overlap_optimizer=True: the optimizer registers itself; chunks stepped
         # during the current backward are remembered until step().
         self.overlap = config.overlap_optimizer is True
+        self.manager.consume_grads = self.overlap
         self.optimizer = None  # weakref to the CPUAdam holding this model's parameters
         self.stepped_early: set[int] = set()  # chunks updated (or queued) during backward
         self.early_queue: list = []

@@ -109,8 +109,8 @@ class GradientEvents:
 
     def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:
         """Zero some tensors' gradients inside a chunk whose other gradients stay."""
-        if not self.manager.grad_valid[chunk]:
-            return
+        if not self.manager.grad_valid[chunk] or chunk in self.manager.grad_consumed:
+            return  # nothing kept to zero (a later read or addition raises)
         region, copy = self.manager.open_host((Kind.GRAD, chunk))
         for entry in entries:
             self.chunk_view(region, entry).zero_()

@@ -154,6 +154,7 @@ def make_plan(
     budgets: Budgets,
     working_sets: Sequence[frozenset[int]],
     prefetch_depth: int,
+    consume_grads: bool = False,
 ) -> Plan:
     """Place every chunk's kinds on host or NVMe and size the slot pools.
 
@@ -272,12 +273,16 @@ def make_plan(
             "of states must spill to NVMe with this host budget. Free disk space, raise "
             "nvme_memory, or raise host_memory."
         )
-    object.__setattr__(plan, "traffic", estimate_traffic(plan))
+    object.__setattr__(plan, "traffic", estimate_traffic(plan, consume_grads=consume_grads))
     return plan
 
 
-def estimate_traffic(plan: Plan) -> dict[str, int]:
-    """Bytes each link moves in one step (one micro-batch, no accumulation)."""
+def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, int]:
+    """Bytes each link moves in one step (one micro-batch, no accumulation).
+
+    ``consume_grads`` (``overlap_optimizer=True``): gradients homed on NVMe are
+    used from host staging by their step and never go to disk.
+    """
     n = plan.layout.num_chunks
     params = sum(plan.param_bytes(i) for i in range(n))
     grads = sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] is not None)
@@ -286,6 +291,8 @@ def estimate_traffic(plan: Plan) -> dict[str, int]:
     on_nvme = [i for i in range(n) if plan.param_home[i] == NVME]
     nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
     nvme_grad = sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] == NVME)
+    if consume_grads:
+        nvme_grad = 0
     nvme_optim = sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i] == NVME)
     updated_nvme_params = sum(plan.param_bytes(i) for i in on_nvme if plan.grad_home[i] is not None)
     fp32_params_read = 0 if plan.has_master else updated_nvme_params
