@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "common/error.hpp"
+#include "common/py_wait.hpp"
 #include "io/engine.hpp"
 #include "io/file_ops.hpp"
 #include "io/probe.hpp"
@@ -19,31 +20,6 @@ namespace {
 
 using io::Request;
 using io::RequestPtr;
-
-// Waits in slices with the GIL released, checking for Python signals in
-// between, so Ctrl-C (or a test's alarm) interrupts a wait instead of hanging.
-// Returns true when `done` holds, false on timeout (None = no timeout).
-template <typename Done, typename WaitSlice>
-bool wait_interruptibly(Done done, WaitSlice wait_slice, std::optional<double> timeout) {
-    using namespace std::chrono;
-    const auto slice = milliseconds(50);
-    const auto start = steady_clock::now();
-    for (;;) {
-        if (done()) return true;
-        auto step = duration_cast<nanoseconds>(slice);
-        if (timeout) {
-            auto left = duration_cast<nanoseconds>(duration<double>(*timeout)) -
-                        (steady_clock::now() - start);
-            if (left <= nanoseconds::zero()) return done();
-            step = std::min(step, left);
-        }
-        {
-            py::gil_scoped_release release;
-            wait_slice(step);
-        }
-        if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    }
-}
 
 bool wait_one(const RequestPtr& r, std::optional<double> timeout) {
     return wait_interruptibly([&] { return r->done(); },

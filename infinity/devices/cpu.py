@@ -2,80 +2,53 @@
 
 NOTE: copies are deliberately asynchronous even though a memcpy would do: the
 engine then has the same races as on a GPU, and tests catch a missing wait.
-``copy_delay_s`` widens that window for tests.
+``copy_delay_s`` widens that window for tests. The copies run in submission
+order on one native thread (``infinity._C.devices.CopyQueue``), like a CUDA
+copy stream; a Python thread would contend for the GIL with the hooks.
 """
 
 from __future__ import annotations
 
 import ctypes
-import queue
-import threading
-import time
-from concurrent.futures import Future
+from collections import deque
 
 import torch
 
+from infinity._C import devices as _native
 from infinity.devices.base import DeviceBackend, TransferHandle
 from infinity.io import aligned_empty
 
 
-class _FutureHandle(TransferHandle):
-    __slots__ = ("_future",)
+class _CopyHandle(TransferHandle):
+    __slots__ = ("_dst", "_job", "_src")
 
-    def __init__(self, future: Future[None]) -> None:
-        self._future = future
+    def __init__(self, job, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._job = job
+        # NOTE: the native thread holds raw addresses; these references keep
+        # both buffers alive until the backend drops the handle (once done).
+        self._dst, self._src = dst, src
 
     def wait(self) -> None:
-        self._future.result()
+        self._job.wait()
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._job.done()
 
 
-class _CopyThread:
-    """One daemon worker running copies in submission order, like a CUDA copy stream.
-
-    NOTE: not a ThreadPoolExecutor: executors refuse work once the interpreter
-    starts shutting down, which is exactly when the engine's finalizer waits
-    for the last copies.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="infinity-copy", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-    def submit(self, fn) -> Future[None]:
-        future: Future[None] = Future()
-        if not self._thread.is_alive():
-            raise RuntimeError("the copy thread has stopped")
-        self._queue.put((future, fn))
-        return future
-
-    @property
-    def alive(self) -> bool:
-        """The worker still runs."""
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """Bytes of a copy between two contiguous CPU tensors of equal size, else raise."""
+    nbytes = dst.numel() * dst.element_size()
+    for name, t in (("dst", dst), ("src", src)):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(
+                f"copy {name} must be a contiguous CPU tensor, got {t.device} "
+                f"with strides {t.stride()}"
+            )
+    if nbytes != src.numel() * src.element_size():
+        raise ValueError(
+            f"copy of {src.numel() * src.element_size()} bytes into a {nbytes}-byte tensor"
+        )
+    return nbytes
 
 
 class CpuBackend(DeviceBackend):
@@ -86,7 +59,8 @@ class CpuBackend(DeviceBackend):
     def __init__(self, copy_delay_s: float = 0.0) -> None:
         self.device = torch.device("cpu")
         self.copy_delay_s = copy_delay_s
-        self._worker = _CopyThread()
+        self._queue = _native.CopyQueue()
+        self._inflight: deque[_CopyHandle] = deque()  # submission order = completion order
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         return aligned_empty(nbytes, pinned=False)
@@ -94,23 +68,15 @@ class CpuBackend(DeviceBackend):
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return aligned_empty(nbytes, pinned=False)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.copy_delay_s:
-            time.sleep(self.copy_delay_s)
-        # NOTE: a plain single-threaded memmove (ctypes releases the GIL), not
-        # dst.copy_(src): torch's copy opens an OpenMP team of its own on this
-        # thread, which fights the compute thread's team for the same cores
-        # (spin-waiting threads doubled step times on a 2-core machine).
-        nbytes = dst.numel() * dst.element_size()
-        assert (
-            nbytes == src.numel() * src.element_size()
-            and dst.is_contiguous()
-            and src.is_contiguous()
-        )
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> TransferHandle:
-        return _FutureHandle(self._worker.submit(lambda: self._copy(dst, src)))
+        nbytes = _check_copy(dst, src)
+        while self._inflight and self._inflight[0].done():
+            self._inflight.popleft()
+        delay_us = int(self.copy_delay_s * 1e6)
+        job = self._queue.submit(dst.data_ptr(), src.data_ptr(), nbytes, delay_us)
+        handle = _CopyHandle(job, dst, src)
+        self._inflight.append(handle)
+        return handle
 
     def alias(self, region: torch.Tensor) -> torch.Tensor:
         # NOTE: frombuffer over a ctypes array at the region's address gives a
@@ -121,8 +87,10 @@ class CpuBackend(DeviceBackend):
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     def synchronize(self) -> None:
-        if self._worker.alive:
-            self._worker.submit(lambda: None).result()
+        if self._inflight:
+            self._inflight[-1].wait()  # copies complete in submission order
+        self._inflight.clear()
 
     def close(self) -> None:
-        self._worker.stop()
+        self._queue.close()  # finishes what is queued
+        self._inflight.clear()
