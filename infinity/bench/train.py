@@ -12,6 +12,12 @@ Each offloaded step time is reported as a ratio to (a) and, for the NVMe
 cases, against ``max(compute time of (a), I/O lower bound)``, the lower bound
 being the NVMe bytes of one step divided by the bandwidth measured in the same
 run (``infinity.bench.nvme``).
+
+NOTE: ratios are *paired*: each round runs one block of every case, and the
+reported ratio is the median over rounds of (case / plain) within a round.
+This machine's speed drifts by 20% within a minute under other tenants'
+load; cases a few seconds apart see the same drift, a median over the whole
+run does not.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class CaseResult:
     description: str
     step_seconds: float
     steps: list[float] = field(default_factory=list)
+    rounds: list[float] = field(default_factory=list)  # median step time of each round
     traffic: dict[str, float] = field(default_factory=dict)
     config: dict | None = None
 
@@ -75,6 +82,7 @@ class Runner:
         self.name, self.description = name, description
         self.model, self.optimizer, self.config = model, optimizer, config
         self.times: list[float] = []
+        self.rounds: list[float] = []
         self.laps: list[dict[str, float]] = []
 
     def block(self, batches: list[tuple], timed: bool) -> None:
@@ -86,6 +94,7 @@ class Runner:
         step only sets that up, and the wait at the end (untimed) keeps one
         case's leftovers out of the next case's steps.
         """
+        before = len(self.times)
         for position, batch in enumerate(batches):
             start = time.perf_counter()
             self.model(*batch).backward()
@@ -96,6 +105,8 @@ class Runner:
                 self.times.append(elapsed)
                 if self.config is not None:
                     self.laps.append(dict(infinity.stats(self.model)["last_step"]))
+        if len(self.times) > before:
+            self.rounds.append(statistics.median(self.times[before:]))
         if self.config is not None:
             self.model._infinity_engine.synchronize()
 
@@ -113,6 +124,7 @@ class Runner:
             self.description,
             statistics.median(self.times),
             self.times,
+            self.rounds,
             traffic,
             self.config.to_dict() if self.config is not None else None,
         )
@@ -159,10 +171,12 @@ def run_all(
     """Every case plus the NVMe bandwidth of ``nvme_dir``; a JSON-ready report.
 
     NOTE: the cases run in interleaved blocks of ``block`` consecutive steps
-    (a, b, c, d, a, b, ...) so that a burst of load from elsewhere on the
-    machine hits every case alike, while inside a block each step overlaps its
-    own successor as in a real training loop (see :meth:`Runner.block`); a
-    block times ``block - 1`` steps.
+    (a, b, c, d, then b, c, d, a, ...: the order rotates so that no case
+    always follows the same one) so that a burst of load from elsewhere on
+    the machine hits every case alike, while inside a block each step
+    overlaps its own successor as in a real training loop (see
+    :meth:`Runner.block`); a block times ``block - 1`` steps. Ratios are
+    paired per round (see the module note).
     """
     note = progress or (lambda _msg: None)
     if block < 2:
@@ -209,7 +223,8 @@ def run_all(
         for r in range(rounds + warm_rounds):
             warm = r < warm_rounds
             note(f"round {r + 1} of {rounds + warm_rounds}" + (" (warm-up)" if warm else ""))
-            for runner in runners:
+            turn = r % len(runners)
+            for runner in runners[turn:] + runners[:turn]:
                 runner.block(data[r * block : (r + 1) * block], timed=not warm)
         results = [r.result() for r in runners]
         plain = results[0]
@@ -231,15 +246,16 @@ def run_all(
             r.traffic.get("nvme_read_bytes", 0) / read_bps
             + r.traffic.get("nvme_write_bytes", 0) / write_bps
         )
-        floor = max(plain.step_seconds, io_bound)
+        pairs = list(zip(r.rounds, plain.rounds, strict=True))
         report["cases"].append(
             {
                 "case": r.name,
                 "description": r.description,
                 "step_seconds": r.step_seconds,
-                "vs_plain": r.step_seconds / plain.step_seconds,
+                "vs_plain": statistics.median(mine / p for mine, p in pairs),
                 "io_lower_bound_seconds": io_bound,
-                "vs_bound": r.step_seconds / floor,
+                "vs_bound": statistics.median(mine / max(p, io_bound) for mine, p in pairs),
+                "round_ratios": [mine / p for mine, p in pairs],
                 "traffic_per_step": r.traffic,
                 "steps": r.steps,
             }

@@ -23,7 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=9, help="timed steps per case")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=18,
+        help="timed steps per case (ratios are medians over rounds of --block steps)",
+    )
     parser.add_argument("--warmup", type=int, default=4, help="untimed warm-up steps per case")
     parser.add_argument(
         "--block",

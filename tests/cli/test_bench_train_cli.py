@@ -45,6 +45,11 @@ def test_bench_train_tiny(tmp_path):
     assert set(cases) == {"a", "b", "c", "c0", "d", "d0"}
     assert cases["a"]["vs_plain"] == 1.0
     assert all(len(c["steps"]) == 2 for c in cases.values())
+    # Paired ratios: one per round (block 2 times one step, so two rounds).
+    assert all(len(c["round_ratios"]) == 2 for c in cases.values())
+    assert cases["a"]["round_ratios"] == [1.0, 1.0]
+    b = cases["b"]
+    assert min(b["round_ratios"]) <= b["vs_plain"] <= max(b["round_ratios"])
     assert cases["b"]["traffic_per_step"]["h2d_bytes"] > 0
     assert cases["b"]["traffic_per_step"]["nvme_write_bytes"] == 0
     for name in ("c", "c0", "d", "d0"):
