@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--chunk-size", default="auto", help="bytes per chunk or 'auto'")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--overlap-optimizer",
+        action="store_true",
+        help="plan for Config(overlap_optimizer=True): gradients on NVMe never reach the disk",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -82,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             chunk_size=args.chunk_size,
             device=args.device,
+            overlap_optimizer=args.overlap_optimizer,
         )
     except ConfigError as exc:
         raise CommandError(str(exc)) from None

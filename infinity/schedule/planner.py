@@ -117,7 +117,7 @@ class Plan:
         ):
             cap = "no tier" if budget is None else format_size(budget)
             lines.append(f"{tier:<8} uses {format_size(used):>12} of {cap}")
-        lines.append("bytes moved per step (estimate):")
+        lines.append("bytes moved per step (estimate; host staging caches lower the NVMe reads):")
         for key, value in self.traffic.items():
             lines.append(f"  {key:<18}{format_size(value):>12}")
         return "\n".join(lines)

@@ -37,6 +37,27 @@ def test_plan_puts_optimizer_state_on_nvme_first(tmp_path):
     assert "nvme" in homes["optim"]
     assert plan["host_bytes"] <= 1 << 30 and plan["device_bytes"] <= 512 << 20
     assert plan["traffic_per_step"]["nvme_write_bytes"] > 0
+    assert "nvme" in homes["grad"]
+    # Overlapped, the gradients homed on NVMe are neither written nor read back.
+    out = _plan(
+        "--model",
+        "small",
+        "--device-memory",
+        "512MiB",
+        "--host-memory",
+        "1GiB",
+        "--nvme-path",
+        str(tmp_path),
+        "--overlap-optimizer",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    overlapped = json.loads(out.stdout.strip().splitlines()[-1])
+    assert overlapped["homes"] == homes
+    before, after = plan["traffic_per_step"], overlapped["traffic_per_step"]
+    saved = before["nvme_write_bytes"] - after["nvme_write_bytes"]
+    assert saved > 0 and before["nvme_read_bytes"] - after["nvme_read_bytes"] == saved
+    assert after["h2d_bytes"] == before["h2d_bytes"]
     assert list(tmp_path.iterdir()) == []  # planning creates no files
 
 
