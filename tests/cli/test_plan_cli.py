@@ -17,17 +17,8 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_plan_puts_optimizer_state_on_nvme_first(tmp_path):
-    out = _plan(
-        "--model",
-        "small",
-        "--device-memory",
-        "512MiB",
-        "--host-memory",
-        "1GiB",
-        "--nvme-path",
-        str(tmp_path),
-        "--json",
-    )
+    small = ("--model", "small", "--device-memory", "512MiB", "--host-memory", "1GiB")
+    out = _plan(*small, "--nvme-path", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout.strip().splitlines()[-1])
     homes = plan["homes"]
@@ -39,18 +30,7 @@ def test_plan_puts_optimizer_state_on_nvme_first(tmp_path):
     assert plan["traffic_per_step"]["nvme_write_bytes"] > 0
     assert "nvme" in homes["grad"]
     # Overlapped, the gradients homed on NVMe are neither written nor read back.
-    out = _plan(
-        "--model",
-        "small",
-        "--device-memory",
-        "512MiB",
-        "--host-memory",
-        "1GiB",
-        "--nvme-path",
-        str(tmp_path),
-        "--overlap-optimizer",
-        "--json",
-    )
+    out = _plan(*small, "--nvme-path", str(tmp_path), "--overlap-optimizer", "--json")
     assert out.returncode == 0, out.stderr
     overlapped = json.loads(out.stdout.strip().splitlines()[-1])
     assert overlapped["homes"] == homes
