@@ -42,8 +42,7 @@ void bind_devices(py::module_& m) {
             py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("delay_us") = 0,
             "Queue memmove(dst, src, nbytes) after delay_us; returns its CopyJob.")
         .def("close", &CopyQueue::close, py::call_guard<py::gil_scoped_release>(),
-             "Finish every queued copy, then stop the thread.")
-        .def_property_readonly("closed", &CopyQueue::closed);
+             "Finish every queued copy, then stop the thread.");
 }
 
 }  // namespace infinity

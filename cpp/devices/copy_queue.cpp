@@ -89,9 +89,4 @@ void CopyQueue::close() {
     worker_.reset();
 }
 
-bool CopyQueue::closed() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return closing_;
-}
-
 }  // namespace infinity::devices

@@ -55,12 +55,12 @@ class CopyQueue {
     CopyQueue& operator=(const CopyQueue&) = delete;
 
     /// Queue `memmove(dst, src, nbytes)`, after an injected `delay`.
-    /// Throws std::invalid_argument on null pointers or a closed queue.
+    /// Throws std::invalid_argument on null pointers, std::runtime_error once
+    /// closed or in a forked child.
     CopyJobPtr submit(char* dst, const char* src, std::uint64_t nbytes,
                       std::chrono::microseconds delay);
     /// Finish every queued copy, then stop the thread. Idempotent.
     void close();
-    bool closed() const;
 
   private:
     void run();

@@ -135,10 +135,14 @@ class GradientFlow:
         self.grad_consumed.add(copy.key[1])
         self.staging[Kind.GRAD].remove(copy.key)
 
+    def grads_dropped(self, i: int) -> bool:
+        """Chunk ``i`` has gradients this cycle, but a step consumed and dropped them."""
+        return self.grad_valid[i] and i in self.grad_consumed
+
     def check_grad_kept(self, key: Key) -> None:
         """Raise if ``key`` is a gradient chunk whose gradients a step consumed."""
         kind, i = key
-        if kind is Kind.GRAD and self.grad_valid[i] and i in self.grad_consumed:
+        if kind is Kind.GRAD and self.grads_dropped(i):
             raise RuntimeError(
                 f"the gradients of chunk {i} were used by the overlapped optimizer step and are "
                 "not kept (Config(overlap_optimizer=True) drops them instead of writing them to "

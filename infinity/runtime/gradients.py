@@ -109,7 +109,7 @@ class GradientEvents:
 
     def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:
         """Zero some tensors' gradients inside a chunk whose other gradients stay."""
-        if not self.manager.grad_valid[chunk] or chunk in self.manager.grad_consumed:
+        if not self.manager.grad_valid[chunk] or self.manager.grads_dropped(chunk):
             return  # nothing kept to zero (a later read or addition raises)
         region, copy = self.manager.open_host((Kind.GRAD, chunk))
         for entry in entries:

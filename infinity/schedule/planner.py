@@ -290,9 +290,11 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     fetches = 1 if fits else 2  # forward, and again in backward when evicted
     on_nvme = [i for i in range(n) if plan.param_home[i] == NVME]
     nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
-    nvme_grad = sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] == NVME)
-    if consume_grads:
-        nvme_grad = 0
+    nvme_grad = (
+        0
+        if consume_grads
+        else sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] == NVME)
+    )
     nvme_optim = sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i] == NVME)
     updated_nvme_params = sum(plan.param_bytes(i) for i in on_nvme if plan.grad_home[i] is not None)
     fp32_params_read = 0 if plan.has_master else updated_nvme_params
