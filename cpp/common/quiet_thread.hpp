@@ -9,7 +9,8 @@
 
 namespace infinity {
 
-/// Starts a std::thread with every signal blocked.
+/// Starts a std::thread named `name` (<= 15 characters: what top, py-spy
+/// and /proc/<pid>/task/*/comm show) with every signal blocked.
 ///
 /// NOTE: Python handles signals (Ctrl-C, alarms) in its main thread, and a
 /// blocking system call in one of our threads that caught a signal would only
@@ -17,7 +18,7 @@ namespace infinity {
 /// spawn so the new thread inherits it from its first instruction, with no
 /// window in which a signal could land there.
 template <typename F>
-std::thread start_quiet_thread(F&& body) {
+std::thread start_quiet_thread(const char* name, F&& body) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
@@ -25,7 +26,11 @@ std::thread start_quiet_thread(F&& body) {
         sigset_t* old;
         ~Restore() { pthread_sigmask(SIG_SETMASK, old, nullptr); }
     } restore{&old};
-    return std::thread(std::forward<F>(body));
+    std::thread thread(std::forward<F>(body));
+    // NOTE: named by the creator, so the name is there when this returns.
+    // Failure (a name over 15 characters) only leaves the thread unnamed.
+    pthread_setname_np(thread.native_handle(), name);
+    return thread;
 }
 
 }  // namespace infinity

@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include <pthread.h>
 #include <unistd.h>
 
 #if defined(__linux__)
@@ -17,7 +18,10 @@ namespace infinity {
 ThreadPool::ThreadPool(int num_threads) {
     const int workers = std::max(num_threads, 1) - 1;
     workers_.reserve(workers);
-    for (int i = 0; i < workers; ++i) workers_.emplace_back([this] { worker_loop(); });
+    for (int i = 0; i < workers; ++i) {
+        workers_.emplace_back([this] { worker_loop(); });
+        pthread_setname_np(workers_.back().native_handle(), "inf-compute");
+    }
 }
 
 ThreadPool::~ThreadPool() {

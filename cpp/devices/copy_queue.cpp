@@ -25,7 +25,7 @@ void CopyJob::finish() {
 }
 
 CopyQueue::CopyQueue() : owner_pid_(::getpid()) {
-    worker_ = std::make_unique<std::thread>(start_quiet_thread([this] { run(); }));
+    worker_ = std::make_unique<std::thread>(start_quiet_thread("inf-copy", [this] { run(); }));
 }
 
 CopyQueue::~CopyQueue() { close(); }

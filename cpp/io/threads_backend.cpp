@@ -51,7 +51,7 @@ class ThreadsBackend final : public Backend {
         std::uint32_t n = std::min(depth, kMaxHelpers);
         try {
             for (std::uint32_t i = 0; i < n; ++i) {
-                helpers_.push_back(start_quiet_thread([this] { helper_loop(); }));
+                helpers_.push_back(start_quiet_thread("inf-io-helper", [this] { helper_loop(); }));
             }
         } catch (...) {
             stop_and_join();  // a std::thread left joinable would terminate()

@@ -47,7 +47,7 @@ Worker::Worker(RequestQueue& queue, std::unique_ptr<Backend> backend, std::uint3
 
 Worker::~Worker() { join(); }
 
-void Worker::start() { thread_ = start_quiet_thread([this] { run(); }); }
+void Worker::start() { thread_ = start_quiet_thread("inf-io", [this] { run(); }); }
 
 void Worker::wake() noexcept {
     std::uint64_t one = 1;
