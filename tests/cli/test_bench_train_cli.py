@@ -50,6 +50,18 @@ def test_bench_train_tiny(tmp_path):
     assert cases["a"]["round_ratios"] == [1.0, 1.0]
     b = cases["b"]
     assert min(b["round_ratios"]) <= b["vs_plain"] <= max(b["round_ratios"])
+    for name in ("c", "d"):
+        case = cases[name]
+        # Against max(plain, I/O bound) per round, never more than against plain.
+        assert len(case["bound_round_ratios"]) == 2
+        pairs = zip(case["bound_round_ratios"], case["round_ratios"], strict=True)
+        assert all(x <= y + 1e-12 for x, y in pairs)
+        assert min(case["bound_round_ratios"]) <= case["vs_bound"]
+        assert case["vs_bound"] <= max(case["bound_round_ratios"])
+    table = out.stdout
+    for name in ("b", "c", "d"):
+        row = next(line for line in table.splitlines() if line.startswith(f"{name} "))
+        assert "of 2 rounds" in row, row
     assert cases["b"]["traffic_per_step"]["h2d_bytes"] > 0
     assert cases["b"]["traffic_per_step"]["nvme_write_bytes"] == 0
     for name in ("c", "c0", "d", "d0"):
@@ -65,6 +77,18 @@ def test_bench_train_tiny(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "divisible" in bad.stderr
+    # Two layers this narrow leave the device budget (half the parameters)
+    # smaller than one module's chunks: a clear error, not a traceback.
+    small = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "16"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "infinity", "bench", "train", *small, "--nvme-path", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "too small for the bench" in bad.stderr and "Traceback" not in bad.stderr
+    assert list(tmp_path.iterdir()) == []
     bad = subprocess.run(
         [sys.executable, "-m", "infinity", "bench", "train", "--block", "0"],
         capture_output=True,
