@@ -147,8 +147,8 @@ class TierCache:
     def try_insert(
         self, key: Hashable, nbytes: int, moment: int, may_evict: Callable[[Hashable], bool]
     ) -> Copy | None:
-        """Like :meth:`insert` but never blocks: a free slot, or the eviction of a copy
-        the policy picks among evictable ones if ``may_evict(victim)``; else ``None``.
+        """Like :meth:`insert` but never blocks: a free slot, or the eviction of the
+        copy the policy picks among evictable ones with ``may_evict``; else ``None``.
 
         Prefetching uses it: it must not wait, nor push out a chunk needed sooner.
         """
@@ -157,14 +157,17 @@ class TierCache:
         fitting = [pool for size, pool in sorted(self.pools.items()) if size >= nbytes]
         slot = self._take(fitting)
         if slot is None:
+            # NOTE: filtered before the policy chooses: under Belady this is
+            # the same as refusing when the farthest use is too near, and under
+            # LRU it keeps a protected copy from blocking the eviction of others.
             candidates = [
-                c.key for c in self._copies.values() if c.slot.pool in fitting and c.evictable()
+                c.key
+                for c in self._copies.values()
+                if c.slot.pool in fitting and c.evictable() and may_evict(c.key)
             ]
             if not candidates:
                 return None
             victim = self.policy.choose(candidates, moment)
-            if not may_evict(victim):
-                return None
             self.evict(victim)
             slot = self._take(fitting)
             if slot is None:

@@ -12,6 +12,7 @@ their homes and the optimizer through host staging.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 import torch
 
@@ -113,13 +114,15 @@ class ChunkManager(GradientFlow):
         prefetch: bool = False,
         writable: bool = True,
         from_device: bool = False,
+        protect: Collection[Key] = (),
     ) -> Copy | None:
         """A host staging copy of an NVMe-homed key, its read started if ``load``.
 
         ``wait`` blocks until the data has landed and, if ``writable``, until
         every transfer reading the buffer (write-backs, copies to the device)
         is done too, so it may be modified. ``prefetch`` never blocks for a
-        slot: ``None`` if no slot can be had without waiting. ``from_device``
+        slot: ``None`` if no slot can be had without waiting or without evicting
+        one of the keys in ``protect``. ``from_device``
         lets a parameter chunk come from its landed device copy instead of the
         disk (not while fetching that very device copy, which is still empty).
         """
@@ -129,7 +132,9 @@ class ChunkManager(GradientFlow):
             if load:
                 self.check_grad_kept(key)
             if prefetch:
-                copy = cache.try_insert(key, self.nbytes(key), self.moment, lambda _k: True)
+                copy = cache.try_insert(
+                    key, self.nbytes(key), self.moment, lambda k: k not in protect
+                )
                 if copy is None:
                     return None
             else:
@@ -177,16 +182,20 @@ class ChunkManager(GradientFlow):
         copy = self.staging[key[0]].get(key)
         return copy is not None and (copy.fill is None or copy.fill.done())
 
-    def prefetch_host(self, key: Key) -> bool:
+    def prefetch_host(self, key: Key, protect: Collection[Key] = ()) -> bool:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed);
-        False if no staging slot was free (try again later)."""
+        False if no staging slot was free without evicting a key of ``protect``
+        (try again later)."""
         cache = self.staging[key[0]]
         if key in cache:  # NOTE: the common case: polls retry reads already started
             cache.touch(key, self.moment)
             return True
         if self.homes.tier(key) == HOST:
             return True
-        return self._staged(key, load=True, wait=False, prefetch=True, from_device=True) is not None
+        copy = self._staged(
+            key, load=True, wait=False, prefetch=True, from_device=True, protect=protect
+        )
+        return copy is not None
 
     # --- device tier -------------------------------------------------------------
     def fetch_param(self, i: int, *, prefetch: bool = False) -> Copy | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
+from infinity.chunks.homes import Kind
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.offloaded_step import (
     ChunkWork,
@@ -79,7 +80,9 @@ class OptimizerSteps:
         """overlap_optimizer: queue the update of a chunk whose gradients are all in.
 
         Its reads start now; the update runs at a later hook once they have
-        landed (:meth:`poll_early`), so backward never waits on the disk for it.
+        landed (:meth:`poll_early`), so backward does not wait on the disk for
+        it, unless the queued updates already hold every gradient staging slot:
+        then the oldest one is run at once, waiting for its reads.
         """
         from infinity.optim.offloaded import offloaded_hyper
 
@@ -91,24 +94,40 @@ class OptimizerSteps:
         work = plan_chunk(self, chunk, self._early_hyper)
         self.stepped_early.add(chunk)
         if work is not None:
-            prefetch_chunk(self, work)
+            # NOTE: its reads start in poll_early, in queue order: prefetched
+            # here, it could take the slot an older starved update waits for.
             self.early_queue.append(work)
             self.poll_early()
+            while self.early_queue and self._staged_grads_queued() >= self._grad_staging_slots():
+                # NOTE: each queued update holds its gradients in a host staging
+                # slot; one more would evict them to disk and read them back.
+                # Waiting for the oldest update's reads costs less I/O than that.
+                work = self.early_queue.pop(0)
+                finish_chunk(self, work, grad_scale=1.0)
+                self.early_chunk_steps += 1
 
     def poll_early(self) -> None:
         """Run queued early updates whose data is in host memory (never waits on I/O)."""
-        pending = []
+        pending: list[ChunkWork] = []
         starved = False
         for work in self.early_queue:
             # Retry reads that found no free slot, in queue order: once one finds
             # none, later chunks must not take the next free slots before it.
-            starved = starved or not prefetch_chunk(self, work)
+            starved = starved or not prefetch_chunk(self, work, ahead=pending)
             if chunk_ready(self, work):
                 finish_chunk(self, work, grad_scale=1.0)
                 self.early_chunk_steps += 1
             else:
                 pending.append(work)
         self.early_queue = pending
+
+    def _staged_grads_queued(self) -> int:
+        """Queued early updates whose gradients wait in host staging (NVMe-homed)."""
+        tier = self.manager.homes.tier
+        return sum(tier((Kind.GRAD, w.chunk)) != HOST for w in self.early_queue)
+
+    def _grad_staging_slots(self) -> int:
+        return sum(self.plan.host_staging.get(Kind.GRAD.value, {}).values())
 
     def check_not_stepped_early(self, what: str) -> None:
         """Raise if chunks were already updated in this backward (overlap_optimizer=True)."""
@@ -133,8 +152,9 @@ class OptimizerSteps:
         self.trailing = deque(later)
         self.trailing_chunks = {w.chunk for w in later}
         self.trailing_scale = grad_scale
-        for work in later[:TRAIL_LOOKAHEAD]:
-            prefetch_chunk(self, work)  # the reads travel while the caller loads data
+        for position, work in enumerate(later[:TRAIL_LOOKAHEAD]):
+            # the reads travel while the caller loads data
+            prefetch_chunk(self, work, ahead=later[:position])
 
     def _first_forward_use(self) -> dict[int, int]:
         trace = self.trace.trace
@@ -149,8 +169,9 @@ class OptimizerSteps:
         """Run queued updates: those whose data has landed, and (waiting for its reads)
         every one up to chunk ``needed``; all of them if ``settle``."""
         while self.trailing:
-            for ahead in itertools.islice(self.trailing, TRAIL_LOOKAHEAD):
-                prefetch_chunk(self, ahead)  # never blocks; retried at every poll
+            window = list(itertools.islice(self.trailing, TRAIL_LOOKAHEAD))
+            for position, work in enumerate(window):
+                prefetch_chunk(self, work, ahead=window[:position])  # retried at every poll
             work = self.trailing[0]
             must = settle or (needed is not None and needed in self.trailing_chunks)
             if not must and not chunk_ready(self, work):
