@@ -89,3 +89,46 @@ def test_search_keeps_granularity_and_avoids_oversize_everything():
     assert layout.num_chunks >= 16  # granularity for placement and prefetch
     oversize = [c for c in layout.chunks if c.oversize]
     assert len(oversize) <= 1  # only the embedding, not every matrix
+
+
+def _gpt_blocks(layers: int, hidden: int) -> list[TensorInfo]:
+    """Weight + bias groups of GPT blocks, in forward order, as the registry lists them."""
+    shapes = [
+        ((hidden,), (hidden,)),  # ln1
+        ((3 * hidden, hidden), (3 * hidden,)),  # qkv
+        ((hidden, hidden), (hidden,)),  # attention out
+        ((hidden,), (hidden,)),  # ln2
+        ((4 * hidden, hidden), (4 * hidden,)),  # fc
+        ((hidden, 4 * hidden), (hidden,)),  # proj
+    ]
+    tensors, group = [], 0
+    for layer in range(layers):
+        for weight, bias in shapes:
+            tensors.append(TensorInfo(f"l{layer}.g{group}.w", weight, True, group))
+            tensors.append(TensorInfo(f"l{layer}.g{group}.b", bias, True, group))
+            group += 1
+    return tensors
+
+
+@pytest.mark.parametrize(("layers", "hidden"), [(16, 128), (8, 192), (24, 96)])
+def test_search_is_close_to_the_brute_force_best_on_repeated_blocks(layers, hidden):
+    # Module groups (weight + bias) repeated per block: the least-waste size is
+    # a span of a block (e.g. its attention weights and biases together), which
+    # a geometric grid of sizes misses.
+    tensors = _gpt_blocks(layers, hidden)
+    total = sum(t.numel for t in tensors)
+    elems = search_chunk_size(tensors, 4, max_bytes=64 << 20, min_bytes=64 << 10)
+    layout = build_layout(tensors, elems, 4)
+    granule = IO_ALIGNMENT // 4
+    # brute force: every 4 KiB multiple up to a block, no oversize chunk allowed
+    brute = min(
+        candidate.wasted_elems()
+        for candidate in (
+            build_layout(tensors, n * granule, 4)
+            for n in range(16, total // layers // granule + 2)
+        )
+        if not any(c.oversize for c in candidate.chunks)
+    )
+    assert layout.wasted_elems() <= brute + total // 100  # within 1% of the model
+    assert not any(c.oversize for c in layout.chunks)
+    assert layout.num_chunks >= 16
