@@ -146,6 +146,44 @@ def min_device_slots(
     return dict(need)
 
 
+def add_device_slots(
+    device: dict[int, int], chunk_bytes: Sequence[int], trainable: Sequence[bool], room: int
+) -> dict[int, int]:
+    """Spend ``room`` spare device bytes on more slots, for every chunk size alike.
+
+    Each size gets slots for the same fraction of the copies its chunks can
+    have on the device (a parameter copy each, plus a gradient copy if
+    trainable; more would sit idle); bytes left over buy the largest slots
+    still useful.
+
+    NOTE: a chunk fits only a slot at least its size. Extra slots of the
+    normal size alone left every oversize chunk (a large embedding, or every
+    matrix of a model whose tensors exceed the chunk-size cap) to be fetched
+    twice per step, however large the budget: a 70B GPT used 3.2 GiB of an
+    80 GiB device.
+    """
+    out = Counter(device)
+    wanted: Counter[int] = Counter()
+    for size, grads in zip(chunk_bytes, trainable, strict=True):
+        wanted[size] += 2 if grads else 1
+    for size in wanted:
+        wanted[size] = max(0, wanted[size] - out[size])
+    total = sum(size * count for size, count in wanted.items())
+    if total == 0 or room <= 0:
+        return dict(out)
+    share = min(1.0, room / total)
+    for size in sorted(wanted, reverse=True):
+        count = int(wanted[size] * share)
+        out[size] += count
+        wanted[size] -= count
+        room -= count * size
+    for size in sorted(wanted, reverse=True):
+        count = min(wanted[size], room // size)
+        out[size] += count
+        room -= count * size
+    return dict(out)
+
+
 def make_plan(
     layout: ChunkLayout,
     *,
@@ -166,7 +204,7 @@ def make_plan(
     pbytes = [c.capacity * element_size for c in chunks]
     obytes = [c.capacity * FP32_BYTES * (3 if has_master else 2) for c in chunks]
 
-    # Device: the minimum working set, then as many extra normal slots as fit.
+    # Device: the minimum working set, then as many more slots as fit.
     device = min_device_slots(layout, element_size, working_sets)
     device_need = sum(s * c for s, c in device.items())
     if device_need > budgets.device:
@@ -176,13 +214,9 @@ def make_plan(
             f"gradient chunk). Raise device_memory to at least {device_need} bytes or use a "
             "smaller chunk_size."
         )
-    normal = layout.chunk_bytes
-    extra_room = budgets.device - device_need
-    # NOTE: more slots than chunks (params + grads) would only sit idle.
-    useful = max(0, 2 * n - sum(device.values()))
-    device[normal] = device.get(normal, 0) + min(extra_room // normal, useful)
-
     trainable = [c.trainable for c in chunks]
+    device = add_device_slots(device, pbytes, trainable, budgets.device - device_need)
+
     param_home = [HOST] * n
     grad_home: list[str | None] = [HOST if t else None for t in trainable]
     optim_home: list[str | None] = [HOST if t else None for t in trainable]
@@ -286,8 +320,12 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     n = plan.layout.num_chunks
     params = sum(plan.param_bytes(i) for i in range(n))
     grads = sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] is not None)
-    fits = sum(plan.device_slots.values()) >= n + 1
-    fetches = 1 if fits else 2  # forward, and again in backward when evicted
+    # NOTE: backward runs the chunks in reverse, so what forward left on the
+    # device (all but a gradient slot's worth) is used again at once, and only
+    # the rest, forward's first chunks, is fetched a second time.
+    trainable_sizes = [plan.param_bytes(i) for i in range(n) if plan.grad_home[i] is not None]
+    cached = plan.device_bytes - max(trainable_sizes, default=0)
+    refetched = min(params, max(0, params - cached))
     on_nvme = [i for i in range(n) if plan.param_home[i] == NVME]
     nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
     nvme_grad = (
@@ -296,11 +334,35 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
         else sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] == NVME)
     )
     nvme_optim = sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i] == NVME)
-    updated_nvme_params = sum(plan.param_bytes(i) for i in on_nvme if plan.grad_home[i] is not None)
-    fp32_params_read = 0 if plan.has_master else updated_nvme_params
+    updated = [i for i in on_nvme if plan.grad_home[i] is not None]
+    updated_nvme_params = sum(plan.param_bytes(i) for i in updated)
+    # fp32 has no master: the step reads the parameter chunk itself, from a
+    # landed device copy when there is one (device -> host, not the disk).
+    # Overlapped, each chunk is stepped right after backward used it; else
+    # the device still holds what backward used last, forward's first chunks.
+    from_device = 0
+    if not plan.has_master:
+        resident = range(n) if consume_grads else _leading_chunks(plan, cached)
+        from_device = sum(plan.param_bytes(i) for i in updated if i in resident)
+    fp32_params_read = 0 if plan.has_master else updated_nvme_params - from_device
     return {
-        "h2d_bytes": params * fetches,
-        "d2h_bytes": grads,
-        "nvme_read_bytes": nvme_param * fetches + nvme_grad + nvme_optim + fp32_params_read,
+        "h2d_bytes": params + refetched,
+        "d2h_bytes": grads + from_device,
+        "nvme_read_bytes": nvme_param
+        + nvme_param * refetched // max(params, 1)
+        + nvme_grad
+        + nvme_optim
+        + fp32_params_read,
         "nvme_write_bytes": nvme_grad + nvme_optim + updated_nvme_params,
     }
+
+
+def _leading_chunks(plan: Plan, nbytes: int) -> set[int]:
+    """The first chunks (in forward order) whose parameters fit in ``nbytes``."""
+    chunks: set[int] = set()
+    for i in range(plan.layout.num_chunks):
+        nbytes -= plan.param_bytes(i)
+        if nbytes < 0:
+            break
+        chunks.add(i)
+    return chunks

@@ -91,3 +91,25 @@ def test_device_slots_cover_the_largest_working_set():
             working_sets=sets,
             prefetch_depth=0,
         )
+
+
+def test_spare_device_room_buys_slots_for_oversize_chunks_too():
+    # Every other tensor is larger than a chunk (oversize; two sizes of them):
+    # a large device budget must cache them as well, not only normal chunks.
+    sizes = [8192 if i % 2 else 20_000 + 4096 * (i % 4) for i in range(24)]
+    layout = build_layout([TensorInfo(f"w{i}", (n,), True) for i, n in enumerate(sizes)], 8192, E)
+    assert any(c.oversize for c in layout.chunks)
+    chunk_bytes = [c.capacity * E for c in layout.chunks]
+    copies = 2 * sum(chunk_bytes)  # a parameter and a gradient copy of every chunk
+    budget = copies // 2
+    plan = _plan(layout, device=budget, host=1 << 30, nvme=None)
+    assert plan.device_bytes <= budget
+    assert plan.device_bytes >= budget - max(chunk_bytes)  # the room is spent
+    # slots an oversize chunk fits get the oversize chunks' share of the budget
+    oversize = [c.capacity * E for c in layout.chunks if c.oversize]
+    share = budget * 2 * sum(oversize) // copies
+    usable = sum(slot * count for slot, count in plan.device_slots.items() if slot >= min(oversize))
+    assert usable >= share - max(chunk_bytes), (usable, share, plan.device_slots)
+    # more room than copies: one slot per copy, none idle
+    roomy = _plan(layout, device=4 * copies, host=1 << 30, nvme=None)
+    assert roomy.device_bytes == copies
