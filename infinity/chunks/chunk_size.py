@@ -105,6 +105,26 @@ def span_candidates(
     return sorted(ranked[:_SPAN_CANDIDATES])
 
 
+def chunk_cap(tensors: Sequence[TensorInfo], element_size: int, cap_bytes: int) -> int:
+    """The largest auto chunk size in bytes: ``cap_bytes``, raised to hold the
+    largest module group (with a span's headroom) when the tensors above
+    ``cap_bytes`` are over a quarter of the model.
+
+    NOTE: then most matrices would be oversize at any allowed size, the
+    oversize rule of :func:`search_chunk_size` excludes nothing, and the
+    search drifts to tiny chunks (a 70B GPT's 512 MiB matrices against a
+    256 MiB cap: 1.8 MiB chunks, 322 of 331 oversize). A model with one big
+    embedding keeps the cap: raising it would only buy larger staging.
+    """
+    total = sum(t.numel for t in tensors)
+    above = sum(t.numel for t in tensors if t.numel * element_size > cap_bytes)
+    if above * 4 <= total:
+        return cap_bytes
+    align = max(1, TENSOR_ALIGN_BYTES // element_size)
+    largest = max(n for runs in _group_runs(tensors, align).values() for n in runs)
+    return max(cap_bytes, int(largest * element_size * _SPAN_STRETCH))
+
+
 def _oversize_elems(layout) -> int:
     return sum(c.capacity for c in layout.chunks if c.oversize)
 

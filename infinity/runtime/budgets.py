@@ -9,7 +9,11 @@ from collections.abc import Sequence
 import psutil
 import torch
 
-from infinity.chunks.chunk_size import MIN_AUTO_CHUNK_BYTES, search_chunk_size
+from infinity.chunks.chunk_size import (
+    MIN_AUTO_CHUNK_BYTES,
+    chunk_cap,
+    search_chunk_size,
+)
 from infinity.chunks.layout import ChunkLayout, TensorInfo, build_layout
 from infinity.config import AUTO, Config
 from infinity.schedule.planner import Budgets, Plan, PlanError, make_plan
@@ -80,7 +84,10 @@ def choose_plan(
     if config.chunk_size != AUTO:
         elems = int(config.chunk_size) // element_size
         return attempt(build_layout(tensors, elems, element_size))
-    max_bytes = max(MIN_SEARCH_CHUNK_BYTES, min(MAX_AUTO_CHUNK_BYTES, budgets.device // 4))
+    # NOTE: a quarter of the device bounds even a raised cap, and a plan that
+    # does not fit retries with smaller chunks.
+    cap = chunk_cap(tensors, element_size, MAX_AUTO_CHUNK_BYTES)
+    max_bytes = max(MIN_SEARCH_CHUNK_BYTES, min(cap, budgets.device // 4))
     last_error: PlanError | None = None
     while max_bytes >= MIN_SEARCH_CHUNK_BYTES:
         elems = search_chunk_size(

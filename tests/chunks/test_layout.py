@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from infinity.chunks.chunk_size import search_chunk_size
+from infinity.chunks.chunk_size import chunk_cap, search_chunk_size
 from infinity.chunks.layout import IO_ALIGNMENT, TensorInfo, build_layout
 
 
@@ -124,11 +124,32 @@ def test_search_is_close_to_the_brute_force_best_on_repeated_blocks(layers, hidd
     brute = min(
         candidate.wasted_elems()
         for candidate in (
-            build_layout(tensors, n * granule, 4)
-            for n in range(16, total // layers // granule + 2)
+            build_layout(tensors, n * granule, 4) for n in range(16, total // layers // granule + 2)
         )
         if not any(c.oversize for c in candidate.chunks)
     )
     assert layout.wasted_elems() <= brute + total // 100  # within 1% of the model
     assert not any(c.oversize for c in layout.chunks)
     assert layout.num_chunks >= 16
+
+
+def test_chunk_cap_rises_when_most_of_the_model_is_above_it():
+    # Every matrix of these blocks is above the cap (a 70B GPT against 256 MiB):
+    # searched under the plain cap, nearly everything is oversize.
+    tensors = _gpt_blocks(16, 256)  # fp32: 0.25 MiB to 1 MiB matrices
+    cap = 192 << 10
+    total = sum(t.numel for t in tensors)
+    raised = chunk_cap(tensors, 4, cap)
+    assert raised > cap
+    for limit, expect_oversize in ((cap, True), (raised, False)):
+        elems = search_chunk_size(tensors, 4, max_bytes=limit, min_bytes=64 << 10)
+        layout = build_layout(tensors, elems, 4)
+        assert any(c.oversize for c in layout.chunks) == expect_oversize
+    assert layout.wasted_elems() <= total // 50  # whole blocks' matrices pack tightly
+
+
+def test_chunk_cap_stays_for_one_big_embedding():
+    # One tensor above the cap (a large vocabulary) is fine as an oversize
+    # chunk; raising the cap for it would only buy larger staging slots.
+    tensors = [TensorInfo("embedding", (4096, 256), True), *_gpt_blocks(32, 128)]
+    assert chunk_cap(tensors, 4, 1 << 20) == 1 << 20
