@@ -240,11 +240,24 @@ class TierCache:
 
     def _evict_one(self, pools: list[SlabPool], moment: int) -> None:
         mine = [c for c in self._copies.values() if c.slot.pool in pools]
-        candidates = [c.key for c in mine if c.evictable()]
-        if candidates:
-            self.evict(self.policy.choose(candidates, moment))
-            return
+        candidates = [c for c in mine if c.evictable()]
         busy = [c for c in mine if c.pins == 0 and not c.has_live_views() and c.pending]
+        # NOTE: clean copies go before dirty ones, and a clean copy still
+        # landing (a prefetch) is waited for rather than a dirty one written
+        # back: a device gradient chunk still receiving gradients would be
+        # flushed early and its later gradients added through host memory
+        # and written again.
+        clean = [c.key for c in candidates if not c.dirty]
+        if clean:
+            self.evict(self.policy.choose(clean, moment))
+            return
+        clean_busy = [c for c in busy if not c.dirty]
+        if candidates and clean_busy:
+            clean_busy[0].wait()
+            return
+        if candidates:
+            self.evict(self.policy.choose([c.key for c in candidates], moment))
+            return
         if busy:
             # Only transfers stand in the way: wait for one, then it is free to go.
             busy[0].wait()

@@ -1,4 +1,5 @@
-"""The tier cache's non-blocking insert: which copy a prefetch may push out."""
+"""The tier cache's eviction: which copy a prefetch may push out, and which one a
+blocking insert gives up."""
 
 from __future__ import annotations
 
@@ -12,11 +13,22 @@ from infinity.schedule.eviction import LRUPolicy
 SLOT = 4096
 
 
-def _cache(slots: int) -> TierCache:
+def _cache(slots: int, write_back=lambda _copy: None) -> TierCache:
     pool = SlabPool("host", SLOT, slots, lambda n: torch.empty(n, dtype=torch.uint8))
-    return TierCache(
-        "host", {SLOT: pool}, LRUPolicy(), TierAccount("host", None), lambda _copy: None
-    )
+    return TierCache("host", {SLOT: pool}, LRUPolicy(), TierAccount("host", None), write_back)
+
+
+class _Transfer:
+    """A transfer in flight until waited for."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def wait(self) -> None:
+        self.finished = True
+
+    def done(self) -> bool:
+        return self.finished
 
 
 def test_a_protected_copy_does_not_block_evicting_another():
@@ -38,3 +50,26 @@ def test_nothing_evictable_means_not_now():
     # With everything allowed, the least recently used one goes.
     assert cache.try_insert("c", SLOT, 3, may_evict=lambda key: True) is not None
     assert "a" not in cache and "b" in cache
+
+
+def test_a_blocking_insert_waits_for_a_landing_copy_rather_than_write_back_a_dirty_one():
+    # A device gradient chunk still receiving gradients (dirty) and a prefetched
+    # parameter chunk still landing: giving up the gradient chunk would flush
+    # it early and add its later gradients through host memory.
+    written = []
+    cache = _cache(2, write_back=lambda copy: written.append(copy.key))
+    dirty = cache.insert("grad", SLOT, moment=0)
+    dirty.dirty = True
+    landing = cache.insert("prefetched", SLOT, moment=1)
+    transfer = _Transfer()
+    landing.pending.append(transfer)
+    cache.insert("needed now", SLOT, moment=2)
+    assert transfer.finished and written == []
+    assert "grad" in cache and "prefetched" not in cache and "needed now" in cache
+    # A clean copy goes before the dirty one even when it was used later.
+    cache.insert("another", SLOT, moment=3)
+    assert written == [] and "needed now" not in cache
+    # With nothing clean left, the dirty copy is written back and goes.
+    cache.get("another").pins += 1
+    cache.insert("last", SLOT, moment=4)
+    assert written == ["grad"] and "grad" not in cache
