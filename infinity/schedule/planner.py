@@ -14,7 +14,7 @@ backward). The device tier is a cache of parameter and gradient chunks.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from infinity.chunks.layout import ChunkLayout
@@ -342,27 +342,27 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     # the device still holds what backward used last, forward's first chunks.
     from_device = 0
     if not plan.has_master:
-        resident = range(n) if consume_grads else _leading_chunks(plan, cached)
-        from_device = sum(plan.param_bytes(i) for i in updated if i in resident)
+        from_device = updated_nvme_params if consume_grads else _leading(plan, cached, updated)
     fp32_params_read = 0 if plan.has_master else updated_nvme_params - from_device
+    # Re-fetched chunks are forward's first ones; parameters spill from the back.
+    nvme_refetched = _leading(plan, refetched, on_nvme)
     return {
         "h2d_bytes": params + refetched,
         "d2h_bytes": grads + from_device,
-        "nvme_read_bytes": nvme_param
-        + nvme_param * refetched // max(params, 1)
-        + nvme_grad
-        + nvme_optim
-        + fp32_params_read,
+        "nvme_read_bytes": nvme_param + nvme_refetched + nvme_grad + nvme_optim + fp32_params_read,
         "nvme_write_bytes": nvme_grad + nvme_optim + updated_nvme_params,
     }
 
 
-def _leading_chunks(plan: Plan, nbytes: int) -> set[int]:
-    """The first chunks (in forward order) whose parameters fit in ``nbytes``."""
-    chunks: set[int] = set()
+def _leading(plan: Plan, nbytes: int, chunks: Collection[int]) -> int:
+    """Bytes of ``chunks`` within the first ``nbytes`` of parameter chunks, in
+    forward order."""
+    total = start = 0
     for i in range(plan.layout.num_chunks):
-        nbytes -= plan.param_bytes(i)
-        if nbytes < 0:
+        if start >= nbytes:
             break
-        chunks.add(i)
-    return chunks
+        end = start + plan.param_bytes(i)
+        if i in chunks:
+            total += min(end, nbytes) - start
+        start = end
+    return total
