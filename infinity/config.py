@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from infinity.utils.sizes import parse_size
+from infinity.utils.sizes import align_up, parse_size
 
 AUTO = "auto"
 IO_ALIGNMENT = 4096
@@ -24,10 +24,6 @@ AIO_BACKENDS = ("auto", "io_uring", "aio", "threads")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and a fix."""
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
 
 
 def _size_or_auto(name: str, value: Any, *, minimum: int = 0) -> int | str:
@@ -169,7 +165,7 @@ class Config:
         if self.chunk_size != AUTO and self.chunk_size % IO_ALIGNMENT:
             raise ConfigError(
                 f"chunk_size={self.chunk_size} must be a multiple of {IO_ALIGNMENT} bytes "
-                f"(O_DIRECT alignment), e.g. {_round_up(self.chunk_size, IO_ALIGNMENT)} or 'auto'"
+                f"(O_DIRECT alignment), e.g. {align_up(self.chunk_size, IO_ALIGNMENT)} or 'auto'"
             )
         if self.nvme_path is not None:
             if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):

@@ -16,11 +16,12 @@ from collections import Counter
 from collections.abc import Sequence
 
 from infinity.chunks.layout import (
-    TENSOR_ALIGN_BYTES,
     TensorInfo,
     build_layout,
     chunk_alignment_elems,
+    tensor_alignment_elems,
 )
+from infinity.utils.sizes import align_up
 
 MIN_AUTO_CHUNK_BYTES = 1 << 20
 MIN_AUTO_CHUNKS = 32
@@ -35,27 +36,23 @@ _SPAN_MAX_GROUPS = 32
 _SPAN_STRETCH = 1.5
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
 def chunk_size_candidates(
     tensors: Sequence[TensorInfo], element_size: int, min_bytes: int, max_bytes: int
 ) -> list[int]:
     """Grid and exact-tensor candidate sizes in elements, ascending, within
     ``[min_bytes, max_bytes]``."""
     granule = chunk_alignment_elems(element_size)
-    lo = max(granule, _round_up(min_bytes // element_size, granule))
+    lo = max(granule, align_up(min_bytes // element_size, granule))
     hi = max(lo, max_bytes // element_size // granule * granule)
     candidates = set()
     size = float(lo)
     while size <= hi:
-        candidates.add(_round_up(int(size), granule))
+        candidates.add(align_up(int(size), granule))
         size *= 2 ** (1 / _GRID_STEPS_PER_DOUBLING)
     candidates.add(hi)
     largest = sorted({t.numel for t in tensors}, reverse=True)[:_EXACT_CANDIDATES]
     for numel in largest:
-        exact = _round_up(numel, granule)
+        exact = align_up(numel, granule)
         if lo <= exact <= hi:
             candidates.add(exact)
     return sorted(c for c in candidates if lo <= c <= hi)
@@ -69,7 +66,7 @@ def _group_runs(tensors: Sequence[TensorInfo], align: int) -> dict[bool, list[in
     for info in tensors:
         stream = runs[info.trainable]
         if info.group >= 0 and info.group == last_group[info.trainable]:
-            stream[-1] = _round_up(stream[-1], align) + info.numel
+            stream[-1] = align_up(stream[-1], align) + info.numel
         else:
             stream.append(info.numel)
         last_group[info.trainable] = info.group
@@ -86,16 +83,16 @@ def span_candidates(
     granule.
     """
     granule = chunk_alignment_elems(element_size)
-    align = max(1, TENSOR_ALIGN_BYTES // element_size)
-    lo = _round_up(max(1, min_bytes // element_size), granule)
+    align = tensor_alignment_elems(element_size)
+    lo = align_up(max(1, min_bytes // element_size), granule)
     hi = max_bytes // element_size
     counts: Counter[int] = Counter()
     for runs in _group_runs(tensors, align).values():
         for start in range(len(runs)):
             filled = 0
             for numel in runs[start : start + _SPAN_MAX_GROUPS]:
-                filled = _round_up(filled, align) + numel
-                size = _round_up(filled, granule)
+                filled = align_up(filled, align) + numel
+                size = align_up(filled, granule)
                 if size > hi:
                     break
                 if size >= lo:
@@ -120,7 +117,7 @@ def chunk_cap(tensors: Sequence[TensorInfo], element_size: int, cap_bytes: int) 
     above = sum(t.numel for t in tensors if t.numel * element_size > cap_bytes)
     if above * 4 <= total:
         return cap_bytes
-    align = max(1, TENSOR_ALIGN_BYTES // element_size)
+    align = tensor_alignment_elems(element_size)
     largest = max(n for runs in _group_runs(tensors, align).values() for n in runs)
     return max(cap_bytes, int(largest * element_size * _SPAN_STRETCH))
 
@@ -151,7 +148,7 @@ def search_chunk_size(
     total = sum(t.numel for t in tensors)
     granule = chunk_alignment_elems(element_size)
     if total * element_size <= min_bytes:
-        return max(granule, _round_up(total, granule))
+        return max(granule, align_up(total, granule))
     bound = max(min_bytes, min(max_bytes, total * element_size // min_chunks))
     stretched = max(bound, min(max_bytes, int(bound * _SPAN_STRETCH)))
     candidates = sorted(

@@ -16,6 +16,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from infinity.utils.sizes import align_up
+
 IO_ALIGNMENT = 4096
 # NOTE: tensors start on 64-byte boundaries inside a chunk so SIMD loads of the
 # optimizer kernel stay aligned; the gap costs at most 31 elements per tensor.
@@ -102,8 +104,9 @@ def chunk_alignment_elems(element_size: int) -> int:
     return IO_ALIGNMENT // element_size
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
+def tensor_alignment_elems(element_size: int) -> int:
+    """Where tensors start inside a chunk: every ``TENSOR_ALIGN_BYTES``."""
+    return max(1, TENSOR_ALIGN_BYTES // element_size)
 
 
 def _group_sizes(tensors: Sequence[TensorInfo], align: int) -> dict[tuple[int, bool], int]:
@@ -111,7 +114,7 @@ def _group_sizes(tensors: Sequence[TensorInfo], align: int) -> dict[tuple[int, b
     sizes: dict[tuple[int, bool], int] = {}
     for info in tensors:
         key = (info.group, info.trainable)
-        sizes[key] = _round_up(sizes.get(key, 0), align) + info.numel
+        sizes[key] = align_up(sizes.get(key, 0), align) + info.numel
     return sizes
 
 
@@ -128,7 +131,7 @@ def build_layout(tensors: Sequence[TensorInfo], chunk_elems: int, element_size: 
             f"chunk_elems={chunk_elems} must be a positive multiple of {granule} "
             f"({IO_ALIGNMENT} bytes of {element_size}-byte elements)"
         )
-    align = max(1, TENSOR_ALIGN_BYTES // element_size)
+    align = tensor_alignment_elems(element_size)
     # Open chunk per stream: (trainable) -> list of (index, offset, numel, shape)
     open_chunk: dict[bool, list[tuple[int, int, int, tuple[int, ...]]]] = {True: [], False: []}
     open_fill: dict[bool, int] = {True: 0, False: 0}
@@ -148,7 +151,7 @@ def build_layout(tensors: Sequence[TensorInfo], chunk_elems: int, element_size: 
             # NOTE: a module whose weight and bias straddle two chunks needs both
             # resident at once; start a fresh chunk when that keeps it whole.
             need = group_size[(info.group, info.trainable)]
-            fill = _round_up(open_fill[info.trainable], align)
+            fill = align_up(open_fill[info.trainable], align)
             if fill and fill + need > chunk_elems >= need:
                 close(info.trainable)
         if numel == 0:
@@ -158,10 +161,10 @@ def build_layout(tensors: Sequence[TensorInfo], chunk_elems: int, element_size: 
             continue
         if numel > chunk_elems:
             closed.append(
-                (info.trainable, True, _round_up(numel, granule), [(i, 0, numel, info.shape)])
+                (info.trainable, True, align_up(numel, granule), [(i, 0, numel, info.shape)])
             )
             continue
-        start = _round_up(open_fill[info.trainable], align)
+        start = align_up(open_fill[info.trainable], align)
         if start + numel > chunk_elems:
             close(info.trainable)
             start = 0
