@@ -252,7 +252,7 @@ class TierCache:
             self.evict(self.policy.choose(clean, moment))
             return
         clean_busy = [c for c in busy if not c.dirty]
-        if candidates and clean_busy:
+        if clean_busy:
             clean_busy[0].wait()
             return
         if candidates:
