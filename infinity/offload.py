@@ -61,7 +61,6 @@ def offload(
         entry.param._infinity_engine = weakref.ref(engine)  # type: ignore[attr-defined]
         entry.param._infinity_index = entry.index  # type: ignore[attr-defined]
     object.__setattr__(model, _ENGINE_ATTR, engine)
-    weakref.finalize(model, engine.close)
     return model
 
 

@@ -8,6 +8,7 @@ unpacks a weight view, a gradient is ready, backward ends.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 
 import torch
@@ -26,7 +27,7 @@ from infinity.runtime.gradients import GradientEvents
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
 from infinity.runtime.step_timer import StepTimer
 from infinity.runtime.stepping import OptimizerSteps
-from infinity.runtime.swap import open_swap
+from infinity.runtime.swap import open_swap, release
 from infinity.runtime.timeline import Moment, Timeline
 from infinity.schedule.eviction import TraceDrivenPolicy
 from infinity.schedule.prefetch import Prefetcher
@@ -50,6 +51,9 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         self.plan = plan_for(self.registry, config, self.device)
         self.layout: ChunkLayout = self.plan.layout
         self.swap = open_swap(config, self.plan.nvme_bytes)
+        # Frees the threads and the swap file when the model is collected (or at
+        # exit) if close() was not called; it holds no reference to the model.
+        self._release = weakref.finalize(model, release, self.backend, self.swap)
         self.policy = TraceDrivenPolicy()
         self.manager = ChunkManager(
             self.plan, self.dtype, self.backend, self.swap, device_policy=self.policy
@@ -285,8 +289,4 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         try:
             self.synchronize()  # queued updates run, every transfer lands (errors raise)
         finally:
-            try:
-                self.backend.close()
-            finally:
-                if self.swap is not None:
-                    self.swap.close()
+            self._release()

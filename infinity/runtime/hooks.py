@@ -9,11 +9,31 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
 from infinity.runtime.engine import OffloadEngine
+
+
+def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A tensor hook that calls the engine's ``method`` through a weak reference.
+
+    NOTE: tensor hooks live in the C++ tensor, where the garbage collector cannot
+    see them: a hook holding the engine (which holds the parameter) would be a
+    cycle it never frees, so a dropped model would keep its threads and swap file.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return hook
 
 
 class HookSet:
@@ -42,8 +62,9 @@ class HookSet:
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
         for entry in engine.registry.entries:
             if entry.trainable:
-                self.handles.append(entry.param.register_hook(engine.before_grad))
-                self.handles.append(entry.param.register_post_accumulate_grad_hook(engine.on_grad))
+                param = entry.param
+                self.handles.append(param.register_hook(_weak(engine.before_grad)))
+                self.handles.append(param.register_post_accumulate_grad_hook(_weak(engine.on_grad)))
 
     def _pre(self, module: nn.Module):
         engine = self._engine

@@ -1,8 +1,10 @@
-"""Open the NVMe swap file for a plan (or nothing when no state spills to NVMe)."""
+"""The engine's native resources: the NVMe swap file (with its I/O engine) and
+their release, which must not need the model (see :func:`release`)."""
 
 from __future__ import annotations
 
 from infinity.config import Config
+from infinity.devices.base import DeviceBackend
 from infinity.io import IOEngine, SwapFile
 
 
@@ -11,4 +13,26 @@ def open_swap(config: Config, nbytes: int) -> SwapFile | None:
     if nbytes == 0 or config.nvme_path is None:
         return None
     engine = IOEngine(config.aio)
-    return SwapFile(config.nvme_path, nbytes, engine, name="chunks")
+    try:
+        return SwapFile(config.nvme_path, nbytes, engine, name="chunks")
+    except BaseException:
+        engine.close()
+        raise
+
+
+def release(backend: DeviceBackend, swap: SwapFile | None) -> None:
+    """Stop the copy thread, remove the swap file and stop its I/O workers.
+
+    Each step waits for the transfers it owns and runs even if the one before
+    raised. NOTE: this is the model's finalizer, so it takes only the resources:
+    a finalizer that reached the engine would reach the model (the engine's
+    registry holds its parameters) and keep both alive until exit.
+    """
+    try:
+        backend.close()
+    finally:
+        if swap is not None:
+            try:
+                swap.close()
+            finally:
+                swap.engine.close()
