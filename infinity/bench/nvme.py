@@ -21,6 +21,7 @@ import torch
 
 from infinity.config import AioConfig
 from infinity.io import IOEngine, IORequest, SwapFile, aligned_empty
+from infinity.io.owned_dirs import make_owned_dir, reclaim_stale
 
 GB = 10**9
 MIN_REQUEST_BYTES = 1 << 20
@@ -180,11 +181,11 @@ def measure_aiofiles(
 ) -> tuple[float, float]:
     """(write GB/s, read GB/s) of buffered ``aiofiles`` I/O in ``block_size`` chunks.
 
-    The file is created in a private sub-directory of ``directory`` and removed.
+    The file is created in a private sub-directory of ``directory`` and removed
+    (the next run removes it if this process is killed first).
     """
-    import tempfile
-
-    private = tempfile.mkdtemp(prefix="infinity-bench-", dir=directory)
+    reclaim_stale(directory)
+    private = make_owned_dir(directory, "bench")
     path = os.path.join(private, "aiofiles.bin")
     try:
         return asyncio.run(_aiofiles_pass(path, size, block_size, progress))

@@ -5,7 +5,8 @@ writes a fresh preallocated file of ``--size`` then reads it back, and also
 times a buffered ``aiofiles`` baseline per block size. Prints a table (and
 with ``--json`` one JSON line last, whose ``best.aio`` block loads into
 ``infinity.Config(aio=...)`` unchanged), optionally a PNG plot. Files are
-created in a private sub-directory of ``--path`` and removed, also on Ctrl-C.
+created in a private sub-directory of ``--path`` and removed, also on Ctrl-C;
+after a kill, the next run removes them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from infinity.cli.main import CommandError
 from infinity.config import AioConfig
+from infinity.io.owned_dirs import reclaim_stale
 from infinity.utils.sizes import format_size, parse_size
 
 ALIGNMENT = 4096
@@ -141,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CommandError(f"--path: cannot create '{path}': {exc.strerror}") from None
     try:
+        reclaim_stale(path)  # a killed earlier run's files would count as used space
         free = os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
         if free < size:
             raise CommandError(

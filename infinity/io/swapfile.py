@@ -1,8 +1,10 @@
 """``SwapFile``: one preallocated, private file of fixed size for the NVMe tier.
 
-The file lives in a fresh ``0700`` sub-directory (``mkdtemp``-style) of the
-directory the user names, is created ``0600``, preallocated with ``fallocate``
-(so a full disk fails now, not in the middle of training), opened with
+The file lives in a fresh ``0700`` sub-directory of the directory the user
+names, named after the owner process (:mod:`infinity.io.owned_dirs`: the next
+swap file made there removes those of dead processes), is created ``0600``,
+preallocated with ``fallocate`` (so a full disk fails now, not in the middle
+of training), opened with
 ``O_DIRECT`` and removed (file and sub-directory) on :meth:`SwapFile.close`,
 on garbage collection, and at interpreter exit.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import tempfile
 import threading
 import warnings
 import weakref
@@ -23,6 +24,7 @@ import torch
 
 from infinity._native import native
 from infinity.io.engine import IOEngine
+from infinity.io.owned_dirs import make_owned_dir, reclaim_stale
 from infinity.io.request import IORequest
 from infinity.utils.sizes import format_size, parse_size
 
@@ -155,8 +157,9 @@ class SwapFile:
 
         root = Path(os.fspath(directory)).absolute()
         _prepare_directory(root)
+        reclaim_stale(root)
         try:
-            private_dir = tempfile.mkdtemp(prefix=f"infinity-{name}-", dir=root)
+            private_dir = make_owned_dir(root, name)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"cannot create a private directory in '{root}': {exc.strerror}"

@@ -6,6 +6,16 @@ from __future__ import annotations
 from infinity.config import Config
 from infinity.devices.base import DeviceBackend
 from infinity.io import IOEngine, SwapFile
+from infinity.io.owned_dirs import reclaim_stale
+
+
+def reclaim_swap(config: Config) -> None:
+    """Remove swap directories under ``config.nvme_path`` left by processes that are gone.
+
+    NOTE: called before planning, whose ``nvme_memory="auto"`` counts free space.
+    """
+    if config.nvme_path is not None:
+        reclaim_stale(config.nvme_path)
 
 
 def open_swap(config: Config, nbytes: int) -> SwapFile | None:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +45,114 @@ def test_dropped_models_free_threads_and_swap_dirs(tmp_path, overlap):
         gc.collect()
         assert os.listdir(tmp_path) == []
         assert native_threads() == baseline
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+OFFLOAD_AND_WAIT = """
+import sys, time
+sys.path.insert(0, 'tests/engine')
+from engine_helpers import nvme_pair
+model, optimizer, _, _ = nvme_pair(sys.argv[1])
+print('ready', flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def child(code: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A Python subprocess running ``code`` that has printed 'ready'; killed at the end."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", proc.stderr.read() if proc.poll() is not None else line
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=60)
+
+
+def start_time(pid: int) -> int:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot), read independently."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return int(text[text.rindex(")") + 2 :].split()[19])
+
+
+def test_swap_dir_of_a_killed_process_is_reclaimed_by_the_next_offload(tmp_path):
+    with child(OFFLOAD_AND_WAIT, str(tmp_path)) as proc:
+        (owned,) = os.listdir(tmp_path)
+        assert owned.startswith(f"infinity-chunks-{proc.pid}-{start_time(proc.pid)}-")
+        directory = tmp_path / owned
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        (swap,) = directory.iterdir()
+        assert stat.S_IMODE(swap.stat().st_mode) == 0o600 and swap.stat().st_size > 0
+        # Never while the owner lives: another run in the same place leaves it.
+        model, _, _, _ = nvme_pair(tmp_path)
+        assert directory.exists() and len(os.listdir(tmp_path)) == 2
+        del model
+        gc.collect()
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert os.listdir(tmp_path) == [owned]  # SIGKILL: nothing could clean up
+    model, _, _, _ = nvme_pair(tmp_path)
+    (mine,) = os.listdir(tmp_path)
+    assert mine.startswith(f"infinity-chunks-{os.getpid()}-")
+    del model
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_reused_pid_is_not_taken_for_the_owner(tmp_path):
+    # The PID is alive (this process) but started at another time: the owner is gone.
+    pid, start = os.getpid(), start_time(os.getpid())
+    stale = tmp_path / f"infinity-chunks-{pid}-{start + 1}-abcd1234"
+    stale.mkdir(mode=0o700)
+    (stale / "chunks.bin").write_bytes(b"x" * 4096)
+    other = tmp_path / "unrelated"  # not ours by name: never touched
+    other.mkdir()
+    model, _, _, _ = nvme_pair(tmp_path)
+    names = os.listdir(tmp_path)
+    assert stale.name not in names and "unrelated" in names and len(names) == 2
+    del model
+    gc.collect()
+    assert os.listdir(tmp_path) == ["unrelated"]
+
+
+BENCH_FILE_AND_WAIT = """
+import sys, time
+from infinity.io import SwapFile
+swap = SwapFile(sys.argv[1], '1MiB', name='bench')
+print('ready', flush=True)
+time.sleep(120)
+"""
+
+
+def test_bench_nvme_reclaims_the_files_of_a_killed_run(tmp_path):
+    with child(BENCH_FILE_AND_WAIT, str(tmp_path)) as proc:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert len(os.listdir(tmp_path)) == 1
+    code = (
+        "import sys; from infinity.cli.main import main; sys.exit(main(['bench', 'nvme', "
+        f"'--path', {str(tmp_path)!r}, '--size', '1MiB', '--block-sizes', '64K', "
+        "'--queue-depths', '2', '--backends', 'threads']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(tmp_path) == []
