@@ -7,6 +7,7 @@ from infinity.config import Config
 from infinity.devices.base import DeviceBackend
 from infinity.io import IOEngine, SwapFile
 from infinity.io.owned_dirs import reclaim_stale
+from infinity.runtime import signals
 
 
 def reclaim_swap(config: Config) -> None:
@@ -24,10 +25,12 @@ def open_swap(config: Config, nbytes: int) -> SwapFile | None:
         return None
     engine = IOEngine(config.aio)
     try:
-        return SwapFile(config.nvme_path, nbytes, engine, name="chunks")
+        swap = SwapFile(config.nvme_path, nbytes, engine, name="chunks")
     except BaseException:
         engine.close()
         raise
+    signals.guard(swap.path, swap.directory)
+    return swap
 
 
 def release(backend: DeviceBackend, swap: SwapFile | None) -> None:
@@ -45,4 +48,5 @@ def release(backend: DeviceBackend, swap: SwapFile | None) -> None:
             try:
                 swap.close()
             finally:
+                signals.unguard(swap.path)
                 swap.engine.close()

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import batches, nvme_pair
+from engine_helpers import batches, config, nvme_pair, tiny_gpt
+
+import infinity
 
 
 def native_threads() -> list[str]:
@@ -67,6 +69,7 @@ def child(code: str, *args: str) -> Iterator[subprocess.Popen[str]]:
         [sys.executable, "-c", code, *args],
         cwd=REPO_ROOT,
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -156,3 +159,58 @@ def test_bench_nvme_reclaims_the_files_of_a_killed_run(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_remove_swap_files_and_still_kill(tmp_path, signum):
+    with child(OFFLOAD_AND_WAIT, str(tmp_path)) as proc:
+        assert len(os.listdir(tmp_path)) == 1
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == -signum  # died by the signal (143 in a shell)
+    assert os.listdir(tmp_path) == []
+
+
+USER_HANDLER_THEN_TRAIN = """
+import signal, sys, time
+sys.path.insert(0, 'tests/engine')
+from engine_helpers import nvme_pair, train_pair_error
+calls = []
+signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+pair = nvme_pair(sys.argv[1])
+print('ready', flush=True)
+while not calls:
+    time.sleep(0.01)
+print('handled', calls, flush=True)
+sys.stdin.readline()  # the test looks at the directory meanwhile
+# The unlinked swap file still works through its open descriptor.
+print(train_pair_error(*pair, steps=3), flush=True)
+"""
+
+
+def test_a_user_handler_is_chained_and_may_keep_the_process_alive(tmp_path):
+    with child(USER_HANDLER_THEN_TRAIN, str(tmp_path)) as proc:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "handled [15]"  # called once, the process lives
+        assert os.listdir(tmp_path) == []  # removed before the user's handler ran
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        error = float(proc.stdout.readline())  # relative to plain PyTorch + AdamW
+        assert proc.wait(timeout=60) == 0
+    assert error < 1e-5
+
+
+def test_handlers_only_while_an_engine_with_swap_files_lives(tmp_path):
+    previous_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        host_only = infinity.offload(tiny_gpt(), config())
+        assert signal.getsignal(signal.SIGTERM) is before  # no swap file: nothing to remove
+        model, _, _, _ = nvme_pair(tmp_path)
+        assert signal.getsignal(signal.SIGTERM) is not before
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN  # an ignored signal stays so
+        del model
+        gc.collect()
+        assert signal.getsignal(signal.SIGTERM) is before
+        del host_only
+    finally:
+        signal.signal(signal.SIGHUP, previous_hup)
