@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from infinity.utils.sizes import align_up, parse_size
+import torch
+
+from infinity.utils.sizes import align_up, parse_size, shown
 
 AUTO = "auto"
 IO_ALIGNMENT = 4096
 DTYPES = ("fp32", "bf16", "fp16")
 AIO_BACKENDS = ("auto", "io_uring", "aio", "threads")
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes: more is the wrong file
 
 
 class ConfigError(ValueError):
@@ -52,9 +56,22 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def _device(value: Any) -> str:
+    if isinstance(value, torch.device):
+        value = str(value)  # "cpu", "cuda", "cuda:1"
+    if isinstance(value, str) and (
+        value in (AUTO, "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+    ):
+        return value
+    raise ConfigError(
+        f"device={shown(value)} must be 'auto', 'cpu', 'cuda' or 'cuda:N' (or a torch.device "
+        "of those)"
+    )
+
+
 def _check_keys(cls: type, data: dict[str, Any], where: str) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=repr)
     if unknown:
         raise ConfigError(
             f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; "
@@ -118,7 +135,8 @@ class Config:
             (fp16 uses dynamic loss scaling).
         chunk_size: bytes per chunk of the compute dtype; ``"auto"`` searches the
             size that wastes least and fits the budgets.
-        device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``
+            (a ``torch.device`` is stored as its string).
         aio: NVMe I/O settings, an :class:`AioConfig` or its dict.
         prefetch_depth: chunks in flight ahead of compute (0 disables prefetch).
         prefetch_bytes: byte budget for prefetched-but-unused chunks; ``"auto"``:
@@ -168,15 +186,13 @@ class Config:
                 f"(O_DIRECT alignment), e.g. {align_up(self.chunk_size, IO_ALIGNMENT)} or 'auto'"
             )
         if self.nvme_path is not None:
-            if not isinstance(self.nvme_path, (str, os.PathLike)) or not str(self.nvme_path):
+            if not isinstance(self.nvme_path, (str, os.PathLike)) or not os.fspath(self.nvme_path):
                 raise ConfigError(f"nvme_path={self.nvme_path!r} must be a directory path or None")
-            self.nvme_path = str(self.nvme_path)
+            self.nvme_path = os.fsdecode(self.nvme_path)
+            if "\0" in self.nvme_path:
+                raise ConfigError(f"nvme_path={self.nvme_path!r} contains a NUL character")
         self.dtype = _choice("dtype", self.dtype, DTYPES)
-        if not (
-            self.device in (AUTO, "cpu", "cuda")
-            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
-        ):
-            raise ConfigError(f"device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        self.device = _device(self.device)
         if isinstance(self.aio, dict):
             self.aio = AioConfig.from_dict(self.aio)
         elif not isinstance(self.aio, AioConfig):
@@ -196,9 +212,15 @@ class Config:
             )
         for name in ("initial_loss_scale", "min_loss_scale"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name}={value!r} must be a positive number")
-            setattr(self, name, float(value))
+            number = math.nan
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                try:
+                    number = float(value)
+                except OverflowError:  # an int beyond the float range
+                    number = math.inf
+            if not 0 < number < math.inf:
+                raise ConfigError(f"{name}={shown(value)} must be a positive, finite number")
+            setattr(self, name, number)
         self.loss_scale_window = _positive_int("loss_scale_window", self.loss_scale_window)
 
     # --- (de)serialisation ------------------------------------------------------
@@ -221,13 +243,31 @@ class Config:
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Config:
         """Read a config written by :meth:`to_file` (or by hand)."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"config file path={shown(path)} must be a str or os.PathLike")
+        where = f"config file {os.fsdecode(path)!r}"
+        hint = "pass a JSON file written by Config.to_file()"
         try:
-            data = json.loads(Path(path).read_text())
+            with open(path, "rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
         except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+            raise ConfigError(f"{where} does not exist; {hint}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{where} is a directory; {hint}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read {where}: {exc.strerror}") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{where} is larger than {MAX_CONFIG_BYTES} bytes; {hint}")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where} is not UTF-8 text (a binary file?); {hint}") from None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, too many digits, nesting
+            raise ConfigError(f"{where} is not valid JSON: {exc}; {hint}") from None
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (and validated)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from infinity.cli.main import CommandError
 from infinity.config import AioConfig
+from infinity.io.filesystems import pseudo_filesystem
 from infinity.io.owned_dirs import reclaim_stale
 from infinity.utils.sizes import format_size, parse_size
 
@@ -104,6 +105,12 @@ def _backends(text: str) -> list[str]:
 
 def _check_directory(path: Path) -> bool:
     """Checks ``--path`` is usable; returns True if it must be created (its parent exists)."""
+    fs_type = pseudo_filesystem(path)
+    if fs_type is not None:
+        raise CommandError(
+            f"--path: '{path}' is on a {fs_type} file system, a kernel interface with no "
+            "storage; pick a directory on the disk to measure"
+        )
     if path.exists():
         if not path.is_dir():
             raise CommandError(f"--path: '{path}' exists and is not a directory")

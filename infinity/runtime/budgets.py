@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Sequence
 
@@ -16,6 +15,7 @@ from infinity.chunks.chunk_size import (
 )
 from infinity.chunks.layout import ChunkLayout, TensorInfo, build_layout
 from infinity.config import AUTO, Config
+from infinity.io.filesystems import nearest_existing
 from infinity.schedule.planner import Budgets, Plan, PlanError, make_plan
 
 MAX_AUTO_CHUNK_BYTES = 256 << 20
@@ -46,13 +46,7 @@ def resolve_budgets(config: Config, device: torch.device) -> Budgets:
 
 def nvme_capacity(path: str) -> int:
     """90% of the free space of the filesystem holding ``path`` (or its nearest parent)."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    return int(shutil.disk_usage(probe).free * 0.9)
+    return int(shutil.disk_usage(nearest_existing(path)).free * 0.9)
 
 
 def choose_plan(

@@ -27,7 +27,7 @@ from infinity.runtime.gradients import GradientEvents
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
 from infinity.runtime.step_timer import StepTimer
 from infinity.runtime.stepping import OptimizerSteps
-from infinity.runtime.swap import open_swap, reclaim_swap, release
+from infinity.runtime.swap import open_swap, prepare_nvme, release
 from infinity.runtime.timeline import Moment, Timeline
 from infinity.schedule.eviction import TraceDrivenPolicy
 from infinity.schedule.prefetch import Prefetcher
@@ -48,7 +48,7 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         self.registry = ParamRegistry.from_model(model)
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
-        reclaim_swap(config)
+        prepare_nvme(config)
         self.plan = plan_for(self.registry, config, self.device)
         self.layout: ChunkLayout = self.plan.layout
         self.swap = open_swap(config, self.plan.nvme_bytes)

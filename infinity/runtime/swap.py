@@ -3,20 +3,31 @@ their release, which must not need the model (see :func:`release`)."""
 
 from __future__ import annotations
 
-from infinity.config import Config
+from infinity.config import Config, ConfigError
 from infinity.devices.base import DeviceBackend
 from infinity.io import IOEngine, SwapFile
+from infinity.io.filesystems import pseudo_filesystem
 from infinity.io.owned_dirs import reclaim_stale
 from infinity.runtime import signals
 
 
-def reclaim_swap(config: Config) -> None:
-    """Remove swap directories under ``config.nvme_path`` left by processes that are gone.
+def prepare_nvme(config: Config) -> None:
+    """Check ``config.nvme_path`` can hold files; remove swap directories there left
+    by processes that are gone.
 
     NOTE: called before planning, whose ``nvme_memory="auto"`` counts free space.
     """
-    if config.nvme_path is not None:
-        reclaim_stale(config.nvme_path)
+    path = config.nvme_path
+    if path is None:
+        return
+    fs_type = pseudo_filesystem(path)
+    if fs_type is not None:
+        raise ConfigError(
+            f"nvme_path={path!r} is on a {fs_type} file system, a kernel interface with no "
+            "storage: swap files cannot be created there; use a directory on a disk "
+            "(ideally an NVMe SSD), or no nvme_path to keep every state in memory"
+        )
+    reclaim_stale(path)
 
 
 def open_swap(config: Config, nbytes: int) -> SwapFile | None:

@@ -8,6 +8,7 @@ of 1024, as fio and dd read them.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -18,6 +19,15 @@ _UNITS = {
     "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
 }  # fmt: skip
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+MAX_SIZE = (1 << 63) - 1  # the largest file offset: more than any memory or disk
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, for error messages."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:
+        return f"<an integer of {value.bit_length()} bits>"  # NOTE: repr() may refuse it
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
 
 
 def parse_size(value: int | str, *, name: str = "size") -> int:
@@ -26,21 +36,34 @@ def parse_size(value: int | str, *, name: str = "size") -> int:
         raise ValueError(
             f"{name}={value!r} is not a size; use bytes (int) or a string like '512MiB'"
         )
+    size = None
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"{name}={value} is negative; sizes are >= 0 bytes")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    if isinstance(value, str):
+            raise ValueError(f"{name}={shown(value)} is negative; sizes are >= 0 bytes")
+        size = value
+    elif isinstance(value, float) and value.is_integer() and value >= 0:
+        size = int(value)
+    elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match and match.group(2).lower() in _UNITS:
             number, unit = match.groups()
-            return int(float(number) * _UNITS[unit.lower()])
-    raise ValueError(
-        f"{name}={value!r} is not a size; use bytes (int) or a string like "
-        "'4096', '256K', '512MiB', '2GB' (KiB/MiB/GiB or K/M/G = 1024-based, KB/MB/GB = 1000-based)"
-    )
+            # NOTE: exact arithmetic: float() rounds big sizes and overflows to inf.
+            try:
+                size = int(Fraction(number) * _UNITS[unit.lower()])
+            except ValueError:  # more digits than int() accepts
+                size = MAX_SIZE + 1
+    if size is None:
+        raise ValueError(
+            f"{name}={shown(value)} is not a size; use bytes (int) or a string like "
+            "'4096', '256K', '512MiB', '2GB' (KiB/MiB/GiB or K/M/G = 1024-based, KB/MB/GB = "
+            "1000-based)"
+        )
+    if size > MAX_SIZE:
+        raise ValueError(
+            f"{name}={shown(value)} is too large: sizes stop at 2**63-1 bytes (8 EiB), more "
+            "than any memory or disk; use a size like '512GiB'"
+        )
+    return size
 
 
 def format_size(nbytes: float) -> str:
