@@ -56,9 +56,13 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         # exit) if close() was not called; it holds no reference to the model.
         self._release = weakref.finalize(model, release, self.backend, self.swap)
         self.policy = TraceDrivenPolicy()
-        self.manager = ChunkManager(
-            self.plan, self.dtype, self.backend, self.swap, device_policy=self.policy
-        )
+        try:
+            self.manager = ChunkManager(
+                self.plan, self.dtype, self.backend, self.swap, device_policy=self.policy
+            )
+        except BaseException:
+            self._release()  # the model lives on: its finalizer would not run soon
+            raise
         self.prefetcher: Prefetcher | None = None
         n = self.layout.num_chunks
         self.chunk_members: list[list[ParamEntry]] = [[] for _ in range(n)]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import batches, config, nvme_pair, tiny_gpt
+from engine_helpers import batches, config, nvme_pair, param_bytes, tiny_gpt
 
 import infinity
 
@@ -214,3 +214,21 @@ def test_handlers_only_while_an_engine_with_swap_files_lives(tmp_path):
         del host_only
     finally:
         signal.signal(signal.SIGHUP, previous_hup)
+
+
+def test_a_failed_offload_frees_what_it_made_while_the_model_lives(tmp_path, monkeypatch):
+    from infinity.runtime import engine as engine_module
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("injected: cannot allocate the slabs")
+
+    gc.collect()
+    baseline = native_threads()
+    monkeypatch.setattr(engine_module, "ChunkManager", no_memory)
+    model = tiny_gpt()  # kept alive: its finalizer cannot be what cleans up
+    pbytes = param_bytes(model, 4)
+    budgets = {"device_memory": pbytes * 6 // 10, "host_memory": pbytes * 2}
+    with pytest.raises(MemoryError, match="injected"):
+        infinity.offload(model, config(nvme_path=str(tmp_path), chunk_size="24KiB", **budgets))
+    assert os.listdir(tmp_path) == []
+    assert native_threads() == baseline
