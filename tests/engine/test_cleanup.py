@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -232,3 +233,16 @@ def test_a_failed_offload_frees_what_it_made_while_the_model_lives(tmp_path, mon
         infinity.offload(model, config(nvme_path=str(tmp_path), chunk_size="24KiB", **budgets))
     assert os.listdir(tmp_path) == []
     assert native_threads() == baseline
+
+
+def test_no_handler_is_installed_from_another_thread(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    made = []
+    worker = threading.Thread(target=lambda: made.append(nvme_pair(tmp_path)[0]))
+    worker.start()
+    worker.join()
+    assert made and os.listdir(tmp_path)  # offloaded with a swap file, from that thread
+    assert signal.getsignal(signal.SIGTERM) is before
+    made.clear()
+    gc.collect()
+    assert os.listdir(tmp_path) == [] and signal.getsignal(signal.SIGTERM) is before
