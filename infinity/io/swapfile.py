@@ -130,7 +130,8 @@ class SwapFile:
 
     The file is removed on :meth:`close` (which first waits for the file's
     transfers), when the object is garbage collected, and at interpreter exit;
-    not after ``SIGKILL`` or ``os._exit``.
+    after ``SIGKILL`` or ``os._exit``, the next swap file made in the same
+    directory removes it (its directory names the owner process).
     """
 
     def __init__(
