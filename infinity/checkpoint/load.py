@@ -21,8 +21,14 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from infinity.checkpoint.format import DATA_FILES, OPTIM_FILE, PARAM_FILE, CheckpointError
-from infinity.checkpoint.format import read_meta, stream_crc
+from infinity.checkpoint.format import (
+    DATA_FILES,
+    OPTIM_FILE,
+    PARAM_FILE,
+    CheckpointError,
+    read_meta,
+    stream_crc,
+)
 from infinity.checkpoint.optimizer_groups import hyper_updates
 from infinity.checkpoint.schema import FP32, CheckpointMeta, parse_meta
 from infinity.chunks.homes import Kind

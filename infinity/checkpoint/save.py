@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import shutil
 import zlib
@@ -21,8 +20,15 @@ from pathlib import Path
 from torch import nn
 
 from infinity.checkpoint import temporaries
-from infinity.checkpoint.format import FORMAT, META, OPTIM_FILE, PARAM_FILE, VERSION
-from infinity.checkpoint.format import dump_meta, fsync_dir
+from infinity.checkpoint.format import (
+    FORMAT,
+    META,
+    OPTIM_FILE,
+    PARAM_FILE,
+    VERSION,
+    dump_meta,
+    fsync_dir,
+)
 from infinity.checkpoint.optimizer_groups import optimizer_groups
 from infinity.chunks.homes import Kind
 from infinity.offload import engine_of

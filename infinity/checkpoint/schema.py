@@ -120,7 +120,7 @@ def _files(value: Any) -> dict[str, tuple[int, int]]:
 def _tensor(
     t: Any, what: str, esize: int, parts: int, files: dict[str, tuple[int, int]]
 ) -> tuple[TensorRecord, list[str]]:
-    t = _dict(t, what, tuple(TensorRecord.__dataclass_fields__) + ("aliases",))
+    t = _dict(t, what, (*TensorRecord.__dataclass_fields__, "aliases"))
     shape = tuple(
         _int(d, f"{what}.shape[{k}]") for k, d in enumerate(_list(t["shape"], f"{what}.shape"))
     )
