@@ -85,8 +85,11 @@ class TrainerState:
             last_loss=data["last_loss"],
         )
         # NOTE: checked here so a damaged trainer.json fails before the model is touched.
-        if state.step < 0 or state.tokens < 0 or not isinstance(state.scheduler, dict):
-            raise ValueError("step, tokens or scheduler out of range")
+        if state.step < 0 or state.tokens < 0:
+            raise ValueError(f"step {state.step} or tokens {state.tokens} below 0")
+        epoch = state.scheduler.get("last_epoch") if isinstance(state.scheduler, dict) else None
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"scheduler last_epoch {epoch!r}")
         if len(state.rng) != torch.get_rng_state().numel():
             raise ValueError(f"rng state of {len(state.rng)} bytes")
         if state.last_loss is not None and type(state.last_loss) not in (int, float):

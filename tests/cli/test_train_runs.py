@@ -217,3 +217,24 @@ def test_second_sigterm_abandons_the_step_with_exit_143(tmp_path):
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err and "last complete checkpoint" in err
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda state: [],
+        lambda state: {**state, "rng": "AAAA"},
+        lambda state: {**state, "scheduler": {"last_epoch": "x"}},
+        lambda state: {**state, "step": -3},
+    ],
+)
+def test_damaged_trainer_json_is_refused_in_one_line(tmp_path, capsys, change):
+    flags = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2"]
+    code, events, _ = _train(capsys, tmp_path, *flags)
+    assert code == 0
+    trainer = _saved(events)[-1] / "trainer.json"
+    trainer.write_text(json.dumps(change(json.loads(trainer.read_text()))))
+    code, _events, err = _train(capsys, tmp_path, "--resume", *flags[:2], "--steps", "4")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("infinity: error: --resume")
+    assert "is damaged" in err or "not an infinity train checkpoint" in err
