@@ -83,8 +83,13 @@ class RunDirectory:
 
     @classmethod
     def new(cls, directory: Path, created: list[Path]) -> RunDirectory:
-        """A new run in ``directory`` (already checked) under a fresh id."""
-        temporaries.reclaim(directory)
+        """A new run in ``directory`` (already checked) under a fresh id.
+
+        Temporaries that dead processes left in ``directory`` and in this user's
+        run directories there are reclaimed first (their checkpoints are not touched).
+        """
+        for path in [directory, *directory.glob(f"{RUN_PREFIX}*")]:
+            temporaries.reclaim(path)
         for _attempt in range(100):
             path = directory / f"{RUN_PREFIX}{uuid.uuid4().hex[:12]}"
             try:

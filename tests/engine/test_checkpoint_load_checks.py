@@ -282,6 +282,7 @@ def mutations(draw):
     max_examples=60,
     deadline=None,
     derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(mutation=mutations())
