@@ -50,16 +50,16 @@ def _seed(checkpoint: Path) -> int:
 
 
 def test_second_run_saves_its_own_checkpoints_and_keeps_the_first_runs(tmp_path, capsys):
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
-    code, first_events, _ = _train(capsys, tmp_path, "--steps", "4", "--seed", "1", *ckpt)
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    code, first_events, _ = _train(capsys, tmp_path, "--steps", "2", "--seed", "1", *ckpt)
     assert code == 0
     first = _saved(first_events)
     before = _tree(tmp_path / "ckpt")
-    code, second_events, _ = _train(capsys, tmp_path, "--steps", "4", "--seed", "2", *ckpt)
+    code, second_events, _ = _train(capsys, tmp_path, "--steps", "2", "--seed", "2", *ckpt)
     assert code == 0
     assert "earlier runs (kept)" in _notes(second_events)
     second = _saved(second_events)
-    assert [p.name for p in second] == ["step-00000002", "step-00000004"]
+    assert [p.name for p in second] == ["step-00000001", "step-00000002"]
     assert {p.parent for p in second}.isdisjoint({p.parent for p in first})
     for path in second:  # what was reported is on disk, and is this run's
         assert _seed(path) == 2
@@ -143,15 +143,15 @@ def test_full_disk_at_save_is_a_clear_error_and_no_checkpoint(tmp_path, capsys, 
 
 def test_resuming_a_run_another_process_holds_forks_a_new_run(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
-    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
-    code, events, _ = _train(capsys, tmp_path, "--steps", "4", *flags)
+    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    code, events, _ = _train(capsys, tmp_path, "--steps", "2", *flags)
     assert code == 0
     run = _saved(events)[-1].parent
     before = _tree(run)
     holder = RunDirectory.resume(run)  # as a live process training this run would
     assert holder is not None
     try:
-        code, events, _ = _train(capsys, tmp_path, "--resume", "--steps", "6", *flags)
+        code, events, _ = _train(capsys, tmp_path, "--resume", "--steps", "3", *flags)
     finally:
         holder.close()
     assert code == 0 and "saving as a new run" in _notes(events)
@@ -161,12 +161,12 @@ def test_resuming_a_run_another_process_holds_forks_a_new_run(tmp_path, capsys):
 
 def test_resuming_an_older_checkpoint_keeps_the_newer_ones(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
-    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
-    code, events, _ = _train(capsys, tmp_path, "--steps", "4", *flags)
+    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    code, events, _ = _train(capsys, tmp_path, "--steps", "2", *flags)
     assert code == 0
     older = _saved(events)[0]
     before = _tree(older.parent)
-    code, events, _ = _train(capsys, tmp_path, "--resume", str(older), "--steps", "4", *flags)
+    code, events, _ = _train(capsys, tmp_path, "--resume", str(older), "--steps", "2", *flags)
     assert code == 0
     assert _saved(events)[-1].parent != older.parent
     assert _tree(older.parent) == before
@@ -186,7 +186,7 @@ def _subprocess(*flags: str, cwd: Path) -> subprocess.Popen:
 
 def test_two_runs_at_once_in_one_working_directory(tmp_path):
     """Both use the default checkpoint directory; neither fails or deletes the other's."""
-    flags = ["--steps", "5", "--checkpoint-every", "1"]
+    flags = ["--steps", "3", "--checkpoint-every", "1"]
     procs = [
         _subprocess(*flags, "--seed", str(seed), "--nvme-path", f"nvme{seed}", cwd=tmp_path)
         for seed in (1, 2)
@@ -195,10 +195,10 @@ def test_two_runs_at_once_in_one_working_directory(tmp_path):
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err
         saved = _saved([json.loads(line) for line in out.splitlines()])
-        assert [p.name for p in saved] == [f"step-{s:08d}" for s in range(1, 6)]
+        assert [p.name for p in saved] == [f"step-{s:08d}" for s in range(1, 4)]
         run = tmp_path / saved[-1].parent
-        assert sorted(p.name for p in run.iterdir()) == ["step-00000004", "step-00000005"]
-        assert all(_seed(run / name) == seed for name in ("step-00000004", "step-00000005"))
+        assert sorted(p.name for p in run.iterdir()) == ["step-00000002", "step-00000003"]
+        assert all(_seed(run / name) == seed for name in ("step-00000002", "step-00000003"))
     runs = list((tmp_path / ".infinity" / "checkpoints").iterdir())
     assert len(runs) == 2
 
