@@ -142,7 +142,14 @@ def latest_checkpoint(directory: Path) -> Path | None:
             candidates.append(found[-1][1])
     if not candidates:
         return None
-    return max(candidates, key=lambda p: ((p / TRAINER_FILE).stat().st_mtime_ns, p.name))
+    return max(candidates, key=lambda p: (_saved_at(p), p.name))
+
+
+def _saved_at(path: Path) -> int:
+    try:
+        return (path / TRAINER_FILE).stat().st_mtime_ns
+    except OSError:
+        return -1  # NOTE: pruned by its (other) run since it was listed
 
 
 def save(
