@@ -4,7 +4,9 @@ A checkpoint directory holds:
 
 - ``meta.json``: format version, dtype, the layout (every tensor's name, shape,
   chunk and offset), per-tensor optimizer step counts, optimizer hyper-parameters
-  per group, loss-scaler state, and a CRC-32 and size per data file;
+  per group, loss-scaler state, a CRC-32 and size per data file, and a SHA-256
+  of its own canonical form (``meta_sha256``), so a damaged offset or count is
+  refused instead of loading wrong weights;
 - ``param.bin``: every parameter chunk in the compute dtype, in chunk order;
 - ``optim.bin``: every trainable chunk's optimizer unit (fp32 master when the
   compute dtype is 16-bit, then ``exp_avg``, then ``exp_avg_sq``).
@@ -16,100 +18,89 @@ layout (other budgets, other chunk size) of the same model.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import os
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 FORMAT = "infinity-checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # NOTE: version 1 has no meta_sha256; everything else is checked
 META = "meta.json"
+META_CHECKSUM = "meta_sha256"
 PARAM_FILE = "param.bin"
 OPTIM_FILE = "optim.bin"
+DATA_FILES = (PARAM_FILE, OPTIM_FILE)
+MAX_META_BYTES = 1 << 30  # NOTE: a 70B model's meta.json is a few MB; more is not ours
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not match the model."""
 
 
-@dataclass(frozen=True)
-class TensorRecord:
-    """Where one tensor's values sit in the checkpoint files."""
+def meta_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of ``meta`` without its checksum, in a canonical JSON form.
 
-    name: str
-    shape: tuple[int, ...]
-    trainable: bool
-    param_offset: int  # byte offset of the tensor in param.bin
-    optim_offset: int | None  # byte offset of the chunk's unit in optim.bin
-    chunk_capacity: int  # elements of the chunk (parts of a unit are this long)
-    element_offset: int  # offset of the tensor inside its chunk (elements)
-    step: int
+    NOTE: canonical (sorted keys, no spaces) rather than the file's bytes, so the
+    checksum can live inside the file it protects; Python's float repr
+    round-trips, so parsing and re-serialising gives the same text.
+    """
+    body = {k: v for k, v in meta.items() if k != META_CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
+
+def dump_meta(meta: dict[str, Any], file: Path) -> None:
+    """Write ``meta`` with its checksum to ``file`` and fsync it."""
+    with open(file, "w") as f:
+        json.dump({**meta, META_CHECKSUM: meta_digest(meta)}, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """Parse and check ``meta.json``; raise :class:`CheckpointError` if unusable."""
+    """Parse ``meta.json`` and check its format and checksum (not yet its contents).
+
+    Raises :class:`CheckpointError` naming the problem for anything unusable.
+    """
     meta_path = path / META
     if not meta_path.is_file():
         raise CheckpointError(f"{path} is not an infinity checkpoint (no {META})")
     try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
+        with open(meta_path, "rb") as f:
+            raw = f.read(MAX_META_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {meta_path}: {exc.strerror}") from None
+    if len(raw) > MAX_META_BYTES:
+        raise CheckpointError(f"{meta_path} is larger than {MAX_META_BYTES} bytes: not ours")
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"{meta_path} is corrupt: {exc}") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path} is corrupt: not a JSON object")
+    fmt, version = meta.get("format"), meta.get("version")
+    if fmt != FORMAT or type(version) is not int or version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r} "
-            f"is not {FORMAT!r} version {VERSION}"
+            f"{meta_path}: format {fmt!r} version {version!r} is not {FORMAT!r} "
+            f"version {' or '.join(map(str, READABLE_VERSIONS))}"
         )
-    for name, info in meta["files"].items():
-        file = path / name
-        if not file.is_file() or file.stat().st_size != info["bytes"]:
-            raise CheckpointError(
-                f"{file} is missing or truncated (expected {info['bytes']} bytes)"
-            )
+    if version >= 2 and meta.get(META_CHECKSUM) != meta_digest(meta):
+        raise CheckpointError(
+            f"{meta_path} is corrupt: its contents do not match its {META_CHECKSUM}"
+        )
     return meta
 
 
-def records(meta: dict[str, Any]) -> dict[str, TensorRecord]:
-    """Tensor records by name (aliases of tied parameters included)."""
-    out: dict[str, TensorRecord] = {}
-    for t in meta["tensors"]:
-        record = TensorRecord(
-            name=t["name"],
-            shape=tuple(t["shape"]),
-            trainable=t["trainable"],
-            param_offset=t["param_offset"],
-            optim_offset=t["optim_offset"],
-            chunk_capacity=t["chunk_capacity"],
-            element_offset=t["element_offset"],
-            step=t["step"],
-        )
-        for name in [t["name"], *t["aliases"]]:
-            out[name] = record
-    return out
-
-
-def file_crc(file: Path, block: int = 16 << 20) -> int:
-    """CRC-32 of a whole file, read in blocks."""
+def stream_crc(f: BinaryIO, block: int = 16 << 20) -> int:
+    """CRC-32 of an open file from its start, read in blocks."""
+    f.seek(0)
     crc = 0
-    with open(file, "rb") as f:
-        while chunk := f.read(block):
-            crc = zlib.crc32(chunk, crc)
+    while chunk := f.read(block):
+        crc = zlib.crc32(chunk, crc)
     return crc
-
-
-def verify_files(path: Path, meta: dict[str, Any]) -> None:
-    """Check every data file's CRC-32 against ``meta.json``."""
-    for name, info in meta["files"].items():
-        if file_crc(path / name) != info["crc32"]:
-            raise CheckpointError(f"{path / name} is corrupt (CRC-32 mismatch)")
 
 
 def fsync_dir(path: Path) -> None:

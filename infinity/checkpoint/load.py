@@ -1,36 +1,42 @@
-"""``infinity.load_checkpoint``: stream a checkpoint back into the chunks.
+"""``infinity.load_checkpoint``: check the whole checkpoint, then stream it into the chunks.
 
-Tensors are found by name and read straight into their chunk regions (host
-homes, or staging slots written to NVMe), chunk by chunk, so loading never
-holds the model in RAM and works across chunk layouts. Only JSON and raw bytes
-are read: nothing is unpickled.
+All or nothing: the first pass checks ``meta.json`` (its checksum, every
+field's type and range, every byte range inside its file), that it matches the
+model and optimizer, and every data file's CRC-32 — without touching either.
+Only then does the second pass read the tensors, found by name, straight into
+their chunk regions (host homes, or staging slots written to NVMe), chunk by
+chunk, so loading never holds the model in RAM and works across chunk layouts.
+Both passes read the same open files, so a checkpoint replaced in between
+(a new save renames over it) cannot mix in. Only JSON and raw bytes are read:
+nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
 from infinity.checkpoint.format import (
+    DATA_FILES,
     OPTIM_FILE,
     PARAM_FILE,
     CheckpointError,
-    TensorRecord,
     read_meta,
-    records,
-    verify_files,
+    stream_crc,
 )
+from infinity.checkpoint.optimizer_groups import hyper_updates
+from infinity.checkpoint.schema import FP32, CheckpointMeta, parse_meta
 from infinity.chunks.homes import Kind
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
 
-FP32 = 4
 
-
-def _read_into(f, offset: int, dst: torch.Tensor) -> None:
+def _read_into(f: BinaryIO, offset: int, dst: torch.Tensor) -> None:
     """Fill the uint8 tensor ``dst`` from byte ``offset`` of file ``f``."""
     f.seek(offset)
     view = dst.numpy()
@@ -41,25 +47,44 @@ def _read_into(f, offset: int, dst: torch.Tensor) -> None:
         )
 
 
-def _match(engine: OffloadEngine, recs: dict[str, TensorRecord], dtype: str) -> None:
-    if dtype != engine.config.dtype:
+def _match(engine: OffloadEngine, meta: CheckpointMeta) -> None:
+    if meta.dtype != engine.config.dtype:
         raise CheckpointError(
-            f"checkpoint was written with dtype={dtype!r} but the model is offloaded with "
-            f"dtype={engine.config.dtype!r}; offload with the checkpoint's dtype"
+            f"checkpoint was written with dtype={meta.dtype!r} but the model is offloaded "
+            f"with dtype={engine.config.dtype!r}; offload with the checkpoint's dtype"
         )
     problems = []
     for entry in engine.registry.entries:
-        rec = recs.get(entry.name)
+        rec = meta.tensors.get(entry.name)
         if rec is None:
             problems.append(f"{entry.name}: not in checkpoint")
         elif rec.shape != entry.shape:
             problems.append(
                 f"{entry.name}: shape {rec.shape} in checkpoint, {entry.shape} in model"
             )
-        elif rec.trainable != entry.trainable and entry.trainable:
+        elif entry.trainable and not rec.trainable:
             problems.append(f"{entry.name}: frozen in checkpoint, trainable in model")
     if problems:
         raise CheckpointError("checkpoint does not match the model: " + "; ".join(problems[:10]))
+
+
+def _open_data(stack: ExitStack, target: Path, meta: CheckpointMeta, verify: bool):
+    """Open the data files once for both passes; check sizes (and CRCs with ``verify``)."""
+    files: dict[str, BinaryIO] = {}
+    for name in DATA_FILES:
+        path = target / name
+        size, crc = meta.files[name]
+        try:
+            f = stack.enter_context(open(path, "rb"))
+            actual = os.fstat(f.fileno()).st_size
+            if actual != size:
+                raise CheckpointError(f"{path} is truncated or padded: {actual} bytes, not {size}")
+            if verify and stream_crc(f) != crc:
+                raise CheckpointError(f"{path} is corrupt (CRC-32 mismatch)")
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+        files[name] = f
+    return files
 
 
 def load_checkpoint(
@@ -72,75 +97,65 @@ def load_checkpoint(
     """Restore parameters, fp32 masters, moments and step counts (and optimizer
     hyper-parameters) from ``path``; returns the checkpoint's metadata.
 
-    ``verify`` checks every file's CRC-32 first (one sequential read).
+    Everything is checked before the model or optimizer is changed, so a
+    :class:`CheckpointError` leaves both exactly as they were. ``verify``
+    checks every data file's CRC-32 as part of that (one sequential read);
+    without it only the metadata and file sizes are checked.
     """
     target = Path(path)
-    meta = read_meta(target)
-    if verify:
-        verify_files(target, meta)
+    raw = read_meta(target)
+    meta = parse_meta(raw)
     engine = engine_of(model)
-    recs = records(meta)
-    _match(engine, recs, meta["dtype"])
+    _match(engine, meta)
+    updates: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    if optimizer is not None and meta.optimizer is not None:
+        updates = hyper_updates(engine, optimizer, meta.optimizer)
+    with ExitStack() as stack:
+        files = _open_data(stack, target, meta, verify)
+        # --- everything is checked: from here on the model changes ---
+        engine.synchronize()
+        _write_chunks(engine, meta, files[PARAM_FILE], files[OPTIM_FILE])
+    for entry in engine.registry.entries:
+        if entry.trainable:
+            engine.tensor_steps[entry.index] = meta.tensors[entry.name].step
+    engine.reset_gradients()
+    engine.step_count = meta.step_count
+    if engine.scaler is not None and meta.loss_scaler is not None:
+        engine.scaler.load_state_dict(meta.loss_scaler)
+    for group, values in updates:
+        group.update(values)
+    return raw
+
+
+def _write_chunks(engine: OffloadEngine, meta: CheckpointMeta, fp: BinaryIO, fo: BinaryIO):
+    """Second pass: read every tensor into its chunk region, chunk by chunk."""
     manager = engine.manager
-    engine.synchronize()
     esize = engine.plan.element_size
     parts = 3 if engine.plan.has_master else 2
-    with open(target / PARAM_FILE, "rb") as fp, open(target / OPTIM_FILE, "rb") as fo:
-        for chunk, spec in enumerate(engine.layout.chunks):
-            members = engine.chunk_members[chunk]
-            region, copy = manager.open_host((Kind.PARAM, chunk), load=False)
-            try:
-                region.zero_()
-                for entry in members:
-                    slot = engine.layout.slots[entry.index]
-                    rec = recs[entry.name]
-                    dst = region[slot.offset * esize : (slot.offset + slot.numel) * esize]
-                    _read_into(fp, rec.param_offset, dst)
-            finally:
-                manager.close_host(copy, modified=True)
-            manager.drop_param(chunk)
-            if not spec.trainable:
-                continue
-            region, copy = manager.open_host((Kind.OPTIM, chunk), load=False)
-            try:
-                region.zero_()
-                cap = spec.capacity
-                for entry in members:
-                    slot = engine.layout.slots[entry.index]
-                    rec = recs[entry.name]
-                    if rec.optim_offset is None:
-                        raise CheckpointError(
-                            f"{entry.name} has no optimizer state in the checkpoint"
-                        )
-                    for k in range(parts):
-                        src = (
-                            rec.optim_offset + (k * rec.chunk_capacity + rec.element_offset) * FP32
-                        )
-                        at = (k * cap + slot.offset) * FP32
-                        _read_into(fo, src, region[at : at + slot.numel * FP32])
-                    engine.tensor_steps[entry.index] = rec.step
-            finally:
-                manager.close_host(copy, modified=True)
-    engine.reset_gradients()
-    engine.step_count = meta["step_count"]
-    if engine.scaler is not None and meta["loss_scaler"] is not None:
-        engine.scaler.load_state_dict(meta["loss_scaler"])
-    if optimizer is not None and meta["optimizer"] is not None:
-        _load_optimizer(engine, optimizer, meta["optimizer"])
-    return meta
-
-
-def _load_optimizer(engine: OffloadEngine, optimizer, groups: list[dict]) -> None:
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"checkpoint has {len(groups)} optimizer parameter groups, the optimizer has "
-            f"{len(optimizer.param_groups)}"
-        )
-    for saved, group in zip(groups, optimizer.param_groups, strict=False):
-        names = [engine.registry.entries[p._infinity_index].name for p in group["params"]]
-        if names != saved["params"]:
-            raise CheckpointError(
-                "optimizer parameter groups hold different parameters than in the checkpoint"
-            )
-        for key, value in saved["hyper"].items():
-            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    for chunk, spec in enumerate(engine.layout.chunks):
+        members = engine.chunk_members[chunk]
+        region, copy = manager.open_host((Kind.PARAM, chunk), load=False)
+        try:
+            region.zero_()
+            for entry in members:
+                slot = engine.layout.slots[entry.index]
+                dst = region[slot.offset * esize : (slot.offset + slot.numel) * esize]
+                _read_into(fp, meta.tensors[entry.name].param_offset, dst)
+        finally:
+            manager.close_host(copy, modified=True)
+        manager.drop_param(chunk)
+        if not spec.trainable:
+            continue
+        region, copy = manager.open_host((Kind.OPTIM, chunk), load=False)
+        try:
+            region.zero_()
+            for entry in members:
+                slot = engine.layout.slots[entry.index]
+                rec = meta.tensors[entry.name]
+                assert rec.optim_offset is not None  # _match: trainable in the checkpoint too
+                for k in range(parts):
+                    src = rec.optim_offset + (k * rec.chunk_capacity + rec.element_offset) * FP32
+                    at = (k * spec.capacity + slot.offset) * FP32
+                    _read_into(fo, src, region[at : at + slot.numel * FP32])
+        finally:
+            manager.close_host(copy, modified=True)

@@ -3,26 +3,35 @@
 Chunks are written one at a time straight from their homes (host memory or
 NVMe through a staging slot), so saving never holds the model in RAM. Files go
 to a temporary sibling directory, are fsync'ed, and replace the old checkpoint
-by rename: an interrupted save leaves the previous checkpoint intact.
+by rename: an interrupted save leaves the previous checkpoint intact. The
+temporaries carry the saving process's PID (``checkpoint/temporaries.py``); a
+save removes those left by processes that died mid-save.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import shutil
-import tempfile
 import zlib
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
-from infinity.checkpoint.format import FORMAT, META, OPTIM_FILE, PARAM_FILE, VERSION, fsync_dir
+from infinity.checkpoint import temporaries
+from infinity.checkpoint.format import (
+    FORMAT,
+    META,
+    OPTIM_FILE,
+    PARAM_FILE,
+    VERSION,
+    dump_meta,
+    fsync_dir,
+)
+from infinity.checkpoint.optimizer_groups import optimizer_groups
 from infinity.chunks.homes import Kind
-from infinity.offload import engine_of, engine_of_param
+from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
 
 
@@ -49,72 +58,71 @@ def _stream(
     return offsets, {"bytes": position, "crc32": crc}
 
 
-def optimizer_groups(engine: OffloadEngine, optimizer) -> list[dict[str, Any]]:
-    """Each group's JSON-able hyper-parameters and the names of its parameters."""
-    groups = []
-    for group in optimizer.param_groups:
-        names = []
-        for p in group["params"]:
-            if engine_of_param(p) is not engine:
-                raise ValueError("the optimizer holds parameters that are not in this model")
-            names.append(engine.registry.entries[p._infinity_index].name)
-        hyper = {
-            k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in group.items()
-            if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))
-        }
-        groups.append({"hyper": hyper, "params": names})
-    return groups
+def write_checkpoint(directory: Path, model: nn.Module, optimizer=None) -> None:
+    """Write the checkpoint files into the existing empty ``directory`` and fsync them.
+
+    No rename: the caller makes the directory visible once it is complete.
+    """
+    engine = engine_of(model)
+    engine.synchronize()
+    layout = engine.layout
+    all_chunks = list(range(layout.num_chunks))
+    trainable = [i for i in all_chunks if layout.chunks[i].trainable]
+    groups = optimizer_groups(engine, optimizer) if optimizer is not None else None
+    param_at, param_info = _stream(engine, Kind.PARAM, all_chunks, directory / PARAM_FILE)
+    optim_at, optim_info = _stream(engine, Kind.OPTIM, trainable, directory / OPTIM_FILE)
+    tensors = []
+    for entry in engine.registry.entries:
+        slot = layout.slots[entry.index]
+        tensors.append(
+            {
+                "name": entry.name,
+                "aliases": entry.aliases,
+                "shape": list(slot.shape),
+                "trainable": entry.trainable,
+                "param_offset": param_at[slot.chunk] + slot.offset * engine.plan.element_size,
+                "optim_offset": optim_at.get(slot.chunk),
+                "chunk_capacity": layout.chunks[slot.chunk].capacity,
+                "element_offset": slot.offset,
+                "step": engine.tensor_steps[entry.index],
+            }
+        )
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": engine.config.dtype,
+        "has_master": engine.plan.has_master,
+        "step_count": engine.step_count,
+        "tensors": tensors,
+        "files": {PARAM_FILE: param_info, OPTIM_FILE: optim_info},
+        "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "optimizer": groups,
+    }
+    dump_meta(meta, directory / META)
+    fsync_dir(directory)
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer=None) -> Path:
-    """Write ``model`` (and ``optimizer``'s state) to the directory ``path``, atomically."""
-    engine = engine_of(model)
-    engine.synchronize()
+    """Write ``model`` (and ``optimizer``'s state) to the directory ``path``, atomically.
+
+    On any error (a full disk included) the temporary is removed and the
+    previous checkpoint at ``path``, if any, is left as it was.
+    """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    temporaries.reclaim(target.parent)
+    tmp = temporaries.temp_path(target.parent, target.name)
+    tmp.mkdir()
     try:
-        layout = engine.layout
-        all_chunks = list(range(layout.num_chunks))
-        trainable = [i for i in all_chunks if layout.chunks[i].trainable]
-        param_at, param_info = _stream(engine, Kind.PARAM, all_chunks, tmp / PARAM_FILE)
-        optim_at, optim_info = _stream(engine, Kind.OPTIM, trainable, tmp / OPTIM_FILE)
-        tensors = []
-        for entry in engine.registry.entries:
-            slot = layout.slots[entry.index]
-            tensors.append(
-                {
-                    "name": entry.name,
-                    "aliases": entry.aliases,
-                    "shape": list(slot.shape),
-                    "trainable": entry.trainable,
-                    "param_offset": param_at[slot.chunk] + slot.offset * engine.plan.element_size,
-                    "optim_offset": optim_at.get(slot.chunk),
-                    "chunk_capacity": layout.chunks[slot.chunk].capacity,
-                    "element_offset": slot.offset,
-                    "step": engine.tensor_steps[entry.index],
-                }
-            )
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "dtype": engine.config.dtype,
-            "has_master": engine.plan.has_master,
-            "step_count": engine.step_count,
-            "tensors": tensors,
-            "files": {PARAM_FILE: param_info, OPTIM_FILE: optim_info},
-            "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-            "optimizer": optimizer_groups(engine, optimizer) if optimizer is not None else None,
-        }
-        with open(tmp / META, "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
+        write_checkpoint(tmp, model, optimizer)
         _replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno is not None:
+            # NOTE: same errno (so the same OSError subclass), with the checkpoint named.
+            raise OSError(
+                exc.errno, f"cannot save checkpoint {target}: {exc.strerror or exc}"
+            ) from exc
         raise
     return target
 
@@ -154,8 +162,7 @@ def _replace(new: Path, target: Path) -> None:
         fsync_dir(target.parent)
         shutil.rmtree(new, ignore_errors=True)  # now holds the old checkpoint
         return
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    shutil.rmtree(old, ignore_errors=True)
+    old = temporaries.temp_path(target.parent, target.name, temporaries.OLD)
     os.rename(target, old)
     try:
         os.rename(new, target)

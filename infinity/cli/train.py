@@ -25,6 +25,7 @@ from infinity.cli.main import CommandError
 from infinity.cli.train_args import DEFAULT_CHECKPOINT_DIR, add_arguments
 from infinity.cli.train_loop import Session, StopSignals
 from infinity.cli.train_report import HumanReport, JsonReport, RunSummary, budget_lines
+from infinity.cli.train_runs import RUN_PREFIX, RunDirectory, check_directory
 from infinity.cli.train_settings import (
     RunSettings,
     as_flags,
@@ -67,8 +68,33 @@ def _resume_point(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
         raise CommandError(
             f"--resume: '{given}' is neither a checkpoint nor a directory holding one"
         )
-    # New checkpoints go next to the resumed one unless --checkpoint-dir says otherwise.
-    return found, directory if given_dir else found.parent
+    # New checkpoints go next to the resumed run unless --checkpoint-dir says otherwise.
+    in_run = found.parent.name.startswith(RUN_PREFIX)
+    return found, directory if given_dir else (found.parent.parent if in_run else found.parent)
+
+
+def _open_run_dir(
+    directory: Path, resume_from: Path | None, resumed: ckpt.TrainerState | None
+) -> tuple[RunDirectory, str | None]:
+    """Check ``--checkpoint-dir`` and take this run's directory in it (at start-up, before
+    training); returns it and, when a resumed run cannot be continued in place, why."""
+    created = check_directory(directory)
+    why = None
+    if resume_from is not None and resumed is not None:
+        run_path = resume_from.parent
+        newest = ckpt.complete_checkpoints(run_path)
+        if run_path.name != f"{RUN_PREFIX}{resumed.run_id}":
+            why = f"{resume_from} is not in its run's directory"
+        elif run_path.parent.resolve() != directory.resolve():
+            why = f"checkpoints go to '{directory}'"
+        elif not newest or newest[-1][1] != resume_from:
+            why = f"{run_path} has newer checkpoints than {resume_from.name}; they are kept"
+        else:
+            continued = RunDirectory.resume(run_path)
+            if continued is not None:
+                return continued, None
+            why = f"{run_path} is not yours or another process is training it"
+    return RunDirectory.new(directory, created), why
 
 
 @dataclass
@@ -85,6 +111,8 @@ class _Run:
     resume_from: Path | None
     resumed: ckpt.TrainerState | None
     started: float
+    run_dir: RunDirectory | None = None  # this run's own directory in ckpt_dir
+    forked: str | None = None  # why a resumed run continues as a new run, if it does
     last_saved: Path | None = None  # the newest complete checkpoint of this run
 
 
@@ -185,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     created = _prepare_nvme(config.nvme_path)
     try:
+        if ckpt_dir is not None:
+            plan.run_dir, plan.forked = _open_run_dir(ckpt_dir, resume_from, resumed)
         # NOTE: the handlers cover everything from offload to cleanup, so a second
         # Ctrl-C anywhere abandons the run with the message below, not a traceback.
         with StopSignals(report.note) as stop:
@@ -196,8 +226,10 @@ def run(args: argparse.Namespace) -> int:
                     session.close()
             except KeyboardInterrupt:
                 report.alert(f"interrupted: the current step was abandoned; {_where(plan)}")
-                return 130
+                return 128 + (stop.abandon_signum or signal.SIGINT)
     finally:
+        if plan.run_dir is not None:
+            plan.run_dir.close()
         _remove_created(created)
 
 
@@ -210,11 +242,19 @@ def _where(run: _Run) -> str:
 
 def _save(run: _Run, session: Session, summary: RunSummary) -> None:
     """Checkpoint the current step, unless nothing was trained or it is saved already."""
-    if run.ckpt_dir is None or not summary.losses:
+    if run.run_dir is None or not summary.losses:
         return  # nothing trained in this invocation: the last checkpoint is still current
-    if run.last_saved != ckpt.checkpoint_path(run.ckpt_dir, session.step):
-        run.last_saved = session.save(run.ckpt_dir)
-        run.report.event("checkpoint", step=session.step, path=str(run.last_saved))
+    if run.last_saved == ckpt.checkpoint_path(run.run_dir.path, session.step):
+        return
+    try:
+        run.last_saved = session.save(run.run_dir)
+    except (OSError, infinity.CheckpointError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CommandError(
+            f"cannot save the checkpoint of step {session.step} in '{run.run_dir.path}': "
+            f"{reason}; nothing was saved for this step; {_where(run)}"
+        ) from None
+    run.report.event("checkpoint", step=session.step, path=str(run.last_saved))
 
 
 def _train(run: _Run, session: Session, stop: StopSignals) -> int:
@@ -234,11 +274,15 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     report.start(_header(run, session))
     if run.resumed is not None:
         report.note(f"resumed from {run.resume_from} (step {run.resumed.step})")
-    elif run.ckpt_dir is not None and ckpt.latest_checkpoint(run.ckpt_dir) is not None:
-        report.note(
-            f"note: {run.ckpt_dir} holds checkpoints of an earlier run; this new run replaces "
-            "them at its first save (pass --resume to continue that run instead)"
-        )
+    if run.forked is not None and run.run_dir is not None:
+        report.note(f"note: saving as a new run in {run.run_dir.path}: {run.forked}")
+    elif run.resumed is None and run.ckpt_dir is not None and run.run_dir is not None:
+        others = ckpt.latest_checkpoint(run.ckpt_dir)
+        if others is not None:
+            report.note(
+                f"note: {run.ckpt_dir} holds checkpoints of earlier runs (kept); this run "
+                f"saves into {run.run_dir.path.name} (pass --resume to continue the newest)"
+            )
     summary = RunSummary(status="finished", first_step=session.step + 1, last_step=session.step)
     if args.eval_batches and not stop.requested:
         summary.eval_before = session.evaluate(args.eval_batches)

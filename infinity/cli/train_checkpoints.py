@@ -1,10 +1,13 @@
-"""Checkpoints of ``infinity train`` runs: ``DIR/step-00000042/``, complete or absent.
+"""Checkpoints of ``infinity train`` runs: ``DIR/run-<id>/step-00000042/``, complete or absent.
 
 Each checkpoint is an ``infinity.save_checkpoint`` directory plus
 ``trainer.json`` (the run's settings, step counter, LR-schedule state and RNG
-state). Both are written into a hidden staging directory that is renamed into
-place only when complete, so a ``step-*`` directory is always a whole
-checkpoint: an interrupted save leaves the previous ones untouched.
+state). Both are written into a hidden staging directory tagged with this
+process (``.step-N.partial-<host>-<pid>-...``) that is renamed into place
+only when complete, so a ``step-*`` directory is always a whole checkpoint:
+an interrupted save leaves the previous ones untouched, and its staging
+directory is reclaimed by the next save once the process is gone. A run
+writes and prunes only its own directory (``train_runs.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,10 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.checkpoint import temporaries
+from infinity.checkpoint.format import fsync_dir
+from infinity.checkpoint.save import write_checkpoint
+from infinity.cli.train_runs import RUN_PREFIX, RunDirectory
 from infinity.cli.train_settings import RunSettings
 
 TRAINER_FILE = "trainer.json"
@@ -59,89 +67,118 @@ class TrainerState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: Path) -> TrainerState:
-        """Parse ``trainer.json``; a clear error if it is not one of ours."""
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
+        """Parse ``trainer.json``; a clear error if it is not one of ours or is damaged."""
+        if not isinstance(data, dict) or (data.get("format"), data.get("version")) != (
+            FORMAT,
+            VERSION,
+        ):
             raise infinity.CheckpointError(
                 f"{where} is not an infinity train checkpoint (v{VERSION})"
             )
-        return cls(
+        state = cls(
             step=int(data["step"]),
             run_id=str(data["run_id"]),
             settings=RunSettings.from_dict(data["settings"]),
             scheduler=data["scheduler"],
-            rng=base64.b64decode(data["rng"]),
+            rng=base64.b64decode(data["rng"], validate=True),
             tokens=int(data["tokens"]),
             last_loss=data["last_loss"],
         )
+        # NOTE: checked here so a damaged trainer.json fails before the model is touched.
+        if state.step < 0 or state.tokens < 0:
+            raise ValueError(f"step {state.step} or tokens {state.tokens} below 0")
+        epoch = state.scheduler.get("last_epoch") if isinstance(state.scheduler, dict) else None
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"scheduler last_epoch {epoch!r}")
+        if len(state.rng) != torch.get_rng_state().numel():
+            raise ValueError(f"rng state of {len(state.rng)} bytes")
+        if state.last_loss is not None and type(state.last_loss) not in (int, float):
+            raise ValueError(f"last_loss {state.last_loss!r}")
+        return state
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
-    """Where the checkpoint after ``step`` lives."""
+    """Where the checkpoint after ``step`` lives in a run directory."""
     return directory / f"step-{step:08d}"
 
 
 def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint in ``directory``, oldest first."""
-    if not directory.is_dir():
+    """``(step, path)`` of this user's complete checkpoints right in ``directory``, oldest first."""
+    try:
+        paths = list(directory.iterdir())
+    except OSError:
         return []
     found = []
-    for path in directory.iterdir():
+    for path in paths:
         match = _NAME.match(path.name)
-        if match and (path / TRAINER_FILE).is_file():
+        if match and _mine(path) and (path / TRAINER_FILE).is_file():
             found.append((int(match.group(1)), path))
     return sorted(found)
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest complete checkpoint in ``directory``, or ``None``."""
-    found = complete_checkpoints(directory)
-    return found[-1][1] if found else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _mine(path: Path) -> bool:
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The most recently saved complete checkpoint of this user in ``directory``.
+
+    ``directory`` is a run directory or a ``--checkpoint-dir`` holding run
+    directories (and, from older versions, ``step-N`` directly); another
+    user's runs and checkpoints are never picked.
+    """
+    candidates = [p for _s, p in complete_checkpoints(directory)]
+    try:
+        runs = [p for p in directory.iterdir() if p.name.startswith(RUN_PREFIX) and _mine(p)]
+    except OSError:
+        runs = []
+    for run in runs:
+        found = complete_checkpoints(run)
+        if found:
+            candidates.append(found[-1][1])
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: (_saved_at(p), p.name))
+
+
+def _saved_at(path: Path) -> int:
+    try:
+        return (path / TRAINER_FILE).stat().st_mtime_ns
+    except OSError:
+        return -1  # NOTE: pruned by its (other) run since it was listed
 
 
 def save(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState
+    run: RunDirectory, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState
 ) -> Path:
-    """Write the checkpoint after ``state.step``; keep the newest :data:`KEEP`; return its path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(directory, state.step)
-    if (final / TRAINER_FILE).is_file():
-        return final  # this very step is saved already (e.g. Ctrl-C right after a save)
-    staging = directory / f".{final.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    """Write the checkpoint after ``state.step`` into this run's directory; keep its newest
+    :data:`KEEP`; return its path. Never overwrites a checkpoint and never touches another
+    run's: an error (a full disk included) leaves no partial checkpoint behind."""
+    final = checkpoint_path(run.path, state.step)
+    if os.path.lexists(final):
+        raise infinity.CheckpointError(f"{final} exists already; it is not overwritten")
+    temporaries.reclaim(run.path)
+    staging = temporaries.temp_path(run.path, final.name)
+    staging.mkdir()
     try:
-        infinity.save_checkpoint(staging, model, optimizer)
+        write_checkpoint(staging, model, optimizer)
         with open(staging / TRAINER_FILE, "w") as f:
-            json.dump(state.to_json(), f)
+            json.dump(replace(state, run_id=run.run_id).to_json(), f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(staging)
-        os.rename(staging, final)
-        _fsync_dir(directory)
+        fsync_dir(staging)
+        os.rename(staging, final)  # NOTE: the run directory is locked: nobody else names steps
+        fsync_dir(run.path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    # A new run replaces the checkpoints of earlier runs in the same directory;
-    # only this run's newest KEEP stay.
-    mine = [p for _s, p in complete_checkpoints(directory) if _run_id(p) == state.run_id]
-    for _step, old in complete_checkpoints(directory):
-        if old not in mine[-KEEP:]:
-            shutil.rmtree(old, ignore_errors=True)
+    for _step, old in complete_checkpoints(run.path)[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _run_id(path: Path) -> str | None:
-    try:
-        return json.loads((path / TRAINER_FILE).read_text()).get("run_id")
-    except (OSError, ValueError):
-        return None
 
 
 def read_state(path: Path) -> TrainerState:
@@ -153,7 +190,9 @@ def read_state(path: Path) -> TrainerState:
         raise infinity.CheckpointError(
             f"{path} is not a complete checkpoint (no {TRAINER_FILE})"
         ) from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except OSError as exc:
+        raise infinity.CheckpointError(f"cannot read {file}: {exc.strerror}") from None
+    except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as exc:
         raise infinity.CheckpointError(f"{file} is damaged: {exc}") from None
 
 

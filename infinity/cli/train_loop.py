@@ -44,15 +44,15 @@ class StopSignals:
 
     def __init__(self, on_first: Callable[[str], None]) -> None:
         self.signum: int | None = None
-        self.abandoned = False
+        self.abandon_signum: int | None = None  # the second signal: 128 + it is the exit code
         self._on_first = on_first
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.abandoned:
+        if self.abandon_signum is not None:
             return  # NOTE: a third signal must not interrupt the clean-up of the second
         if self.signum is not None:
-            self.abandoned = True
+            self.abandon_signum = signum
             raise KeyboardInterrupt  # second signal: abandon the step
         self.signum = signum
         self._on_first("stopping after this step (press Ctrl-C again to abandon it)")
@@ -141,9 +141,9 @@ class Session:
             last_loss=self.last_loss,
         )
 
-    def save(self, directory: Path) -> Path:
-        """Write a checkpoint of the current step into ``directory``."""
-        return ckpt.save(directory, self.model, self.optimizer, self.trainer_state())
+    def save(self, run: ckpt.RunDirectory) -> Path:
+        """Write a checkpoint of the current step into the run's directory."""
+        return ckpt.save(run, self.model, self.optimizer, self.trainer_state())
 
     # --- work -----------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, float]:

@@ -77,6 +77,13 @@ def _load_into_fresh_model(path: Path, tmp: Path) -> GPT:
     return model
 
 
+def _only_run(ckpt: Path) -> Path:
+    """The one run directory in ``ckpt`` (every run saves into its own ``run-<id>``)."""
+    (run,) = ckpt.iterdir()
+    assert run.name.startswith("run-") and run.is_dir(), run
+    return run
+
+
 def _no_swap_files(nvme: Path) -> bool:
     return not nvme.exists() or not any(p.is_file() for p in nvme.rglob("*"))
 
@@ -103,7 +110,7 @@ def test_tiny_run_learns_and_writes_plot_and_checkpoint(tmp_path):
     # The checkpoint holds the trained model: its held-out loss, computed here with
     # a fresh model, equals the one the run reported.
     ckpt = Path(summary["checkpoint"])
-    assert ckpt == tmp_path / "ckpt" / "step-00000030"
+    assert ckpt == _only_run(tmp_path / "ckpt") / "step-00000030"
     model = _load_into_fresh_model(ckpt, tmp_path)
     held_out = Batches(load_corpus().eval, 64, 8, EVAL_SEED_OFFSET)
     with torch.no_grad():
@@ -127,23 +134,23 @@ def test_resume_continues_the_same_loss_curve(tmp_path, capsys, monkeypatch):
     assert code == 0
     first = _summary(events)
     assert first["status"] == "stopped" and first["last_step"] == 4
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "step-00000002",
-        "step-00000004",
-    ]
+    run = _only_run(tmp_path / "ckpt")
+    assert sorted(p.name for p in run.iterdir()) == ["step-00000002", "step-00000004"]
     code, events = _train_in_process(capsys, "--resume", "--eval-batches", "0", *nvme, *ckpt)
     assert code == 0
     second = _summary(events)
     assert second["first_step"] == 5 and second["last_step"] == 6
     assert {**first["losses"], **second["losses"]} == reference  # exactly equal floats
-    assert (tmp_path / "ckpt" / "step-00000006" / "trainer.json").is_file()
+    assert _only_run(tmp_path / "ckpt") == run  # the same run, continued in place
+    assert sorted(p.name for p in run.iterdir()) == ["step-00000004", "step-00000006"]
 
 
 def test_damaged_newest_checkpoint_is_refused_naming_the_older_one(tmp_path, capsys):
     flags = ["--nvme-path", str(tmp_path / "nvme"), "--checkpoint-dir", str(tmp_path / "ckpt")]
     quiet = ["--eval-batches", "0", "--plot", "none", "--quiet"]
     assert main([*TINY, "--steps", "4", "--checkpoint-every", "2", *flags, *quiet]) == 0
-    params = tmp_path / "ckpt" / "step-00000004" / "param.bin"
+    run = _only_run(tmp_path / "ckpt")
+    params = run / "step-00000004" / "param.bin"
     data = bytearray(params.read_bytes())
     data[len(data) // 2] ^= 0xFF
     params.write_bytes(bytes(data))
@@ -151,7 +158,7 @@ def test_damaged_newest_checkpoint_is_refused_naming_the_older_one(tmp_path, cap
     assert main([*TINY, "--resume", "--steps", "6", *flags, *quiet]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
-    assert "step-00000004" in err and str(tmp_path / "ckpt" / "step-00000002") in err
+    assert "step-00000004" in err and str(run / "step-00000002") in err
 
 
 def test_ctrl_c_stops_with_a_loadable_checkpoint_and_no_swap_files(tmp_path):
@@ -172,10 +179,11 @@ def test_ctrl_c_stops_with_a_loadable_checkpoint_and_no_swap_files(tmp_path):
     last_step = max(e["step"] for e in events if e["event"] == "step")
     assert last_step >= 4
     saved = [Path(e["path"]) for e in events if e["event"] == "checkpoint"]
-    assert saved[-1] == tmp_path / "ckpt" / f"step-{last_step:08d}"  # the step it finished
+    run = _only_run(tmp_path / "ckpt")
+    assert saved[-1] == run / f"step-{last_step:08d}"  # the step it finished
     assert str(saved[-1]) in err
     # No half-written checkpoint, the newest is complete and loads (CRC-checked).
-    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    names = sorted(p.name for p in run.iterdir())
     assert all(n.startswith("step-") for n in names), names
     _load_into_fresh_model(saved[-1], tmp_path)
     assert _no_swap_files(tmp_path / "nvme")
@@ -199,9 +207,10 @@ def test_second_ctrl_c_abandons_the_step_and_keeps_checkpoints_whole(tmp_path, g
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
     assert "checkpoint: " in err
-    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    run = _only_run(tmp_path / "ckpt")
+    names = sorted(p.name for p in run.iterdir())
     assert names and all(n.startswith("step-") for n in names), names
-    _load_into_fresh_model(tmp_path / "ckpt" / names[-1], tmp_path)
+    _load_into_fresh_model(run / names[-1], tmp_path)
     assert _no_swap_files(tmp_path / "nvme")
 
 

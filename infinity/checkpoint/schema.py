@@ -1,0 +1,219 @@
+"""Every field of ``meta.json`` checked for type and range before anything is loaded.
+
+:func:`parse_meta` turns the parsed JSON into typed records and raises
+:class:`CheckpointError` naming the first bad field, so a damaged or foreign
+``meta.json`` can never surface as ``KeyError``/``AttributeError`` half-way
+through a load, and every byte range it names lies inside its file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from infinity.checkpoint.format import DATA_FILES, META, OPTIM_FILE, PARAM_FILE, CheckpointError
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32 = 4
+MAX_INT = (1 << 62) - 1  # NOTE: offsets, sizes and counts must stay int64 (torch, file offsets)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one tensor's values sit in the checkpoint files."""
+
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool
+    param_offset: int  # byte offset of the tensor in param.bin
+    optim_offset: int | None  # byte offset of the chunk's unit in optim.bin
+    chunk_capacity: int  # elements of the chunk (parts of a unit are this long)
+    element_offset: int  # offset of the tensor inside its chunk (elements)
+    step: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class SavedGroup:
+    """One optimizer parameter group as saved: hyper-parameters and parameter names."""
+
+    hyper: dict[str, Any]
+    params: list[str]
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """``meta.json`` with every field checked."""
+
+    dtype: str
+    has_master: bool
+    step_count: int
+    tensors: dict[str, TensorRecord]  # by name, aliases of tied parameters included
+    files: dict[str, tuple[int, int]]  # file name -> (bytes, CRC-32)
+    loss_scaler: dict[str, float | int] | None
+    optimizer: list[SavedGroup] | None
+
+
+def _bad(what: str, value: Any, expected: str) -> CheckpointError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return CheckpointError(f"{META} is invalid: {what} is {shown}, expected {expected}")
+
+
+def _int(value: Any, what: str, low: int = 0, high: int = MAX_INT) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise _bad(what, value, f"an integer in [{low}, {high}]")
+    return value
+
+
+def _bool(value: Any, what: str) -> bool:
+    if type(value) is not bool:
+        raise _bad(what, value, "true or false")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(what, value, "a string")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _bad(what, value, "a list")
+    return value
+
+
+def _dict(value: Any, what: str, keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad(what, value, "an object")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise CheckpointError(f"{META} is invalid: {what} has no {missing[0]!r}")
+    return value
+
+
+def finite_number(value: Any) -> bool:
+    """Whether ``value`` is a JSON number (not a bool) with a finite value."""
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _files(value: Any) -> dict[str, tuple[int, int]]:
+    files = _dict(value, "files", DATA_FILES)
+    if set(files) != set(DATA_FILES):
+        raise _bad("files", sorted(files), f"exactly {list(DATA_FILES)}")
+    out = {}
+    for name in DATA_FILES:
+        info = _dict(files[name], f"files[{name!r}]", ("bytes", "crc32"))
+        out[name] = (
+            _int(info["bytes"], f"files[{name!r}].bytes"),
+            _int(info["crc32"], f"files[{name!r}].crc32", high=0xFFFFFFFF),
+        )
+    return out
+
+
+def _tensor(
+    t: Any, what: str, esize: int, parts: int, files: dict[str, tuple[int, int]]
+) -> tuple[TensorRecord, list[str]]:
+    t = _dict(t, what, (*TensorRecord.__dataclass_fields__, "aliases"))
+    shape = tuple(
+        _int(d, f"{what}.shape[{k}]") for k, d in enumerate(_list(t["shape"], f"{what}.shape"))
+    )
+    trainable = _bool(t["trainable"], f"{what}.trainable")
+    rec = TensorRecord(
+        name=_str(t["name"], f"{what}.name"),
+        shape=shape,
+        trainable=trainable,
+        param_offset=_int(t["param_offset"], f"{what}.param_offset"),
+        optim_offset=(
+            _int(t["optim_offset"], f"{what}.optim_offset")
+            if trainable
+            else _none(t["optim_offset"], f"{what}.optim_offset")
+        ),
+        chunk_capacity=_int(t["chunk_capacity"], f"{what}.chunk_capacity", low=1),
+        element_offset=_int(t["element_offset"], f"{what}.element_offset"),
+        step=_int(t["step"], f"{what}.step"),
+    )
+    if rec.element_offset + rec.numel > rec.chunk_capacity:
+        raise CheckpointError(
+            f"{META} is invalid: {rec.name} ({rec.numel} elements at {rec.element_offset}) "
+            f"does not fit its chunk of {rec.chunk_capacity} elements"
+        )
+    _within(rec.name, PARAM_FILE, rec.param_offset, rec.numel * esize, files)
+    if rec.optim_offset is not None:
+        _within(rec.name, OPTIM_FILE, rec.optim_offset, parts * rec.chunk_capacity * FP32, files)
+    aliases = [_str(a, f"{what}.aliases[{k}]") for k, a in enumerate(_list(t["aliases"], what))]
+    return rec, [rec.name, *aliases]
+
+
+def _none(value: Any, what: str) -> None:
+    if value is not None:
+        raise _bad(what, value, "null (the tensor is frozen)")
+
+
+def _within(name: str, file: str, offset: int, size: int, files: dict[str, tuple[int, int]]):
+    if offset + size > files[file][0]:
+        raise CheckpointError(
+            f"{META} is invalid: {name} needs bytes {offset}..{offset + size} of {file}, "
+            f"which has {files[file][0]}"
+        )
+
+
+def _scaler(value: Any) -> dict[str, float | int] | None:
+    if value is None:
+        return None
+    state = _dict(value, "loss_scaler", ("scale", "good_steps", "skipped_steps"))
+    if not finite_number(state["scale"]) or state["scale"] <= 0:
+        raise _bad("loss_scaler.scale", state["scale"], "a finite number > 0")
+    return {
+        "scale": float(state["scale"]),
+        "good_steps": _int(state["good_steps"], "loss_scaler.good_steps"),
+        "skipped_steps": _int(state["skipped_steps"], "loss_scaler.skipped_steps"),
+    }
+
+
+def _groups(value: Any) -> list[SavedGroup] | None:
+    if value is None:
+        return None
+    groups = []
+    for g, group in enumerate(_list(value, "optimizer")):
+        group = _dict(group, f"optimizer[{g}]", ("hyper", "params"))
+        hyper = _dict(group["hyper"], f"optimizer[{g}].hyper")
+        params = _list(group["params"], f"optimizer[{g}].params")
+        names = [_str(p, f"optimizer[{g}].params[{k}]") for k, p in enumerate(params)]
+        groups.append(SavedGroup(hyper=dict(hyper), params=names))
+    return groups
+
+
+def parse_meta(meta: dict[str, Any]) -> CheckpointMeta:
+    """Check every field of a parsed ``meta.json``; raise :class:`CheckpointError` if any is bad."""
+    meta = _dict(meta, "the file", ("dtype", "has_master", "step_count", "tensors", "files"))
+    dtype = meta["dtype"]
+    if dtype not in ELEMENT_BYTES:
+        raise _bad("dtype", dtype, f"one of {list(ELEMENT_BYTES)}")
+    has_master = _bool(meta["has_master"], "has_master")
+    if has_master != (dtype != "fp32"):
+        raise _bad("has_master", has_master, f"{dtype != 'fp32'} for dtype {dtype!r}")
+    files = _files(meta["files"])
+    parts = 3 if has_master else 2
+    tensors: dict[str, TensorRecord] = {}
+    for k, t in enumerate(_list(meta["tensors"], "tensors")):
+        rec, names = _tensor(t, f"tensors[{k}]", ELEMENT_BYTES[dtype], parts, files)
+        for name in names:
+            if name in tensors:
+                raise CheckpointError(f"{META} is invalid: tensor {name!r} appears twice")
+            tensors[name] = rec
+    return CheckpointMeta(
+        dtype=dtype,
+        has_master=has_master,
+        step_count=_int(meta["step_count"], "step_count"),
+        tensors=tensors,
+        files=files,
+        loss_scaler=_scaler(meta.get("loss_scaler")),
+        optimizer=_groups(meta.get("optimizer")),
+    )

@@ -1,0 +1,106 @@
+"""Checkpoint temporaries named after their owning process, reclaimed once it is gone.
+
+A save writes into ``.NAME.partial-<host>-<pid>-<start>-<random>`` (and, on a
+filesystem without atomic exchange, moves the old checkpoint aside to
+``.NAME.old-...``). A process killed mid-save (``kill -9``, power loss) leaves
+them behind; the next save into the same directory removes those whose owner
+is gone: same host, same user, and no live process with that PID and start
+time (so a recycled PID does not keep a temporary alive, and a live owner's
+temporary is never touched). An ``.old-`` one whose checkpoint never made it
+into place is renamed back instead of deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import socket
+import zlib
+from pathlib import Path
+
+PARTIAL = "partial"
+OLD = "old"
+_NAME = re.compile(
+    r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)"
+    r"-[0-9a-f]+$"
+)
+
+
+def _host() -> str:
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot; None if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return 0  # NOTE: /proc unreadable: unknown start time, treated as alive below
+    # NOTE: the command name (field 2) may hold spaces and ')': fields follow its last ')'.
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def _alive(pid: int, start: int) -> bool:
+    if not Path("/proc/self/stat").exists():  # no procfs: the PID alone decides
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    actual = _start_time(pid)
+    if actual is None:
+        return False
+    return 0 in (actual, start) or actual == start  # NOTE: 0: a start time we could not read
+
+
+def temp_path(directory: Path, name: str, kind: str = PARTIAL) -> Path:
+    """A fresh temporary path for ``name`` in ``directory``, tagged with this process."""
+    start = _start_time(os.getpid()) or 0
+    tag = f"{_host()}-{os.getpid()}-{start}-{secrets.token_hex(3)}"
+    return directory / f".{name}.{kind}-{tag}"
+
+
+def owner_gone(path: Path) -> bool:
+    """Whether ``path`` is a temporary of this user on this host whose process has ended."""
+    match = _NAME.match(path.name)
+    if match is None or match["host"] != _host():
+        return False
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    if st.st_uid != os.geteuid() or path.is_symlink():
+        return False  # NOTE: never another user's, and never follow a link out of the directory
+    return not _alive(int(match["pid"]), int(match["start"]))
+
+
+def reclaim(directory: Path) -> list[Path]:
+    """Remove (or, for a stranded old checkpoint, restore) the dead owners' temporaries."""
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return []
+    reclaimed = []
+    for path in entries:
+        if not owner_gone(path):
+            continue
+        match = _NAME.match(path.name)
+        assert match is not None
+        target = directory / match["name"]
+        try:
+            if match["kind"] == OLD and not os.path.lexists(target):
+                os.rename(path, target)  # the save died between its two renames
+            elif path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError:
+            continue  # NOTE: another process reclaimed it first, or it is not ours to remove
+        reclaimed.append(path)
+    return reclaimed
