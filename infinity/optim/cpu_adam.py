@@ -181,10 +181,8 @@ class CPUAdam(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             self._step_dense(group)
-        clip = getattr(self, "_clip_coef", {})
-        self._clip_coef = {}
         for engine, hyper in offloaded.offloaded_hyper(self.param_groups).items():
-            engine.optimizer_step(hyper, clip_coef=clip.get(engine, 1.0))
+            engine.optimizer_step(hyper)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -208,18 +206,18 @@ class CPUAdam(Optimizer):
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Clip the gradients of all parameters by their total norm; returns the norm.
+        """Clip the gradients of all this optimizer's parameters by their total norm;
+        returns the norm (before clipping).
 
-        Same result as ``torch.nn.utils.clip_grad_norm_(params, max_norm)``, which
-        cannot see gradients held in chunks. Call it between ``backward()`` and
-        ``step()``: for offloaded parameters the coefficient is applied inside
-        the next step's fused kernel.
+        An alias of ``torch.nn.utils.clip_grad_norm_(params, max_norm, ...)`` over
+        every parameter of every group, which works on offloaded parameters too:
+        their norms come from the gradient chunks and the clip factor is applied
+        inside the next step's fused kernel.
         """
-        total, coefs = offloaded.clip_grad_norm_(
-            self.param_groups, max_norm, norm_type, error_if_nonfinite
+        params = [p for group in self.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
-        self._clip_coef = coefs
-        return total
 
     def _step_dense(self, group: dict[str, Any]) -> None:
         """Step the plain CPU tensors of one param group in one native multi-tensor call."""
