@@ -93,9 +93,9 @@ class GradientNorms:
         return torch.linalg.vector_norm(view.to(torch.float32) * factor, norm_type)
 
     def stored_gradient(self, index: int, view: torch.Tensor) -> torch.Tensor:
-        """A copy of a stored gradient with its pending factor applied."""
+        """A stored gradient with its pending factor applied (``view`` itself if none)."""
         factor = self.grad_factors[index]
-        return view.clone() if factor == 1.0 else view * factor
+        return view if factor == 1.0 else view * factor
 
     # --- scaling ----------------------------------------------------------------------
     def scale_grad(self, index: int, factor: float) -> None:

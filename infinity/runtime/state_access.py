@@ -70,11 +70,17 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
         engine.manager.drop_param(chunk)
 
 
+def _grad_views(
+    engine: OffloadEngine, indices: Iterable[int]
+) -> Iterator[tuple[ParamEntry, torch.Tensor]]:
+    """The gradients of the tensors in ``indices`` that have one, chunk by chunk, as
+    torch's ``param.grad`` would hold them: views of the host copies (valid during
+    the iteration step), or scaled copies where a clip factor is pending."""
+    for entry, view in engine.grad_views(indices):
+        yield entry, engine.stored_gradient(entry.index, view)
+
+
 def gradients(model: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:
-    """Copies of every gradient held in chunks, by parameter name (RAM for all of them),
-    with pending clip factors applied (what torch's ``param.grad`` would hold)."""
+    """Copies of every gradient held in chunks, by parameter name (RAM for all of them)."""
     indices = range(len(engine.registry.entries))
-    return {
-        entry.name: engine.stored_gradient(entry.index, view)
-        for entry, view in engine.grad_views(indices)
-    }
+    return {entry.name: view.clone() for entry, view in _grad_views(engine, indices)}
