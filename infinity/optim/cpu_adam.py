@@ -161,12 +161,27 @@ class CPUAdam(Optimizer):
         """Torch's optimizer state dict, plus ``decoupled_weight_decay`` in each group.
 
         The extra key tells ``torch.optim.Adam``/``AdamW`` which weight decay
-        this group used, so the checkpoint means the same thing there.
+        this group used, so the checkpoint means the same thing there. Offloaded
+        parameters' moments are copied out of their chunks (RAM for all of them,
+        as torch's; ``infinity.save_checkpoint`` streams instead), so loops that
+        save the optimizer themselves (``transformers.Trainer``) resume exactly.
         """
         sd = super().state_dict()
         for group in sd["param_groups"]:
             group["decoupled_weight_decay"] = bool(group["adamw"])
+        offloaded.add_offloaded_state(self.param_groups, sd)
         return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's; the moments of offloaded parameters go into their chunks.
+
+        A state dict that does not fit (another model's shapes, other groups)
+        raises and changes nothing.
+        """
+        state_dict = dict(state_dict)
+        taken = offloaded.take_offloaded_state(self.param_groups, state_dict)
+        super().load_state_dict(state_dict)
+        offloaded.put_offloaded_state(taken)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

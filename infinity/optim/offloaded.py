@@ -60,3 +60,61 @@ def scale_loss(param_groups: Iterable[dict[str, Any]], loss: torch.Tensor) -> to
     if len(scales) > 1:
         raise RuntimeError("the optimizer holds fp16 models with different loss scales")
     return loss * scales.pop() if scales else loss
+
+
+def add_offloaded_state(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
+    """Add the moments of offloaded parameters to ``state_dict`` (torch's format,
+    keyed by the parameter's index in ``state_dict["param_groups"]``)."""
+    from infinity.runtime.optim_state import read_moments
+
+    index_of: dict[Any, dict[int, int]] = {}
+    for group, saved in zip(param_groups, state_dict["param_groups"], strict=True):
+        for p, key in zip(group["params"], saved["params"], strict=True):
+            engine = engine_of_param(p)
+            if engine is not None:
+                index_of.setdefault(engine, {})[p._infinity_index] = key
+    for engine, keys in index_of.items():
+        for index, (step, exp_avg, exp_avg_sq) in read_moments(engine, keys):
+            state_dict["state"][keys[index]] = {
+                "step": torch.tensor(float(step), dtype=torch.float32),
+                "exp_avg": exp_avg,
+                "exp_avg_sq": exp_avg_sq,
+            }
+
+
+def take_offloaded_state(
+    param_groups: list[dict[str, Any]], state_dict: dict[str, Any]
+) -> dict[Any, dict[int, Any]]:
+    """Remove the states of offloaded parameters from ``state_dict`` (a copy is
+    changed); returns, per engine, the moments to write by tensor index (``None``:
+    the state dict has none for it, as a tensor never stepped)."""
+    from infinity.runtime.optim_state import check_moments
+
+    state = dict(state_dict["state"])
+    state_dict["state"] = state
+    taken: dict[Any, dict[int, Any]] = {}
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        return taken  # torch's load_state_dict names the mismatch
+    for group, saved in zip(param_groups, saved_groups, strict=True):
+        if len(group["params"]) != len(saved["params"]):
+            return {}
+        for p, key in zip(group["params"], saved["params"], strict=True):
+            engine = engine_of_param(p)
+            if engine is None:
+                continue
+            value = state.pop(key, None)
+            if value is not None:
+                value = (int(value["step"]), value["exp_avg"], value["exp_avg_sq"])
+            taken.setdefault(engine, {})[p._infinity_index] = value
+    for engine, values in taken.items():
+        check_moments(engine, values)
+    return taken
+
+
+def put_offloaded_state(taken: dict[Any, dict[int, Any]]) -> None:
+    """Write what :func:`take_offloaded_state` took into the engines' chunks."""
+    from infinity.runtime.optim_state import write_moments
+
+    for engine, values in taken.items():
+        write_moments(engine, values)

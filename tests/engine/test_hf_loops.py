@@ -84,26 +84,32 @@ def _check_against_noise(models: dict[str, torch.nn.Module]) -> tuple[float, flo
     return ours, noise
 
 
-def _train_with_trainer(model, kind: str, out_dir) -> list[float]:
+def _train_with_trainer(
+    model, kind: str, out_dir, steps: int = STEPS, resume: str | None = None, **kw
+) -> list[float]:
     opt = _optimizer(kind, model)
-    sched = transformers.get_linear_schedule_with_warmup(opt, 1, STEPS)
+    sched = transformers.get_linear_schedule_with_warmup(opt, 1, steps)
+    kw.setdefault("save_strategy", "no")
     args = transformers.TrainingArguments(
         output_dir=str(out_dir),
         per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUM,
-        max_steps=STEPS,
+        max_steps=steps,
         logging_steps=1,
         report_to=[],
         use_cpu=True,
-        save_strategy="no",
         seed=0,
         disable_tqdm=True,
+        **kw,
     )
     assert args.max_grad_norm == 1.0  # the default: clipping is on
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=_samples(), optimizers=(opt, sched)
+        model=model,
+        args=args,
+        train_dataset=_samples(steps * ACCUM * BATCH),
+        optimizers=(opt, sched),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
 
 
@@ -113,6 +119,23 @@ def test_transformers_trainer_matches_adamw(tmp_path):
     assert len(norms["single"]) == STEPS
     assert any(n > 1.0 for n in norms["single"])  # the clip at 1.0 really scaled gradients
     assert norms["cpu_adam"] == pytest.approx(norms["single"], rel=1e-5)
+    _check_against_noise(models)
+
+
+def test_trainer_resumes_from_its_own_checkpoint_like_uninterrupted_adamw(tmp_path):
+    """The Trainer's checkpoint (model.state_dict + optimizer.state_dict) keeps the
+    offloaded Adam moments: resuming lands where uninterrupted AdamW does."""
+    steps = 4
+    models = _models()
+    for kind in ("single", "fused"):
+        _train_with_trainer(models[kind], kind, tmp_path / kind, steps)
+    first = _models()["cpu_adam"]
+    _train_with_trainer(
+        first, "cpu_adam", tmp_path / "a", steps, save_strategy="steps", save_steps=2
+    )
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").exists()
+    _train_with_trainer(models["cpu_adam"], "cpu_adam", tmp_path / "b", steps, str(checkpoint))
     _check_against_noise(models)
 
 
