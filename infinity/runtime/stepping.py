@@ -137,7 +137,9 @@ class OptimizerSteps:
             raise RuntimeError(
                 f"{what} after a backward whose chunks were already updated "
                 "(Config(overlap_optimizer=True) steps each chunk as soon as its gradients are "
-                "complete). With gradient clipping or accumulation use overlap_optimizer=False."
+                "complete). With gradient clipping or accumulation use overlap_optimizer=False "
+                "(transformers.Trainer computes the gradient norm at every step, so it needs "
+                "overlap_optimizer=False)."
             )
 
     # --- the step trailing into the next forward ----------------------------------------

@@ -165,3 +165,13 @@ def test_fp16_norm_is_the_unscaled_gradient_norm():
     ours = clip_grad_norm_(model.parameters(), 1e6)
     theirs = clip_grad_norm_(ref.parameters(), 1e6)
     assert float(ours) == pytest.approx(float(theirs), rel=1e-2)  # fp16 gradients
+
+
+def test_overlapped_step_refuses_clipping_loudly():
+    """overlap_optimizer=True stepped the chunks during backward: no norm, no silent clip."""
+    model, _ref = _pair(overlap_optimizer=True)
+    opt = CPUAdam(model.parameters())
+    gpt_loss(model, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="overlap_optimizer=False"):
+        clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()  # the promised step still completes
