@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from engine_helpers import config, global_rel_error
+from engine_helpers import config, global_rel_error, tiny_llama
 
 import infinity
 from infinity.optim import CPUAdam
@@ -28,21 +28,6 @@ ACCUM = 2
 BATCH = 2
 LR = 1e-3
 NOISE_MULTIPLE = 4  # the offloaded error may be a few times torch's fused-vs-single noise
-
-
-def _llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def _samples(n: int = STEPS * ACCUM * BATCH, seq: int = 16) -> list[dict[str, torch.Tensor]]:
@@ -69,7 +54,7 @@ def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def _models() -> dict[str, torch.nn.Module]:
     """The reference (single-tensor AdamW), the noise probe (fused AdamW), and ours."""
-    base = _llama()
+    base = tiny_llama(VOCAB, hidden=32)
     offloaded = infinity.offload(
         copy.deepcopy(base), config(device_memory="64KiB", chunk_size="16KiB")
     )
