@@ -69,6 +69,25 @@ def test_clip_grad_norm_matches_plain_model(norm_type, max_norm):
     assert float(again) == pytest.approx(float(expected), rel=1e-5)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0, 3.0])
+def test_norm_and_clip_are_bit_exact_against_torch_on_the_same_values(norm_type):
+    """The reference holds the chunks' gradient values in ordinary tensors."""
+    model, _ref = _pair()
+    gpt_loss(model, batches(1)[0]).backward()
+    grads = infinity.gradients(model)
+    plain = []
+    for name, _param in model.named_parameters():  # torch sums the norms in this order
+        p = torch.nn.Parameter(torch.empty_like(grads[name]))
+        p.grad = grads[name]
+        plain.append((name, p))
+    ours = clip_grad_norm_(model.parameters(), 0.05, norm_type)
+    theirs = clip_grad_norm_([p for _, p in plain], 0.05, norm_type)
+    assert float(ours) == float(theirs)
+    clipped = infinity.gradients(model)
+    for name, p in plain:
+        assert torch.equal(clipped[name], p.grad), name
+
+
 @pytest.mark.parametrize("foreach", [None, True, False])
 def test_get_total_norm_then_clip_grads_with_norm(foreach):
     model, ref = _pair()
