@@ -200,7 +200,7 @@ def test_fp16_training_with_clipping_follows_clipped_fp32_adamw():
     """The clip factor and the inverse loss scale meet in the kernel: fp16 training
     with torch's clip lands near clipped fp32 AdamW, far from unclipped AdamW."""
     base = tiny_gpt()
-    data = batches(4)
+    data = batches(6)
     refs = {}
     for clip in (True, False):
         ref = copy.deepcopy(base)
@@ -213,4 +213,4 @@ def test_fp16_training_with_clipping_follows_clipped_fp32_adamw():
     clip = lambda _s: clip_grad_norm_(model.parameters(), 0.05)  # noqa: E731
     train(model, opt, data, accum=2, scale=opt.scale_loss, before_step=clip)
     apart = global_rel_error(refs[True], refs[False])
-    assert global_rel_error(model, refs[True]) < 0.25 * apart  # measured 0.21
+    assert global_rel_error(model, refs[True]) < 0.25 * apart  # measured 0.13
