@@ -66,20 +66,24 @@ class GradientNorms:
     def grad_norm(self, index: int, norm_type: float) -> torch.Tensor:
         """The norm of tensor ``index``'s gradient as torch would see it (fp32, 0-d).
 
-        Computed with the other tensors of its chunk in one pass, then cached.
+        Computed with the other tensors of its chunk in one pass, then cached
+        (torch asks tensor by tensor: a hit must cost next to nothing).
         """
         self.check_not_stepped_early("clip_grad_norm_")
-        self.collect_zeroed_grads()
-        if not self.has_grad[index]:
+        norm_type = float(norm_type)
+        cached = self._norm_cache.get(norm_type, {}).get(index)
+        if cached is not None:
+            return cached
+        self.collect_zeroed_grads()  # may forget the cache: before taking it
+        cache = self._norm_cache.setdefault(norm_type, {})
+        members = self.chunk_members[self.layout.slots[index].chunk]
+        for entry, view in self.grad_views([e.index for e in members], keep=True):
+            cache[entry.index] = self._norm_of(view, entry.index, norm_type)
+        if index not in cache:
             raise RuntimeError(
                 f"{self.registry.entries[index].name} has no gradient in infinity's chunks any "
                 "more (zeroed, or a checkpoint was loaded): read param.grad again after backward"
             )
-        cache = self._norm_cache.setdefault(float(norm_type), {})
-        if index not in cache:
-            members = self.chunk_members[self.layout.slots[index].chunk]
-            for entry, view in self.grad_views([e.index for e in members], keep=True):
-                cache[entry.index] = self._norm_of(view, entry.index, float(norm_type))
         return cache[index]
 
     def _norm_of(self, view: torch.Tensor, index: int, norm_type: float) -> torch.Tensor:
@@ -88,8 +92,8 @@ class GradientNorms:
             factor /= self.scaler.scale
         if factor == 1.0:
             return torch.linalg.vector_norm(view, norm_type, dtype=torch.float32)
-        # NOTE: as torch computes the norm of the scaled gradient (not the scaled
-        # norm): equal for p-norms up to rounding, not for norm_type=0.
+        # NOTE: the norm of the scaled values, as torch computes it after mul_
+        # (not the norm times the factor: that differs in rounding, and for norm 0).
         return torch.linalg.vector_norm(view.to(torch.float32) * factor, norm_type)
 
     def stored_gradient(self, index: int, view: torch.Tensor) -> torch.Tensor:

@@ -214,3 +214,18 @@ def test_fp16_training_with_clipping_follows_clipped_fp32_adamw():
     train(model, opt, data, accum=2, scale=opt.scale_loss, before_step=clip)
     apart = global_rel_error(refs[True], refs[False])
     assert global_rel_error(model, refs[True]) < 0.25 * apart  # measured 0.13
+
+
+def test_zeroed_and_stale_gradients():
+    """zero_grad(set_to_none=False) leaves zero gradients (norm 0, as torch); a
+    sentinel kept from before zero_grad() refuses to answer instead of inventing one."""
+    model, ref = _pair()
+    _backward(model, ref)
+    for m in (model, ref):
+        m.zero_grad(set_to_none=False)
+        assert float(clip_grad_norm_(m.parameters(), 1.0)) == 0.0
+    _backward(model, ref)
+    stale = next(model.parameters()).grad
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match="no gradient"):
+        torch.linalg.vector_norm(stale)
