@@ -161,12 +161,27 @@ class CPUAdam(Optimizer):
         """Torch's optimizer state dict, plus ``decoupled_weight_decay`` in each group.
 
         The extra key tells ``torch.optim.Adam``/``AdamW`` which weight decay
-        this group used, so the checkpoint means the same thing there.
+        this group used, so the checkpoint means the same thing there. Offloaded
+        parameters' moments are copied out of their chunks (RAM for all of them,
+        as torch's; ``infinity.save_checkpoint`` streams instead), so loops that
+        save the optimizer themselves (``transformers.Trainer``) resume exactly.
         """
         sd = super().state_dict()
         for group in sd["param_groups"]:
             group["decoupled_weight_decay"] = bool(group["adamw"])
+        offloaded.add_offloaded_state(self.param_groups, sd)
         return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's; the moments of offloaded parameters go into their chunks.
+
+        A state dict that does not fit (another model's shapes, other groups)
+        raises and changes nothing.
+        """
+        state_dict = dict(state_dict)
+        taken = offloaded.take_offloaded_state(self.param_groups, state_dict)
+        super().load_state_dict(state_dict)
+        offloaded.put_offloaded_state(taken)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -181,10 +196,8 @@ class CPUAdam(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             self._step_dense(group)
-        clip = getattr(self, "_clip_coef", {})
-        self._clip_coef = {}
         for engine, hyper in offloaded.offloaded_hyper(self.param_groups).items():
-            engine.optimizer_step(hyper, clip_coef=clip.get(engine, 1.0))
+            engine.optimizer_step(hyper)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -208,18 +221,18 @@ class CPUAdam(Optimizer):
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Clip the gradients of all parameters by their total norm; returns the norm.
+        """Clip the gradients of all this optimizer's parameters by their total norm;
+        returns the norm (before clipping).
 
-        Same result as ``torch.nn.utils.clip_grad_norm_(params, max_norm)``, which
-        cannot see gradients held in chunks. Call it between ``backward()`` and
-        ``step()``: for offloaded parameters the coefficient is applied inside
-        the next step's fused kernel.
+        An alias of ``torch.nn.utils.clip_grad_norm_(params, max_norm, ...)`` over
+        every parameter of every group, which works on offloaded parameters too:
+        their norms come from the gradient chunks and the clip factor is applied
+        inside the next step's fused kernel.
         """
-        total, coefs = offloaded.clip_grad_norm_(
-            self.param_groups, max_norm, norm_type, error_if_nonfinite
+        params = [p for group in self.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
-        self._clip_coef = coefs
-        return total
 
     def _step_dense(self, group: dict[str, Any]) -> None:
         """Step the plain CPU tensors of one param group in one native multi-tensor call."""

@@ -2,13 +2,12 @@
 
 A parameter belongs to an offloaded model when ``infinity.offload`` tagged it
 with its engine. Such parameters have no ``.grad`` tensor and no values in
-RAM: their step runs chunk by chunk inside the engine, their gradient norm is
-computed from the gradient chunks, and fp16 loss scaling is the engine's.
+RAM: their step runs chunk by chunk inside the engine, their ``.grad`` sentinels
+answer gradient clipping from the chunks, and fp16 loss scaling is the engine's.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -63,44 +62,59 @@ def scale_loss(param_groups: Iterable[dict[str, Any]], loss: torch.Tensor) -> to
     return loss * scales.pop() if scales else loss
 
 
-def clip_grad_norm_(
-    param_groups: list[dict[str, Any]],
-    max_norm: float,
-    norm_type: float,
-    error_if_nonfinite: bool,
-) -> tuple[torch.Tensor, dict[Any, float]]:
-    """Total gradient norm over every parameter, as ``torch.nn.utils.clip_grad_norm_``.
+def add_offloaded_state(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
+    """Add the moments of offloaded parameters to ``state_dict`` (torch's format,
+    keyed by the parameter's index in ``state_dict["param_groups"]``)."""
+    from infinity.runtime.optim_state import read_moments
 
-    Plain gradients are scaled in place; for offloaded ones the clip coefficient
-    is returned per engine and folded into the next step's kernel (no extra pass
-    over the gradients). Returns ``(total_norm, coefficient per engine)``.
-    """
-    from infinity.runtime.state_access import grad_norms
+    index_of: dict[Any, dict[int, int]] = {}
+    for group, saved in zip(param_groups, state_dict["param_groups"], strict=True):
+        for p, key in zip(group["params"], saved["params"], strict=True):
+            engine = engine_of_param(p)
+            if engine is not None:
+                index_of.setdefault(engine, {})[p._infinity_index] = key
+    for engine, keys in index_of.items():
+        for index, (step, exp_avg, exp_avg_sq) in read_moments(engine, keys):
+            state_dict["state"][keys[index]] = {
+                "step": torch.tensor(float(step), dtype=torch.float32),
+                "exp_avg": exp_avg,
+                "exp_avg_sq": exp_avg_sq,
+            }
 
-    norm_type = float(norm_type)
-    norms: list[torch.Tensor] = []
-    plain: list[torch.Tensor] = []
-    for group in param_groups:
-        for p in group["params"]:
-            if engine_of_param(p) is None and p.grad is not None:
-                plain.append(p.grad)
-    for g in plain:
-        norms.append(torch.linalg.vector_norm(g.detach(), norm_type).float())
-    per_engine = offloaded_hyper(param_groups)
-    for engine in per_engine:
-        engine.check_not_stepped_early("clip_grad_norm_")
-    for engine, hyper in per_engine.items():
-        norms.extend(grad_norms(engine, hyper.keys(), norm_type))
-    if not norms:
-        return torch.tensor(0.0), {}
-    total = torch.linalg.vector_norm(torch.stack([n.reshape(()) for n in norms]), norm_type)
-    if error_if_nonfinite and not math.isfinite(float(total)):
-        raise RuntimeError(
-            f"the total norm of order {norm_type} for gradients is non-finite, so it cannot be "
-            "clipped. To disable this error and scale the gradients by the non-finite norm "
-            "anyway, set `error_if_nonfinite=False`"
-        )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in plain:
-        g.detach().mul_(coef.to(g.device, g.dtype))
-    return total, {engine: float(coef) for engine in per_engine}
+
+def take_offloaded_state(
+    param_groups: list[dict[str, Any]], state_dict: dict[str, Any]
+) -> dict[Any, dict[int, Any]]:
+    """Remove the states of offloaded parameters from ``state_dict`` (a copy is
+    changed); returns, per engine, the moments to write by tensor index (``None``:
+    the state dict has none for it, as a tensor never stepped)."""
+    from infinity.runtime.optim_state import check_moments
+
+    state = dict(state_dict["state"])
+    state_dict["state"] = state
+    taken: dict[Any, dict[int, Any]] = {}
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        return taken  # torch's load_state_dict names the mismatch
+    for group, saved in zip(param_groups, saved_groups, strict=True):
+        if len(group["params"]) != len(saved["params"]):
+            return {}
+        for p, key in zip(group["params"], saved["params"], strict=True):
+            engine = engine_of_param(p)
+            if engine is None:
+                continue
+            value = state.pop(key, None)
+            if value is not None:
+                value = (int(value["step"]), value["exp_avg"], value["exp_avg_sq"])
+            taken.setdefault(engine, {})[p._infinity_index] = value
+    for engine, values in taken.items():
+        check_moments(engine, values)
+    return taken
+
+
+def put_offloaded_state(taken: dict[Any, dict[int, Any]]) -> None:
+    """Write what :func:`take_offloaded_state` took into the engines' chunks."""
+    from infinity.runtime.optim_state import write_moments
+
+    for engine, values in taken.items():
+        write_moments(engine, values)

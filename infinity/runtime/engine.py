@@ -23,6 +23,7 @@ from infinity.devices.base import make_backend
 from infinity.optim.loss_scale import LossScaler
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.errors import ModelChangedError
+from infinity.runtime.grad_norms import GradientNorms
 from infinity.runtime.gradients import GradientEvents
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
 from infinity.runtime.step_timer import StepTimer
@@ -37,7 +38,7 @@ log = logging.getLogger("infinity")
 _S = TensorState
 
 
-class OffloadEngine(GradientEvents, OptimizerSteps):
+class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
     """Runtime state of one offloaded model."""
 
     def __init__(self, model: nn.Module, config: Config) -> None:
@@ -74,6 +75,7 @@ class OffloadEngine(GradientEvents, OptimizerSteps):
         }
         self.states = [StateCounters(len(m)) for m in self.chunk_members]
         self.has_grad = [False] * len(self.registry.entries)
+        self.init_grad_norms()
         self.trace = TraceRecorder()
         self.timeline = Timeline()
         self._resident: tuple[int, tuple[int, ...], tuple[int, ...]] = (-1, (), ())

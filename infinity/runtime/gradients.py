@@ -56,6 +56,9 @@ class GradientEvents:
         # Sentinels the user dropped (zero_grad) mean "zeroed"; the rest must
         # leave param.grad before AccumulateGrad runs, or it would add to them.
         self.collect_zeroed_grads()
+        # Accumulating onto clipped gradients: the clip factor must be in the chunks.
+        self.apply_grad_factors()
+        self.forget_grad_norms()
         for entry in self.registry.entries:
             if isinstance(entry.param.grad, GradientInChunks):
                 entry.param.grad = None
@@ -73,7 +76,7 @@ class GradientEvents:
         """Every parameter with a gradient in chunks shows a sentinel in ``.grad``."""
         for entry in self.registry.entries:
             if self.has_grad[entry.index] and entry.param.grad is None:
-                entry.param.grad = GradientInChunks(entry.param.data)
+                entry.param.grad = GradientInChunks(entry.param.data, self, entry.index)
 
     def collect_zeroed_grads(self) -> None:
         """Gradients whose ``param.grad`` the user set to ``None`` (zero_grad) are dropped."""
@@ -91,6 +94,8 @@ class GradientEvents:
                 entry.param.grad = None
                 self.has_grad[entry.index] = False
                 zeroed_chunks.setdefault(self.layout.slots[entry.index].chunk, []).append(entry)
+        if zeroed_chunks:
+            self.reset_grad_factors(e.index for es in zeroed_chunks.values() for e in es)
         for chunk, entries in zeroed_chunks.items():
             if not any(self.has_grad[e.index] for e in self.chunk_members[chunk]):
                 self.manager.grad_valid[chunk] = False
@@ -105,6 +110,7 @@ class GradientEvents:
             if isinstance(entry.param.grad, GradientInChunks):
                 entry.param.grad = None
         self.has_grad = [False] * len(self.registry.entries)
+        self.reset_grad_factors()
         self.manager.invalidate_grads()
 
     def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:

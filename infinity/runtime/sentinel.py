@@ -3,47 +3,134 @@
 Gradients live in chunks (possibly on NVMe), so there is no tensor to hand out.
 The sentinel says "this parameter has a gradient" (``p.grad is not None``
 keeps its meaning, and setting it to ``None`` — ``optimizer.zero_grad()`` —
-is how the engine learns gradients were zeroed), while any computation on it
-fails loudly with the fix instead of silently seeing nothing: notably
-``torch.nn.utils.clip_grad_norm_`` would otherwise clip nothing.
+is how the engine learns gradients were zeroed). It answers exactly the ops
+gradient clipping uses, from the chunks:
+
+- ``torch.linalg.vector_norm(grad, p)`` (and ``torch._foreach_norm``): the
+  gradient's norm, as a real fp32 tensor on the parameter's device (see
+  :mod:`infinity.runtime.grad_norms`);
+- ``grad.mul_(c)`` (and ``torch._foreach_mul_``) with a scalar ``c``: recorded,
+  applied in the optimizer step (or in the chunks when needed).
+
+So ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm`` and
+``clip_grads_with_norm_`` work unchanged, for any mix of offloaded and ordinary
+parameters. Any other computation fails loudly with the fix instead of silently
+seeing nothing.
 """
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 
+_aten = torch.ops.aten
+
 _HELP = (
-    "the gradient of an offloaded parameter lives in infinity's chunks, not in param.grad. "
-    "Clip with `optimizer.clip_grad_norm_(max_norm)` (infinity.optim.CPUAdam) instead of "
-    "torch.nn.utils.clip_grad_norm_, and read gradients with `infinity.gradients(model)`."
+    "the gradient of an offloaded parameter lives in infinity's chunks, not in param.grad: "
+    "param.grad supports only gradient clipping (torch.nn.utils.clip_grad_norm_, "
+    "get_total_norm, clip_grads_with_norm_). Read gradients with `infinity.gradients(model)`."
 )
 
 
 class GradientInChunks(torch.Tensor):
     """Stands in ``param.grad`` for a gradient held in chunk memory."""
 
+    _engine: weakref.ReferenceType | None
+    _index: int
+    _zeroed: bool
+
     @staticmethod
-    def __new__(cls, like: torch.Tensor) -> GradientInChunks:
-        return torch.Tensor._make_wrapper_subclass(
+    def __new__(cls, like: torch.Tensor, engine: Any = None, index: int = -1) -> GradientInChunks:
+        grad = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, dtype=like.dtype, device=like.device
         )
+        grad._engine = weakref.ref(engine) if engine is not None else None
+        grad._index = index
+        grad._zeroed = False
+        return grad
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         # zero_grad(set_to_none=False) zeroes in place: accept it as "zeroed".
-        if func is torch.ops.aten.zero_.default:
+        if func is _aten.zero_.default:
             args[0]._zeroed = True
             return args[0]
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        if func in (_aten.detach.default, _aten.alias.default):
             return args[0]
+        if func is _aten.linalg_vector_norm.default:
+            return _vector_norm(*args, **kwargs)
+        if func in (_aten.mul_.Tensor, _aten.mul_.Scalar):
+            args[0]._scale(_scalar(args[1], func))
+            return args[0]
+        if func is _aten._foreach_norm.Scalar:
+            return _foreach_norm(*args, **kwargs)
+        if func in (_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar):
+            _foreach_mul_(args[0], _scalar(args[1], func))
+            return None
         raise RuntimeError(f"{func}: {_HELP}")
 
     def __repr__(self) -> str:  # printing must not dispatch
         return f"GradientInChunks(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def _owner(self) -> Any:
+        engine = self._engine() if self._engine is not None else None
+        if engine is None:
+            raise RuntimeError(f"this gradient's offloaded model is gone: {_HELP}")
+        return engine
+
+    def _norm(self, norm_type: float) -> torch.Tensor:
+        if self._zeroed:
+            return torch.zeros((), device=self.device)
+        return self._owner().grad_norm(self._index, norm_type).to(self.device)
+
+    def _scale(self, factor: float) -> None:
+        if not self._zeroed:
+            self._owner().scale_grad(self._index, factor)
+
+
+def _scalar(value: Any, func: Any) -> float:
+    """A multiplier given as a number or a one-element tensor, as a float."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or isinstance(value, GradientInChunks):
+            raise RuntimeError(f"{func} by a tensor of shape {tuple(value.shape)}: {_HELP}")
+        # NOTE: the value torch would multiply by: the factor in the gradient's dtype.
+        return float(value.item())
+    return float(value)
+
+
+def _vector_norm(grad, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
+    if dim is not None and len(dim) not in (0, grad.dim()):
+        raise RuntimeError(f"vector_norm over dims {dim}: {_HELP}")
+    norm = grad._norm(float(ord))
+    if keepdim:
+        norm = norm.reshape([1] * grad.dim())
+    return norm if dtype is None else norm.to(dtype)
+
+
+def _foreach_norm(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
+    """Norms of a list mixing sentinels and ordinary tensors (in order)."""
+    plain = [t for t in tensors if not isinstance(t, GradientInChunks)]
+    plain_norms = iter(torch._foreach_norm(plain, ord, dtype=dtype) if plain else [])
+    return [
+        _vector_norm(t, ord, dtype=dtype) if isinstance(t, GradientInChunks) else next(plain_norms)
+        for t in tensors
+    ]
+
+
+def _foreach_mul_(tensors, factor: float) -> None:
+    plain = [t for t in tensors if not isinstance(t, GradientInChunks)]
+    if plain:
+        torch._foreach_mul_(plain, factor)
+    for t in tensors:
+        if isinstance(t, GradientInChunks):
+            t._scale(factor)
 
 
 def is_zeroed(grad: torch.Tensor | None) -> bool:
     """True when the user dropped or zeroed a sentinel gradient."""
     if grad is None:
         return True
-    return isinstance(grad, GradientInChunks) and getattr(grad, "_zeroed", False)
+    return isinstance(grad, GradientInChunks) and grad._zeroed

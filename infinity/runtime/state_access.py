@@ -1,7 +1,7 @@
 """Read and write the values behind offloaded parameters, chunk by chunk.
 
 Used by ``model.state_dict()`` / ``load_state_dict()``, by checkpoints and by
-gradient-norm clipping. Every access goes through the chunk manager, so values
+``infinity.gradients``. Every access goes through the chunk manager, so values
 come from wherever the chunk's home is (host or NVMe).
 """
 
@@ -73,32 +73,11 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
 def _grad_views(
     engine: OffloadEngine, indices: Iterable[int]
 ) -> Iterator[tuple[ParamEntry, torch.Tensor]]:
-    """Views of the gradients (host copies, valid during the iteration step) of
-    the tensors in ``indices`` that have one, chunk by chunk."""
-    engine.synchronize()
-    engine.collect_zeroed_grads()
-    wanted = [engine.registry.entries[i] for i in indices if engine.has_grad[i]]
-    for chunk, group in _by_chunk(engine, wanted).items():
-        region, copy = engine.manager.open_host((Kind.GRAD, chunk), writable=False)
-        try:
-            flat = typed(region, engine.dtype)
-            for entry in group:
-                slot = engine.layout.slots[entry.index]
-                yield entry, flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        finally:
-            engine.manager.close_host(copy, modified=False)
-
-
-def grad_norms(
-    engine: OffloadEngine, indices: Iterable[int], norm_type: float
-) -> list[torch.Tensor]:
-    """Per-tensor gradient norms (fp32, loss scale removed) of tensors that have a gradient."""
-    unscale = 1.0 / engine.scaler.scale if engine.scaler is not None else 1.0
-    norms = []
-    for _entry, view in _grad_views(engine, indices):
-        norm = torch.linalg.vector_norm(view, norm_type, dtype=torch.float32)
-        norms.append(norm * unscale if unscale != 1.0 else norm)
-    return norms
+    """The gradients of the tensors in ``indices`` that have one, chunk by chunk, as
+    torch's ``param.grad`` would hold them: views of the host copies (valid during
+    the iteration step), or scaled copies where a clip factor is pending."""
+    for entry, view in engine.grad_views(indices):
+        yield entry, engine.stored_gradient(entry.index, view)
 
 
 def gradients(model: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:

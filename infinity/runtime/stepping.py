@@ -36,19 +36,20 @@ TRAIL_LOOKAHEAD = 2
 class OptimizerSteps:
     """Optimizer steps of offloaded parameters (called by ``CPUAdam``)."""
 
-    def optimizer_step(
-        self, hyper_by_index: dict[int, AdamHyperParams], clip_coef: float = 1.0
-    ) -> bool:
+    def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it.
 
-        NVMe-bound chunks are queued, not updated yet (see the module note).
+        Gradients are multiplied by their pending factor (gradient clipping, see
+        :mod:`infinity.runtime.grad_norms`) and the inverse fp16 loss scale
+        inside the kernel. NVMe-bound chunks are queued, not updated yet (see
+        the module note).
         """
         self.settle_step()  # a step still trailing (two steps without a forward between)
         self.collect_zeroed_grads()
         # NOTE: no global synchronize here: every reader waits for exactly the
         # transfer it needs (a gradient's flush, a staging read), and writes
         # still in flight from the backward keep running behind this step.
-        grad_scale = clip_coef
+        grad_scale = 1.0
         if self.scaler is not None:
             if not self.loss_scaled and any(self.has_grad):
                 raise RuntimeError(
@@ -57,12 +58,13 @@ class OptimizerSteps:
                     "(bf16 and fp32 need no scaling)"
                 )
             found_inf = self.manager.found_inf
-            grad_scale = clip_coef / self.scaler.scale
+            grad_scale = 1.0 / self.scaler.scale
             self.scaler.update(found_inf)
             self.loss_scaled = False
             if found_inf:
                 self.step_timer.lap()
                 return False
+        grad_scale *= self.step_grad_factor(hyper_by_index.keys())
         # overlap_optimizer: chunks queued during backward whose reads had not landed.
         works = self.early_queue + plan_works(self, hyper_by_index, skip=self.stepped_early)
         self.early_queue = []
@@ -135,7 +137,9 @@ class OptimizerSteps:
             raise RuntimeError(
                 f"{what} after a backward whose chunks were already updated "
                 "(Config(overlap_optimizer=True) steps each chunk as soon as its gradients are "
-                "complete). With gradient clipping or accumulation use overlap_optimizer=False."
+                "complete). With gradient clipping or accumulation use overlap_optimizer=False "
+                "(transformers.Trainer computes the gradient norm at every step, so it needs "
+                "overlap_optimizer=False)."
             )
 
     # --- the step trailing into the next forward ----------------------------------------

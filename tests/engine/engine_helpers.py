@@ -25,6 +25,24 @@ def tiny_gpt(seed: int = 0, **overrides) -> GPT:
     return model
 
 
+def tiny_llama(vocab: int = 128, hidden: int = 64, seed: int = 0) -> nn.Module:
+    """A 2-layer ``transformers`` Llama with tied embeddings (GQA: 4 heads, 2 KV heads)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def batches(n: int, seed: int = 1, batch: int = 2, seq: int = SEQ, vocab: int = VOCAB):
     """``n`` random (input, target) batches."""
     g = torch.Generator().manual_seed(seed)

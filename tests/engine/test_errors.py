@@ -127,7 +127,7 @@ def test_offloading_twice_and_optimizer_errors():
         CPUAdam(model.parameters(), amsgrad=True)
 
 
-def test_torch_clip_grad_norm_fails_loudly_and_ours_matches_torch():
+def test_other_ops_on_a_gradient_fail_loudly_and_the_optimizer_alias_clips():
     model = tiny_gpt()
     import copy
 
@@ -137,8 +137,10 @@ def test_torch_clip_grad_norm_fails_loudly_and_ours_matches_torch():
     x, y = batches(1)[0]
     model(x, y).backward()
     ref(x, y).backward()
-    with pytest.raises(RuntimeError, match="optimizer.clip_grad_norm_"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    grad = next(model.parameters()).grad
+    for op in (lambda g: g.sum(), lambda g: g.add_(1.0), lambda g: g.clone()):
+        with pytest.raises(RuntimeError, match="infinity.gradients"):
+            op(grad)
     ours = opt.clip_grad_norm_(0.5)
     theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     assert float(ours) == pytest.approx(float(theirs), rel=1e-6)

@@ -1,0 +1,155 @@
+"""The ecosystem's training loops run an offloaded model unchanged.
+
+``transformers.Trainer`` (default clipping at 1.0, gradient accumulation,
+grad-norm logging, an LR schedule) and a plain Accelerate loop train an
+offloaded Llama with ``CPUAdam``; the reference is the same loop on the plain
+model with ``torch.optim.AdamW`` (single-tensor). The tolerance is measured in
+the same test: how far torch's own fused AdamW lands from its single-tensor
+AdamW on the same loop.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from engine_helpers import config, global_rel_error, tiny_llama
+
+import infinity
+from infinity.optim import CPUAdam
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+VOCAB = 128
+STEPS = 3
+ACCUM = 2
+BATCH = 2
+LR = 1e-3
+NOISE_MULTIPLE = 4  # the offloaded error may be a few times torch's fused-vs-single noise
+
+
+def _samples(n: int = STEPS * ACCUM * BATCH, seq: int = 16) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (seq,), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "cpu_adam":
+        return CPUAdam(model.parameters(), lr=LR, weight_decay=0.1)
+    fused = kind == "fused"
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=LR,
+        weight_decay=0.1,
+        fused=fused,
+        foreach=False if not fused else None,
+    )
+
+
+def _models() -> dict[str, torch.nn.Module]:
+    """The reference (single-tensor AdamW), the noise probe (fused AdamW), and ours."""
+    base = tiny_llama(VOCAB, hidden=32)
+    offloaded = infinity.offload(
+        copy.deepcopy(base), config(device_memory="64KiB", chunk_size="16KiB")
+    )
+    return {"single": base, "fused": copy.deepcopy(base), "cpu_adam": offloaded}
+
+
+def _check_against_noise(models: dict[str, torch.nn.Module]) -> tuple[float, float]:
+    noise = global_rel_error(models["fused"], models["single"])
+    ours = global_rel_error(models["cpu_adam"], models["single"])
+    assert 0 < noise < 1e-5, noise  # the probe measured something, and it is rounding
+    assert ours <= NOISE_MULTIPLE * noise, (ours, noise)
+    return ours, noise
+
+
+def _train_with_trainer(
+    model, kind: str, out_dir, steps: int = STEPS, resume: str | None = None, **kw
+) -> list[float]:
+    opt = _optimizer(kind, model)
+    sched = transformers.get_linear_schedule_with_warmup(opt, 1, steps)
+    kw.setdefault("save_strategy", "no")
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=steps,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        **kw,
+    )
+    assert args.max_grad_norm == 1.0  # the default: clipping is on
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=_samples(steps * ACCUM * BATCH),
+        optimizers=(opt, sched),
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+
+
+def test_transformers_trainer_matches_adamw(tmp_path):
+    models = _models()
+    norms = {kind: _train_with_trainer(m, kind, tmp_path / kind) for kind, m in models.items()}
+    assert len(norms["single"]) == STEPS
+    assert any(n > 1.0 for n in norms["single"])  # the clip at 1.0 really scaled gradients
+    assert norms["cpu_adam"] == pytest.approx(norms["single"], rel=1e-5)
+    _check_against_noise(models)
+
+
+def test_trainer_resumes_from_its_own_checkpoint_like_uninterrupted_adamw(tmp_path):
+    """The Trainer's checkpoint (model.state_dict + optimizer.state_dict) keeps the
+    offloaded Adam moments: resuming lands where uninterrupted AdamW does."""
+    steps = 4
+    models = _models()
+    for kind in ("single", "fused"):
+        _train_with_trainer(models[kind], kind, tmp_path / kind, steps)
+    first = _models()["cpu_adam"]
+    _train_with_trainer(
+        first, "cpu_adam", tmp_path / "a", steps, save_strategy="steps", save_steps=2
+    )
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").exists()
+    _train_with_trainer(models["cpu_adam"], "cpu_adam", tmp_path / "b", steps, str(checkpoint))
+    _check_against_noise(models)
+
+
+def _train_with_accelerate(model, kind: str) -> list[float]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    opt = _optimizer(kind, model)
+    sched = transformers.get_linear_schedule_with_warmup(opt, 1, STEPS)
+    loader = torch.utils.data.DataLoader(_samples(), batch_size=BATCH)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    model.train()
+    norms = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    return norms
+
+
+def test_accelerate_loop_matches_adamw():
+    models = _models()
+    norms = {kind: _train_with_accelerate(m, kind) for kind, m in models.items()}
+    assert len(norms["single"]) == STEPS
+    assert any(n > 0.5 for n in norms["single"])
+    assert norms["cpu_adam"] == pytest.approx(norms["single"], rel=1e-5)
+    _check_against_noise(models)
