@@ -20,6 +20,8 @@ import socket
 import zlib
 from pathlib import Path
 
+from infinity.utils.processes import own_start, owner_alive
+
 PARTIAL = "partial"
 OLD = "old"
 _NAME = re.compile(
@@ -32,37 +34,9 @@ def _host() -> str:
     return f"{zlib.crc32(socket.gethostname().encode()):08x}"
 
 
-def _start_time(pid: int) -> int | None:
-    """Start time of process ``pid`` in clock ticks since boot; None if there is none."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
-        return 0  # NOTE: /proc unreadable: unknown start time, treated as alive below
-    # NOTE: the command name (field 2) may hold spaces and ')': fields follow its last ')'.
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
-
-
-def _alive(pid: int, start: int) -> bool:
-    if not Path("/proc/self/stat").exists():  # no procfs: the PID alone decides
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    actual = _start_time(pid)
-    if actual is None:
-        return False
-    return 0 in (actual, start) or actual == start  # NOTE: 0: a start time we could not read
-
-
 def temp_path(directory: Path, name: str, kind: str = PARTIAL) -> Path:
     """A fresh temporary path for ``name`` in ``directory``, tagged with this process."""
-    start = _start_time(os.getpid()) or 0
-    tag = f"{_host()}-{os.getpid()}-{start}-{secrets.token_hex(3)}"
+    tag = f"{_host()}-{os.getpid()}-{own_start()}-{secrets.token_hex(3)}"
     return directory / f".{name}.{kind}-{tag}"
 
 
@@ -77,7 +51,7 @@ def owner_gone(path: Path) -> bool:
         return False
     if st.st_uid != os.geteuid() or path.is_symlink():
         return False  # NOTE: never another user's, and never follow a link out of the directory
-    return not _alive(int(match["pid"]), int(match["start"]))
+    return not owner_alive(int(match["pid"]), int(match["start"]))
 
 
 def reclaim(directory: Path) -> list[Path]:

@@ -20,6 +20,7 @@ import os
 import re
 import tempfile
 
+from infinity.utils.processes import has_procfs, own_start, owner_alive
 from infinity.utils.sizes import format_size
 
 log = logging.getLogger("infinity")
@@ -29,30 +30,10 @@ _OWNED = re.compile(r"^infinity-(?P<name>.+)-(?P<pid>[0-9]+)-(?P<start>[0-9]+)-[
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
-def process_start(pid: int) -> int | None:
-    """Start time of process ``pid`` in clock ticks after boot, or ``None`` if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # NOTE: the command name (field 2) may hold spaces and ')': split after the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[19])  # field 22; fields[0] is field 3
-    except (IndexError, ValueError):
-        return None
-
-
 def make_owned_dir(root: str | os.PathLike[str], name: str) -> str:
     """Create a fresh ``0700`` directory in ``root`` named after this process; its path."""
     pid = os.getpid()
-    return tempfile.mkdtemp(prefix=f"infinity-{name}-{pid}-{process_start(pid) or 0}-", dir=root)
-
-
-def owner_alive(pid: int, start: int) -> bool:
-    """Whether the process that made a directory tagged ``pid``/``start`` still runs."""
-    return process_start(pid) == start
+    return tempfile.mkdtemp(prefix=f"infinity-{name}-{pid}-{own_start()}-", dir=root)
 
 
 def reclaim_stale(root: str | os.PathLike[str]) -> list[str]:
@@ -62,7 +43,7 @@ def reclaim_stale(root: str | os.PathLike[str]) -> list[str]:
     holding only files are removed (symbolic links are not followed). Errors
     are ignored: a directory that cannot be removed now is tried next time.
     """
-    if process_start(os.getpid()) is None:
+    if not has_procfs():
         return []  # no /proc: no way to tell a live owner from a dead one
     try:
         root_fd = os.open(root, _DIR_FLAGS)
