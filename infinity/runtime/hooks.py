@@ -5,15 +5,24 @@
 - forward pre/post on every module that owns parameters: fetch and release;
 - per trainable parameter: a tensor hook (runs before AccumulateGrad) and a
   post-accumulate-grad hook that moves the gradient into its chunk.
+
+Every hook is opaque to ``torch.compile`` (``torch.compiler.disable``): Dynamo
+breaks the graph at each one and runs it eagerly, so a compiled model's graphs
+end at the forward boundaries of the modules owning parameters. Tracing into
+the engine instead would fail (it does I/O, reads storage pointers, keeps
+Python state) and would guard on state that changes every step.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
 from infinity.runtime.engine import OffloadEngine
+
+_opaque = torch.compiler.disable
 
 
 class HookSet:
@@ -23,13 +32,16 @@ class HookSet:
         self.handles: list[RemovableHandle] = []
         self._scopes: list[saved_tensors_hooks] = []
         self._engine = engine
+        pack, unpack = _opaque(engine.pack), _opaque(engine.unpack)
 
+        @_opaque
         def root_pre(module: nn.Module, args: tuple) -> None:
             engine.begin_forward()
-            scope = saved_tensors_hooks(engine.pack, engine.unpack)
+            scope = saved_tensors_hooks(pack, unpack)
             scope.__enter__()
             self._scopes.append(scope)
 
+        @_opaque
         def root_post(module: nn.Module, args: tuple, output: object) -> None:
             # always_call=True: runs on exceptions too, so the scope never leaks.
             if self._scopes:
@@ -40,14 +52,16 @@ class HookSet:
             self.handles.append(module.register_forward_pre_hook(self._pre(module)))
             self.handles.append(module.register_forward_hook(self._post(module), always_call=True))
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
+        before_grad, on_grad = _opaque(engine.before_grad), _opaque(engine.on_grad)
         for entry in engine.registry.entries:
             if entry.trainable:
-                self.handles.append(entry.param.register_hook(engine.before_grad))
-                self.handles.append(entry.param.register_post_accumulate_grad_hook(engine.on_grad))
+                self.handles.append(entry.param.register_hook(before_grad))
+                self.handles.append(entry.param.register_post_accumulate_grad_hook(on_grad))
 
     def _pre(self, module: nn.Module):
         engine = self._engine
 
+        @_opaque
         def hook(mod: nn.Module, args: tuple) -> None:
             engine.begin_module(module)
 
@@ -56,6 +70,7 @@ class HookSet:
     def _post(self, module: nn.Module):
         engine = self._engine
 
+        @_opaque
         def hook(mod: nn.Module, args: tuple, output: object) -> None:
             engine.end_module(module)
 
