@@ -69,6 +69,25 @@ class CommandError(Exception):
     """A user-facing failure: printed as one line, exit code 2."""
 
 
+def _subcommands(
+    parser: argparse.ArgumentParser, prog: str, paths: list[tuple[str, ...]], metavar: str
+) -> argparse._SubParsersAction:
+    """The commands under ``parser``, listed by :func:`_table`.
+
+    NOTE: argparse's own list would show only "bench", not "bench adam"; and
+    ``prog`` is given because argparse derives it from a custom usage line.
+    """
+    return parser.add_subparsers(
+        prog=prog,
+        title="commands",
+        description=_table(paths),
+        dest="command" if prog == "infinity" else "subcommand",
+        required=True,
+        metavar=metavar,
+        help=argparse.SUPPRESS,
+    )
+
+
 def _build_parser(
     argv: list[str],
 ) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -82,48 +101,24 @@ def _build_parser(
         epilog=_examples(everything),
         formatter_class=raw,
     )
-    # NOTE: the commands are listed by _table (with the group's members, e.g.
-    # "bench adam"), not by argparse, which would list only "bench".
-    sub = parser.add_subparsers(
-        prog="infinity",  # NOTE: else derived from the custom usage line
-        title="commands",
-        description=_table(everything),
-        dest="command",
-        required=True,
-        metavar="COMMAND",
-        help=argparse.SUPPRESS,
-    )
+    sub = _subcommands(parser, "infinity", everything, "COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     group_parsers: dict[str, argparse.ArgumentParser] = {}
     for path, module, help_text, example in _COMMANDS:
-        epilog = f"example:\n  {example}"
-        if len(path) == 1:
-            target = sub.add_parser(
-                path[0], description=help_text, epilog=epilog, formatter_class=raw
+        if len(path) > 1 and path[0] not in groups:
+            members = [p for p in everything if p[0] == path[0]]
+            group = sub.add_parser(
+                path[0],
+                usage="%(prog)s [-h] BENCHMARK ...",
+                description=_GROUPS[path[0]],
+                epilog=_examples(members),
+                formatter_class=raw,
             )
-        else:
-            if path[0] not in groups:
-                members = [p for p in everything if p[0] == path[0]]
-                group = sub.add_parser(
-                    path[0],
-                    usage="%(prog)s [-h] BENCHMARK ...",
-                    description=_GROUPS[path[0]],
-                    epilog=_examples(members),
-                    formatter_class=raw,
-                )
-                group_parsers[path[0]] = group
-                groups[path[0]] = group.add_subparsers(
-                    prog=f"infinity {path[0]}",
-                    title="commands",
-                    description=_table(members),
-                    dest="subcommand",
-                    required=True,
-                    metavar="BENCHMARK",
-                    help=argparse.SUPPRESS,
-                )
-            target = groups[path[0]].add_parser(
-                path[1], description=help_text, epilog=epilog, formatter_class=raw
-            )
+            group_parsers[path[0]] = group
+            groups[path[0]] = _subcommands(group, f"infinity {path[0]}", members, "BENCHMARK")
+        target = (groups[path[0]] if len(path) > 1 else sub).add_parser(
+            path[-1], description=help_text, epilog=f"example:\n  {example}", formatter_class=raw
+        )
         target.set_defaults(_module=module)
         # Only the selected command's module is imported to add its flags.
         if argv[: len(path)] == list(path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 from torch import nn
 
@@ -23,6 +24,25 @@ def tiny_gpt(seed: int = 0, **overrides) -> GPT:
     model = GPT(GPTConfig(**fields))
     model.apply(init_weights)
     return model
+
+
+def tiny_llama(
+    vocab: int = VOCAB, hidden: int = 32, intermediate: int = 64, tie: bool = False
+) -> nn.Module:
+    """A 2-layer ``transformers`` Llama (grouped-query attention); skips without transformers."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
 
 
 def batches(n: int, seed: int = 1, batch: int = 2, seq: int = SEQ, vocab: int = VOCAB):

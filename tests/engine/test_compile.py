@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from engine_helpers import batches, config, param_bytes, tiny_gpt
+from engine_helpers import batches, config, param_bytes, tiny_gpt, tiny_llama
 from torch._dynamo.utils import counters
 
 import infinity
@@ -30,21 +30,6 @@ STEPS = 3
 # of relative error (aot_eager, Llama: plain 0, offloaded 2.6e-8 measured).
 MARGIN = 10.0
 FLOOR = 8 * torch.finfo(torch.float32).eps
-
-
-def _llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def _llama_loss(model, batch) -> torch.Tensor:
@@ -107,7 +92,7 @@ def test_compiled_offloaded_training_equals_eager(arch, backend):
     of compiled graphs) and Inductor's kernels (``inductor``) around the hooks."""
     build: Callable[[], torch.nn.Module]
     if arch == "llama":
-        build, loss_fn, chunk = _llama, _llama_loss, "8KiB"
+        build, loss_fn, chunk = tiny_llama, _llama_loss, "8KiB"
         data = batches(STEPS, seq=16)
     else:
         build, loss_fn, chunk = tiny_gpt, _gpt_loss, "24KiB"

@@ -18,6 +18,7 @@ from engine_helpers import (
     per_tensor_rel_errors,
     reference_pair,
     tiny_gpt,
+    tiny_llama,
     train,
 )
 
@@ -128,19 +129,7 @@ def test_branch_unused_in_some_steps_is_skipped_like_torch():
 
 
 def _llama(vocab=128):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_llama(vocab, hidden=64, intermediate=128, tie=True)
 
 
 def test_llama_tied_embeddings_fp32_matches_torch(tmp_path):
