@@ -10,7 +10,7 @@ STAMP      := $(VENV)/.infinity-installed
 SOURCES    := setup.py pyproject.toml $(shell find cpp -name '*.cpp' -o -name '*.hpp' 2>/dev/null)
 DEMO_ARGS  ?=
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test check-install lint bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# A fresh venv, `pip install .` without extras, the command run outside the tree.
+check-install:
+	PYTHON=$(PYTHON) TORCH_SPEC='$(TORCH_SPEC)' .ci/check_install
 
 lint: setup
 	$(VENV)/bin/ruff check infinity tests bench

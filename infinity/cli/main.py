@@ -1,4 +1,4 @@
-"""Entry point of the ``infinity`` command: dispatches to one module per command.
+"""Entry point of the ``infinity`` command: one module per command.
 
 Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
 modules are imported only when their command runs, so ``infinity --help`` is fast.
@@ -11,43 +11,130 @@ import importlib
 import signal
 import sys
 
-# (command path, module, help)
-_COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("train",), "infinity.cli.train", "train a GPT-style model beyond the memory budgets"),
-    (("plan",), "infinity.cli.plan", "show where each kind of state would live, and traffic"),
-    (("bench", "nvme"), "infinity.cli.bench_nvme", "NVMe throughput sweep (vs a Python baseline)"),
-    (("bench", "adam"), "infinity.cli.bench_adam", "CPU-Adam throughput vs torch AdamW(fused)"),
-    (("bench", "train"), "infinity.cli.bench_train", "end-to-end step time vs plain PyTorch"),
+DESCRIPTION = (
+    "Train PyTorch models larger than GPU and host memory: parameters, gradients\n"
+    "and optimizer states live in chunks over the GPU, host RAM and an NVMe disk."
+)
+
+# (command path, module, help, example)
+_COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
+    (
+        ("train",),
+        "infinity.cli.train",
+        "train a GPT-style model beyond the memory budgets",
+        "infinity train --preset tiny",
+    ),
+    (
+        ("plan",),
+        "infinity.cli.plan",
+        "show where each kind of state would live, and traffic",
+        "infinity plan --model 7b --device-memory 24GiB --host-memory 64GiB --nvme-path /nvme",
+    ),
+    (
+        ("bench", "nvme"),
+        "infinity.cli.bench_nvme",
+        "NVMe throughput sweep (vs a Python baseline)",
+        "infinity bench nvme --path /nvme --size 1GiB",
+    ),
+    (
+        ("bench", "adam"),
+        "infinity.cli.bench_adam",
+        "CPU-Adam throughput vs torch AdamW(fused)",
+        "infinity bench adam --size 16M",
+    ),
+    (
+        ("bench", "train"),
+        "infinity.cli.bench_train",
+        "end-to-end step time vs plain PyTorch",
+        "infinity bench train --layers 4 --hidden 256",
+    ),
 ]
+_GROUPS = {"bench": "measure the engine's parts against baselines"}
+
+
+def _table(paths: list[tuple[str, ...]]) -> str:
+    """One line per command: its name and what it does."""
+    rows = [c for c in _COMMANDS if c[0] in paths]
+    width = max(len(" ".join(path)) for path, *_ in rows)
+    return "\n".join(f"{' '.join(path):<{width}}  {help_text}" for path, _, help_text, _ in rows)
+
+
+def _examples(paths: list[tuple[str, ...]]) -> str:
+    """One example per command, and where to read more."""
+    lines = ["examples:"] + [f"  {example}" for path, *_, example in _COMMANDS if path in paths]
+    return "\n".join([*lines, "", "`infinity COMMAND --help` lists a command's options."])
 
 
 class CommandError(Exception):
     """A user-facing failure: printed as one line, exit code 2."""
 
 
-def _build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infinity", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _subcommands(
+    parser: argparse.ArgumentParser, prog: str, paths: list[tuple[str, ...]], metavar: str
+) -> argparse._SubParsersAction:
+    """The commands under ``parser``, listed by :func:`_table`.
+
+    NOTE: argparse's own list would show only "bench", not "bench adam"; and
+    ``prog`` is given because argparse derives it from a custom usage line.
+    """
+    return parser.add_subparsers(
+        prog=prog,
+        title="commands",
+        description=_table(paths),
+        dest="command" if prog == "infinity" else "subcommand",
+        required=True,
+        metavar=metavar,
+        help=argparse.SUPPRESS,
+    )
+
+
+def _build_parser(
+    argv: list[str],
+) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and the parsers of command groups (``bench``)."""
+    raw = argparse.RawDescriptionHelpFormatter
+    everything = [path for path, *_ in _COMMANDS]
+    parser = argparse.ArgumentParser(
+        prog="infinity",
+        usage="%(prog)s [-h] COMMAND ...",
+        description=DESCRIPTION,
+        epilog=_examples(everything),
+        formatter_class=raw,
+    )
+    sub = _subcommands(parser, "infinity", everything, "COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
-    for path, module, help_text in _COMMANDS:
-        if len(path) == 1:
-            target = sub.add_parser(path[0], help=help_text, description=help_text)
-        else:
-            if path[0] not in groups:
-                group = sub.add_parser(path[0], help=f"{path[0]} commands")
-                groups[path[0]] = group.add_subparsers(dest="subcommand", required=True)
-            target = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
+    group_parsers: dict[str, argparse.ArgumentParser] = {}
+    for path, module, help_text, example in _COMMANDS:
+        if len(path) > 1 and path[0] not in groups:
+            members = [p for p in everything if p[0] == path[0]]
+            group = sub.add_parser(
+                path[0],
+                usage="%(prog)s [-h] BENCHMARK ...",
+                description=_GROUPS[path[0]],
+                epilog=_examples(members),
+                formatter_class=raw,
+            )
+            group_parsers[path[0]] = group
+            groups[path[0]] = _subcommands(group, f"infinity {path[0]}", members, "BENCHMARK")
+        target = (groups[path[0]] if len(path) > 1 else sub).add_parser(
+            path[-1], description=help_text, epilog=f"example:\n  {example}", formatter_class=raw
+        )
         target.set_defaults(_module=module)
         # Only the selected command's module is imported to add its flags.
         if argv[: len(path)] == list(path):
             importlib.import_module(module).add_arguments(target)
-    return parser
+    return parser, group_parsers
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    args = _build_parser(argv).parse_args(argv)
+    parser, groups = _build_parser(argv)
+    # A bare `infinity` (or `infinity bench`) shows the help, not a missing-argument error.
+    if not argv or (len(argv) == 1 and argv[0] in groups):
+        (groups[argv[0]] if argv else parser).print_help()
+        return 2
+    args = parser.parse_args(argv)
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)

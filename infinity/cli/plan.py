@@ -51,7 +51,9 @@ def _build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
         try:
             import transformers
         except ImportError:
-            raise CommandError("reading a config.json needs `pip install transformers`") from None
+            raise CommandError(
+                "reading a config.json needs transformers: pip install 'infinity-offload[hf]'"
+            ) from None
         try:
             cfg = transformers.AutoConfig.from_pretrained(args.model)
         except (OSError, ValueError) as exc:

@@ -5,6 +5,12 @@
 - forward pre/post on every module that owns parameters: fetch and release;
 - per trainable parameter: a tensor hook (runs before AccumulateGrad) and a
   post-accumulate-grad hook that moves the gradient into its chunk.
+
+Every hook is opaque to ``torch.compile`` (``torch.compiler.disable``): Dynamo
+breaks the graph at each one and runs it eagerly, so a compiled model's graphs
+end at the forward boundaries of the modules owning parameters. Tracing into
+the engine instead would fail (it does I/O, reads storage pointers, keeps
+Python state) and would guard on state that changes every step.
 """
 
 from __future__ import annotations
@@ -13,11 +19,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
 from infinity.runtime.engine import OffloadEngine
+
+_opaque = torch.compiler.disable
 
 
 def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -43,13 +52,16 @@ class HookSet:
         self.handles: list[RemovableHandle] = []
         self._scopes: list[saved_tensors_hooks] = []
         self._engine = engine
+        pack, unpack = _opaque(engine.pack), _opaque(engine.unpack)
 
+        @_opaque
         def root_pre(module: nn.Module, args: tuple) -> None:
             engine.begin_forward()
-            scope = saved_tensors_hooks(engine.pack, engine.unpack)
+            scope = saved_tensors_hooks(pack, unpack)
             scope.__enter__()
             self._scopes.append(scope)
 
+        @_opaque
         def root_post(module: nn.Module, args: tuple, output: object) -> None:
             # always_call=True: runs on exceptions too, so the scope never leaks.
             if self._scopes:
@@ -60,15 +72,18 @@ class HookSet:
             self.handles.append(module.register_forward_pre_hook(self._pre(module)))
             self.handles.append(module.register_forward_hook(self._post(module), always_call=True))
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
+        before_grad = _opaque(_weak(engine.before_grad))
+        on_grad = _opaque(_weak(engine.on_grad))
         for entry in engine.registry.entries:
             if entry.trainable:
                 param = entry.param
-                self.handles.append(param.register_hook(_weak(engine.before_grad)))
-                self.handles.append(param.register_post_accumulate_grad_hook(_weak(engine.on_grad)))
+                self.handles.append(param.register_hook(before_grad))
+                self.handles.append(param.register_post_accumulate_grad_hook(on_grad))
 
     def _pre(self, module: nn.Module):
         engine = self._engine
 
+        @_opaque
         def hook(mod: nn.Module, args: tuple) -> None:
             engine.begin_module(module)
 
@@ -77,6 +92,7 @@ class HookSet:
     def _post(self, module: nn.Module):
         engine = self._engine
 
+        @_opaque
         def hook(mod: nn.Module, args: tuple, output: object) -> None:
             engine.end_module(module)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 from torch import nn
 
@@ -25,19 +26,25 @@ def tiny_gpt(seed: int = 0, **overrides) -> GPT:
     return model
 
 
-def tiny_llama(vocab: int = 128, hidden: int = 64, seed: int = 0) -> nn.Module:
-    """A 2-layer ``transformers`` Llama with tied embeddings (GQA: 4 heads, 2 KV heads)."""
-    import transformers
-
+def tiny_llama(
+    vocab: int = VOCAB,
+    hidden: int = 32,
+    intermediate: int | None = None,
+    tie: bool = False,
+    seed: int = 0,
+) -> nn.Module:
+    """A 2-layer ``transformers`` Llama (grouped-query attention: 4 heads, 2 KV heads);
+    ``intermediate`` defaults to twice ``hidden``. Skips without transformers."""
+    transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
     )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg)

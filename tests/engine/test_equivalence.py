@@ -129,8 +129,7 @@ def test_branch_unused_in_some_steps_is_skipped_like_torch():
 
 
 def _llama(vocab=128):
-    pytest.importorskip("transformers")
-    return tiny_llama(vocab)
+    return tiny_llama(vocab, hidden=64, intermediate=128, tie=True)
 
 
 def test_llama_tied_embeddings_fp32_matches_torch(tmp_path):

@@ -54,7 +54,7 @@ def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def _models() -> dict[str, torch.nn.Module]:
     """The reference (single-tensor AdamW), the noise probe (fused AdamW), and ours."""
-    base = tiny_llama(VOCAB, hidden=32)
+    base = tiny_llama(VOCAB, hidden=32, tie=True)
     offloaded = infinity.offload(
         copy.deepcopy(base), config(device_memory="64KiB", chunk_size="16KiB")
     )
