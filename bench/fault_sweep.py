@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "engine"))
 
+import torch
 from fault_harness import Case, check, fired, run
 
 from infinity.io import available_backends
@@ -77,6 +78,9 @@ def sweep(case: Case, stride: int) -> dict:
 
 def main() -> int:
     """Run the sweep and print a summary table."""
+    # NOTE: the model is tiny: one compute thread is ~10x faster than a pool
+    # contending for the cores with the I/O workers.
+    torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", help="e.g. io_uring/eio threads/short+buffered")
     parser.add_argument("--stride", type=int, default=1, help="run every k-th n (default 1)")

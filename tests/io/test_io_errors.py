@@ -10,7 +10,7 @@ import time
 import pytest
 from io_helpers import file_bytes, mounted_tmpfs, random_tensor, run_python
 
-from infinity.io import IOEngine, NVMeIOError, SwapFile, aligned_empty, wait_all
+from infinity.io import IOEngine, NVMeIOError, SwapFile, aligned_empty, available_backends, wait_all
 
 PAGE = 4096
 
@@ -251,3 +251,47 @@ print(os.path.exists(path))
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0", "True", str(1 << 20), "False"]
+
+
+BATCH_BACKENDS = [b for b in available_backends() if b != "threads"]  # threads submit no batches
+
+
+@pytest.mark.parametrize("batch_backend", BATCH_BACKENDS)
+def test_failed_batch_submission_fails_its_requests(batch_backend, tmp_path):
+    """A submitting system call that fails (not EAGAIN) fails the pieces it carried
+    with that errno; the engine works afterwards. EAGAIN is retried."""
+    with IOEngine({"backend": batch_backend, "block_size": PAGE, "queue_depth": 4}) as eng:
+        with SwapFile(tmp_path, 16 * PAGE, eng) as sf:
+            eng.inject_submit_error(1, errno.EINVAL)
+            with pytest.raises(NVMeIOError) as info:
+                sf.write(aligned_empty(4 * PAGE), 0).wait()
+            assert info.value.errno == errno.EINVAL and info.value.filename == sf.path
+            t, expected = random_tensor(8 * PAGE, seed=61)
+            assert sf.write(t, 0).wait() == 8 * PAGE
+            assert file_bytes(sf.path, 0, 8 * PAGE) == expected
+            eng.inject_submit_error(1, errno.EAGAIN)
+            back = aligned_empty(8 * PAGE)
+            assert sf.read(back, 0).wait() == 8 * PAGE
+            assert back.numpy().tobytes() == expected
+
+
+def test_buffered_fallback_reports_write_back_errors_per_write(engine, tmp_path, monkeypatch):
+    """Without O_DIRECT the swap file is O_DSYNC: a write returns only once its data
+    is on the device, so a write-back error fails that write (the kernel's flags say so)."""
+    import fcntl
+
+    from infinity.io import swapfile as swapfile_module
+
+    real_open = os.open
+
+    def open_without_direct(path, flags, mode=0o777, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(swapfile_module.os, "open", open_without_direct)
+    monkeypatch.setattr(swapfile_module, "_warned_buffered", {str(tmp_path)})
+    with SwapFile(tmp_path, 4 * PAGE, engine) as sf:
+        assert not sf.direct
+        flags = fcntl.fcntl(sf.fileno(), fcntl.F_GETFL)
+        assert flags & os.O_DSYNC == os.O_DSYNC and not flags & os.O_DIRECT
