@@ -19,7 +19,7 @@ from engine_helpers import batches, nvme_pair, train
 from fault_harness import Case, fired, run
 
 import infinity
-from infinity.io import NVMeIOError, available_backends
+from infinity.io import available_backends
 from infinity.offload import engine_of
 
 BACKENDS = available_backends()
@@ -83,7 +83,7 @@ def test_nth_io_fails_then_error_or_identical(case: Case, samples: int, expected
     for nth in spread(total * 95 // 100, samples):
         outcome = run(case, nth)
         if expected == "raised" and fired(case, nth, outcome) is not False:
-            assert isinstance(outcome.error, NVMeIOError), (nth, outcome.error)
+            assert isinstance(outcome.error, infinity.NVMeIOError), (nth, outcome.error)
         else:
             assert outcome.error is None, (nth, outcome.error)
             assert outcome.homes.keys() == ref.homes.keys()
@@ -103,7 +103,7 @@ def test_error_names_chunk_file_offset_errno_then_engine_refuses(tmp_path) -> No
     engine = engine_of(model)
     swap_dir = engine.swap.directory
     engine.swap.engine.inject_fault(1, errno.EIO, per="request")
-    with pytest.raises(NVMeIOError) as info:
+    with pytest.raises(infinity.NVMeIOError) as info:
         train(model, opt, data[1:2])
     err = info.value
     assert err.errno == errno.EIO and err.filename == engine.swap.path
@@ -117,7 +117,9 @@ def test_error_names_chunk_file_offset_errno_then_engine_refuses(tmp_path) -> No
         lambda: engine.synchronize(),
         lambda: infinity.save_checkpoint(tmp_path / "ckpt", model, opt),
     ):
-        with pytest.raises(NVMeIOError, match="refuses to run.*Input/output error") as again:
+        with pytest.raises(
+            infinity.NVMeIOError, match="refuses to run.*Input/output error"
+        ) as again:
             call()
         assert again.value.errno == errno.EIO
     engine.close()  # already reported: cleans up without raising again
@@ -132,7 +134,7 @@ def test_checkpoint_before_the_fault_resumes_exactly(tmp_path) -> None:
     train(model, opt, data[:2])
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
     _fail_next_io(model)
-    with pytest.raises(NVMeIOError):
+    with pytest.raises(infinity.NVMeIOError):
         train(model, opt, data[2:])
     engine_of(model).close()
 
