@@ -128,7 +128,8 @@ void bind_io(py::module_& m) {
             py::arg("us"))
         .def("inject_short_transfer", &io::Engine::inject_short_transfer, py::arg("nth"))
         .def("inject_submit_error", &io::Engine::inject_submit_error, py::arg("nth"),
-             py::arg("errno"));
+             py::arg("errno"))
+        .def("inject_worker_failure", &io::Engine::inject_worker_failure, py::arg("count"));
 }
 
 }  // namespace infinity

@@ -90,6 +90,18 @@ int RequestQueue::take_submit_fault() {
     return 0;
 }
 
+void RequestQueue::inject_worker_failure(int count) {
+    std::lock_guard<std::mutex> lock(mu_);
+    worker_failures_ = std::max(count, 0);
+}
+
+bool RequestQueue::take_worker_failure() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_failures_ == 0) return false;
+    --worker_failures_;
+    return true;
+}
+
 void RequestQueue::inject_delay(std::chrono::microseconds delay) {
     std::lock_guard<std::mutex> lock(mu_);
     delay_ = delay;

@@ -59,6 +59,10 @@ class RequestQueue {
     /// Called by a worker before each batch submission: the errno to fail it
     /// with (the injected one, when its turn has come), else 0.
     int take_submit_fault();
+    /// The next `count` checks of take_worker_failure() (any worker) say yes:
+    /// the worker then fails internally, as on a bug or out of memory.
+    void inject_worker_failure(int count);
+    bool take_worker_failure();
 
   private:
     std::mutex mu_;
@@ -72,6 +76,7 @@ class RequestQueue {
     std::uint64_t short_countdown_ = 0;
     std::uint64_t submit_fault_countdown_ = 0;
     int submit_fault_errno_ = 0;
+    int worker_failures_ = 0;
     std::chrono::microseconds delay_{0};
 };
 

@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <new>
+#include <stdexcept>
 
 #include "common/error.hpp"
 #include "common/quiet_thread.hpp"
@@ -75,6 +77,7 @@ void Worker::run() noexcept {
 void Worker::loop() {
     int stuck_rounds = 0;
     for (;;) {
+        if (queue_.take_worker_failure()) throw std::runtime_error("injected internal failure");
         bool closed = false;
         Clock::time_point later = Clock::time_point::max();
         fill(closed, later);
@@ -232,6 +235,7 @@ void Worker::drain_after_crash(const std::string& what) noexcept {
     std::string detail = "I/O worker failed: " + what;
     try {
         backend_.reset();
+        if (queue_.take_worker_failure()) throw std::bad_alloc();  // test hook: fail again
         for (std::uint32_t slot = 0; slot < depth_; ++slot) {
             if (slots_[slot].req) fail_piece(slot, EIO, detail);
         }

@@ -88,7 +88,7 @@ class IOEngine:
     the parent): that raises ``RuntimeError``; make a new engine there.
 
     Fault injection for tests: :meth:`inject_fault`, :meth:`inject_short_transfer`,
-    :meth:`inject_submit_error` and :meth:`inject_delay`.
+    :meth:`inject_submit_error`, :meth:`inject_worker_failure` and :meth:`inject_delay`.
     """
 
     def __init__(self, aio: AioConfig | dict[str, Any] | None = None) -> None:
@@ -236,6 +236,19 @@ class IOEngine:
             raise ValueError(f"errno={errno!r} must be a positive errno value, e.g. errno.EIO")
         self._check_open()
         self._native.inject_submit_error(nth, errno)
+
+    def inject_worker_failure(self, count: int = 1) -> None:
+        """Make the workers fail internally ``count`` times from now on (0 disarms).
+
+        The first failure breaks a worker (as a bug or an exhausted memory
+        would): it fails what it holds and everything it is handed with
+        ``EIO`` until the engine closes. A second one hits it while it does
+        so; it must still fail requests, never leave a waiter hanging. For tests.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count={count!r} must be an int >= 0")
+        self._check_open()
+        self._native.inject_worker_failure(count)
 
     def inject_delay(self, us: int) -> None:
         """Delay the start of every request submitted from now on by ``us`` microseconds.

@@ -295,3 +295,21 @@ def test_buffered_fallback_reports_write_back_errors_per_write(engine, tmp_path,
         assert not sf.direct
         flags = fcntl.fcntl(sf.fileno(), fcntl.F_GETFL)
         assert flags & os.O_DSYNC == os.O_DSYNC and not flags & os.O_DIRECT
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_worker_failing_internally_fails_requests_and_never_hangs(make_engine, tmp_path, failures):
+    """A worker broken by an internal error fails its requests with EIO (never hangs a
+    waiter), even when a second failure hits it while it does so; close() returns."""
+    eng = make_engine(block_size=PAGE, queue_depth=2, threads=1)
+    with SwapFile(tmp_path, 16 * PAGE, eng) as sf:
+        eng.inject_worker_failure(failures)
+        with pytest.raises(NVMeIOError) as info:
+            sf.write(aligned_empty(8 * PAGE), 0).wait(timeout=20)
+        assert info.value.errno == errno.EIO and info.value.filename == sf.path
+        detail = "failed while draining" if failures == 2 else "injected internal failure"
+        assert "I/O worker failed" in str(info.value) and detail in str(info.value)
+        with pytest.raises(NVMeIOError, match="I/O worker failed"):
+            sf.read(aligned_empty(PAGE), 0).wait(timeout=20)
+    eng.close()
+    assert eng.closed
