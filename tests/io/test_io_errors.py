@@ -275,28 +275,6 @@ def test_failed_batch_submission_fails_its_requests(batch_backend, tmp_path):
             assert back.numpy().tobytes() == expected
 
 
-def test_buffered_fallback_reports_write_back_errors_per_write(engine, tmp_path, monkeypatch):
-    """Without O_DIRECT the swap file is O_DSYNC: a write returns only once its data
-    is on the device, so a write-back error fails that write (the kernel's flags say so)."""
-    import fcntl
-
-    from infinity.io import swapfile as swapfile_module
-
-    real_open = os.open
-
-    def open_without_direct(path, flags, mode=0o777, **kw):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, mode, **kw)
-
-    monkeypatch.setattr(swapfile_module.os, "open", open_without_direct)
-    monkeypatch.setattr(swapfile_module, "_warned_buffered", {str(tmp_path)})
-    with SwapFile(tmp_path, 4 * PAGE, engine) as sf:
-        assert not sf.direct
-        flags = fcntl.fcntl(sf.fileno(), fcntl.F_GETFL)
-        assert flags & os.O_DSYNC == os.O_DSYNC and not flags & os.O_DIRECT
-
-
 @pytest.mark.parametrize("failures", [1, 2])
 def test_worker_failing_internally_fails_requests_and_never_hangs(make_engine, tmp_path, failures):
     """A worker broken by an internal error fails its requests with EIO (never hangs a
