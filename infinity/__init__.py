@@ -13,6 +13,7 @@ See ``docs/ARCHITECTURE.md`` for the layers and the data flow of one step.
 from infinity import optim
 from infinity.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from infinity.config import AioConfig, Config, ConfigError
+from infinity.io.errors import NVMeIOError
 from infinity.offload import offload
 from infinity.runtime.errors import ModelChangedError
 from infinity.schedule.planner import PlanError
@@ -42,6 +43,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ModelChangedError",
+    "NVMeIOError",
     "PlanError",
     "gradients",
     "load_checkpoint",

@@ -68,7 +68,9 @@ class AioBackend final : public Backend {
         std::size_t accepted = 0;
         while (first_ < staged_.size()) {
             long n = static_cast<long>(staged_.size() - first_);
-            long r = ::syscall(__NR_io_submit, ctx_.get(), n, staged_.data() + first_);
+            const int injected = take_injected_submit_errno();
+            long r = injected ? (errno = injected, -1)
+                              : ::syscall(__NR_io_submit, ctx_.get(), n, staged_.data() + first_);
             if (r > 0) {  // possibly fewer than n: the rest is retried below
                 first_ += static_cast<std::size_t>(r);
                 accepted += static_cast<std::size_t>(r);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/request.hpp"
@@ -72,6 +73,18 @@ class Backend {
 
     /// Transfers staged so far that used a registered region (any thread may ask).
     virtual std::uint64_t fixed_transfers() const noexcept { return 0; }
+
+    /// Test hook (worker thread only): the next submit() behaves as if its
+    /// system call failed with `err`, through the backend's real error path.
+    /// Backends without a submitting system call ignore it.
+    void fail_next_submit(int err) noexcept { injected_submit_errno_ = err; }
+
+  protected:
+    /// The injected submit errno (then cleared), or 0: call just before the system call.
+    int take_injected_submit_errno() noexcept { return std::exchange(injected_submit_errno_, 0); }
+
+  private:
+    int injected_submit_errno_ = 0;
 };
 
 /// Builds a backend by name with `depth` slots; throws SystemError (with the

@@ -126,7 +126,10 @@ void bind_io(py::module_& m) {
             "inject_delay",
             [](io::Engine& e, std::uint64_t us) { e.inject_delay(std::chrono::microseconds(us)); },
             py::arg("us"))
-        .def("inject_short_transfer", &io::Engine::inject_short_transfer, py::arg("nth"));
+        .def("inject_short_transfer", &io::Engine::inject_short_transfer, py::arg("nth"))
+        .def("inject_submit_error", &io::Engine::inject_submit_error, py::arg("nth"),
+             py::arg("errno"))
+        .def("inject_worker_failure", &io::Engine::inject_worker_failure, py::arg("count"));
 }
 
 }  // namespace infinity

@@ -62,6 +62,11 @@ class Engine {
     }
     void inject_delay(std::chrono::microseconds delay) { queue_.inject_delay(delay); }
     void inject_short_transfer(std::uint64_t nth) { queue_.inject_short_transfer(nth); }
+    void inject_submit_error(std::uint64_t nth, int err) { queue_.inject_submit_error(nth, err); }
+    void inject_worker_failure(int count) {
+        queue_.inject_worker_failure(count);
+        for (auto& w : workers_) w->wake();
+    }
 
     const EngineConfig& config() const noexcept { return config_; }
 

@@ -43,6 +43,13 @@ void Request::fail(int err, std::uint64_t piece_offset, std::uint64_t piece_len,
     failed_.store(true, std::memory_order_release);
 }
 
+void Request::fail_quietly(int err) noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (err_ != 0) return;
+    err_ = err;
+    failed_.store(true, std::memory_order_release);
+}
+
 void Request::maybe_finish_locked() {
     if (issued_all_ && active_ == 0 && !done_.load(std::memory_order_relaxed)) {
         done_.store(true, std::memory_order_release);
@@ -67,6 +74,11 @@ int Request::error_code() const {
 
 std::string Request::error_message() const {
     std::lock_guard<std::mutex> lock(mu_);
+    if (message_.empty() && err_ != 0) {  // failed quietly: the worker had no memory left
+        return std::string(op_name(op)) + " of " + std::to_string(nbytes) + " bytes at offset " +
+               std::to_string(offset) + " of '" + path + "' failed: " + errno_text(err_) +
+               " (errno " + std::to_string(err_) + "); the I/O worker failed while draining";
+    }
     return message_;
 }
 

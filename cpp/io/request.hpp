@@ -51,6 +51,10 @@ class Request {
     void fail(int err, std::uint64_t piece_offset, std::uint64_t piece_len,
               const std::string& detail);
 
+    /// Like fail() but allocates nothing (for a worker out of memory): the
+    /// message is then built when it is read (error_message()).
+    void fail_quietly(int err) noexcept;
+
     /// True once failed: the remaining pieces are not handed out.
     bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
 

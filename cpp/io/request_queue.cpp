@@ -78,6 +78,30 @@ void RequestQueue::inject_short_transfer(std::uint64_t nth) {
     short_countdown_ = nth;
 }
 
+void RequestQueue::inject_submit_error(std::uint64_t nth, int err) {
+    std::lock_guard<std::mutex> lock(mu_);
+    submit_fault_countdown_ = nth;
+    submit_fault_errno_ = err;
+}
+
+int RequestQueue::take_submit_fault() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (submit_fault_countdown_ > 0 && --submit_fault_countdown_ == 0) return submit_fault_errno_;
+    return 0;
+}
+
+void RequestQueue::inject_worker_failure(int count) {
+    std::lock_guard<std::mutex> lock(mu_);
+    worker_failures_ = std::max(count, 0);
+}
+
+bool RequestQueue::take_worker_failure() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_failures_ == 0) return false;
+    --worker_failures_;
+    return true;
+}
+
 void RequestQueue::inject_delay(std::chrono::microseconds delay) {
     std::lock_guard<std::mutex> lock(mu_);
     delay_ = delay;

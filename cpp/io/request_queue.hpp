@@ -53,6 +53,16 @@ class RequestQueue {
     void inject_short_transfer(std::uint64_t nth);
     /// Every request pushed from now on starts no earlier than `delay` after its push.
     void inject_delay(std::chrono::microseconds delay);
+    /// The `nth` batch submission to the kernel from now on (any worker) fails
+    /// as if the submitting system call returned `err`. nth == 0 disarms.
+    void inject_submit_error(std::uint64_t nth, int err);
+    /// Called by a worker before each batch submission: the errno to fail it
+    /// with (the injected one, when its turn has come), else 0.
+    int take_submit_fault();
+    /// The next `count` checks of take_worker_failure() (any worker) say yes:
+    /// the worker then fails internally, as on a bug or out of memory.
+    void inject_worker_failure(int count);
+    bool take_worker_failure();
 
   private:
     std::mutex mu_;
@@ -64,6 +74,9 @@ class RequestQueue {
     std::uint64_t request_fault_countdown_ = 0;
     int request_fault_errno_ = 0;
     std::uint64_t short_countdown_ = 0;
+    std::uint64_t submit_fault_countdown_ = 0;
+    int submit_fault_errno_ = 0;
+    int worker_failures_ = 0;
     std::chrono::microseconds delay_{0};
 };
 

@@ -2,6 +2,7 @@
 // and completion rings are mmap'd from the ring descriptor, completions are
 // signalled on an eventfd registered with the ring.
 #include <linux/io_uring.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -122,7 +123,8 @@ class UringBackend final : public Backend {
         for (;;) {
             unsigned pending = static_cast<unsigned>(staged());
             if (pending == 0) return 0;
-            int r = sys_io_uring_enter(ring_fd_.get(), pending, 0, 0);
+            const int injected = take_injected_submit_errno();
+            int r = injected ? (errno = injected, -1) : sys_io_uring_enter(ring_fd_.get(), pending, 0, 0);
             if (r >= 0) {  // the rest stays in the ring for the next call
                 in_kernel_ += static_cast<unsigned>(r);
                 return static_cast<std::size_t>(r);
@@ -193,13 +195,21 @@ class UringBackend final : public Backend {
     ~UringBackend() override {
         // Closing a ring cancels its requests asynchronously, which could let
         // the kernel touch buffers after we return: wait for them instead.
+        // NOTE: an error of the waiting call (EBUSY with a full completion
+        // ring, ENOMEM, ...) is no reason to stop: closing now would free
+        // memory under the kernel. Reap what is there and wait again, sleeping
+        // briefly on the completion eventfd when the call itself keeps failing.
         while (in_kernel_ > 0) {
             int r = sys_io_uring_enter(ring_fd_.get(), 0, in_kernel_, IORING_ENTER_GETEVENTS);
-            if (r < 0 && errno != EINTR) break;  // nothing more can be done safely
+            const bool failed = r < 0 && errno != EINTR;
             unsigned head = *cq_head_;
             unsigned tail = load_acquire(cq_tail_);
             in_kernel_ -= std::min(in_kernel_, tail - head);
             store_release(cq_head_, tail);
+            if (failed && tail == head && in_kernel_ > 0) {
+                pollfd fd{event_fd_.get(), POLLIN, 0};
+                ::poll(&fd, 1, 10);
+            }
         }
     }
 

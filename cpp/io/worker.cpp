@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <new>
+#include <stdexcept>
 
 #include "common/error.hpp"
 #include "common/quiet_thread.hpp"
@@ -75,12 +77,16 @@ void Worker::run() noexcept {
 void Worker::loop() {
     int stuck_rounds = 0;
     for (;;) {
+        if (queue_.take_worker_failure()) throw std::runtime_error("injected internal failure");
         bool closed = false;
         Clock::time_point later = Clock::time_point::max();
         fill(closed, later);
 
         std::size_t before = backend_->staged();
-        if (before > 0) backend_->submit(done_);
+        if (before > 0) {
+            if (const int err = queue_.take_submit_fault()) backend_->fail_next_submit(err);
+            backend_->submit(done_);
+        }
         bool refused_all = before > 0 && backend_->staged() == before;
         if (!done_.empty()) {  // injected faults, refused submissions: no waiting needed
             stuck_rounds = 0;
@@ -229,6 +235,7 @@ void Worker::drain_after_crash(const std::string& what) noexcept {
     std::string detail = "I/O worker failed: " + what;
     try {
         backend_.reset();
+        if (queue_.take_worker_failure()) throw std::bad_alloc();  // test hook: fail again
         for (std::uint32_t slot = 0; slot < depth_; ++slot) {
             if (slots_[slot].req) fail_piece(slot, EIO, detail);
         }
@@ -250,7 +257,41 @@ void Worker::drain_after_crash(const std::string& what) noexcept {
             drain_eventfd(wake_fd_.get());
         }
     } catch (...) {
-        // Out of memory while failing requests: nothing sane is left to do.
+        // A second failure (out of memory while failing requests): go on
+        // failing them without allocating, so no waiter hangs on a piece
+        // nobody will run and close() still finds this worker draining.
+        drain_quietly();
+    }
+}
+
+void Worker::drain_quietly() noexcept {
+    for (std::uint32_t slot = 0; slot < depth_; ++slot) {
+        Piece& p = slots_[slot];
+        if (!p.req) continue;
+        RequestPtr request = std::move(p.req);
+        p.req.reset();
+        request->fail_quietly(EIO);
+        request->piece_finished(0);
+    }
+    retry_.clear();
+    for (;;) {
+        Piece piece;
+        Clock::time_point later = Clock::time_point::max();
+        RequestQueue::Take got;
+        try {
+            got = queue_.take(piece, Clock::now(), later);
+        } catch (...) {  // std::mutex::lock: only on a broken system
+            got = RequestQueue::Take::Later;
+        }
+        if (got == RequestQueue::Take::Closed) return;
+        if (got == RequestQueue::Take::Got) {
+            piece.req->fail_quietly(EIO);
+            piece.req->piece_finished(0);
+            continue;
+        }
+        pollfd fd{wake_fd_.get(), POLLIN, 0};
+        ::poll(&fd, 1, got == RequestQueue::Take::Later ? 1 : -1);
+        drain_eventfd(wake_fd_.get());
     }
 }
 

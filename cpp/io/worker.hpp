@@ -46,6 +46,7 @@ class Worker {
     void fail_piece(std::uint32_t slot, int err, const std::string& detail);
     void finish_piece(std::uint32_t slot);
     void drain_after_crash(const std::string& what) noexcept;
+    void drain_quietly() noexcept;
     std::uint32_t in_use() const noexcept {
         return depth_ - static_cast<std::uint32_t>(free_.size());
     }

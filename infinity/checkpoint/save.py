@@ -31,6 +31,7 @@ from infinity.checkpoint.format import (
 )
 from infinity.checkpoint.optimizer_groups import optimizer_groups
 from infinity.chunks.homes import Kind
+from infinity.io.errors import NVMeIOError
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
 
@@ -118,7 +119,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer=No
         _replace(tmp, target)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno is not None:
+        # NOTE: an NVMeIOError from the engine already names chunk, file and offset, and
+        # callers catch it by type: it passes through unchanged.
+        if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, NVMeIOError):
             # NOTE: same errno (so the same OSError subclass), with the checkpoint named.
             raise OSError(
                 exc.errno, f"cannot save checkpoint {target}: {exc.strerror or exc}"

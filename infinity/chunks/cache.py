@@ -58,16 +58,36 @@ class Copy:
         return view
 
     def in_flight(self) -> bool:
-        """Some transfer into or out of the slot has not completed."""
+        """Some transfer into or out of the slot has not completed.
+
+        Finished transfers are reaped through ``wait()``, which raises if one
+        failed: a failed read or write is never mistaken for a landed one.
+        """
         if self.pending:  # NOTE: the common case (nothing in flight) allocates nothing
-            self.pending = [p for p in self.pending if not p.done()]
+            finished = [p for p in self.pending if p.done()]
+            for p in finished:
+                p.wait()  # NOTE: raises before anything is forgotten
+            if finished:
+                self.pending = [p for p in self.pending if not any(p is f for f in finished)]
         return bool(self.pending)
 
     def wait(self) -> None:
-        """Wait for every transfer on the slot (errors propagate)."""
-        pending, self.pending = self.pending, []
-        for p in pending:
-            p.wait()
+        """Wait for every transfer on the slot, then raise the first error, if any.
+
+        A transfer is forgotten only once it has succeeded: after an error the
+        failed one stays, so every later wait raises again.
+        """
+        error: BaseException | None = None
+        kept: list[Pending] = []
+        for p in self.pending:
+            try:
+                p.wait()
+            except Exception as exc:
+                error = error or exc
+                kept.append(p)
+        self.pending = kept
+        if error is not None:
+            raise error
 
     def add_alias(self, alias: torch.Tensor) -> None:
         """Track a view handed out over this slot."""
@@ -194,11 +214,11 @@ class TierCache:
 
     def remove(self, key: Hashable) -> None:
         """Drop ``key``'s copy without writing it back (the caller made it safe)."""
-        copy = self._copies.pop(key)
+        copy = self._copies[key]
         if copy.pins or copy.has_live_views():
-            self._copies[key] = copy
             raise AssertionError(f"{self.tier}: {key} dropped while in use")
-        copy.wait()
+        copy.wait()  # a failed transfer raises and the copy stays
+        del self._copies[key]
         del self._by_ptr[copy.slot.tensor.data_ptr()]
         self.version += 1
         copy.slot.pool.give_back(copy.slot)

@@ -12,6 +12,7 @@ import enum
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
+from infinity.chunks.io_failures import IOFailures
 from infinity.chunks.pools import Arena
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.schedule.planner import HOST, NVME, Plan
@@ -42,6 +43,7 @@ class HomeStore:
         self.plan = plan
         self.traffic = traffic
         self.swap_file = swap_file
+        self.failures = IOFailures()  # the first failed NVMe transfer, kept until acted on
         n = plan.layout.num_chunks
         self._where: dict[Key, str] = {}
         self._nbytes: dict[Key, int] = {}
@@ -104,13 +106,20 @@ class HomeStore:
         self._writing[key] = transfer
         return transfer
 
-    def _after_write(self, key: Key, start):
+    def _after_write(self, key: Key, submit):
         # NOTE: requests to one file region may complete in any order. Callers
         # mostly keep them apart (a staging copy stays cached while its write
         # lands), but a copy evicted mid-write frees its key at once: this is
         # what keeps a re-read of that key from seeing the old bytes.
+        # A failed earlier write raises here (and in the chain): the home does
+        # not hold what the caller expects to read or to overwrite.
+        def start():
+            return self.failures.watch(submit(), key)
+
         previous = self._writing.get(key)
         if previous is None or previous.done():
+            if previous is not None:
+                previous.wait()
             self._writing.pop(key, None)
             return start()
         return ChainedTransfer(previous, start)

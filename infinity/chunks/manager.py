@@ -29,6 +29,16 @@ from infinity.schedule.planner import HOST, Plan
 log = logging.getLogger("infinity")
 
 
+def _landed(fill) -> bool:
+    """``fill`` (a transfer, or None for nothing in flight) has landed; raises if it failed."""
+    if fill is None:
+        return True
+    if not fill.done():
+        return False
+    fill.wait()  # NOTE: done, so this only raises a failure instead of calling it landed
+    return True
+
+
 class ChunkManager(GradientFlow):
     """Places chunk copies in the device and host tiers and accounts every byte."""
 
@@ -48,6 +58,7 @@ class ChunkManager(GradientFlow):
         self.host_account = TierAccount("host", plan.budgets.host)
         self.nvme_account = TierAccount("nvme", plan.budgets.nvme)
         self.homes = HomeStore(plan, backend.alloc_host, self.host_account, self.traffic, swap_file)
+        self.failures = self.homes.failures  # the sticky first NVMe error
         self.nvme_account.reserved = plan.nvme_bytes
         self.nvme_account.add(plan.nvme_bytes)
         self.moment = 0
@@ -146,11 +157,15 @@ class ChunkManager(GradientFlow):
         if wait and writable and copy.pending:
             with self.traffic.waiting("nvme"):
                 copy.wait()
-        elif wait and copy.fill is not None and not copy.fill.done():
+        if wait and copy.fill is not None:
             # NOTE: reading needs only the incoming data; a write-back of the
-            # same bytes still in flight does not stand in the way.
-            with self.traffic.waiting("nvme"):
+            # same bytes still in flight does not stand in the way. Waited even
+            # when done: that is what raises if the read failed.
+            if copy.fill.done():
                 copy.fill.wait()
+            else:
+                with self.traffic.waiting("nvme"):
+                    copy.fill.wait()
         return copy
 
     def _load_staging(self, key: Key, copy: Copy, from_device: bool):
@@ -177,10 +192,9 @@ class ChunkManager(GradientFlow):
     def host_ready(self, key: Key) -> bool:
         """``key``'s bytes are in host memory now (its home, or a landed staging read)."""
         if self.homes.tier(key) == HOST:
-            fill = self.home_fill.get(key)
-            return fill is None or fill.done()
+            return _landed(self.home_fill.get(key))
         copy = self.staging[key[0]].get(key)
-        return copy is not None and (copy.fill is None or copy.fill.done())
+        return copy is not None and _landed(copy.fill)
 
     def prefetch_host(self, key: Key, protect: Collection[Key] = ()) -> bool:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed);
@@ -330,3 +344,9 @@ class ChunkManager(GradientFlow):
             for copy in cache:
                 copy.wait()
         self.backend.synchronize()
+        self.check_io()
+
+    def check_io(self) -> None:
+        """Raise :class:`~infinity.io.NVMeIOError` if any NVMe transfer has failed
+        (see :mod:`infinity.chunks.io_failures`)."""
+        self.failures.check()

@@ -87,7 +87,8 @@ class IOEngine:
     a child created by ``fork()`` after it (its worker threads exist only in
     the parent): that raises ``RuntimeError``; make a new engine there.
 
-    Fault injection for tests: :meth:`inject_fault` and :meth:`inject_delay`.
+    Fault injection for tests: :meth:`inject_fault`, :meth:`inject_short_transfer`,
+    :meth:`inject_submit_error`, :meth:`inject_worker_failure` and :meth:`inject_delay`.
     """
 
     def __init__(self, aio: AioConfig | dict[str, Any] | None = None) -> None:
@@ -101,6 +102,7 @@ class IOEngine:
         self._inflight: deque[IORequest] = deque()
         self._lock = threading.Lock()
         self._closed = False
+        self.requests_submitted = 0  # reads and writes handed to the native engine so far
         self._pid = os.getpid()
         # Registered buffers stay alive until the native engine (which the
         # kernel pins them for) has closed: the finalizer holds this list.
@@ -145,6 +147,7 @@ class IOEngine:
             if self._closed:
                 raise RuntimeError("this IOEngine is closed; create a new one")
             handle = self._native.submit(write, ptr, nbytes, fd, offset, path)
+            self.requests_submitted += 1
             request = IORequest(handle, tensor, target, op, offset, path, self._pid)
             while self._inflight and self._inflight[0].done():
                 self._inflight.popleft()
@@ -218,6 +221,34 @@ class IOEngine:
             raise ValueError(f"nth={nth!r} must be an int >= 0 (1 = the next one, 0 = disarm)")
         self._check_open()
         self._native.inject_short_transfer(nth)
+
+    def inject_submit_error(self, nth: int, errno: int) -> None:
+        """Make the ``nth`` batch submission to the kernel from now on fail with ``errno``
+        (one shot; 0 disarms), as if ``io_uring_enter``/``io_submit`` had returned it.
+
+        Goes through the backend's real error path: a transient ``EAGAIN`` is
+        retried, any other errno fails every piece of that batch. The
+        ``threads`` backend submits no batches and never fails this way. For tests.
+        """
+        if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
+            raise ValueError(f"nth={nth!r} must be an int >= 0 (1 = the next one, 0 = disarm)")
+        if isinstance(errno, bool) or not isinstance(errno, int) or not 0 < errno < 4096:
+            raise ValueError(f"errno={errno!r} must be a positive errno value, e.g. errno.EIO")
+        self._check_open()
+        self._native.inject_submit_error(nth, errno)
+
+    def inject_worker_failure(self, count: int = 1) -> None:
+        """Make the workers fail internally ``count`` times from now on (0 disarms).
+
+        The first failure breaks a worker (as a bug or an exhausted memory
+        would): it fails what it holds and everything it is handed with
+        ``EIO`` until the engine closes. A second one hits it while it does
+        so; it must still fail requests, never leave a waiter hanging. For tests.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count={count!r} must be an int >= 0")
+        self._check_open()
+        self._native.inject_worker_failure(count)
 
     def inject_delay(self, us: int) -> None:
         """Delay the start of every request submitted from now on by ``us`` microseconds.

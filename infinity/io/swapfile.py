@@ -62,7 +62,13 @@ def _prepare_directory(directory: Path) -> None:
 
 
 def _open_file(path: str) -> tuple[int, bool]:
-    """Create ``path`` 0600 and open it O_DIRECT; fall back to buffered I/O if refused."""
+    """Create ``path`` 0600 and open it O_DIRECT; fall back to buffered I/O if refused.
+
+    NOTE: the buffered fallback is opened ``O_DSYNC``: each write returns only
+    once its data is on the device, so a write-back error fails that very
+    write (with its errno) instead of surfacing, if ever, at a later
+    ``fsync`` nobody calls, while reads meanwhile return stale bytes.
+    """
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
         fd = os.open(path, flags | os.O_DIRECT, 0o600)
@@ -70,7 +76,7 @@ def _open_file(path: str) -> tuple[int, bool]:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise OSError(exc.errno, f"cannot create swap file '{path}': {exc.strerror}") from None
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(path, flags | os.O_DSYNC, 0o600)
         direct = False
     # NOTE: the umask can only remove permission bits, but be explicit anyway.
     os.fchmod(fd, 0o600)
@@ -125,8 +131,9 @@ class SwapFile:
         name: stem of the file and sub-directory names (a plain file name).
 
     If the file system refuses ``O_DIRECT`` (``EINVAL``), the file is opened
-    buffered with a one-time warning and :attr:`direct` is False: the page cache
-    then holds copies of swapped data and throughput numbers mean less.
+    buffered and ``O_DSYNC`` (so every write reports its own write-back error)
+    with a one-time warning and :attr:`direct` is False: the page cache then
+    holds copies of swapped data and throughput numbers mean less.
 
     The file is removed on :meth:`close` (which first waits for the file's
     transfers), when the object is garbage collected, and at interpreter exit;

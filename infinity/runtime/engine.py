@@ -226,6 +226,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
 
     def begin_forward(self) -> None:
         """The root module's forward starts: check the model, start a new iteration."""
+        self.manager.check_io()
         self._check_model()
         if self._backward_active and torch._C._current_graph_task_id() == -1:
             # A backward that never finished (interrupted, or an exception inside
@@ -293,7 +294,11 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         if self._closed:
             return
         self._closed = True
+        failures = self.manager.failures
         try:
-            self.synchronize()  # queued updates run, every transfer lands (errors raise)
+            if failures.first is None:
+                self.synchronize()  # queued updates run, every transfer lands (errors raise)
         finally:
             self._release()
+        # NOTE: after the cleanup: an I/O error nobody was told about yet is raised.
+        failures.raise_unreported()

@@ -71,6 +71,7 @@ class GradientEvents:
         self.manager.flush_all_grads()
         self.set_sentinels()
         self.trace.end_backward()
+        self.manager.check_io()  # raised from backward(), not at some later call
 
     def set_sentinels(self) -> None:
         """Every parameter with a gradient in chunks shows a sentinel in ``.grad``."""

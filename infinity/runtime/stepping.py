@@ -76,6 +76,7 @@ class OptimizerSteps:
         self.manager.moment = -1
         self.prefetch()
         self.step_timer.lap()
+        self.manager.check_io()  # e.g. a write-back of this step that already failed
         return True
 
     def _step_early(self, chunk: int) -> None:
@@ -186,7 +187,12 @@ class OptimizerSteps:
             self.trailing_chunk_steps += 1
 
     def settle_step(self) -> None:
-        """Finish every queued update (before anything reads or changes chunk data)."""
+        """Finish every queued update (before anything reads or changes chunk data).
+
+        Every engine entry point passes here or checks itself: after an I/O
+        error it raises instead (see :mod:`infinity.chunks.io_failures`).
+        """
+        self.manager.check_io()
         if self.trailing:
             self.poll_trailing(settle=True)
 

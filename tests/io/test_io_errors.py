@@ -10,7 +10,7 @@ import time
 import pytest
 from io_helpers import file_bytes, mounted_tmpfs, random_tensor, run_python
 
-from infinity.io import IOEngine, NVMeIOError, SwapFile, aligned_empty, wait_all
+from infinity.io import IOEngine, NVMeIOError, SwapFile, aligned_empty, available_backends, wait_all
 
 PAGE = 4096
 
@@ -251,3 +251,43 @@ print(os.path.exists(path))
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0", "True", str(1 << 20), "False"]
+
+
+BATCH_BACKENDS = [b for b in available_backends() if b != "threads"]  # threads submit no batches
+
+
+@pytest.mark.parametrize("batch_backend", BATCH_BACKENDS)
+def test_failed_batch_submission_fails_its_requests(batch_backend, tmp_path):
+    """A submitting system call that fails (not EAGAIN) fails the pieces it carried
+    with that errno; the engine works afterwards. EAGAIN is retried."""
+    with IOEngine({"backend": batch_backend, "block_size": PAGE, "queue_depth": 4}) as eng:
+        with SwapFile(tmp_path, 16 * PAGE, eng) as sf:
+            eng.inject_submit_error(1, errno.EINVAL)
+            with pytest.raises(NVMeIOError) as info:
+                sf.write(aligned_empty(4 * PAGE), 0).wait()
+            assert info.value.errno == errno.EINVAL and info.value.filename == sf.path
+            t, expected = random_tensor(8 * PAGE, seed=61)
+            assert sf.write(t, 0).wait() == 8 * PAGE
+            assert file_bytes(sf.path, 0, 8 * PAGE) == expected
+            eng.inject_submit_error(1, errno.EAGAIN)
+            back = aligned_empty(8 * PAGE)
+            assert sf.read(back, 0).wait() == 8 * PAGE
+            assert back.numpy().tobytes() == expected
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_worker_failing_internally_fails_requests_and_never_hangs(make_engine, tmp_path, failures):
+    """A worker broken by an internal error fails its requests with EIO (never hangs a
+    waiter), even when a second failure hits it while it does so; close() returns."""
+    eng = make_engine(block_size=PAGE, queue_depth=2, threads=1)
+    with SwapFile(tmp_path, 16 * PAGE, eng) as sf:
+        eng.inject_worker_failure(failures)
+        with pytest.raises(NVMeIOError) as info:
+            sf.write(aligned_empty(8 * PAGE), 0).wait(timeout=20)
+        assert info.value.errno == errno.EIO and info.value.filename == sf.path
+        detail = "failed while draining" if failures == 2 else "injected internal failure"
+        assert "I/O worker failed" in str(info.value) and detail in str(info.value)
+        with pytest.raises(NVMeIOError, match="I/O worker failed"):
+            sf.read(aligned_empty(PAGE), 0).wait(timeout=20)
+    eng.close()
+    assert eng.closed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import os
 import stat
@@ -149,6 +150,8 @@ def test_buffered_fallback_when_o_direct_is_refused(engine, tmp_path, monkeypatc
         sf = SwapFile(tmp_path, 8 * PAGE, engine)
     with sf:
         assert not sf.direct
+        # O_DSYNC: each write reports its own write-back error (no fsync needed).
+        assert fcntl.fcntl(sf.fileno(), fcntl.F_GETFL) & os.O_DSYNC == os.O_DSYNC
         t, expected = random_tensor(8 * PAGE, seed=3)
         sf.write(t, 0).wait()
         assert file_bytes(sf.path, 0, 8 * PAGE) == expected
