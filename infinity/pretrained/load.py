@@ -1,0 +1,113 @@
+"""``infinity.load_pretrained``: stream a safetensors checkpoint into an offloaded model.
+
+Everything is checked against the file headers before a byte is written (a
+strict load that would fail leaves the model untouched). Values then go chunk
+by chunk straight into the chunks' homes — host memory, or NVMe through a
+staging slot — in pieces of one read block, converted to the compute dtype
+(and to the fp32 master for 16-bit training), so peak memory is the budgets
+plus one block, whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from infinity.offload import engine_of
+from infinity.pretrained.names import state_names
+from infinity.pretrained.safetensors_io import (
+    PretrainedError,
+    RangeReader,
+    TensorRecord,
+    checkpoint_tensors,
+)
+from infinity.runtime.state_access import stream_params_in
+
+
+class LoadResult(NamedTuple):
+    """Keys that did not match, as ``load_state_dict`` reports them (plus shapes)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    mismatched_keys: list[str]  # "name: checkpoint (a, b) vs model (c, d)"
+
+
+def load_pretrained(
+    model: nn.Module, path: str | os.PathLike[str], strict: bool = True
+) -> LoadResult:
+    """Load a safetensors checkpoint (a file, an index, or a ``transformers`` model
+    directory, sharded or not) into the offloaded ``model``.
+
+    Keys are matched like ``model.load_state_dict``, except that a tied
+    parameter is loaded when any of its names is in the file (``transformers``
+    drops the tied ``lm_head.weight``). With ``strict`` a missing, unexpected or
+    mis-shaped key raises :class:`PretrainedError` before anything is written;
+    otherwise the matching tensors are loaded, the others keep their values,
+    and the lists come back as a :class:`LoadResult`. (Unlike torch, a
+    mis-shaped tensor is skipped, not an error, when ``strict=False``.)
+    Persistent buffers in the file are loaded too.
+    """
+    engine = engine_of(model)
+    records = checkpoint_tensors(path)
+    names = state_names(model, engine)
+    missing, mismatched = [], []
+    param_sources: dict[int, TensorRecord] = {}
+    for index, group in names.names_of().items():
+        present = [n for n in group if n in records]
+        if not present:
+            missing.extend(group)
+            continue
+        record = records[present[0]]
+        shape = engine.registry.entries[index].shape
+        if record.shape != shape:
+            mismatched.append(_mismatch(record, shape))
+        else:
+            param_sources[index] = record
+    buffer_sources: dict[str, TensorRecord] = {}
+    for name, (module, key) in names.buffers.items():
+        if name not in records:
+            missing.append(name)
+            continue
+        shape = tuple(module._buffers[key].shape)
+        if records[name].shape != shape:
+            mismatched.append(_mismatch(records[name], shape))
+        else:
+            buffer_sources[name] = records[name]
+    known = set(names.params) | set(names.buffers)
+    unexpected = [name for name in records if name not in known]
+    result = LoadResult(missing, sorted(unexpected), mismatched)
+    if strict and (missing or unexpected or mismatched):
+        raise PretrainedError(_report(type(model).__name__, str(path), result))
+    with RangeReader() as reader:
+
+        def writer(record: TensorRecord):
+            return lambda destinations: reader.copy_into(record, destinations)
+
+        stream_params_in(engine, {i: writer(r) for i, r in param_sources.items()})
+        with torch.no_grad():
+            for name, record in buffer_sources.items():
+                module, key = names.buffers[name]
+                module._buffers[key].copy_(reader.read(record))
+    return result
+
+
+def _mismatch(record: TensorRecord, shape: tuple[int, ...]) -> str:
+    return f"{record.name}: checkpoint {tuple(record.shape)} vs model {shape}"
+
+
+def _report(model_name: str, path: str, result: LoadResult) -> str:
+    lines = [f"cannot load '{path}' into {model_name}:"]
+    if result.missing_keys:
+        lines.append(f"  missing from the checkpoint: {', '.join(result.missing_keys)}")
+    if result.unexpected_keys:
+        lines.append(f"  not in the model: {', '.join(result.unexpected_keys)}")
+    if result.mismatched_keys:
+        lines.append(f"  shapes differ: {'; '.join(result.mismatched_keys)}")
+    lines.append(
+        "Nothing was loaded. Pass strict=False to load the matching tensors and get "
+        "this report back as the result."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""The state-dict names of an offloaded model, computed without reading any value.
+
+``model.state_dict()`` on an offloaded model reads every parameter out of the
+chunks; the pretrained loader and saver only need the names, shapes and which
+parameter (tied ones are one) or buffer each name stands for.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.params import ParamEntry
+
+
+@dataclass
+class StateNames:
+    """Every state-dict key of a model, split into parameters and persistent buffers."""
+
+    params: dict[str, ParamEntry] = field(default_factory=dict)
+    buffers: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
+
+    def names_of(self) -> dict[int, list[str]]:
+        """Each parameter's names (several when tied), in state-dict order."""
+        grouped: dict[int, list[str]] = {}
+        for name, entry in self.params.items():
+            grouped.setdefault(entry.index, []).append(name)
+        return grouped
+
+
+def state_names(model: nn.Module, engine: OffloadEngine) -> StateNames:
+    """The keys ``model.state_dict()`` would have, in the same order."""
+    names = StateNames()
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, param in module._parameters.items():
+            if param is not None:
+                names.params[prefix + name] = engine.registry.by_id[id(param)]
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                names.buffers[prefix + name] = (module, name)
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(model, "")
+    return names
+
+
+def _tied_patterns(model: nn.Module) -> list[str]:
+    """The names ``transformers`` declares as tied copies (``_tied_weights_keys``)."""
+    patterns = []
+    for prefix, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or ()
+        for key in tied:  # a dict {target: source} (transformers 5) or a list of targets
+            patterns.append(f"{prefix}.{key}" if prefix else key)
+    return patterns
+
+
+def saved_names(model: nn.Module, names: StateNames) -> dict[int, str]:
+    """The one name each parameter is saved under.
+
+    A tied parameter is saved once, under the name ``transformers`` keeps: the
+    names its model declares as tied copies (``lm_head.weight``) are dropped,
+    in sorted order, while another name remains, as ``save_pretrained`` does;
+    otherwise the first name in state-dict order.
+    """
+    patterns = _tied_patterns(model)
+    chosen = {}
+    for index, group in names.names_of().items():
+        keep = list(group)
+        for name in sorted(group):
+            if len(keep) > 1 and any(re.search(p, name) for p in patterns):
+                keep.remove(name)
+        chosen[index] = keep[0]
+    return chosen
