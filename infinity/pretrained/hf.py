@@ -50,7 +50,9 @@ def from_pretrained(
     ``attn_implementation="eager"``), offloaded, and filled by
     :func:`infinity.load_pretrained`. With ``strict=False`` parameters absent
     from the checkpoint keep the model's own initialisation
-    (``model._init_weights``). Nothing is fetched from the network.
+    (``model._init_weights``). Nothing is fetched from the network. As with
+    ``transformers``, the model comes back in eval mode: call ``model.train()``
+    before fine-tuning (dropout).
     """
     transformers = require_transformers()
     model_class = model_class or transformers.AutoModelForCausalLM
@@ -60,4 +62,4 @@ def from_pretrained(
     init = _skip_init if strict else getattr(model, "_init_weights", None)
     model = offload(model, config, init=init)
     load_pretrained(model, path, strict=strict)
-    return model
+    return model.eval()
