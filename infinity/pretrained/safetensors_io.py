@@ -98,7 +98,9 @@ def checkpoint_tensors(path: str | os.PathLike[str]) -> dict[str, TensorRecord]:
     try:
         weight_map = json.loads(path.read_text())["weight_map"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise PretrainedError(f"'{path}' is not a safetensors index (no weight_map): {exc}") from None
+        raise PretrainedError(
+            f"'{path}' is not a safetensors index (no weight_map): {exc}"
+        ) from None
     records: dict[str, TensorRecord] = {}
     for shard in sorted(set(weight_map.values())):
         shard_path = path.parent / shard

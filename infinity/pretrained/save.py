@@ -33,12 +33,23 @@ from infinity.pretrained.safetensors_io import (
 from infinity.runtime.state_access import param_bytes_by_chunk
 from infinity.utils.sizes import parse_size
 
-# What save_pretrained writes into its directory (anything else there would be lost).
-OWN_FILES = ("config.json", "generation_config.json", INDEX_FILE, SINGLE_FILE)
+# Files of an earlier save that a new one may drop (fewer shards, no index).
+WEIGHT_FILES = (INDEX_FILE, SINGLE_FILE)
 
 
-def _is_own(name: str) -> bool:
-    return name in OWN_FILES or (name.startswith("model-") and name.endswith(".safetensors"))
+def _foreign(target: Path, written: set[str]) -> list[str]:
+    """What replacing ``target`` would delete that this save does not write again."""
+    if not target.exists():
+        return []
+    if not target.is_dir():
+        return [target.name]
+    return sorted(
+        name
+        for name in (p.name for p in target.iterdir())
+        if name not in written
+        and name not in WEIGHT_FILES
+        and not (name.startswith("model-") and name.endswith(".safetensors"))
+    )
 
 
 def save_pretrained(
@@ -55,19 +66,14 @@ def save_pretrained(
     keeps. Shards hold at most ``max_shard_size`` bytes (a larger tensor gets a
     shard of its own). ``tokenizer``, if given, is saved alongside
     (``tokenizer.save_pretrained``). An existing ``path`` is replaced
-    atomically, but only if it holds nothing else than files this writes.
+    atomically, but only if it holds nothing this save would not write again
+    (an earlier save of the same kind): other files are never deleted.
     """
     engine = engine_of(model)
     limit = parse_size(max_shard_size, name="max_shard_size")
     target = Path(path)
-    if target.exists():
-        foreign = sorted(p.name for p in target.iterdir()) if target.is_dir() else [target.name]
-        foreign = [name for name in foreign if not _is_own(name)] if target.is_dir() else foreign
-        if foreign:
-            raise PretrainedError(
-                f"'{target}' already holds {', '.join(foreign[:5])}, which replacing it would "
-                "delete; save to a new directory (pass tokenizer= to save a tokenizer with it)"
-            )
+    if tokenizer is None:  # NOTE: fail before writing anything when the outcome is known
+        _refuse_foreign(target, {"config.json", "generation_config.json"})
     names = state_names(model, engine)
     chosen = saved_names(model, names)
     entries = sorted(
@@ -99,6 +105,7 @@ def save_pretrained(
                 extra.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        _refuse_foreign(target, {p.name for p in tmp.iterdir()})
         for file in tmp.iterdir():
             _fsync_file(file)
         fsync_dir(tmp)
@@ -107,6 +114,15 @@ def save_pretrained(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _refuse_foreign(target: Path, written: set[str]) -> None:
+    foreign = _foreign(target, written)
+    if foreign:
+        raise PretrainedError(
+            f"'{target}' already holds {', '.join(foreign[:5])}, which replacing it would "
+            "delete; save to a new directory (pass tokenizer= to save a tokenizer with it)"
+        )
 
 
 def _split(specs: list[TensorSpec], limit: int) -> list[list[TensorSpec]]:

@@ -56,9 +56,7 @@ SCRIPT = textwrap.dedent(
 
 def test_checkpoint_bigger_than_host_budget_loads_in_bounded_memory(tmp_path):
     generator = torch.Generator().manual_seed(0)
-    tensors = {
-        f"{i}.weight": torch.randn(WIDTH, WIDTH, generator=generator) for i in range(LAYERS)
-    }
+    tensors = {f"{i}.weight": torch.randn(WIDTH, WIDTH, generator=generator) for i in range(LAYERS)}
     path = tmp_path / "big.safetensors"
     save_file(tensors, str(path))
     file_mib = path.stat().st_size / 2**20

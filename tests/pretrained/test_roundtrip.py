@@ -75,7 +75,9 @@ def test_transformers_checkpoint_in_and_out(
 
 
 @pytest.mark.parametrize("file_dtype,train_dtype", [("bf16", "fp32"), ("fp32", "bf16")])
-def test_dtype_conversion_matches_torch(tmp_path, make_model, offload_config, file_dtype, train_dtype):
+def test_dtype_conversion_matches_torch(
+    tmp_path, make_model, offload_config, file_dtype, train_dtype
+):
     plain = make_model("llama-untied", seed=1).to(DTYPES[file_dtype])
     plain.save_pretrained(tmp_path / "hf")
     model = infinity.from_pretrained(tmp_path / "hf", offload_config(train_dtype))
