@@ -94,9 +94,10 @@ def save_pretrained(
     try:
         _write_shards(tmp, files, shards, engine, entries, chosen, buffers)
         if len(shards) > 1:
+            placed = zip(files, shards, strict=True)
             index = {
                 "metadata": {"total_size": sum(s.nbytes for s in specs)},
-                "weight_map": {s.name: f for f, shard in zip(files, shards) for s in shard},
+                "weight_map": {s.name: f for f, shard in placed for s in shard},
             }
             _write_json(tmp / INDEX_FILE, index)
         for attr in ("config", "generation_config"):
@@ -142,7 +143,7 @@ def _write_shards(tmp, files, shards, engine, entries, chosen, buffers) -> None:
     """Stream every shard's tensors in order: parameters from the chunks, then buffers."""
     values = param_bytes_by_chunk(engine, entries)
     try:
-        for file, shard in zip(files, shards):
+        for file, shard in zip(files, shards, strict=True):
             writer = ShardWriter(tmp / file, shard)
             try:
                 for spec in shard:
