@@ -10,6 +10,7 @@ was there before. No more than one chunk is held in memory.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -100,10 +101,7 @@ def save_pretrained(
                 "weight_map": {s.name: f for f, shard in placed for s in shard},
             }
             _write_json(tmp / INDEX_FILE, index)
-        for attr in ("config", "generation_config"):
-            extra = getattr(model, attr, None)
-            if extra is not None and callable(getattr(extra, "save_pretrained", None)):
-                extra.save_pretrained(tmp)
+        _save_configs(model, tmp, engine.dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _refuse_foreign(target, {p.name for p in tmp.iterdir()})
@@ -115,6 +113,20 @@ def save_pretrained(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _save_configs(model: nn.Module, directory: Path, dtype: torch.dtype) -> None:
+    """``config.json`` (and ``generation_config.json``) of a ``transformers`` model."""
+    for attr in ("config", "generation_config"):
+        extra = getattr(model, attr, None)
+        if extra is None or not callable(getattr(extra, "save_pretrained", None)):
+            continue
+        if attr == "config":
+            # NOTE: transformers loads weights in the dtype config.json names; name
+            # the dtype the files hold, as its own save_pretrained does.
+            extra = copy.deepcopy(extra)
+            extra.dtype = dtype
+        extra.save_pretrained(directory)
 
 
 def _refuse_foreign(target: Path, written: set[str]) -> None:
