@@ -11,13 +11,14 @@ plus one block, whatever the checkpoint's size.
 from __future__ import annotations
 
 import os
+import re
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from infinity.offload import engine_of
-from infinity.pretrained.names import state_names
+from infinity.pretrained.names import ignore_patterns, match_prefix, state_names
 from infinity.pretrained.safetensors_io import (
     PretrainedError,
     RangeReader,
@@ -48,19 +49,24 @@ def load_pretrained(
     otherwise the matching tensors are loaded, the others keep their values,
     and the lists come back as a :class:`LoadResult`. (Unlike torch, a
     mis-shaped tensor is skipped, not an error, when ``strict=False``.)
-    Persistent buffers in the file are loaded too.
+    Persistent buffers in the file are loaded too. As in ``transformers``, keys
+    may carry or lack the model's ``base_model_prefix``, and keys the model
+    declares ignorable (``_keys_to_ignore_on_load_unexpected`` / ``_missing``)
+    are not reported.
     """
     engine = engine_of(model)
     records = checkpoint_tensors(path)
     names = state_names(model, engine)
+    known = set(names.params) | set(names.buffers)
+    in_file = match_prefix(model, set(records), known)  # model key -> file key
     missing, mismatched = [], []
     param_sources: dict[int, TensorRecord] = {}
     for index, group in names.names_of().items():
-        present = [n for n in group if n in records]
+        present = [n for n in group if n in in_file]
         if not present:
             missing.extend(group)
             continue
-        record = records[present[0]]
+        record = records[in_file[present[0]]]
         shape = engine.registry.entries[index].shape
         if record.shape != shape:
             mismatched.append(_mismatch(record, shape))
@@ -68,18 +74,19 @@ def load_pretrained(
             param_sources[index] = record
     buffer_sources: dict[str, TensorRecord] = {}
     for name, (module, key) in names.buffers.items():
-        if name not in records:
+        if name not in in_file:
             missing.append(name)
             continue
+        record = records[in_file[name]]
         shape = tuple(module._buffers[key].shape)
-        if records[name].shape != shape:
-            mismatched.append(_mismatch(records[name], shape))
+        if record.shape != shape:
+            mismatched.append(_mismatch(record, shape))
         else:
-            buffer_sources[name] = records[name]
-    known = set(names.params) | set(names.buffers)
-    unexpected = [name for name in records if name not in known]
-    result = LoadResult(missing, sorted(unexpected), mismatched)
-    if strict and (missing or unexpected or mismatched):
+            buffer_sources[name] = record
+    used = set(in_file.values())
+    unexpected = _drop_ignored(sorted(k for k in records if k not in used), model, "unexpected")
+    result = LoadResult(_drop_ignored(missing, model, "missing"), unexpected, mismatched)
+    if strict and (result.missing_keys or unexpected or mismatched):
         raise PretrainedError(_report(type(model).__name__, str(path), result))
     with RangeReader() as reader:
 
@@ -92,6 +99,11 @@ def load_pretrained(
                 module, key = names.buffers[name]
                 module._buffers[key].copy_(reader.read(record))
     return result
+
+
+def _drop_ignored(keys: list[str], model: nn.Module, kind: str) -> list[str]:
+    patterns = ignore_patterns(model, kind)
+    return [k for k in keys if not any(re.search(p, k) for p in patterns)]
 
 
 def _mismatch(record: TensorRecord, shape: tuple[int, ...]) -> str:

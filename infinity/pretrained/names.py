@@ -77,3 +77,32 @@ def saved_names(model: nn.Module, names: StateNames) -> dict[int, str]:
                 keep.remove(name)
         chosen[index] = keep[0]
     return chosen
+
+
+def ignore_patterns(model: nn.Module, kind: str) -> list[str]:
+    """Regexes of keys a ``transformers`` model declares harmless when ``kind`` is
+    ``"missing"`` or ``"unexpected"`` (``_keys_to_ignore_on_load_<kind>``), e.g.
+    the causal-mask buffers older GPT-2 files hold."""
+    patterns: list[str] = []
+    for module in model.modules():
+        patterns.extend(getattr(module, f"_keys_to_ignore_on_load_{kind}", None) or ())
+    return patterns
+
+
+def match_prefix(model: nn.Module, file_keys: set[str], known: set[str]) -> dict[str, str]:
+    """Model key -> file key, bridging ``transformers``' base-model prefix.
+
+    A file of the base model (``h.0.attn.c_attn.weight``, as the original GPT-2
+    checkpoint) loads into the model with a head (``transformer.h.0...``), and
+    the other way round, as ``transformers`` allows.
+    """
+    mapping = {key: key for key in file_keys if key in known}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix:
+        return mapping
+    for key in file_keys - mapping.keys():
+        if f"{prefix}.{key}" in known:
+            mapping.setdefault(f"{prefix}.{key}", key)
+        elif key.startswith(prefix + ".") and key[len(prefix) + 1 :] in known:
+            mapping.setdefault(key[len(prefix) + 1 :], key)
+    return mapping

@@ -106,3 +106,26 @@ def test_bf16_training_keeps_fp32_file_values_as_masters(tmp_path, make_model, o
     for entry, value in masters:
         assert value.dtype == torch.float32
         assert torch.equal(value, expected[entry.name].detach()), entry.name
+
+
+def test_base_model_file_with_legacy_buffers_loads_like_transformers(
+    tmp_path, make_model, offload_config
+):
+    """The original GPT-2 files name tensors without the ``transformer.`` prefix and
+    carry causal-mask buffers the model no longer has; transformers loads them."""
+    from safetensors.torch import save_file
+
+    plain = make_model("gpt2", seed=4)
+    tensors = {k: v.contiguous() for k, v in plain.transformer.state_dict().items()}
+    for i in range(plain.config.n_layer):
+        tensors[f"h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
+    directory = tmp_path / "legacy"
+    directory.mkdir()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    plain.config.save_pretrained(directory)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    model = infinity.from_pretrained(directory, offload_config())  # strict
+    got = model.state_dict()
+    assert got.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(got[name], value), name
