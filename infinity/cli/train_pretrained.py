@@ -96,11 +96,16 @@ def inspect_model(args: argparse.Namespace, seq_len: int | None) -> PretrainedMo
             f"--model: '{path}' has no tokenizer and its vocabulary ({vocab}) is smaller than "
             "the 256 bytes of byte-level text; add its tokenizer files (tokenizer.json, ...)"
         )
-    output = args.output or f"./.infinity/{path.name}-finetuned"
+    output = Path(args.output or f"./.infinity/{path.name}-finetuned")
+    if output.exists() and not (output / "config.json").is_file():
+        raise CommandError(
+            f"--output '{output}' exists and is not a saved model; the fine-tuned model "
+            "replaces it at the end, so pick a new directory"
+        )
     return PretrainedModel(
         path=str(path),
         data=str(Path(args.data).absolute()),
-        output=str(Path(output).absolute()),
+        output=str(output.absolute()),
         seq_len=seq_len,
         num_params=sum(p.numel() for p in model.parameters()),
         vocab_size=vocab,
@@ -126,7 +131,8 @@ def load_corpus(m: PretrainedModel) -> Corpus:
             ids = tok(data.decode("utf-8", errors="replace"), add_special_tokens=False)
             return torch.tensor(ids["input_ids"], dtype=torch.int32)
 
-        eos, about, unit = tok.eos_token_id, f"text ({type(tok).__name__})", "tokens"
+        eos, unit = tok.eos_token_id, "tokens"
+        about = f"text (the model's tokenizer, {len(tok)} entries)"
     else:
         encode, eos, about, unit = byte_encode, None, "text (byte-level)", "bytes"
     try:

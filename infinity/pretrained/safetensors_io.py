@@ -87,9 +87,15 @@ def checkpoint_tensors(path: str | os.PathLike[str]) -> dict[str, TensorRecord]:
         elif (path / SINGLE_FILE).is_file():
             path = path / SINGLE_FILE
         else:
+            hint = (
+                "; it has PyTorch .bin weights: convert them once with transformers, "
+                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)"
+                if any(path.glob("pytorch_model*.bin"))
+                else ""
+            )
             raise PretrainedError(
                 f"'{path}' holds neither {INDEX_FILE} nor {SINGLE_FILE}; point at a "
-                "transformers-style model directory or a .safetensors file"
+                f"transformers-style model directory or a .safetensors file{hint}"
             )
     if not path.is_file():
         raise PretrainedError(f"no checkpoint at '{path}'")

@@ -87,3 +87,28 @@ def test_model_without_data_says_so(capsys, workspace):
     code = main(["train", "--model", str(source), *flags])
     assert code != 0
     assert "--data" in capsys.readouterr().err
+
+
+def test_the_directory_tokenizer_is_used_and_saved_with_the_model(capsys, workspace):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tmp, source, folder, flags = workspace
+    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="[UNK]", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(source)
+    out = tmp / "tuned"
+    code, events = _run(
+        capsys, "--model", str(source), "--data", str(folder), "--steps", "1",
+        "--output", str(out), "--seq-len", "8", *flags[:-6], "--batch-size", "2",
+        "--eval-batches", "1",
+    )  # fmt: skip
+    assert code == 0
+    header = " ".join(next(e for e in events if e["event"] == "start")["lines"])
+    assert "the model's tokenizer" in header and "context 8 tokens" in header
+    saved = transformers.AutoTokenizer.from_pretrained(out)
+    assert saved(TEXT)["input_ids"] == tokenizer(TEXT)["input_ids"]
+    assert transformers.AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 300
