@@ -112,3 +112,26 @@ def test_the_directory_tokenizer_is_used_and_saved_with_the_model(capsys, worksp
     saved = transformers.AutoTokenizer.from_pretrained(out)
     assert saved(TEXT)["input_ids"] == tokenizer(TEXT)["input_ids"]
     assert transformers.AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 300
+
+
+def test_stop_and_resume_gives_the_uninterrupted_run(capsys, workspace):
+    tmp, source, folder, flags = workspace
+
+    def run(name: str, *extra: str) -> list[dict]:
+        run_flags = [f if f != str(tmp / "ckpt") else str(tmp / f"ckpt-{name}") for f in flags]
+        code, events = _run(capsys, *extra, *run_flags)
+        assert code == 0, events
+        return events
+
+    common = ["--data", str(folder), "--steps", "2", "--dtype", "fp32"]
+    run("straight", "--model", str(source), *common, "--output", str(tmp / "straight"))
+    run("resumed", "--model", str(source), *common, "--output", str(tmp / "resumed"),
+        "--stop-after", "1")  # fmt: skip
+    assert not (tmp / "resumed").exists()  # a stopped run writes no model
+    events = run("resumed", "--resume")  # the model, data and output come from the checkpoint
+    (summary,) = [e for e in events if e["event"] == "summary"]
+    assert summary["model_dir"] == str(tmp / "resumed")
+    straight = transformers.AutoModelForCausalLM.from_pretrained(tmp / "straight").state_dict()
+    resumed = transformers.AutoModelForCausalLM.from_pretrained(tmp / "resumed").state_dict()
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), name
