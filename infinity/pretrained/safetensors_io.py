@@ -159,7 +159,8 @@ class RangeReader:
             position += want
         # NOTE: the page cache is not our memory, but a checkpoint larger than RAM
         # would still crowd out everything else; these pages are not read again.
-        os.posix_fadvise(fd, record.start, record.end - record.start, os.POSIX_FADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, record.start, record.end - record.start, os.POSIX_FADV_DONTNEED)
 
     def read(self, record: TensorRecord) -> torch.Tensor:
         """A whole tensor (for buffers, which are small)."""

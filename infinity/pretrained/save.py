@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +32,8 @@ from infinity.pretrained.safetensors_io import (
     ShardWriter,
     TensorSpec,
 )
+from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.params import ParamEntry
 from infinity.runtime.state_access import param_bytes_by_chunk
 from infinity.utils.sizes import parse_size
 
@@ -57,7 +60,7 @@ def save_pretrained(
     model: nn.Module,
     path: str | os.PathLike[str],
     max_shard_size: int | str = "2GiB",
-    tokenizer=None,
+    tokenizer: Any = None,
 ) -> Path:
     """Write ``model``'s weights to the directory ``path`` in the ``transformers`` layout.
 
@@ -151,7 +154,15 @@ def _split(specs: list[TensorSpec], limit: int) -> list[list[TensorSpec]]:
     return shards
 
 
-def _write_shards(tmp, files, shards, engine, entries, chosen, buffers) -> None:
+def _write_shards(
+    tmp: Path,
+    files: list[str],
+    shards: list[list[TensorSpec]],
+    engine: OffloadEngine,
+    entries: list[ParamEntry],
+    chosen: dict[int, str],
+    buffers: dict[str, torch.Tensor],
+) -> None:
     """Stream every shard's tensors in order: parameters from the chunks, then buffers."""
     values = param_bytes_by_chunk(engine, entries)
     try:
