@@ -129,3 +129,31 @@ def test_base_model_file_with_legacy_buffers_loads_like_transformers(
     assert got.keys() == reference.keys()
     for name, value in reference.items():
         assert torch.equal(got[name], value), name
+
+
+def test_load_and_save_through_nvme_homes(tmp_path, make_model, offload_config):
+    """Parameters and fp32 masters homed on NVMe are written through staging slots."""
+    from infinity.offload import engine_of
+    from infinity.runtime.state_access import read_params
+
+    plain = make_model("llama-untied", seed=5)
+    plain.save_pretrained(tmp_path / "hf", max_shard_size=SMALL_SHARD)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    config = offload_config("bf16", host_memory="256KiB", device_memory="160KiB",
+                            chunk_size="16KiB", nvme_path=str(nvme))  # fmt: skip
+    model = infinity.from_pretrained(tmp_path / "hf", config)
+    engine = engine_of(model)
+    assert "nvme" in engine.plan.param_home and set(engine.plan.optim_home) == {"nvme"}
+    assert infinity.stats(model)["nvme_bytes"] > 0
+    expected = dict(plain.named_parameters())
+    for entry, value in read_params(engine, engine.registry.entries, master=True):
+        assert torch.equal(value, expected[entry.name].detach()), entry.name
+    got = model.state_dict()
+    for name, value in plain.state_dict().items():
+        want = value if name.endswith("inv_freq") else value.to(torch.bfloat16)
+        assert torch.equal(got[name], want), name
+    infinity.save_pretrained(model, tmp_path / "out", max_shard_size=SMALL_SHARD)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    for name, value in got.items():
+        assert torch.equal(back[name], value), name
