@@ -6,6 +6,7 @@ it is imported here, on first use, never by ``import infinity``.
 
 from __future__ import annotations
 
+import logging
 import os
 from types import ModuleType
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 from torch import nn
 
 from infinity.config import Config
-from infinity.offload import offload
 from infinity.pretrained.empty_init import init_empty
-from infinity.pretrained.load import load_pretrained
+from infinity.pretrained.load import offload_pretrained
+
+log = logging.getLogger("infinity")
 
 
 def require_transformers() -> ModuleType:
@@ -27,10 +29,6 @@ def require_transformers() -> ModuleType:
             "this needs the transformers package: pip install 'infinity-offload[hf]'"
         ) from None
     return transformers
-
-
-def _skip_init(module: nn.Module) -> None:
-    """Leave parameters as the zeros they start with: the checkpoint overwrites them all."""
 
 
 def from_pretrained(
@@ -47,9 +45,10 @@ def from_pretrained(
     ``AutoConfig.from_pretrained(path)`` describes the model; it is built under
     :func:`infinity.init_empty` with ``model_class.from_config`` (default
     ``AutoModelForCausalLM``; ``model_kwargs`` go there, e.g.
-    ``attn_implementation="eager"``), offloaded, and filled by
-    :func:`infinity.load_pretrained`. With ``strict=False`` parameters absent
-    from the checkpoint keep the model's own initialisation
+    ``attn_implementation="eager"``), and offloaded with the checkpoint as its
+    initialisation (each chunk written once, straight from the file; keys
+    matched as :func:`infinity.load_pretrained` does). With ``strict=False``
+    parameters absent from the checkpoint get the model's own initialisation
     (``model._init_weights``). Nothing is fetched from the network. As with
     ``transformers``, the model comes back in eval mode: call ``model.train()``
     before fine-tuning (dropout).
@@ -59,7 +58,8 @@ def from_pretrained(
     hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     with init_empty():
         model = model_class.from_config(hf_config, **model_kwargs)
-    init = _skip_init if strict else getattr(model, "_init_weights", None)
-    model = offload(model, config, init=init)
-    load_pretrained(model, path, strict=strict)
+    init = None if strict else getattr(model, "_init_weights", None)
+    model, result = offload_pretrained(model, path, config, strict=strict, init=init)
+    if any(result):
+        log.warning("infinity.from_pretrained(%s, strict=False): %s", path, result)
     return model.eval()

@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from infinity.offload import engine_of
-from infinity.pretrained.names import ignore_patterns, match_prefix, state_names
+from infinity.config import Config
+from infinity.offload import engine_of, offload
+from infinity.pretrained.names import StateNames, ignore_patterns, match_prefix, state_names
 from infinity.pretrained.safetensors_io import (
     PretrainedError,
     RangeReader,
     TensorRecord,
     checkpoint_tensors,
 )
+from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.materialize import InitFn
 from infinity.runtime.state_access import stream_params_in
 
 
@@ -34,6 +38,55 @@ class LoadResult(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
     mismatched_keys: list[str]  # "name: checkpoint (a, b) vs model (c, d)"
+
+
+@dataclass
+class Matched:
+    """Which checkpoint tensor goes where: parameters by ``id``, buffers by name."""
+
+    names: StateNames
+    params: dict[int, TensorRecord]
+    buffers: dict[str, TensorRecord]
+    result: LoadResult
+
+
+def match_checkpoint(model: nn.Module, path: str | os.PathLike[str], strict: bool) -> Matched:
+    """Match the checkpoint's tensors to ``model``'s keys, from the headers alone;
+    with ``strict`` any mismatch raises before anything is read."""
+    records = checkpoint_tensors(path)
+    names = state_names(model)
+    known = set(names.params) | set(names.buffers)
+    in_file = match_prefix(model, set(records), known)  # model key -> file key
+    missing, mismatched = [], []
+    params: dict[int, TensorRecord] = {}
+    for key, group in names.names_of().items():
+        present = [n for n in group if n in in_file]
+        if not present:
+            missing.extend(group)
+            continue
+        record = records[in_file[present[0]]]
+        shape = tuple(names.params[group[0]].shape)
+        if record.shape != shape:
+            mismatched.append(_mismatch(record, shape))
+        else:
+            params[key] = record
+    buffers: dict[str, TensorRecord] = {}
+    for name, (module, key) in names.buffers.items():
+        if name not in in_file:
+            missing.append(name)
+            continue
+        record = records[in_file[name]]
+        shape = tuple(module._buffers[key].shape)
+        if record.shape != shape:
+            mismatched.append(_mismatch(record, shape))
+        else:
+            buffers[name] = record
+    used = set(in_file.values())
+    unexpected = _drop_ignored(sorted(k for k in records if k not in used), model, "unexpected")
+    result = LoadResult(_drop_ignored(missing, model, "missing"), unexpected, mismatched)
+    if strict and (result.missing_keys or unexpected or mismatched):
+        raise PretrainedError(_report(type(model).__name__, str(path), result))
+    return Matched(names, params, buffers, result)
 
 
 def load_pretrained(
@@ -55,50 +108,65 @@ def load_pretrained(
     are not reported.
     """
     engine = engine_of(model)
-    records = checkpoint_tensors(path)
-    names = state_names(model, engine)
-    known = set(names.params) | set(names.buffers)
-    in_file = match_prefix(model, set(records), known)  # model key -> file key
-    missing, mismatched = [], []
-    param_sources: dict[int, TensorRecord] = {}
-    for index, group in names.names_of().items():
-        present = [n for n in group if n in in_file]
-        if not present:
-            missing.extend(group)
-            continue
-        record = records[in_file[present[0]]]
-        shape = engine.registry.entries[index].shape
-        if record.shape != shape:
-            mismatched.append(_mismatch(record, shape))
-        else:
-            param_sources[index] = record
-    buffer_sources: dict[str, TensorRecord] = {}
-    for name, (module, key) in names.buffers.items():
-        if name not in in_file:
-            missing.append(name)
-            continue
-        record = records[in_file[name]]
-        shape = tuple(module._buffers[key].shape)
-        if record.shape != shape:
-            mismatched.append(_mismatch(record, shape))
-        else:
-            buffer_sources[name] = record
-    used = set(in_file.values())
-    unexpected = _drop_ignored(sorted(k for k in records if k not in used), model, "unexpected")
-    result = LoadResult(_drop_ignored(missing, model, "missing"), unexpected, mismatched)
-    if strict and (result.missing_keys or unexpected or mismatched):
-        raise PretrainedError(_report(type(model).__name__, str(path), result))
+    matched = match_checkpoint(model, path, strict)
+    with RangeReader() as reader:
+        _stream_params(engine, reader, matched.params)
+        _load_buffers(reader, matched)
+    return matched.result
+
+
+def offload_pretrained(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    config: Config | None,
+    *,
+    strict: bool = True,
+    init: InitFn | None = None,
+) -> tuple[nn.Module, LoadResult]:
+    """``offload`` a model built under ``init_empty`` with the checkpoint as its
+    initialisation: each chunk is written once, straight from the file (its fp32
+    masters from the file's values), instead of initialised and then overwritten.
+
+    ``init(module)``, if given, runs first on each module, for parameters the
+    checkpoint lacks (``strict=False``); otherwise those are zeros.
+    """
+    matched = match_checkpoint(model, path, strict)
+    filled: set[int] = set()
     with RangeReader() as reader:
 
-        def writer(record: TensorRecord):
-            return lambda destinations: reader.copy_into(record, destinations)
+        def fill(module: nn.Module) -> None:
+            if init is not None:
+                init(module)
+            for param in module.parameters(recurse=False):
+                record = matched.params.get(id(param))
+                if record is not None and id(param) not in filled:
+                    reader.copy_into(record, [param.data.view(-1)])
+                    filled.add(id(param))
 
-        stream_params_in(engine, {i: writer(r) for i, r in param_sources.items()})
-        with torch.no_grad():
-            for name, record in buffer_sources.items():
-                module, key = names.buffers[name]
-                module._buffers[key].copy_(reader.read(record))
-    return result
+        model = offload(model, config, init=fill)
+        # NOTE: parameters that had values already were copied in, not initialised.
+        rest = {k: r for k, r in matched.params.items() if k not in filled}
+        _stream_params(engine_of(model), reader, rest)
+        _load_buffers(reader, matched)
+    return model, matched.result
+
+
+def _stream_params(
+    engine: OffloadEngine, reader: RangeReader, params: dict[int, TensorRecord]
+) -> None:
+    def writer(record: TensorRecord):
+        return lambda destinations: reader.copy_into(record, destinations)
+
+    writers = {engine.registry.by_id[key].index: writer(r) for key, r in params.items()}
+    if writers:
+        stream_params_in(engine, writers)
+
+
+def _load_buffers(reader: RangeReader, matched: Matched) -> None:
+    with torch.no_grad():
+        for name, record in matched.buffers.items():
+            module, key = matched.names.buffers[name]
+            module._buffers[key].copy_(reader.read(record))
 
 
 def _drop_ignored(keys: list[str], model: nn.Module, kind: str) -> list[str]:

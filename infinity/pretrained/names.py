@@ -12,33 +12,31 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from infinity.runtime.engine import OffloadEngine
-from infinity.runtime.params import ParamEntry
-
 
 @dataclass
 class StateNames:
     """Every state-dict key of a model, split into parameters and persistent buffers."""
 
-    params: dict[str, ParamEntry] = field(default_factory=dict)
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
     buffers: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
 
     def names_of(self) -> dict[int, list[str]]:
-        """Each parameter's names (several when tied), in state-dict order."""
+        """Each parameter's names (several when tied), in state-dict order, by ``id``."""
         grouped: dict[int, list[str]] = {}
-        for name, entry in self.params.items():
-            grouped.setdefault(entry.index, []).append(name)
+        for name, param in self.params.items():
+            grouped.setdefault(id(param), []).append(name)
         return grouped
 
 
-def state_names(model: nn.Module, engine: OffloadEngine) -> StateNames:
-    """The keys ``model.state_dict()`` would have, in the same order."""
+def state_names(model: nn.Module) -> StateNames:
+    """The keys ``model.state_dict()`` would have, in the same order (no value is read:
+    on an offloaded model ``state_dict()`` would read every chunk)."""
     names = StateNames()
 
     def walk(module: nn.Module, prefix: str) -> None:
         for name, param in module._parameters.items():
             if param is not None:
-                names.params[prefix + name] = engine.registry.by_id[id(param)]
+                names.params[prefix + name] = param
         for name, buf in module._buffers.items():
             if buf is not None and name not in module._non_persistent_buffers_set:
                 names.buffers[prefix + name] = (module, name)
@@ -61,7 +59,7 @@ def _tied_patterns(model: nn.Module) -> list[str]:
 
 
 def saved_names(model: nn.Module, names: StateNames) -> dict[int, str]:
-    """The one name each parameter is saved under.
+    """The one name each parameter (by ``id``) is saved under.
 
     A tied parameter is saved once, under the name ``transformers`` keeps: the
     names its model declares as tied copies (``lm_head.weight``) are dropped,
@@ -70,12 +68,12 @@ def saved_names(model: nn.Module, names: StateNames) -> dict[int, str]:
     """
     patterns = _tied_patterns(model)
     chosen = {}
-    for index, group in names.names_of().items():
+    for key, group in names.names_of().items():
         keep = list(group)
         for name in sorted(group):
             if len(keep) > 1 and any(re.search(p, name) for p in patterns):
                 keep.remove(name)
-        chosen[index] = keep[0]
+        chosen[key] = keep[0]
     return chosen
 
 

@@ -78,8 +78,10 @@ def save_pretrained(
     target = Path(path)
     if tokenizer is None:  # NOTE: fail before writing anything when the outcome is known
         _refuse_foreign(target, {"config.json", "generation_config.json"})
-    names = state_names(model, engine)
-    chosen = saved_names(model, names)
+    names = state_names(model)
+    chosen = {
+        engine.registry.by_id[key].index: name for key, name in saved_names(model, names).items()
+    }
     entries = sorted(
         (engine.registry.entries[i] for i in chosen),
         key=lambda e: (engine.layout.slots[e.index].chunk, engine.layout.slots[e.index].offset),

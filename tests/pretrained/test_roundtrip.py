@@ -131,8 +131,11 @@ def test_base_model_file_with_legacy_buffers_loads_like_transformers(
         assert torch.equal(got[name], value), name
 
 
-def test_load_and_save_through_nvme_homes(tmp_path, make_model, offload_config):
-    """Parameters and fp32 masters homed on NVMe are written through staging slots."""
+@pytest.mark.parametrize("route", ["from_pretrained", "load_pretrained"])
+def test_load_and_save_through_nvme_homes(tmp_path, make_model, offload_config, route):
+    """Parameters and fp32 masters homed on NVMe are written through staging slots,
+    both when the checkpoint initialises the chunks (``from_pretrained``) and when it
+    overwrites an offloaded model (``load_pretrained``)."""
     from infinity.offload import engine_of
     from infinity.runtime.state_access import read_params
 
@@ -142,7 +145,13 @@ def test_load_and_save_through_nvme_homes(tmp_path, make_model, offload_config):
     nvme.mkdir()
     config = offload_config("bf16", host_memory="256KiB", device_memory="160KiB",
                             chunk_size="16KiB", nvme_path=str(nvme))  # fmt: skip
-    model = infinity.from_pretrained(tmp_path / "hf", config)
+    if route == "from_pretrained":
+        model = infinity.from_pretrained(tmp_path / "hf", config)
+    else:
+        with infinity.init_empty():
+            model = transformers.AutoModelForCausalLM.from_config(plain.config)
+        model = infinity.offload(model, config, init=model._init_weights)
+        assert infinity.load_pretrained(model, tmp_path / "hf") == ([], [], [])
     engine = engine_of(model)
     assert "nvme" in engine.plan.param_home and set(engine.plan.optim_home) == {"nvme"}
     assert infinity.stats(model)["nvme_bytes"] > 0
@@ -157,3 +166,24 @@ def test_load_and_save_through_nvme_homes(tmp_path, make_model, offload_config):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     for name, value in got.items():
         assert torch.equal(back[name], value), name
+
+
+def test_from_pretrained_reports_and_initialises_missing_weights(
+    tmp_path, make_model, offload_config
+):
+    from safetensors.torch import save_file
+
+    plain = make_model("llama-untied", seed=6)
+    directory = tmp_path / "partial"
+    directory.mkdir()
+    tensors = {k: v for k, v in plain.state_dict().items() if k != "lm_head.weight"}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    plain.config.save_pretrained(directory)
+    with pytest.raises(infinity.PretrainedError, match="lm_head.weight"):
+        infinity.from_pretrained(directory, offload_config())
+    model = infinity.from_pretrained(directory, offload_config(), strict=False)
+    got = model.state_dict()
+    for name, value in tensors.items():
+        assert torch.equal(got[name], value), name
+    head = got["lm_head.weight"]  # the model's own init (normal, std initializer_range)
+    assert abs(head.std().item() - plain.config.initializer_range) < 0.1 * 0.02
