@@ -90,7 +90,8 @@ def inspect_model(args: argparse.Namespace, seq_len: int | None) -> PretrainedMo
     if limit is not None and seq_len > limit:
         raise CommandError(f"--seq-len {seq_len} is above the model's {limit} positions")
     has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
-    vocab = model.get_output_embeddings().weight.shape[0]
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else config.get_text_config().vocab_size
     if not has_tokenizer and vocab < 256:
         raise CommandError(
             f"--model: '{path}' has no tokenizer and its vocabulary ({vocab}) is smaller than "
