@@ -143,9 +143,31 @@ class _Progress:
 class _OpenChunk:
     """An fp32 scratch chunk waiting for its tensors' values."""
 
-    def __init__(self, capacity: int, pending: int) -> None:
-        self.values = torch.zeros(capacity, dtype=torch.float32)
+    def __init__(self, values: torch.Tensor, pending: int) -> None:
+        self.values = values
         self.pending = pending
+
+
+class _ScratchPool:
+    """Zeroed fp32 scratch buffers, reused by capacity.
+
+    NOTE: allocating and freeing one chunk-sized buffer per chunk let glibc's
+    dynamic mmap threshold move them onto the heap, where freed buffers stayed
+    resident: filling a 224 MiB model grew RSS by 275 MiB instead of ~80.
+    Reusing them bounds the scratch memory by the chunks open at once.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, capacity: int) -> torch.Tensor:
+        free = self._free.get(capacity)
+        if free:
+            return free.pop().zero_()
+        return torch.zeros(capacity, dtype=torch.float32)
+
+    def give(self, values: torch.Tensor) -> None:
+        self._free.setdefault(values.numel(), []).append(values)
 
 
 def fill_chunks(
@@ -161,6 +183,7 @@ def fill_chunks(
     init_fn = init or default_init
     layout = engine.layout
     open_chunks: dict[int, _OpenChunk] = {}
+    scratch = _ScratchPool()
     done: set[int] = set()
     progress = _Progress(layout.num_chunks)
 
@@ -170,7 +193,7 @@ def fill_chunks(
         if chunk is None:
             members = engine.chunk_members[slot.chunk]
             chunk = open_chunks[slot.chunk] = _OpenChunk(
-                layout.chunks[slot.chunk].capacity, len(members)
+                scratch.take(layout.chunks[slot.chunk].capacity), len(members)
             )
         return chunk.values[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
@@ -182,6 +205,7 @@ def fill_chunks(
         chunk.pending -= 1
         if chunk.pending == 0:
             engine.manager.write_initial(chunk_index, chunk.values)
+            scratch.give(chunk.values)
             del open_chunks[chunk_index]
             progress.advance()
 
