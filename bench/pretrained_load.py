@@ -1,9 +1,10 @@
 """Loading a pretrained checkpoint: ``infinity.from_pretrained`` vs ``transformers``.
 
 Writes a Llama-shaped checkpoint with ``transformers`` (fp32, sharded), then
-loads it in fresh subprocesses, one per loader, and prints the seconds, the RSS
-before and after, and peak RSS (``ru_maxrss``) before and after loading: ``transformers`` holds the model in
-RAM; infinity streams it into chunks within its budgets (NVMe on).
+loads it in fresh subprocesses, one per loader, and prints the seconds, the
+RSS before and after, and the peak RSS (``VmHWM``, reset before loading):
+``transformers`` holds the model in RAM; infinity streams it into chunks
+within its budgets (NVMe on).
 
 python bench/pretrained_load.py [--hidden 512 --layers 16 --vocab 8192] [--dir DIR]
 """
@@ -24,25 +25,28 @@ LOADERS = {
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     """,
     "infinity": """
-        cfg = infinity.Config(device="cpu", dtype="fp32", device_memory="64MiB",
-                              host_memory="160MiB", nvme_path=nvme)
+        cfg = infinity.Config(device="cpu", dtype="fp32", device_memory="40MiB",
+                              host_memory="112MiB", nvme_path=nvme)
         model = infinity.from_pretrained(path, cfg)
     """,
 }
 
 RUN = """
-import json, resource, sys, time, psutil, torch, transformers, infinity
+import json, re, sys, time, torch, transformers, infinity
 path, nvme = sys.argv[1], sys.argv[2]
-base = psutil.Process().memory_info().rss / 2**20
-before_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+def status_mib(field):
+    return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read())[1]) / 1024
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak: imports peaked higher than they end
+base = status_mib("VmRSS")
 start = time.perf_counter()
 {loader}
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-now = psutil.Process().memory_info().rss / 2**20
+peak, after = round(status_mib("VmHWM")), round(status_mib("VmRSS"))
 print(json.dumps({{"seconds": round(seconds, 2), "rss_before_mib": round(base),
-                  "peak_before_mib": round(before_peak), "peak_after_mib": round(peak),
-                  "rss_after_mib": round(now)}}))
+                  "peak_mib": peak, "rss_after_mib": after}}))
 """
 
 

@@ -1,11 +1,11 @@
 """Loading a checkpoint larger than the host budget keeps peak RSS within the budgets.
 
 A subprocess builds the model under ``init_empty``, offloads it with NVMe on
-and loads a 224 MiB fp32 checkpoint (afterwards, or as the initialisation) (written by ``safetensors.torch.save_file``)
-with a 64 MiB host and a 48 MiB device budget; its peak RSS (``VmHWM``, reset
-just before) may exceed its RSS before by the budgets plus a stated constant. The loaded
-values are then checked against the file, read with ``safe_open``.
-"""
+and loads a 224 MiB fp32 checkpoint (written by ``safetensors.torch.save_file``)
+afterwards, or as the initialisation, with a 64 MiB host and a 48 MiB device
+budget; its peak RSS (``VmHWM``, reset just before) may exceed its RSS before
+by the budgets plus a stated constant. The loaded values are then checked
+against the file, read with ``safe_open``."""
 
 from __future__ import annotations
 
