@@ -29,6 +29,7 @@ from infinity.pretrained.safetensors_io import (
 )
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.materialize import InitFn
+from infinity.runtime.params import is_placeholder
 from infinity.runtime.state_access import stream_params_in
 
 
@@ -139,7 +140,9 @@ def offload_pretrained(
                 init(module)
             for param in module.parameters(recurse=False):
                 record = matched.params.get(id(param))
-                if record is not None and id(param) not in filled:
+                # NOTE: only parameters being initialised right now hold memory here;
+                # others are placeholders (filled, or copied in from real values).
+                if record is not None and id(param) not in filled and not is_placeholder(param):
                     reader.copy_into(record, [param.data.view(-1)])
                     filled.add(id(param))
 
