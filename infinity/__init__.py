@@ -15,6 +15,13 @@ from infinity.checkpoint import CheckpointError, load_checkpoint, save_checkpoin
 from infinity.config import AioConfig, Config, ConfigError
 from infinity.io.errors import NVMeIOError
 from infinity.offload import offload
+from infinity.pretrained import (
+    LoadResult,
+    PretrainedError,
+    init_empty,
+    load_pretrained,
+    save_pretrained,
+)
 from infinity.runtime.errors import ModelChangedError
 from infinity.schedule.planner import PlanError
 from infinity.stats import stats
@@ -26,6 +33,14 @@ def gradients(model):
     from infinity.runtime.state_access import gradients as _gradients
 
     return _gradients(model, engine_of(model))
+
+
+def from_pretrained(path, config=None, **kwargs):
+    """A local ``transformers`` checkpoint, offloaded and loaded chunk by chunk
+    (see :func:`infinity.pretrained.hf.from_pretrained`; needs the ``hf`` extra)."""
+    from infinity.pretrained.hf import from_pretrained as _from_pretrained
+
+    return _from_pretrained(path, config, **kwargs)
 
 
 def timeline(model):
@@ -42,14 +57,20 @@ __all__ = [
     "CheckpointError",
     "Config",
     "ConfigError",
+    "LoadResult",
     "ModelChangedError",
     "NVMeIOError",
     "PlanError",
+    "PretrainedError",
+    "from_pretrained",
     "gradients",
+    "init_empty",
     "load_checkpoint",
+    "load_pretrained",
     "offload",
     "optim",
     "save_checkpoint",
+    "save_pretrained",
     "stats",
     "timeline",
 ]

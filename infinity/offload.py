@@ -31,7 +31,10 @@ def offload(
     raises :class:`infinity.PlanError` before anything is allocated, with the
     bytes each tier needs. Parameters on the ``meta`` device are materialised
     chunk by chunk and initialised with ``init(module)`` (default
-    ``module.reset_parameters()``).
+    ``module.reset_parameters()``). Build large models under
+    :func:`infinity.init_empty` so buffers the constructor computes are real;
+    a buffer left on ``meta`` that ``init`` does not fill is an error, never
+    uninitialised memory.
 
     Outside a forward pass, parameters hold zero-byte placeholders: their
     shape, dtype and ``numel()`` are right, their values are in the chunks
@@ -47,10 +50,10 @@ def offload(
     check_initialisable(model, init)
     engine = OffloadEngine(model, config)
     try:
-        materialize_buffers(model, engine.device)
+        pending = materialize_buffers(model, engine.device)
         _move_buffers(model, engine.device)
         with torch.no_grad():
-            fill_chunks(engine, model, init)
+            fill_chunks(engine, model, init, pending)
         hooks = HookSet(model, engine)
         hooks.handles.extend(install_state_dict_hooks(engine))
     except BaseException:

@@ -21,8 +21,8 @@ _COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     (
         ("train",),
         "infinity.cli.train",
-        "train a GPT-style model beyond the memory budgets",
-        "infinity train --preset tiny",
+        "train a GPT beyond the memory budgets, or fine-tune a local transformers model",
+        "infinity train --preset tiny\n  infinity train --model ./llama --data notes.txt",
     ),
     (
         ("plan",),

@@ -7,7 +7,9 @@ are derived from the model so its states exceed both the device and the host
 budget. Shows a progress bar with the bytes each tier moves, and at the end a
 summary table and a memory-timeline PNG of one step. Ctrl-C stops after the
 current step with a checkpoint (exit code 130); ``--resume`` continues the
-same loss curve.
+same loss curve. With ``--model DIR --data PATH`` it fine-tunes a local
+``transformers`` model on the user's text instead (``train_pretrained.py``) and
+writes the result in the ``transformers`` layout.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from infinity.cli import train_checkpoints as ckpt
 from infinity.cli.main import CommandError
 from infinity.cli.train_args import DEFAULT_CHECKPOINT_DIR, add_arguments
 from infinity.cli.train_loop import Session, StopSignals
+from infinity.cli.train_pretrained import PretrainedModel, save_model
+from infinity.cli.train_pretrained import describe as describe_pretrained
+from infinity.cli.train_pretrained import load_corpus as load_pretrained_corpus
 from infinity.cli.train_report import HumanReport, JsonReport, RunSummary, budget_lines
 from infinity.cli.train_runs import RUN_PREFIX, RunDirectory, check_directory
 from infinity.cli.train_settings import (
@@ -34,7 +39,8 @@ from infinity.cli.train_settings import (
     resolve_settings,
 )
 from infinity.data import Corpus, CorpusError, load_corpus
-from infinity.models.gpt import describe
+from infinity.models.gpt import GPTConfig
+from infinity.models.gpt import describe as describe_gpt
 
 DEMO_BUDGET_ATTEMPTS = 6
 
@@ -116,16 +122,21 @@ class _Run:
     last_saved: Path | None = None  # the newest complete checkpoint of this run
 
 
+def describe(m: GPTConfig | PretrainedModel) -> str:
+    """One line about the model being trained."""
+    return describe_pretrained(m) if isinstance(m, PretrainedModel) else describe_gpt(m)
+
+
 def _header(run: _Run, session: Session) -> list[str]:
     """What will run, on what text, and where its states live."""
     s, m, corpus = run.settings, run.settings.model, run.corpus
     stats = {**infinity.stats(session.model), "nvme_path": run.config.nvme_path}
     return [
-        f"infinity train: {describe(m)}, context {m.seq_len} bytes, {s.dtype}, "
+        f"infinity train: {describe(m)}, context {m.seq_len} {corpus.unit}, {s.dtype}, "
         f"device {stats['device']}",
-        f"data: {corpus.files} files of Python standard-library source in {corpus.root} "
-        f"({corpus.train.numel() / 1e6:.1f} MB to train on, "
-        f"{corpus.eval.numel() / 1e6:.1f} MB held out)",
+        f"data: {corpus.files} files of {corpus.about} in {corpus.root} "
+        f"({corpus.train.numel() / 1e6:.2f}M {corpus.unit} to train on, "
+        f"{corpus.eval.numel() / 1e6:.2f}M held out)",
         f"steps: {s.steps} x {s.batch_size * s.grad_accum} sequences = "
         f"{s.tokens_per_step} tokens/step; AdamW lr {s.lr:g} (warmup {s.warmup}, cosine to "
         f"{s.lr * s.min_lr_ratio:g}), clip {s.clip_grad:g}, seed {s.seed}",
@@ -204,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         )
     config, derived = build_config(args, settings)
     try:
-        corpus = load_corpus()
+        pretrained = isinstance(settings.model, PretrainedModel)
+        corpus = load_pretrained_corpus(settings.model) if pretrained else load_corpus()
     except CorpusError as exc:
         raise CommandError(str(exc)) from None
     plan = _Run(
@@ -313,6 +325,9 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     if args.eval_batches and summary.status == "finished":
         summary.eval_after = session.evaluate(args.eval_batches)
         report.event("eval", step=session.step, loss=summary.eval_after)
+    if isinstance(settings.model, PretrainedModel) and summary.status == "finished":
+        summary.model_dir = str(save_model(session.model, settings.model))
+        report.event("model", path=summary.model_dir)
     summary.stats = infinity.stats(session.model)
     summary.checkpoint = str(run.last_saved) if run.last_saved else None
     plot = _none(args.plot)

@@ -24,9 +24,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "  infinity train                                   # the demo (preset small)",
             "  infinity train --device-memory 2MiB --host-memory 16MiB --plot tight.png",
             "  infinity train --preset medium --checkpoint-every 100   # Ctrl-C, then --resume",
+            "  infinity train --model ./my-llama --data notes.txt --steps 200   # fine-tune",
         ]
     )
     model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        metavar="DIR",
+        help="fine-tune this local transformers causal LM (config.json + safetensors) "
+        "instead of the built-in GPT; needs --data",
+    )
+    model.add_argument(
+        "--data",
+        metavar="PATH",
+        help="with --model: a text file or a folder of text files to train on",
+    )
+    model.add_argument(
+        "--output",
+        metavar="DIR",
+        help="with --model: where the fine-tuned model goes (default: ./.infinity/NAME-finetuned)",
+    )
     model.add_argument(
         "--preset", choices=list(PRESETS), help="model size and run length (default: small)"
     )

@@ -20,6 +20,7 @@ import torch
 
 import infinity
 from infinity.cli import train_checkpoints as ckpt
+from infinity.cli.train_pretrained import PretrainedModel, build_model, causal_lm_loss
 from infinity.cli.train_report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
 from infinity.cli.train_settings import RunSettings
 from infinity.data import Batches, Corpus
@@ -74,8 +75,13 @@ class StopSignals:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
+def _gpt_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(inputs, targets)
+
+
 class Session:
-    """An offloaded GPT with its optimizer, LR schedule and data streams."""
+    """An offloaded model (the built-in GPT, or a pretrained one with ``--model``) with
+    its optimizer, LR schedule and data streams."""
 
     def __init__(self, settings: RunSettings, config: infinity.Config, corpus: Corpus) -> None:
         self.settings = settings
@@ -84,9 +90,14 @@ class Session:
         self.tokens = 0
         self.last_loss: float | None = None
         torch.manual_seed(settings.seed)  # NOTE: the initial weights follow --seed
-        with torch.device("meta"):
-            model = GPT(settings.model)
-        self.model = infinity.offload(model, config, init=init_weights)
+        if isinstance(settings.model, PretrainedModel):
+            self.model = build_model(settings.model, config)
+            self.loss = causal_lm_loss
+        else:
+            with torch.device("meta"):
+                model = GPT(settings.model)
+            self.model = infinity.offload(model, config, init=init_weights)
+            self.loss = _gpt_loss
         try:
             self.optimizer = infinity.optim.CPUAdam(
                 self.model.parameters(),
@@ -159,7 +170,7 @@ class Session:
         total = 0.0
         for micro in range(s.grad_accum):
             inputs, targets = self.batches.get(step, micro)
-            loss = self.model(inputs, targets)
+            loss = self.loss(self.model, inputs, targets)
             self.optimizer.scale_loss(loss / s.grad_accum).backward()
             total += loss.item()
         norm = None
@@ -192,7 +203,13 @@ class Session:
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:
         """Mean loss over ``batches`` fixed held-out batches (the same ones every time)."""
-        losses = [self.model(*self.eval_batches.get(i)).item() for i in range(batches)]
+        self.model.eval()  # NOTE: no dropout in the held-out loss
+        try:
+            losses = [
+                self.loss(self.model, *self.eval_batches.get(i)).item() for i in range(batches)
+            ]
+        finally:
+            self.model.train()
         self._traffic = self._snapshot()  # evaluation traffic is not a training step's
         return sum(losses) / len(losses)
 

@@ -49,6 +49,7 @@ class RunSummary:
     step_totals: dict[str, float] = field(default_factory=dict)  # sums of the steps' counters
     checkpoint: str | None = None
     plot: str | None = None
+    model_dir: str | None = None  # --model runs: the fine-tuned model (transformers layout)
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -219,6 +220,11 @@ class HumanReport:
                 self._print(f"memory timeline: {summary.plot}")
         if summary.checkpoint:
             self._print(f"checkpoint: {summary.checkpoint}")
+        if summary.model_dir:
+            self._print(
+                f"fine-tuned model: {summary.model_dir} "
+                "(transformers.AutoModelForCausalLM.from_pretrained loads it)"
+            )
 
 
 class JsonReport:

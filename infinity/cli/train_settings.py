@@ -18,6 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from infinity.cli.main import CommandError
+from infinity.cli.train_pretrained import (
+    PretrainedModel,
+    describe,
+    inspect_model,
+    reject_gpt_flags,
+)
 from infinity.config import Config, ConfigError
 from infinity.models.gpt import GPTConfig
 from infinity.utils.sizes import align_up, parse_size
@@ -64,13 +70,15 @@ PRESETS: dict[str, Preset] = {
     "xl": Preset(24, 1024, 16, 512, 8, 2000, 2e-4, "GPT-2 medium shape, ~5 GB of states"),
 }
 DEFAULT_PRESET = "small"
+# Run length and batch of a fine-tuning run (--model); the shape is the model's.
+FINE_TUNE = Preset(0, 0, 0, 0, 8, 100, 5e-5, "fine-tuning defaults")
 
 
 @dataclass(frozen=True)
 class RunSettings:
     """Everything that defines a training run (saved with each checkpoint)."""
 
-    model: GPTConfig
+    model: GPTConfig | PretrainedModel
     dtype: str
     batch_size: int
     grad_accum: int
@@ -104,7 +112,8 @@ class RunSettings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSettings:
         """Inverse of :meth:`to_dict`."""
-        return cls(**{**data, "model": GPTConfig(**data["model"])})
+        kind = PretrainedModel if "path" in data["model"] else GPTConfig
+        return cls(**{**data, "model": kind(**data["model"])})
 
 
 def _positive(flag: str, value: int | None) -> None:
@@ -114,7 +123,8 @@ def _positive(flag: str, value: int | None) -> None:
 
 def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> RunSettings:
     """The run's settings from flags, the resumed run and the preset (in that order)."""
-    preset = PRESETS[args.preset or DEFAULT_PRESET]
+    pretrained = _pretrained(args, resumed)
+    preset = PRESETS[args.preset or DEFAULT_PRESET] if pretrained is None else FINE_TUNE
     for flag in ("layers", "hidden", "heads", "seq_len", "batch_size", "grad_accum", "steps"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.seq_len is not None and args.seq_len > MAX_SEQ_LEN:
@@ -139,15 +149,18 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
             )
         return preset_value
 
-    shape = {
-        key: pick(key, getattr(preset, key)) for key in ("layers", "hidden", "heads", "seq_len")
-    }
-    if shape["hidden"] % shape["heads"]:
-        raise CommandError(
-            f"--hidden {shape['hidden']} is not divisible by --heads {shape['heads']}; "
-            f"pick a divisor, e.g. --heads {_divisor_below(shape['hidden'], shape['heads'])}"
-        )
-    model = GPTConfig(vocab_size=256, tie_embeddings=True, **shape)
+    if pretrained is not None:
+        model: GPTConfig | PretrainedModel = pretrained
+    else:
+        shape = {
+            key: pick(key, getattr(preset, key)) for key in ("layers", "hidden", "heads", "seq_len")
+        }
+        if shape["hidden"] % shape["heads"]:
+            raise CommandError(
+                f"--hidden {shape['hidden']} is not divisible by --heads {shape['heads']}; "
+                f"pick a divisor, e.g. --heads {_divisor_below(shape['hidden'], shape['heads'])}"
+            )
+        model = GPTConfig(vocab_size=256, tie_embeddings=True, **shape)
     steps = pick("steps", preset.steps)
     default_warmup = resumed.warmup if resumed is not None else max(1, min(100, steps // 10))
     settings = RunSettings(
@@ -180,12 +193,30 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
     return settings
 
 
+def _pretrained(args: argparse.Namespace, resumed: RunSettings | None) -> PretrainedModel | None:
+    """The fine-tuned model of a ``--model`` run (or of the run being resumed)."""
+    if resumed is not None and isinstance(resumed.model, PretrainedModel):
+        reject_gpt_flags(args, resumed.model.path)
+        given = getattr(args, "model", None)
+        if given is not None and str(Path(given).absolute()) != resumed.model.path:
+            raise CommandError(
+                f"--model {given}: the checkpoint fine-tunes {resumed.model.path}; drop --model "
+                "when resuming, or use another --checkpoint-dir to start a new run"
+            )
+        return resumed.model
+    if getattr(args, "model", None) is None:
+        return None
+    return inspect_model(args, args.seq_len)
+
+
 def _divisor_below(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 def _shape(s: RunSettings) -> str:
     m = s.model
+    if isinstance(m, PretrainedModel):
+        return f"{describe(m)}, {s.dtype}"
     return f"{m.layers}x{m.hidden} ({m.heads} heads, seq {m.seq_len}, {s.dtype})"
 
 

@@ -33,12 +33,14 @@ class CorpusError(RuntimeError):
 
 @dataclass(frozen=True)
 class Corpus:
-    """Training and held-out bytes, as ``uint8`` tensors."""
+    """Training and held-out tokens (bytes, as ``uint8`` tensors, for the built-in text)."""
 
     train: torch.Tensor
     eval: torch.Tensor
     files: int
     root: Path
+    about: str = "Python standard-library source"  # what the text is, for the header
+    unit: str = "bytes"  # what one token is
 
     @property
     def num_bytes(self) -> int:

@@ -7,7 +7,7 @@ come from wherever the chunk's home is (host or NVMe).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -84,3 +84,52 @@ def gradients(model: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor
     """Copies of every gradient held in chunks, by parameter name (RAM for all of them)."""
     indices = range(len(engine.registry.entries))
     return {entry.name: view.clone() for entry, view in _grad_views(engine, indices)}
+
+
+ValueWriter = Callable[[list[torch.Tensor]], None]
+
+
+def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> None:
+    """Set parameters (by tensor index) chunk by chunk, without holding any value whole.
+
+    ``writers[index](destinations)`` writes the tensor's values into each flat
+    destination: the parameter in the compute dtype and, for 16-bit training,
+    its fp32 master. Each chunk is opened once (both kinds at a time) and its
+    device copy dropped afterwards.
+    """
+    engine.settle_step()
+    entries = [engine.registry.entries[i] for i in writers]
+    for chunk, group in _by_chunk(engine, entries).items():
+        master = engine.plan.has_master and engine.layout.chunks[chunk].trainable
+        opened = [(engine.manager.open_host((Kind.PARAM, chunk)), engine.dtype)]
+        try:
+            if master:
+                opened.append((engine.manager.open_host((Kind.OPTIM, chunk)), torch.float32))
+            flats = [typed(region, dtype) for (region, _copy), dtype in opened]
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                writers[entry.index]([f[slot.offset : slot.offset + slot.numel] for f in flats])
+        finally:
+            for (_region, copy), _dtype in opened:
+                engine.manager.close_host(copy, modified=True)
+        engine.manager.drop_param(chunk)
+
+
+def param_bytes_by_chunk(
+    engine: OffloadEngine, entries: Iterable[ParamEntry]
+) -> Iterator[tuple[ParamEntry, memoryview]]:
+    """The raw bytes (compute dtype) of each parameter, chunk by chunk, zero-copy.
+
+    A view is valid only until the next item is drawn.
+    """
+    engine.settle_step()
+    size = engine.plan.element_size
+    for chunk, group in _by_chunk(engine, entries).items():
+        region, copy = engine.manager.open_host((Kind.PARAM, chunk), writable=False)
+        try:
+            data = memoryview(region.numpy())
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                yield entry, data[slot.offset * size : (slot.offset + slot.numel) * size]
+        finally:
+            engine.manager.close_host(copy, modified=False)

@@ -1,0 +1,206 @@
+"""``infinity.save_pretrained``: write an offloaded model as a ``transformers`` checkpoint.
+
+Parameters (in the compute dtype, as ``model.state_dict()`` shows them) and
+persistent buffers are streamed chunk by chunk into safetensors shards —
+``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus
+``model.safetensors.index.json`` — in a temporary directory next to the
+target, fsync'ed, and swapped in by rename: an interrupted save leaves what
+was there before. No more than one chunk is held in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.checkpoint.format import fsync_dir
+from infinity.checkpoint.save import _replace as replace_dir
+from infinity.offload import engine_of
+from infinity.pretrained.names import saved_names, state_names
+from infinity.pretrained.safetensors_io import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    PretrainedError,
+    ShardWriter,
+    TensorSpec,
+)
+from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.params import ParamEntry
+from infinity.runtime.state_access import param_bytes_by_chunk
+from infinity.utils.sizes import parse_size
+
+# Files of an earlier save that a new one may drop (fewer shards, no index).
+WEIGHT_FILES = (INDEX_FILE, SINGLE_FILE)
+
+
+def _foreign(target: Path, written: set[str]) -> list[str]:
+    """What replacing ``target`` would delete that this save does not write again."""
+    if not target.exists():
+        return []
+    if not target.is_dir():
+        return [target.name]
+    return sorted(
+        name
+        for name in (p.name for p in target.iterdir())
+        if name not in written
+        and name not in WEIGHT_FILES
+        and not (name.startswith("model-") and name.endswith(".safetensors"))
+    )
+
+
+def save_pretrained(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    max_shard_size: int | str = "2GiB",
+    tokenizer: Any = None,
+) -> Path:
+    """Write ``model``'s weights to the directory ``path`` in the ``transformers`` layout.
+
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads them back
+    bit for bit (``config.json`` is written when the model has a ``transformers``
+    config). A tied parameter is saved once, under the name ``transformers``
+    keeps. Shards hold at most ``max_shard_size`` bytes (a larger tensor gets a
+    shard of its own). ``tokenizer``, if given, is saved alongside
+    (``tokenizer.save_pretrained``). An existing ``path`` is replaced
+    atomically, but only if it holds nothing this save would not write again
+    (an earlier save of the same kind): other files are never deleted.
+    """
+    engine = engine_of(model)
+    limit = parse_size(max_shard_size, name="max_shard_size")
+    target = Path(path)
+    if tokenizer is None:  # NOTE: fail before writing anything when the outcome is known
+        _refuse_foreign(target, {"config.json", "generation_config.json"})
+    names = state_names(model)
+    chosen = {
+        engine.registry.by_id[key].index: name for key, name in saved_names(model, names).items()
+    }
+    entries = sorted(
+        (engine.registry.entries[i] for i in chosen),
+        key=lambda e: (engine.layout.slots[e.index].chunk, engine.layout.slots[e.index].offset),
+    )
+    buffers = {name: m._buffers[key] for name, (m, key) in names.buffers.items()}
+    specs = [TensorSpec(chosen[e.index], engine.dtype, e.shape) for e in entries]
+    specs += [TensorSpec(name, b.dtype, tuple(b.shape)) for name, b in buffers.items()]
+    shards = _split(specs, limit)
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_shards(tmp, files, shards, engine, entries, chosen, buffers)
+        if len(shards) > 1:
+            placed = zip(files, shards, strict=True)
+            index = {
+                "metadata": {"total_size": sum(s.nbytes for s in specs)},
+                "weight_map": {s.name: f for f, shard in placed for s in shard},
+            }
+            _write_json(tmp / INDEX_FILE, index)
+        _save_configs(model, tmp, engine.dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _refuse_foreign(target, {p.name for p in tmp.iterdir()})
+        for file in tmp.iterdir():
+            _fsync_file(file)
+        fsync_dir(tmp)
+        replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _save_configs(model: nn.Module, directory: Path, dtype: torch.dtype) -> None:
+    """``config.json`` (and ``generation_config.json``) of a ``transformers`` model."""
+    for attr in ("config", "generation_config"):
+        extra = getattr(model, attr, None)
+        if extra is None or not callable(getattr(extra, "save_pretrained", None)):
+            continue
+        if attr == "config":
+            # NOTE: transformers loads weights in the dtype config.json names; name
+            # the dtype the files hold, as its own save_pretrained does.
+            extra = copy.deepcopy(extra)
+            extra.dtype = dtype
+        extra.save_pretrained(directory)
+
+
+def _refuse_foreign(target: Path, written: set[str]) -> None:
+    foreign = _foreign(target, written)
+    if foreign:
+        raise PretrainedError(
+            f"'{target}' already holds {', '.join(foreign[:5])}, which replacing it would "
+            "delete; save to a new directory (pass tokenizer= to save a tokenizer with it)"
+        )
+
+
+def _split(specs: list[TensorSpec], limit: int) -> list[list[TensorSpec]]:
+    """Consecutive runs of tensors of at most ``limit`` bytes each (never empty)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def _write_shards(
+    tmp: Path,
+    files: list[str],
+    shards: list[list[TensorSpec]],
+    engine: OffloadEngine,
+    entries: list[ParamEntry],
+    chosen: dict[int, str],
+    buffers: dict[str, torch.Tensor],
+) -> None:
+    """Stream every shard's tensors in order: parameters from the chunks, then buffers."""
+    values = param_bytes_by_chunk(engine, entries)
+    try:
+        for file, shard in zip(files, shards, strict=True):
+            writer = ShardWriter(tmp / file, shard)
+            try:
+                for spec in shard:
+                    if spec.name in buffers:
+                        tensor = buffers[spec.name].detach().cpu().contiguous().view(-1)
+                        writer.write(spec.name, memoryview(tensor.view(torch.uint8).numpy()))
+                        continue
+                    entry, data = next(values)
+                    assert chosen[entry.index] == spec.name
+                    writer.write(spec.name, data)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+    finally:
+        values.close()
+
+
+def _write_json(file: Path, data: dict) -> None:
+    with open(file, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _fsync_file(file: Path) -> None:
+    if file.is_dir():
+        for inner in file.iterdir():
+            _fsync_file(inner)
+        fsync_dir(file)
+        return
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
