@@ -59,7 +59,8 @@ class IOFailures:
             first.chunk = what  # type: ignore[attr-defined]
             self.first = first
         self.reported = self.reported or raised
-        return self.first
+        # NOTE: raised again and again: a fresh traceback each time, not an ever longer one.
+        return self.first.with_traceback(None)
 
     def sweep(self) -> None:
         """Look at every finished transfer: record a failure, forget the successes."""
@@ -80,7 +81,7 @@ class IOFailures:
             return
         if not self.reported:
             self.reported = True
-            raise first
+            raise first.with_traceback(None)
         raise NVMeIOError(
             first.errno,
             f"this offloaded model stopped after an earlier I/O error and refuses to run: "
@@ -96,7 +97,7 @@ class IOFailures:
         self.sweep()
         if self.first is not None and not self.reported:
             self.reported = True
-            raise self.first
+            raise self.first.with_traceback(None)
 
 
 class WatchedTransfer:
@@ -129,4 +130,5 @@ class WatchedTransfer:
         try:
             return self.request.wait()
         except NVMeIOError as exc:
-            raise self._failures.record(exc, self.key, raised=True) from exc
+            first = self._failures.record(exc, self.key, raised=True)
+        raise first

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -108,7 +109,7 @@ def test_error_names_chunk_file_offset_errno_then_engine_refuses(tmp_path) -> No
     err = info.value
     assert err.errno == errno.EIO and err.filename == engine.swap.path
     assert err.offset is not None and f"at offset {err.offset} " in str(err)
-    assert "chunk" in str(err) and err.filename in str(err)
+    assert re.search(r"(param|grad|optim) chunk \d+: ", str(err)) and err.filename in str(err)
     assert "Input/output error" in str(err) and "load_checkpoint" in str(err)
     for call in (
         lambda: model(*data[2]),
@@ -150,3 +151,24 @@ def test_checkpoint_before_the_fault_resumes_exactly(tmp_path) -> None:
         assert torch.equal(got[name], value), name
     for m in (resumed, clean):
         engine_of(m).close()
+
+
+def test_close_raises_a_failure_still_in_flight_and_cleans_up(tmp_path) -> None:
+    """A transfer that fails while nobody waits (queued behind a slow disk when the
+    step returns) is raised by close(), after the swap file is removed."""
+    model, opt, _ref, _ref_opt = nvme_pair(tmp_path, host_factor=1.0)
+    data = batches(2)
+    train(model, opt, data[:1])
+    loss = model(*data[1])
+    loss.backward()
+    engine = engine_of(model)
+    swap_dir = engine.swap.directory
+    io = engine.swap.engine
+    io.inject_delay(300_000)  # every request from now on starts 0.3 s late
+    io.inject_fault(1, errno.ENOSPC, per="request")
+    opt.step()  # queues the NVMe updates and starts their reads; returns before they land
+    with pytest.raises(infinity.NVMeIOError) as info:
+        engine.close()
+    assert info.value.errno == errno.ENOSPC
+    assert re.search(r"(param|grad|optim) chunk \d+: ", str(info.value))
+    assert not os.path.exists(swap_dir)
