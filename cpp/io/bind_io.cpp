@@ -11,6 +11,7 @@
 #include "common/py_wait.hpp"
 #include "io/engine.hpp"
 #include "io/file_ops.hpp"
+#include "io/limits.hpp"
 #include "io/probe.hpp"
 
 namespace py = pybind11;
@@ -53,8 +54,11 @@ void bind_io(py::module_& m) {
         }
     });
 
+    // The I/O contract (io/limits.hpp), read by infinity/_native/io.py.
     m.attr("ALIGNMENT") = io::kAlignment;
     m.attr("MAX_BLOCK_SIZE") = io::kMaxBlockSize;
+    m.attr("MAX_QUEUE_DEPTH") = io::kMaxQueueDepth;
+    m.attr("MAX_THREADS") = io::kMaxThreads;
 
     m.def("available_backends", &io::available_backends,
           "Backends that completed a real write and read-back here, best first.");

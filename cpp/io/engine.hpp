@@ -11,15 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "io/limits.hpp"
 #include "io/request_queue.hpp"
 #include "io/worker.hpp"
 
 namespace infinity::io {
-
-/// O_DIRECT alignment of buffer addresses, file offsets and lengths.
-constexpr std::uint64_t kAlignment = 4096;
-/// Largest piece: one system call moves at most ~2 GiB on Linux.
-constexpr std::uint64_t kMaxBlockSize = 1ull << 30;
 
 struct EngineConfig {
     std::string backend;  // "io_uring", "aio" or "threads" (already resolved)

@@ -16,9 +16,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from infinity._native.io import ALIGNMENT as IO_ALIGNMENT
 from infinity.utils.sizes import align_up
 
-IO_ALIGNMENT = 4096
 # NOTE: tensors start on 64-byte boundaries inside a chunk so SIMD loads of the
 # optimizer kernel stay aligned; the gap costs at most 31 elements per tensor.
 TENSOR_ALIGN_BYTES = 64

@@ -13,9 +13,8 @@ import mmap
 
 import torch
 
+from infinity._native.io import ALIGNMENT
 from infinity.utils.sizes import align_up
-
-ALIGNMENT = 4096
 
 
 class _HostRegion(mmap.mmap):

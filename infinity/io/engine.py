@@ -59,7 +59,8 @@ def _resolve_backend(name: str) -> str:
     return name
 
 
-_MAX_REGISTERED = 1 << 30  # bytes per registered buffer (the kernel's limit)
+_MAX_REGISTERED = 1 << 30  # bytes per registered buffer (the kernel's limit, not MAX_BLOCK_SIZE)
+_MAX_ERRNO = 4095  # Linux's largest errno (MAX_ERRNO), unrelated to the I/O alignment
 
 
 def _close_native(handle: Any, _registered: list[torch.Tensor]) -> None:
@@ -203,7 +204,7 @@ class IOEngine:
         """
         if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
             raise ValueError(f"nth={nth!r} must be an int >= 0 (1 = the next one, 0 = disarm)")
-        if isinstance(errno, bool) or not isinstance(errno, int) or not 0 < errno < 4096:
+        if isinstance(errno, bool) or not isinstance(errno, int) or not 0 < errno <= _MAX_ERRNO:
             raise ValueError(f"errno={errno!r} must be a positive errno value, e.g. errno.EIO")
         if per not in ("piece", "request"):
             raise ValueError(f"per={per!r} must be 'piece' or 'request'")
@@ -232,7 +233,7 @@ class IOEngine:
         """
         if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
             raise ValueError(f"nth={nth!r} must be an int >= 0 (1 = the next one, 0 = disarm)")
-        if isinstance(errno, bool) or not isinstance(errno, int) or not 0 < errno < 4096:
+        if isinstance(errno, bool) or not isinstance(errno, int) or not 0 < errno <= _MAX_ERRNO:
             raise ValueError(f"errno={errno!r} must be a positive errno value, e.g. errno.EIO")
         self._check_open()
         self._native.inject_submit_error(nth, errno)
