@@ -1,6 +1,7 @@
 // Python bindings of the CPU-Adam kernels (`infinity._C.adam`). Buffers come
 // in as integer addresses: infinity/optim/kernels.py validates every tensor
 // (device, dtype, contiguity, size, overlap) before calling in here.
+// See NOTE [raw pointers into native code] (docs/NOTES.md).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

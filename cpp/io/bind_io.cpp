@@ -1,6 +1,7 @@
 // Python bindings of the I/O layer (submodule infinity._C.io). The Python
 // package infinity.io validates every argument before calling these; the
 // checks here only keep the native API safe on its own.
+// See NOTE [raw pointers into native code] (docs/NOTES.md).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -101,9 +101,7 @@ void Engine::close() {
     if (closed_) return;
     closed_ = true;
     if (::getpid() != owner_pid_) {
-        // NOTE: in a forked child the worker threads were never copied, so
-        // joining (or even destroying) their std::thread objects is undefined.
-        // Leak them: the child's copy of this memory is all that is lost.
+        // Leak the workers: see NOTE [fork and native threads] (docs/NOTES.md).
         for (auto& w : workers_) static_cast<void>(w.release());
         workers_.clear();
         return;

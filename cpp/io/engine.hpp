@@ -35,8 +35,8 @@ class Engine {
     ~Engine();
 
     /// Queues a transfer of `nbytes` between `buf` and `fd` at `offset`.
-    /// Throws std::invalid_argument on misalignment (no bounce buffers: the
-    /// caller owns alignment), std::runtime_error once closed.
+    /// Throws std::invalid_argument on misalignment (no bounce buffers: see
+    /// NOTE [O_DIRECT alignment]), std::runtime_error once closed.
     RequestPtr submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::uint64_t offset,
                       std::string path);
 
@@ -72,7 +72,7 @@ class Engine {
     std::vector<std::unique_ptr<Worker>> workers_;
     mutable std::mutex close_mu_;
     bool closed_ = false;
-    const pid_t owner_pid_;  // a forked child has none of the workers: see close()
+    const pid_t owner_pid_;  // See NOTE [fork and native threads] (docs/NOTES.md).
 };
 
 }  // namespace infinity::io

@@ -8,6 +8,7 @@
 namespace infinity::io {
 
 /// O_DIRECT alignment of buffer addresses, file offsets and lengths.
+/// See NOTE [O_DIRECT alignment] (docs/NOTES.md).
 constexpr std::uint64_t kAlignment = 4096;
 /// Largest piece: one system call moves at most ~2 GiB on Linux.
 constexpr std::uint64_t kMaxBlockSize = 1ull << 30;

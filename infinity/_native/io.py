@@ -2,8 +2,9 @@
 
 Defined once in ``cpp/io/limits.hpp`` and read here from ``infinity._C.io``,
 so Python validation (``Config``, ``infinity.io``, the chunk layout, ``infinity
-bench nvme``) checks exactly what the native engine enforces. See NOTE
-[O_DIRECT alignment] in ``docs/NOTES.md``.
+bench nvme``) checks exactly what the native engine enforces.
+
+See NOTE [O_DIRECT alignment] (docs/NOTES.md).
 """
 
 from __future__ import annotations

@@ -100,7 +100,10 @@ class ChunkLayout:
 
 
 def chunk_alignment_elems(element_size: int) -> int:
-    """Capacity granularity: every kind's chunk bytes stay a multiple of 4 KiB."""
+    """Capacity granularity: every kind's chunk bytes stay a multiple of the I/O alignment.
+
+    See NOTE [O_DIRECT alignment] (docs/NOTES.md).
+    """
     return IO_ALIGNMENT // element_size
 
 

@@ -99,7 +99,7 @@ class IOEngine:
             self._backend, self.config.block_size, self.config.queue_depth, self.config.threads
         )
         # Unfinished requests, oldest first: they hold the tensors under
-        # transfer, so memory stays alive even if the caller drops a request.
+        # transfer. See NOTE [raw pointers into native code] (docs/NOTES.md).
         self._inflight: deque[IORequest] = deque()
         self._lock = threading.Lock()
         self._closed = False
@@ -272,7 +272,7 @@ class IOEngine:
         if self._closed:
             raise RuntimeError("this IOEngine is closed; create a new one")
         if os.getpid() != self._pid:
-            # NOTE: fork() copies no threads: the workers exist only in the parent.
+            # See NOTE [fork and native threads] (docs/NOTES.md).
             raise RuntimeError(
                 "this IOEngine was created before fork(); create a new one in the child process"
             )

@@ -96,9 +96,8 @@ def _cleanup(
 ) -> None:
     """Finalizer: wait for the file's transfers, then close and remove it (never raises)."""
     if os.getpid() != pid:
-        # NOTE: a forked child (e.g. a DataLoader worker) inherits this object:
-        # it may close its copy of the descriptor but must not delete the
-        # parent's file or wait for the parent's transfers.
+        # A forked child closes its copy of the descriptor, nothing more:
+        # see NOTE [fork and native threads] (docs/NOTES.md).
         try:
             os.close(fd)
         except OSError:

@@ -1,9 +1,11 @@
 """Argument checks done in Python before anything reaches the native engine.
 
-NOTE: the native engine takes raw pointers. Everything that could make a
-pointer wrong (device, layout, contiguity, lazy conj/neg views) or break the
-O_DIRECT contract (alignment of address, length and offset) is rejected here
-with a message that names the value and what would work.
+Everything that could make a pointer wrong (device, layout, contiguity, lazy
+conj/neg views) or break the O_DIRECT contract (alignment of address, length
+and offset) is rejected here with a message that names the value and what
+would work.
+
+See NOTE [raw pointers into native code] and NOTE [O_DIRECT alignment] (docs/NOTES.md).
 """
 
 from __future__ import annotations

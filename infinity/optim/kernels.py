@@ -9,7 +9,8 @@ C++ threads with the GIL released. Results are bitwise identical for every
 ISA and every thread count.
 
 Every argument is validated here, in Python, with an error that names it: a
-bad tensor never reaches the native code as a bad pointer.
+bad tensor never reaches the native code as a bad pointer
+(see NOTE [raw pointers into native code] in docs/NOTES.md).
 :func:`adam_step_many` does the same for a list of tensors in one call (what
 :class:`infinity.optim.CPUAdam` uses for a param group).
 """
