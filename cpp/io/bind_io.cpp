@@ -60,6 +60,7 @@ void bind_io(py::module_& m) {
     m.attr("MAX_BLOCK_SIZE") = io::kMaxBlockSize;
     m.attr("MAX_QUEUE_DEPTH") = io::kMaxQueueDepth;
     m.attr("MAX_THREADS") = io::kMaxThreads;
+    m.attr("MAX_REGISTERED_BYTES") = io::kMaxRegisteredBytes;
 
     m.def("available_backends", &io::available_backends,
           "Backends that completed a real write and read-back here, best first.");

@@ -43,7 +43,7 @@ class Engine {
     /// Registers buffers with every worker's kernel queue, so transfers inside
     /// them skip per-request page pinning (io_uring only). Returns 0, or the
     /// errno why a worker could not (the engine keeps working without them).
-    /// The memory must outlive the engine.
+    /// The memory must outlive the engine. See NOTE [registered buffers] (docs/NOTES.md).
     int register_buffers(const std::vector<Region>& regions);
     /// Pieces transferred through registered buffers so far (all workers).
     std::uint64_t fixed_transfers() const;

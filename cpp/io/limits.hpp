@@ -16,5 +16,8 @@ constexpr std::uint64_t kMaxBlockSize = 1ull << 30;
 constexpr std::uint32_t kMaxQueueDepth = 4096;
 /// Most workers of one engine.
 constexpr std::uint32_t kMaxThreads = 256;
+/// Largest buffer io_uring registers (the kernel's limit; larger ones are
+/// registered as several spans). See NOTE [registered buffers] (docs/NOTES.md).
+constexpr std::uint64_t kMaxRegisteredBytes = 1ull << 30;
 
 }  // namespace infinity::io

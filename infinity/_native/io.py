@@ -21,3 +21,5 @@ MAX_QUEUE_DEPTH: int = int(_io.MAX_QUEUE_DEPTH)
 """Largest ``aio.queue_depth`` (pieces in flight per worker; the smallest is 1)."""
 MAX_THREADS: int = int(_io.MAX_THREADS)
 """Largest ``aio.threads`` (the smallest is 1)."""
+MAX_REGISTERED_BYTES: int = int(_io.MAX_REGISTERED_BYTES)
+"""Largest span registered with io_uring at once (see NOTE [registered buffers])."""

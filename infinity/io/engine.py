@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from infinity._native import native
+from infinity._native.io import MAX_REGISTERED_BYTES
 from infinity.config import AioConfig, ConfigError
 from infinity.io.request import IORequest
 from infinity.io.validate import check_offset, check_tensor, resolve_file
@@ -59,7 +60,6 @@ def _resolve_backend(name: str) -> str:
     return name
 
 
-_MAX_REGISTERED = 1 << 30  # bytes per registered buffer (the kernel's limit, not MAX_BLOCK_SIZE)
 _MAX_ERRNO = 4095  # Linux's largest errno (MAX_ERRNO), unrelated to the I/O alignment
 
 
@@ -105,8 +105,8 @@ class IOEngine:
         self._closed = False
         self.requests_submitted = 0  # reads and writes handed to the native engine so far
         self._pid = os.getpid()
-        # Registered buffers stay alive until the native engine (which the
-        # kernel pins them for) has closed: the finalizer holds this list.
+        # The finalizer holds registered buffers until the native engine has
+        # closed. See NOTE [registered buffers] (docs/NOTES.md).
         self._registered: list[torch.Tensor] = []
         self._finalizer = weakref.finalize(self, _close_native, self._native, self._registered)
 
@@ -173,9 +173,9 @@ class IOEngine:
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"tensors[{i}] must be a contiguous CPU tensor")
             nbytes = t.numel() * t.element_size()
-            # NOTE: the kernel takes at most 1 GiB per buffer: split larger ones.
-            for start in range(0, nbytes, _MAX_REGISTERED):
-                spans.append((t.data_ptr() + start, min(_MAX_REGISTERED, nbytes - start)))
+            # Spans of at most MAX_REGISTERED_BYTES: see NOTE [registered buffers].
+            for start in range(0, nbytes, MAX_REGISTERED_BYTES):
+                spans.append((t.data_ptr() + start, min(MAX_REGISTERED_BYTES, nbytes - start)))
         if not spans:
             return None
         if self._backend != "io_uring":

@@ -8,11 +8,13 @@ engine itself, bypassing every Python check.
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from infinity import _C, AioConfig, ConfigError
 from infinity._native import io as contract
-from infinity.io import SwapFile, aligned_empty
+from infinity.io import SwapFile, aligned_empty, available_backends
 
 PAGE = 4096
 
@@ -40,6 +42,7 @@ def test_python_reads_the_native_values():
     assert contract.MAX_BLOCK_SIZE == _C.io.MAX_BLOCK_SIZE == 1 << 30
     assert contract.MAX_QUEUE_DEPTH == _C.io.MAX_QUEUE_DEPTH
     assert contract.MAX_THREADS == _C.io.MAX_THREADS
+    assert contract.MAX_REGISTERED_BYTES == _C.io.MAX_REGISTERED_BYTES == 1 << 30
 
 
 @pytest.mark.parametrize(
@@ -93,3 +96,15 @@ def test_misaligned_length_and_address_are_rejected_natively(engine, tmp_path):
             engine._native.submit(False, buf.data_ptr(), 5000, sf.fileno(), 0, sf.path)
         with pytest.raises(ValueError, match=r"^buffer address=\d+ is not a multiple of 4096"):
             engine._native.submit(False, buf.data_ptr() + 512, PAGE, sf.fileno(), 0, sf.path)
+
+
+@pytest.mark.skipif("io_uring" not in available_backends(), reason="io_uring does not work here")
+def test_registered_span_limit_is_the_exported_one():
+    buf = aligned_empty(PAGE)
+    engine = _C.io.Engine("io_uring", PAGE, 1, 1)
+    try:  # checked before the kernel is asked: the span is never touched
+        too_big = (buf.data_ptr(), contract.MAX_REGISTERED_BYTES + PAGE)
+        assert engine.register_buffers([too_big]) == errno.EINVAL
+        assert engine.register_buffers([(buf.data_ptr(), PAGE)]) == 0
+    finally:
+        engine.close()
