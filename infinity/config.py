@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from infinity._native.io import ALIGNMENT, MAX_QUEUE_DEPTH, MAX_THREADS
 from infinity.utils.sizes import align_up, parse_size, shown
 
 AUTO = "auto"
-IO_ALIGNMENT = 4096
 DTYPES = ("fp32", "bf16", "fp16")
 AIO_BACKENDS = ("auto", "io_uring", "aio", "threads")
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes: more is the wrong file
@@ -101,13 +101,15 @@ class AioConfig:
             self.block_size = parse_size(self.block_size, name="aio.block_size")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.block_size < IO_ALIGNMENT or self.block_size % IO_ALIGNMENT:
+        if self.block_size < ALIGNMENT or self.block_size % ALIGNMENT:
             raise ConfigError(
                 f"aio.block_size={self.block_size} must be a positive multiple of "
-                f"{IO_ALIGNMENT} bytes (O_DIRECT alignment), e.g. '256K' or '1M'"
+                f"{ALIGNMENT} bytes (O_DIRECT alignment), e.g. '256K' or '1M'"
             )
-        self.queue_depth = _positive_int("aio.queue_depth", self.queue_depth, maximum=4096)
-        self.threads = _positive_int("aio.threads", self.threads, maximum=256)
+        self.queue_depth = _positive_int(
+            "aio.queue_depth", self.queue_depth, maximum=MAX_QUEUE_DEPTH
+        )
+        self.threads = _positive_int("aio.threads", self.threads, maximum=MAX_THREADS)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AioConfig:
@@ -179,11 +181,11 @@ class Config:
     def __post_init__(self) -> None:
         for name in self.SIZE_FIELDS:
             setattr(self, name, _size_or_auto(name, getattr(self, name)))
-        self.chunk_size = _size_or_auto("chunk_size", self.chunk_size, minimum=IO_ALIGNMENT)
-        if self.chunk_size != AUTO and self.chunk_size % IO_ALIGNMENT:
+        self.chunk_size = _size_or_auto("chunk_size", self.chunk_size, minimum=ALIGNMENT)
+        if self.chunk_size != AUTO and self.chunk_size % ALIGNMENT:
             raise ConfigError(
-                f"chunk_size={self.chunk_size} must be a multiple of {IO_ALIGNMENT} bytes "
-                f"(O_DIRECT alignment), e.g. {align_up(self.chunk_size, IO_ALIGNMENT)} or 'auto'"
+                f"chunk_size={self.chunk_size} must be a multiple of {ALIGNMENT} bytes "
+                f"(O_DIRECT alignment), e.g. {align_up(self.chunk_size, ALIGNMENT)} or 'auto'"
             )
         if self.nvme_path is not None:
             if not isinstance(self.nvme_path, (str, os.PathLike)) or not os.fspath(self.nvme_path):

@@ -18,15 +18,13 @@ void require(bool ok, const std::string& message) {
     if (!ok) throw std::invalid_argument(message);
 }
 
-bool valid_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
-
 size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
 
 void validate(const AdamBuffers& b, const AdamHyper& h, const std::string& where) {
     require(b.n >= 0, where + "n must be >= 0");
     require(h.step >= 1, where + "step must be >= 1 (the step count after the increment)");
-    require(valid_dtype(b.grad_dtype), where + "unknown grad dtype code");
-    require(b.out16 == nullptr || b.out_dtype == DType::kBF16 || b.out_dtype == DType::kF16,
+    require(known_dtype(b.grad_dtype), where + "unknown grad dtype code");
+    require(b.out16 == nullptr || out16_dtype(b.out_dtype),
             where + "out16 dtype must be bf16 or fp16");
     if (b.n > 0) {
         require(b.param && b.grad && b.exp_avg && b.exp_avg_sq,

@@ -9,6 +9,33 @@ namespace infinity::adam {
 /// Element type of the gradient buffer and of the optional 16-bit output.
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
+/// The codes Python passes for each DType, by torch's dtype name; exported as
+/// `_C.adam.dtype_codes` / `out16_dtype_codes` (read by infinity/_native/adam.py).
+struct DTypeInfo {
+    DType code;
+    const char* name;  ///< `torch.<name>`
+    bool out16;        ///< allowed as the dtype of the optional 16-bit output
+};
+inline constexpr DTypeInfo kDTypes[] = {
+    {DType::kF32, "float32", false},
+    {DType::kBF16, "bfloat16", true},
+    {DType::kF16, "float16", true},
+};
+
+/// Whether `d` is a known dtype (as a gradient) / allowed as the 16-bit output.
+constexpr bool known_dtype(DType d) {
+    for (const DTypeInfo& t : kDTypes) {
+        if (t.code == d) return true;
+    }
+    return false;
+}
+constexpr bool out16_dtype(DType d) {
+    for (const DTypeInfo& t : kDTypes) {
+        if (t.code == d) return t.out16;
+    }
+    return false;
+}
+
 /// Flat buffers of one step; all hold `n` elements and do not overlap.
 struct AdamBuffers {
     float* param = nullptr;       ///< fp32 master parameters, updated in place

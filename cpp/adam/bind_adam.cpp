@@ -1,6 +1,7 @@
 // Python bindings of the CPU-Adam kernels (`infinity._C.adam`). Buffers come
 // in as integer addresses: infinity/optim/kernels.py validates every tensor
 // (device, dtype, contiguity, size, overlap) before calling in here.
+// See NOTE [raw pointers into native code] (docs/NOTES.md).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -25,10 +26,18 @@ T* as_ptr(uintptr_t address) {
 }
 
 adam::DType to_dtype(int code, const char* what) {
-    if (code < 0 || code > 2) {
-        throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+    for (const adam::DTypeInfo& t : adam::kDTypes) {
+        if (static_cast<int>(t.code) == code) return t.code;
     }
-    return static_cast<adam::DType>(code);
+    throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+}
+
+py::dict dtype_codes(bool out16_only) {
+    py::dict codes;
+    for (const adam::DTypeInfo& t : adam::kDTypes) {
+        if (t.out16 || !out16_only) codes[t.name] = static_cast<int>(t.code);
+    }
+    return codes;
 }
 
 adam::AdamBuffers make_buffers(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
@@ -98,6 +107,16 @@ std::vector<std::string> available_isas() {
 }  // namespace
 
 void bind_adam(py::module_& m) {
+    // The native contract (adam_types.hpp, bandwidth.hpp), read by infinity/_native/adam.py.
+    m.attr("dtype_codes") = dtype_codes(false);
+    m.attr("out16_dtype_codes") = dtype_codes(true);
+    py::dict kernels;
+    kernels["triad"] = static_cast<int>(adam::BandwidthKernel::kTriad);
+    kernels["axpy"] = static_cast<int>(adam::BandwidthKernel::kAxpy);
+    kernels["adam_pattern"] = static_cast<int>(adam::BandwidthKernel::kAdamPattern);
+    kernels["adam_prefetch"] = static_cast<int>(adam::BandwidthKernel::kAdamPatternPrefetch);
+    m.attr("bandwidth_kernels") = kernels;
+
     m.def("step", &step, py::call_guard<py::gil_scoped_release>(), py::arg("param"), py::arg("grad"),
           py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out16"),
           py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
@@ -125,7 +144,9 @@ void bind_adam(py::module_& m) {
     m.def(
         "bandwidth_probe",
         [](int kind, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int64_t n) {
-            if (kind < 0 || kind > 3) throw std::invalid_argument("bandwidth_probe: unknown kernel");
+            if (kind < 0 || kind > static_cast<int>(adam::BandwidthKernel::kAdamPatternPrefetch)) {
+                throw std::invalid_argument("bandwidth_probe: unknown kernel");
+            }
             return adam::bandwidth_probe(static_cast<adam::BandwidthKernel>(kind), as_ptr<float>(a),
                                          as_ptr<float>(b), as_ptr<float>(c), as_ptr<float>(d), n);
         },

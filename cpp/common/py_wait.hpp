@@ -1,5 +1,5 @@
 // Waiting on native work from Python without holding the GIL, yet
-// interruptible by Ctrl-C.
+// interruptible by Ctrl-C. See NOTE [GIL and native threads] (docs/NOTES.md).
 #pragma once
 
 #include <pybind11/pybind11.h>

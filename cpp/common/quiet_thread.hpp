@@ -12,11 +12,9 @@ namespace infinity {
 /// Starts a std::thread named `name` (<= 15 characters: what top, py-spy
 /// and /proc/<pid>/task/*/comm show) with every signal blocked.
 ///
-/// NOTE: Python handles signals (Ctrl-C, alarms) in its main thread, and a
-/// blocking system call in one of our threads that caught a signal would only
-/// see a spurious EINTR. The mask is set in the *creating* thread around the
-/// spawn so the new thread inherits it from its first instruction, with no
-/// window in which a signal could land there.
+/// See NOTE [GIL and native threads] (docs/NOTES.md). The mask is set in the
+/// *creating* thread around the spawn so the new thread inherits it from its
+/// first instruction, with no window in which a signal could land there.
 template <typename F>
 std::thread start_quiet_thread(const char* name, F&& body) {
     sigset_t all, old;

@@ -167,8 +167,7 @@ std::shared_ptr<ThreadPool> compute_pool() {
     std::lock_guard<std::mutex> lock(r.mutex);
     const pid_t pid = getpid();
     if (r.pool && r.owner != pid) {
-        // NOTE: in a forked child the workers are gone; destroying the pool
-        // would join threads that do not exist, so leak it and start over.
+        // Leak it and start over: see NOTE [fork and native threads] (docs/NOTES.md).
         new std::shared_ptr<ThreadPool>(std::move(r.pool));
         r.pool.reset();
     }

@@ -80,8 +80,7 @@ void CopyQueue::close() {
     wake_.notify_all();
     if (!worker_) return;
     if (::getpid() != owner_pid_) {
-        // NOTE: in a forked child the thread was never copied, so joining (or
-        // destroying) its std::thread is undefined: leak the handle instead.
+        // Leak the handle: see NOTE [fork and native threads] (docs/NOTES.md).
         static_cast<void>(worker_.release());
         return;
     }

@@ -1,11 +1,8 @@
 // An in-order host memory copy queue on one native thread: the CPU backend's
 // stand-in for a GPU copy stream.
 //
-// NOTE: a Python copy thread needs the GIL to take each job and to complete
-// its future; every torch call on the training thread releases the GIL, so
-// the copy thread kept grabbing it in the middle of the hooks (measured: a
-// 1 us tensor view took ~100 us in the engine's hooks). This thread never
-// touches Python.
+// This thread never touches Python: see NOTE [GIL and native threads]
+// (docs/NOTES.md).
 #pragma once
 
 #include <atomic>

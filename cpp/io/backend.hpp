@@ -66,6 +66,7 @@ class Backend {
     /// page pinning. Returns 0, or the errno why not (EOPNOTSUPP: this backend has
     /// no such thing; ENOMEM: over RLIMIT_MEMLOCK; EBUSY: already registered).
     /// Safe to call while the worker submits: the lookup table is swapped atomically.
+    /// See NOTE [registered buffers] (docs/NOTES.md).
     virtual int register_regions(const std::vector<Region>& regions) {
         static_cast<void>(regions);
         return EOPNOTSUPP;

@@ -13,6 +13,7 @@
 #include "common/error.hpp"
 #include "common/unique_fd.hpp"
 #include "io/backend.hpp"
+#include "io/limits.hpp"
 #include "io/probe.hpp"
 
 namespace infinity::io {
@@ -38,7 +39,7 @@ std::unique_ptr<Backend> make_backend(const std::string& name, std::uint32_t dep
 
 namespace {
 
-constexpr std::size_t kProbeBytes = 4096;
+constexpr std::size_t kProbeBytes = kAlignment;  // one O_DIRECT block
 
 // Waits for one completion of `backend` for up to 2 s; returns its result.
 std::int64_t await_one(Backend& backend, std::uint32_t slot) {
@@ -64,8 +65,8 @@ std::string probe_one(const std::string& name) {
         // destructor waits for transfers still in flight (e.g. after a timeout).
         UniqueFd fd(::memfd_create("infinity-io-probe", MFD_CLOEXEC));
         if (!fd.valid()) return "memfd_create: " + errno_text(errno);
-        AlignedBuffer out = make_aligned_buffer(kProbeBytes, 4096);
-        AlignedBuffer in = make_aligned_buffer(kProbeBytes, 4096);
+        AlignedBuffer out = make_aligned_buffer(kProbeBytes, kAlignment);
+        AlignedBuffer in = make_aligned_buffer(kProbeBytes, kAlignment);
         auto backend = make_backend(name, 2);
         for (std::size_t i = 0; i < kProbeBytes; ++i) out.get()[i] = static_cast<char>(i * 7 + 1);
         std::memset(in.get(), 0, kProbeBytes);

@@ -1,6 +1,7 @@
 // Python bindings of the I/O layer (submodule infinity._C.io). The Python
 // package infinity.io validates every argument before calling these; the
 // checks here only keep the native API safe on its own.
+// See NOTE [raw pointers into native code] (docs/NOTES.md).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,6 +12,7 @@
 #include "common/py_wait.hpp"
 #include "io/engine.hpp"
 #include "io/file_ops.hpp"
+#include "io/limits.hpp"
 #include "io/probe.hpp"
 
 namespace py = pybind11;
@@ -53,8 +55,12 @@ void bind_io(py::module_& m) {
         }
     });
 
+    // The I/O contract (io/limits.hpp), read by infinity/_native/io.py.
     m.attr("ALIGNMENT") = io::kAlignment;
     m.attr("MAX_BLOCK_SIZE") = io::kMaxBlockSize;
+    m.attr("MAX_QUEUE_DEPTH") = io::kMaxQueueDepth;
+    m.attr("MAX_THREADS") = io::kMaxThreads;
+    m.attr("MAX_REGISTERED_BYTES") = io::kMaxRegisteredBytes;
 
     m.def("available_backends", &io::available_backends,
           "Backends that completed a real write and read-back here, best first.");

@@ -10,14 +10,17 @@ namespace {
 EngineConfig checked(EngineConfig c) {
     if (c.block_size < kAlignment || c.block_size % kAlignment != 0 || c.block_size > kMaxBlockSize) {
         throw std::invalid_argument("block_size=" + std::to_string(c.block_size) +
-                                    " must be a multiple of 4096 bytes between 4096 and 1 GiB");
+                                    " must be a multiple of " + std::to_string(kAlignment) +
+                                    " bytes between " + std::to_string(kAlignment) + " and " +
+                                    std::to_string(kMaxBlockSize >> 30) + " GiB");
     }
-    if (c.queue_depth < 1 || c.queue_depth > 4096) {
+    if (c.queue_depth < 1 || c.queue_depth > kMaxQueueDepth) {
         throw std::invalid_argument("queue_depth=" + std::to_string(c.queue_depth) +
-                                    " must be in 1..4096");
+                                    " must be in 1.." + std::to_string(kMaxQueueDepth));
     }
-    if (c.threads < 1 || c.threads > 256) {
-        throw std::invalid_argument("threads=" + std::to_string(c.threads) + " must be in 1..256");
+    if (c.threads < 1 || c.threads > kMaxThreads) {
+        throw std::invalid_argument("threads=" + std::to_string(c.threads) + " must be in 1.." +
+                                    std::to_string(kMaxThreads));
     }
     return c;
 }
@@ -49,7 +52,8 @@ RequestPtr Engine::submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::u
     // keep the C++ API safe on its own.
     auto misaligned = [](const char* what, std::uint64_t v) {
         return std::invalid_argument(std::string(what) + "=" + std::to_string(v) +
-                                     " is not a multiple of 4096 (O_DIRECT alignment)");
+                                     " is not a multiple of " + std::to_string(kAlignment) +
+                                     " (O_DIRECT alignment)");
     };
     if (reinterpret_cast<std::uintptr_t>(buf) % kAlignment) {
         throw misaligned("buffer address", reinterpret_cast<std::uintptr_t>(buf));
@@ -97,9 +101,7 @@ void Engine::close() {
     if (closed_) return;
     closed_ = true;
     if (::getpid() != owner_pid_) {
-        // NOTE: in a forked child the worker threads were never copied, so
-        // joining (or even destroying) their std::thread objects is undefined.
-        // Leak them: the child's copy of this memory is all that is lost.
+        // Leak the workers: see NOTE [fork and native threads] (docs/NOTES.md).
         for (auto& w : workers_) static_cast<void>(w.release());
         workers_.clear();
         return;

@@ -11,15 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "io/limits.hpp"
 #include "io/request_queue.hpp"
 #include "io/worker.hpp"
 
 namespace infinity::io {
-
-/// O_DIRECT alignment of buffer addresses, file offsets and lengths.
-constexpr std::uint64_t kAlignment = 4096;
-/// Largest piece: one system call moves at most ~2 GiB on Linux.
-constexpr std::uint64_t kMaxBlockSize = 1ull << 30;
 
 struct EngineConfig {
     std::string backend;  // "io_uring", "aio" or "threads" (already resolved)
@@ -39,15 +35,15 @@ class Engine {
     ~Engine();
 
     /// Queues a transfer of `nbytes` between `buf` and `fd` at `offset`.
-    /// Throws std::invalid_argument on misalignment (no bounce buffers: the
-    /// caller owns alignment), std::runtime_error once closed.
+    /// Throws std::invalid_argument on misalignment (no bounce buffers: see
+    /// NOTE [O_DIRECT alignment]), std::runtime_error once closed.
     RequestPtr submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::uint64_t offset,
                       std::string path);
 
     /// Registers buffers with every worker's kernel queue, so transfers inside
     /// them skip per-request page pinning (io_uring only). Returns 0, or the
     /// errno why a worker could not (the engine keeps working without them).
-    /// The memory must outlive the engine.
+    /// The memory must outlive the engine. See NOTE [registered buffers] (docs/NOTES.md).
     int register_buffers(const std::vector<Region>& regions);
     /// Pieces transferred through registered buffers so far (all workers).
     std::uint64_t fixed_transfers() const;
@@ -76,7 +72,7 @@ class Engine {
     std::vector<std::unique_ptr<Worker>> workers_;
     mutable std::mutex close_mu_;
     bool closed_ = false;
-    const pid_t owner_pid_;  // a forked child has none of the workers: see close()
+    const pid_t owner_pid_;  // See NOTE [fork and native threads] (docs/NOTES.md).
 };
 
 }  // namespace infinity::io

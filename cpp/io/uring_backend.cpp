@@ -20,6 +20,7 @@
 #include "common/mapped_region.hpp"
 #include "common/unique_fd.hpp"
 #include "io/backend.hpp"
+#include "io/limits.hpp"
 
 namespace infinity::io {
 namespace {
@@ -164,7 +165,7 @@ class UringBackend final : public Backend {
         std::vector<iovec> iov;
         iov.reserve(regions.size());
         for (const Region& r : regions) {
-            if (r.base == nullptr || r.len == 0 || r.len > kMaxRegionBytes) return EINVAL;
+            if (r.base == nullptr || r.len == 0 || r.len > kMaxRegisteredBytes) return EINVAL;
             iov.push_back({r.base, r.len});
         }
         std::lock_guard<std::mutex> lock(register_mu_);
@@ -216,7 +217,6 @@ class UringBackend final : public Backend {
   private:
     // The kernel's limits: at most UIO_MAXIOV buffers of at most 1 GiB each.
     static constexpr std::size_t kMaxRegions = 1024;
-    static constexpr std::size_t kMaxRegionBytes = std::size_t{1} << 30;
 
     // Index of the registered region holding [buf, buf + len), or -1.
     static int find_region(const std::vector<Region>& table, const char* buf, std::size_t len) {

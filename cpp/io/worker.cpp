@@ -11,6 +11,7 @@
 
 #include "common/error.hpp"
 #include "common/quiet_thread.hpp"
+#include "io/limits.hpp"
 
 namespace infinity::io {
 namespace {
@@ -164,7 +165,7 @@ void Worker::stage(std::uint32_t slot) {
     std::uint64_t len = p.len;
     if (p.inject_short) {  // test hook: ask for less, as a real short transfer would give
         p.inject_short = false;
-        if (len > 4096) len = std::max<std::uint64_t>(4096, len / 2 / 4096 * 4096);
+        if (len > kAlignment) len = std::max(kAlignment, len / 2 / kAlignment * kAlignment);
     }
     backend_->prepare(slot, p.req->op, p.req->fd, p.buf, static_cast<std::uint32_t>(len), p.offset);
 }

@@ -16,9 +16,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from infinity._native.io import ALIGNMENT as IO_ALIGNMENT
 from infinity.utils.sizes import align_up
 
-IO_ALIGNMENT = 4096
 # NOTE: tensors start on 64-byte boundaries inside a chunk so SIMD loads of the
 # optimizer kernel stay aligned; the gap costs at most 31 elements per tensor.
 TENSOR_ALIGN_BYTES = 64
@@ -100,7 +100,10 @@ class ChunkLayout:
 
 
 def chunk_alignment_elems(element_size: int) -> int:
-    """Capacity granularity: every kind's chunk bytes stay a multiple of 4 KiB."""
+    """Capacity granularity: every kind's chunk bytes stay a multiple of the I/O alignment.
+
+    See NOTE [O_DIRECT alignment] (docs/NOTES.md).
+    """
     return IO_ALIGNMENT // element_size
 
 

@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from infinity._native import native
+from infinity._native.adam import BANDWIDTH_KERNELS
 from infinity.cli.main import CommandError
 from infinity.optim import kernels
 from infinity.utils.sizes import parse_size
@@ -44,7 +45,8 @@ BYTES_PER_PARAM = {"fp32": 28, "mixed": 28}
 _FOOTPRINT_PER_PARAM = 6 * 4 + 2 * 2
 _HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 # name -> (native kind, bytes per element); see cpp/adam/bandwidth.hpp
-_PROBES = {"triad": (0, 12), "axpy": (1, 12), "adam_pattern": (2, 28), "adam_prefetch": (3, 28)}
+_PROBE_BYTES = {"triad": 12, "axpy": 12, "adam_pattern": 28, "adam_prefetch": 28}
+_PROBES = {name: (BANDWIDTH_KERNELS[name], nbytes) for name, nbytes in _PROBE_BYTES.items()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,14 +17,14 @@ import os
 import sys
 from pathlib import Path
 
+from infinity._native.io import ALIGNMENT, MAX_BLOCK_SIZE, MAX_QUEUE_DEPTH, MAX_THREADS
 from infinity.cli.main import CommandError
 from infinity.config import AioConfig
 from infinity.io.filesystems import pseudo_filesystem
 from infinity.io.owned_dirs import reclaim_stale
 from infinity.utils.sizes import format_size, parse_size
 
-ALIGNMENT = 4096
-MAX_BLOCK_SIZE = 1 << 30
+_ALIGN_K = f"{ALIGNMENT // 1024}K"  # how sizes are written on this command line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +75,8 @@ def _block_sizes(text: str) -> list[int]:
             ) from None
         if size < ALIGNMENT or size % ALIGNMENT or size > MAX_BLOCK_SIZE:
             raise CommandError(
-                f"--block-sizes: {item.strip()} is not a multiple of 4K between 4K and 1G "
-                "(O_DIRECT alignment); use e.g. 256K,1M,4M"
+                f"--block-sizes: {item.strip()} is not a multiple of {_ALIGN_K} between "
+                f"{_ALIGN_K} and {MAX_BLOCK_SIZE >> 30}G (O_DIRECT alignment); use e.g. 256K,1M,4M"
             )
         sizes.append(size)
     return list(dict.fromkeys(sizes))
@@ -133,10 +133,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(f"{exc}") from None
     if size < ALIGNMENT or size % ALIGNMENT:
-        raise CommandError(f"--size: {args.size} must be a positive multiple of 4K, e.g. 1GiB")
+        raise CommandError(
+            f"--size: {args.size} must be a positive multiple of {_ALIGN_K}, e.g. 1GiB"
+        )
     block_sizes = _block_sizes(args.block_sizes)
-    depths = _int_list("--queue-depths", args.queue_depths, 1, 4096)
-    threads = _int_list("--threads", args.threads, 1, 256)
+    depths = _int_list("--queue-depths", args.queue_depths, 1, MAX_QUEUE_DEPTH)
+    threads = _int_list("--threads", args.threads, 1, MAX_THREADS)
     backends = _backends(args.backends)
     path = Path(args.path).absolute()
     if args.plot:

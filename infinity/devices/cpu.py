@@ -4,7 +4,7 @@ NOTE: copies are deliberately asynchronous even though a memcpy would do: the
 engine then has the same races as on a GPU, and tests catch a missing wait.
 ``copy_delay_s`` widens that window for tests. The copies run in submission
 order on one native thread (``infinity._C.devices.CopyQueue``), like a CUDA
-copy stream; a Python thread would contend for the GIL with the hooks.
+copy stream, not a Python one: see NOTE [GIL and native threads] (docs/NOTES.md).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ class _CopyHandle(TransferHandle):
 
     def __init__(self, job, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._job = job
-        # NOTE: the native thread holds raw addresses; these references keep
-        # both buffers alive until the backend drops the handle (once done).
+        # The native thread holds raw addresses: these references keep both
+        # buffers alive until the handle is dropped (once done).
+        # See NOTE [raw pointers into native code] (docs/NOTES.md).
         self._dst, self._src = dst, src
 
     def wait(self) -> None:

@@ -5,6 +5,7 @@ through torch's caching host allocator, which rounds every block up to a power
 of two (a 5 GiB pool would cost 8 GiB). These buffers are anonymous memory
 mappings instead: page aligned, exactly the requested size rounded up to 4 KiB,
 returned to the system when the last tensor viewing them dies.
+See NOTE [O_DIRECT alignment] (docs/NOTES.md).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import mmap
 
 import torch
 
+from infinity._native.io import ALIGNMENT
 from infinity.utils.sizes import align_up
-
-ALIGNMENT = 4096
 
 
 class _HostRegion(mmap.mmap):
@@ -84,8 +84,7 @@ def aligned_empty(
     pin = _want_pinned(pinned)
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    # NOTE: MAP_PRIVATE (not mmap's default MAP_SHARED): a forked child (e.g. a
-    # DataLoader worker) gets copy-on-write pages instead of writing into ours.
+    # MAP_PRIVATE, not mmap's default MAP_SHARED: see NOTE [fork and native threads].
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     region = _HostRegion(-1, align_up(nbytes, ALIGNMENT), flags=flags)
     tensor = torch.frombuffer(region, dtype=dtype, count=nbytes // itemsize)

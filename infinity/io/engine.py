@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from infinity._native import native
+from infinity._native.io import MAX_REGISTERED_BYTES
 from infinity.config import AioConfig, ConfigError
 from infinity.io.request import IORequest
 from infinity.io.validate import check_offset, check_tensor, resolve_file
@@ -59,7 +60,7 @@ def _resolve_backend(name: str) -> str:
     return name
 
 
-_MAX_REGISTERED = 1 << 30  # bytes per registered buffer (the kernel's limit)
+_MAX_ERRNO = 4095  # Linux's largest errno (MAX_ERRNO), unrelated to the I/O alignment
 
 
 def _close_native(handle: Any, _registered: list[torch.Tensor]) -> None:
@@ -98,14 +99,14 @@ class IOEngine:
             self._backend, self.config.block_size, self.config.queue_depth, self.config.threads
         )
         # Unfinished requests, oldest first: they hold the tensors under
-        # transfer, so memory stays alive even if the caller drops a request.
+        # transfer. See NOTE [raw pointers into native code] (docs/NOTES.md).
         self._inflight: deque[IORequest] = deque()
         self._lock = threading.Lock()
         self._closed = False
         self.requests_submitted = 0  # reads and writes handed to the native engine so far
         self._pid = os.getpid()
-        # Registered buffers stay alive until the native engine (which the
-        # kernel pins them for) has closed: the finalizer holds this list.
+        # The finalizer holds registered buffers until the native engine has
+        # closed. See NOTE [registered buffers] (docs/NOTES.md).
         self._registered: list[torch.Tensor] = []
         self._finalizer = weakref.finalize(self, _close_native, self._native, self._registered)
 
@@ -172,9 +173,9 @@ class IOEngine:
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"tensors[{i}] must be a contiguous CPU tensor")
             nbytes = t.numel() * t.element_size()
-            # NOTE: the kernel takes at most 1 GiB per buffer: split larger ones.
-            for start in range(0, nbytes, _MAX_REGISTERED):
-                spans.append((t.data_ptr() + start, min(_MAX_REGISTERED, nbytes - start)))
+            # Spans of at most MAX_REGISTERED_BYTES: see NOTE [registered buffers].
+            for start in range(0, nbytes, MAX_REGISTERED_BYTES):
+                spans.append((t.data_ptr() + start, min(MAX_REGISTERED_BYTES, nbytes - start)))
         if not spans:
             return None
         if self._backend != "io_uring":
@@ -203,7 +204,7 @@ class IOEngine:
         """
         if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
             raise ValueError(f"nth={nth!r} must be an int >= 0 (1 = the next one, 0 = disarm)")
-        if isinstance(errno, bool) or not isinstance(errno, int) or not 0 < errno < 4096:
+        if isinstance(errno, bool) or not isinstance(errno, int) or not 0 < errno <= _MAX_ERRNO:
             raise ValueError(f"errno={errno!r} must be a positive errno value, e.g. errno.EIO")
         if per not in ("piece", "request"):
             raise ValueError(f"per={per!r} must be 'piece' or 'request'")
@@ -232,7 +233,7 @@ class IOEngine:
         """
         if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
             raise ValueError(f"nth={nth!r} must be an int >= 0 (1 = the next one, 0 = disarm)")
-        if isinstance(errno, bool) or not isinstance(errno, int) or not 0 < errno < 4096:
+        if isinstance(errno, bool) or not isinstance(errno, int) or not 0 < errno <= _MAX_ERRNO:
             raise ValueError(f"errno={errno!r} must be a positive errno value, e.g. errno.EIO")
         self._check_open()
         self._native.inject_submit_error(nth, errno)
@@ -271,7 +272,7 @@ class IOEngine:
         if self._closed:
             raise RuntimeError("this IOEngine is closed; create a new one")
         if os.getpid() != self._pid:
-            # NOTE: fork() copies no threads: the workers exist only in the parent.
+            # See NOTE [fork and native threads] (docs/NOTES.md).
             raise RuntimeError(
                 "this IOEngine was created before fork(); create a new one in the child process"
             )

@@ -88,7 +88,7 @@ class IORequest:
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:
-            # A forked child has no engine workers: waiting there would never end.
+            # See NOTE [fork and native threads] (docs/NOTES.md).
             raise RuntimeError(
                 "this IORequest was started before fork(); wait for it in the parent"
             )

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from infinity._native import native
+from infinity._native.io import ALIGNMENT
 from infinity.io.engine import IOEngine
 from infinity.io.owned_dirs import make_owned_dir, reclaim_stale
 from infinity.io.request import IORequest
 from infinity.utils.sizes import format_size, parse_size
 
-ALIGNMENT = 4096
 _warned_buffered: set[str] = set()  # file systems already warned about (one warning each)
 
 
@@ -96,9 +96,8 @@ def _cleanup(
 ) -> None:
     """Finalizer: wait for the file's transfers, then close and remove it (never raises)."""
     if os.getpid() != pid:
-        # NOTE: a forked child (e.g. a DataLoader worker) inherits this object:
-        # it may close its copy of the descriptor but must not delete the
-        # parent's file or wait for the parent's transfers.
+        # A forked child closes its copy of the descriptor, nothing more:
+        # see NOTE [fork and native threads] (docs/NOTES.md).
         try:
             os.close(fd)
         except OSError:
@@ -154,7 +153,7 @@ class SwapFile:
         except ValueError as exc:
             raise ValueError(str(exc)) from None
         if size <= 0 or size % ALIGNMENT:
-            raise ValueError(f"nbytes={nbytes!r} must be a positive multiple of 4096 bytes")
+            raise ValueError(f"nbytes={nbytes!r} must be a positive multiple of {ALIGNMENT} bytes")
         bad_name = not isinstance(name, str) or name in ("", ".", "..")
         if bad_name or "/" in name or "\0" in name:
             raise ValueError(f"name={name!r} must be a plain file name (no '/')")

@@ -1,9 +1,11 @@
 """Argument checks done in Python before anything reaches the native engine.
 
-NOTE: the native engine takes raw pointers. Everything that could make a
-pointer wrong (device, layout, contiguity, lazy conj/neg views) or break the
-O_DIRECT contract (alignment of address, length and offset) is rejected here
-with a message that names the value and what would work.
+Everything that could make a pointer wrong (device, layout, contiguity, lazy
+conj/neg views) or break the O_DIRECT contract (alignment of address, length
+and offset) is rejected here with a message that names the value and what
+would work.
+
+See NOTE [raw pointers into native code] and NOTE [O_DIRECT alignment] (docs/NOTES.md).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-ALIGNMENT = 4096
+from infinity._native.io import ALIGNMENT
 
 
 def check_tensor(tensor: Any, what: str = "tensor") -> tuple[int, int]:
@@ -40,26 +42,26 @@ def check_tensor(tensor: Any, what: str = "tensor") -> tuple[int, int]:
     ptr = tensor.data_ptr()
     if ptr % ALIGNMENT:
         raise ValueError(
-            f"{what}.data_ptr()=0x{ptr:x} is not 4096-byte aligned (O_DIRECT needs aligned "
+            f"{what}.data_ptr()=0x{ptr:x} is not {ALIGNMENT}-byte aligned (O_DIRECT needs aligned "
             "buffers); allocate it with infinity.io.aligned_empty()"
         )
     if nbytes % ALIGNMENT:
         raise ValueError(
-            f"{what} has {nbytes} bytes, not a multiple of 4096 (O_DIRECT needs whole 4 KiB "
-            "blocks); pad the buffer"
+            f"{what} has {nbytes} bytes, not a multiple of {ALIGNMENT} (O_DIRECT needs whole "
+            f"{ALIGNMENT // 1024} KiB blocks); pad the buffer"
         )
     return ptr, nbytes
 
 
 def check_offset(offset: Any) -> int:
-    """Return ``offset`` if it is a non-negative multiple of 4096, else raise."""
+    """Return ``offset`` if it is a non-negative multiple of ``ALIGNMENT``, else raise."""
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"offset must be an int, got {type(offset).__name__}")
     if offset < 0:
         raise ValueError(f"offset={offset} is negative")
     if offset % ALIGNMENT:
         raise ValueError(
-            f"offset={offset} is not a multiple of 4096 (O_DIRECT alignment); "
+            f"offset={offset} is not a multiple of {ALIGNMENT} (O_DIRECT alignment); "
             f"e.g. {offset // ALIGNMENT * ALIGNMENT} or {(offset // ALIGNMENT + 1) * ALIGNMENT}"
         )
     return offset

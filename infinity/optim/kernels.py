@@ -9,7 +9,8 @@ C++ threads with the GIL released. Results are bitwise identical for every
 ISA and every thread count.
 
 Every argument is validated here, in Python, with an error that names it: a
-bad tensor never reaches the native code as a bad pointer.
+bad tensor never reaches the native code as a bad pointer
+(see NOTE [raw pointers into native code] in docs/NOTES.md).
 :func:`adam_step_many` does the same for a list of tensors in one call (what
 :class:`infinity.optim.CPUAdam` uses for a param group).
 """
@@ -25,6 +26,8 @@ from types import ModuleType
 import torch
 
 from infinity._native import native
+from infinity._native.adam import GRAD_CODES as _GRAD_CODES
+from infinity._native.adam import OUT16_CODES as _OUT_CODES
 
 __all__ = [
     "active_isa",
@@ -37,9 +40,6 @@ __all__ = [
     "set_num_threads",
 ]
 
-# dtype codes of the native API (cpp/adam/adam_types.hpp, DType)
-_GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_OUT_CODES = {torch.bfloat16: 1, torch.float16: 2}
 _F32 = torch.float32
 _STRIDED = torch.strided
 _FP32 = (torch.float32,)
