@@ -14,7 +14,7 @@ import torch
 from infinity.chunks.cache import Copy
 from infinity.chunks.homes import Key, Kind
 from infinity.chunks.transfers import ChainedTransfer
-from infinity.schedule.planner import HOST
+from infinity.core.names import HOST
 
 
 def typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

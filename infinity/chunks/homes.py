@@ -7,26 +7,14 @@ Caches in the tiers above hold copies; the home is what survives eviction.
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.io_failures import IOFailures
 from infinity.chunks.pools import Arena
 from infinity.chunks.transfers import ChainedTransfer
-from infinity.schedule.planner import HOST, NVME, Plan
-
-
-class Kind(str, enum.Enum):
-    """Storage kinds. ``OPTIM`` is one unit: [master (16-bit runs only), exp_avg, exp_avg_sq]."""
-
-    PARAM = "param"
-    GRAD = "grad"
-    OPTIM = "optim"
-
-
-Key = tuple[Kind, int]
+from infinity.core.names import HOST, NVME, Key, Kind
+from infinity.core.plan import Plan
 
 
 class HomeStore:

@@ -12,19 +12,19 @@ their homes and the optimizer through host staging.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Hashable
 
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
-from infinity.chunks.cache import Copy, TierCache
+from infinity.chunks.cache import Copy, EvictionPolicy, ForecastingPolicy, TierCache
 from infinity.chunks.grad_flow import GradientFlow, typed
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
 from infinity.chunks.transfers import ChainedTransfer
+from infinity.core.names import HOST
+from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
-from infinity.schedule.eviction import EvictionPolicy, LRUPolicy
-from infinity.schedule.planner import HOST, Plan
 
 log = logging.getLogger("infinity")
 
@@ -48,8 +48,12 @@ class ChunkManager(GradientFlow):
         dtype: torch.dtype,
         backend: DeviceBackend,
         swap_file=None,
-        device_policy: EvictionPolicy | None = None,
+        *,
+        device_policy: EvictionPolicy,
+        host_policy: Callable[[], EvictionPolicy],
     ) -> None:
+        """``device_policy`` ranks device copies; ``host_policy`` makes the policy of
+        each kind's host staging cache (the strategies are the schedule's)."""
         self.plan = plan
         self.dtype = dtype
         self.backend = backend
@@ -70,7 +74,7 @@ class ChunkManager(GradientFlow):
         self.device = TierCache(
             "device",
             device_pools,
-            device_policy or LRUPolicy(),
+            device_policy,
             self.device_account,
             self._write_back_device,
         )
@@ -82,7 +86,7 @@ class ChunkManager(GradientFlow):
             }
             self.host_account.reserved += sum(p.reserved_bytes for p in pools.values())
             self.staging[kind] = TierCache(
-                "host", pools, LRUPolicy(), self.host_account, self._write_back_staging
+                "host", pools, host_policy(), self.host_account, self._write_back_staging
             )
         self.fixed_buffers = self._register_staging(swap_file)
         n = plan.layout.num_chunks
@@ -244,10 +248,10 @@ class ChunkManager(GradientFlow):
         self.traffic.h2d_bytes += nbytes
         return copy
 
-    def _sooner_than(self, key: Key):
+    def _sooner_than(self, key: Key) -> Callable[[Hashable], bool]:
         """Eviction filter for prefetching ``key``: only copies needed after it."""
         policy = self.device.policy
-        if not hasattr(policy, "next_use"):
+        if not isinstance(policy, ForecastingPolicy):
             return lambda _victim: False
         mine = policy.next_use(key, self.moment)
         return lambda victim: policy.next_use(victim, self.moment) > mine

@@ -19,7 +19,7 @@ from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager, typed
 from infinity.chunks.states import StateCounters, TensorState
 from infinity.config import Config
-from infinity.devices.base import make_backend
+from infinity.devices.factory import make_backend
 from infinity.optim.loss_scale import LossScaler
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.errors import ModelChangedError
@@ -30,7 +30,7 @@ from infinity.runtime.step_timer import StepTimer
 from infinity.runtime.stepping import OptimizerSteps
 from infinity.runtime.swap import open_swap, prepare_nvme, release
 from infinity.runtime.timeline import Moment, Timeline
-from infinity.schedule.eviction import TraceDrivenPolicy
+from infinity.schedule.eviction import LRUPolicy, TraceDrivenPolicy
 from infinity.schedule.prefetch import Prefetcher
 from infinity.schedule.trace import TraceRecorder
 
@@ -59,7 +59,12 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         self.policy = TraceDrivenPolicy()
         try:
             self.manager = ChunkManager(
-                self.plan, self.dtype, self.backend, self.swap, device_policy=self.policy
+                self.plan,
+                self.dtype,
+                self.backend,
+                self.swap,
+                device_policy=self.policy,
+                host_policy=LRUPolicy,
             )
         except BaseException:
             self._release()  # the model lives on: its finalizer would not run soon

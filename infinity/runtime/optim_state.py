@@ -16,8 +16,7 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
-
-MomentState = tuple[int, torch.Tensor, torch.Tensor]  # step, exp_avg, exp_avg_sq
+from infinity.optim.offloaded import MomentState
 
 
 def _moment_views(engine, chunk: int, region: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable, Iterator
 
 from infinity.chunks.homes import Kind
+from infinity.core.names import HOST
 from infinity.optim.hyper import AdamHyperParams
-from infinity.optim.offloaded_step import (
+from infinity.optim.offloaded import MomentState, offloaded_hyper
+from infinity.runtime import optim_state
+from infinity.runtime.offloaded_step import (
     ChunkWork,
     chunk_ready,
     finish_chunk,
@@ -26,7 +30,6 @@ from infinity.optim.offloaded_step import (
     prefetch_chunk,
     run_works,
 )
-from infinity.schedule.planner import HOST
 
 # Trailing updates whose reads are in flight at once (the optimizer staging
 # slots of the planner hold one more, the unit being updated).
@@ -87,8 +90,6 @@ class OptimizerSteps:
         it, unless the queued updates already hold every gradient staging slot:
         then the oldest one is run at once, waiting for its reads.
         """
-        from infinity.optim.offloaded import offloaded_hyper
-
         optimizer = self.optimizer()
         if optimizer is None:
             return
@@ -131,6 +132,19 @@ class OptimizerSteps:
 
     def _grad_staging_slots(self) -> int:
         return sum(self.plan.host_staging.get(Kind.GRAD.value, {}).values())
+
+    # --- optimizer state, as torch's (CPUAdam.state_dict / load_state_dict) -------------
+    def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
+        """Copies of the moments of the tensors ``indices`` stepped at least once."""
+        return optim_state.read_moments(self, indices)
+
+    def check_moments(self, values: dict[int, MomentState | None]) -> None:
+        """Raise (changing nothing) if a state does not fit its tensor."""
+        optim_state.check_moments(self, values)
+
+    def write_moments(self, values: dict[int, MomentState | None]) -> None:
+        """Set moments and step counts by tensor index (``None``: never stepped)."""
+        optim_state.write_moments(self, values)
 
     def check_not_stepped_early(self, what: str) -> None:
         """Raise if chunks were already updated in this backward (overlap_optimizer=True)."""
