@@ -6,7 +6,11 @@ Built by :func:`infinity.chunks.layout.build_layout`; read by every layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,3 +82,13 @@ class ChunkLayout:
         """Capacity not covered by tensors (alignment gaps and chunk tails)."""
         used = sum(s.numel for s in self.slots)
         return sum(c.capacity for c in self.chunks) - used
+
+    def group_by_chunk(
+        self, items: Iterable[T], tensor_index: Callable[[T], int]
+    ) -> dict[int, list[T]]:
+        """``items`` grouped by the chunk holding their tensor (``tensor_index(item)``
+        is its position in :attr:`slots`), chunks and items in first-seen order."""
+        grouped: dict[int, list[T]] = {}
+        for item in items:
+            grouped.setdefault(self.slots[tensor_index(item)].chunk, []).append(item)
+        return grouped

@@ -19,13 +19,20 @@ from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager, typed
 from infinity.chunks.states import StateCounters, TensorState
 from infinity.config import Config
+from infinity.core.names import Phase
 from infinity.devices.factory import make_backend
 from infinity.optim.loss_scale import LossScaler
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.errors import ModelChangedError
 from infinity.runtime.grad_norms import GradientNorms
 from infinity.runtime.gradients import GradientEvents
-from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
+from infinity.runtime.params import (
+    ParamEntry,
+    ParamRegistry,
+    is_placeholder,
+    placeholder,
+    tensor_index,
+)
 from infinity.runtime.step_timer import StepTimer
 from infinity.runtime.stepping import OptimizerSteps
 from infinity.runtime.swap import open_swap, prepare_nvme, release
@@ -138,7 +145,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
         entry.param.data = entry.placeholder
 
-    def access(self, phase: str, chunk: int) -> None:
+    def access(self, phase: Phase, chunk: int) -> None:
         """Record one access: it becomes the current moment of the iteration."""
         self.manager.moment = self.trace.moment
         self.trace.record(phase, chunk)
@@ -169,7 +176,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             return
         uses: dict = {}
         for position, (phase, chunk) in enumerate(trace.accesses):
-            kind = Kind.GRAD if phase == "grad" else Kind.PARAM
+            kind = Kind.GRAD if phase == Phase.GRAD else Kind.PARAM
             uses.setdefault((kind, chunk), []).append(position)
         self.policy.set_trace(uses, len(trace))
         depth = self.config.prefetch_depth
@@ -182,7 +189,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             else None
         )
 
-    def sample(self, phase: str, chunk: int) -> None:
+    def sample(self, phase: Phase, chunk: int) -> None:
         """Add the tiers' state after an access to the memory timeline."""
         manager = self.manager
         version, params, grads = self._resident
@@ -207,16 +214,14 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
     # --- forward -----------------------------------------------------------------------
     def begin_module(self, module: nn.Module) -> None:
         """A module's forward starts: make its parameters' chunks resident and bind views."""
-        by_chunk: dict[int, list[ParamEntry]] = {}
-        for entry in self.registry.owners[module]:
-            by_chunk.setdefault(self.layout.slots[entry.index].chunk, []).append(entry)
+        by_chunk = self.layout.group_by_chunk(self.registry.owners[module], tensor_index)
         for chunk, entries in by_chunk.items():
-            self.access("forward", chunk)
+            self.access(Phase.FORWARD, chunk)
             alias = self.manager.param_alias(chunk)
             for entry in entries:
                 entry.param.data = self.chunk_view(alias, entry)
                 self.set_state(entry, _S.COMPUTE)
-            self.sample("forward", chunk)
+            self.sample(Phase.FORWARD, chunk)
         self.prefetch()
 
     def end_module(self, module: nn.Module) -> None:
@@ -267,9 +272,9 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             return packed
         chunk, shape, stride, offset, dtype = packed
         self._note_backward()
-        self.access("backward", chunk)
+        self.access(Phase.BACKWARD, chunk)
         alias = self.manager.param_alias(chunk)
-        self.sample("backward", chunk)
+        self.sample(Phase.BACKWARD, chunk)
         self.prefetch()
         return torch.as_strided(alias.view(dtype), shape, stride, offset)
 

@@ -30,18 +30,11 @@ def _moment_views(engine, chunk: int, region: torch.Tensor) -> tuple[torch.Tenso
     )
 
 
-def _by_chunk(engine, indices: Iterable[int]) -> dict[int, list[int]]:
-    grouped: dict[int, list[int]] = {}
-    for i in indices:
-        grouped.setdefault(engine.layout.slots[i].chunk, []).append(i)
-    return grouped
-
-
 def read_moments(engine, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
     """``(index, (step, exp_avg, exp_avg_sq))`` copies for tensors stepped at least once."""
     engine.settle_step()
     stepped = [i for i in indices if engine.tensor_steps[i] > 0]
-    for chunk, group in _by_chunk(engine, stepped).items():
+    for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk), writable=False)
         try:
             exp_avg, exp_avg_sq = _moment_views(engine, chunk, region)
@@ -84,7 +77,7 @@ def write_moments(engine, values: dict[int, MomentState | None]) -> None:
     """Set moments and step counts (by tensor index; ``None``: no state, as never
     stepped); check with :func:`check_moments` first."""
     engine.settle_step()
-    for chunk, group in _by_chunk(engine, values).items():
+    for chunk, group in engine.layout.group_by_chunk(values, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk))
         try:
             exp_avg, exp_avg_sq = _moment_views(engine, chunk, region)

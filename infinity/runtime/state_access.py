@@ -15,14 +15,7 @@ from torch import nn
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
 from infinity.runtime.engine import OffloadEngine
-from infinity.runtime.params import ParamEntry
-
-
-def _by_chunk(engine: OffloadEngine, entries: Iterable[ParamEntry]) -> dict[int, list[ParamEntry]]:
-    grouped: dict[int, list[ParamEntry]] = {}
-    for entry in entries:
-        grouped.setdefault(engine.layout.slots[entry.index].chunk, []).append(entry)
-    return grouped
+from infinity.runtime.params import ParamEntry, tensor_index
 
 
 def read_params(
@@ -30,7 +23,7 @@ def read_params(
 ) -> Iterator[tuple[ParamEntry, torch.Tensor]]:
     """Copies of parameter values (compute dtype; fp32 masters when ``master``)."""
     engine.settle_step()
-    for chunk, group in _by_chunk(engine, entries).items():
+    for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
         key = (Kind.OPTIM, chunk) if use_master else (Kind.PARAM, chunk)
         region, copy = engine.manager.open_host(key, writable=False)
@@ -47,7 +40,7 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
     """Set parameters (by tensor index) to ``values``; fp32 masters follow."""
     engine.settle_step()
     entries = [engine.registry.entries[i] for i in values]
-    for chunk, group in _by_chunk(engine, entries).items():
+    for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         for key, dtype in ((Kind.PARAM, engine.dtype), (Kind.OPTIM, torch.float32)):
             if key is Kind.OPTIM and not (
                 engine.plan.has_master and engine.layout.chunks[chunk].trainable

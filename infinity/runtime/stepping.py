@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from infinity.chunks.homes import Kind
-from infinity.core.names import HOST
+from infinity.core.names import HOST, Phase
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.offloaded import MomentState, offloaded_hyper
 from infinity.runtime import optim_state
@@ -180,7 +180,7 @@ class OptimizerSteps:
         first: dict[int, int] = {}
         if trace is not None:
             for moment, (phase, chunk) in enumerate(trace.accesses):
-                if phase == "forward":
+                if phase == Phase.FORWARD:
                     first.setdefault(chunk, moment)
         return first
 
