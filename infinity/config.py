@@ -180,7 +180,7 @@ class Config:
         for name in self.SIZE_FIELDS:
             setattr(self, name, _size_or_auto(name, getattr(self, name)))
         self.chunk_size = _size_or_auto("chunk_size", self.chunk_size, minimum=IO_ALIGNMENT)
-        if self.chunk_size != AUTO and self.chunk_size % IO_ALIGNMENT:
+        if isinstance(self.chunk_size, int) and self.chunk_size % IO_ALIGNMENT:
             raise ConfigError(
                 f"chunk_size={self.chunk_size} must be a multiple of {IO_ALIGNMENT} bytes "
                 f"(O_DIRECT alignment), e.g. {align_up(self.chunk_size, IO_ALIGNMENT)} or 'auto'"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
+from infinity.chunks.cache import Pending
 from infinity.chunks.io_failures import IOFailures
 from infinity.chunks.pools import Arena
 from infinity.chunks.transfers import ChainedTransfer
@@ -46,7 +47,7 @@ class HomeStore:
         host_account.reserved += self.arena.reserved_bytes
         host_account.add(self.arena.reserved_bytes)
         self._offset: dict[Key, int] = {}
-        self._writing: dict[Key, object] = {}  # the last write of each key, until it lands
+        self._writing: dict[Key, Pending] = {}  # the last write of each key, until it lands
         offset = 0
         for key, tier in self._where.items():
             if tier == NVME:

@@ -17,8 +17,8 @@ from collections.abc import Callable, Collection, Hashable
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
-from infinity.chunks.cache import Copy, EvictionPolicy, ForecastingPolicy, TierCache
-from infinity.chunks.grad_flow import GradientFlow, typed
+from infinity.chunks.cache import Copy, EvictionPolicy, ForecastingPolicy, Pending, TierCache
+from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
 from infinity.chunks.transfers import ChainedTransfer
@@ -93,7 +93,7 @@ class ChunkManager(GradientFlow):
         # Gradient homes hold data of the current accumulation cycle only when valid.
         self.grad_valid = [False] * n
         # Device -> host copies still landing in host homes (gradient flushes).
-        self.home_fill: dict[Key, object] = {}
+        self.home_fill: dict[Key, Pending] = {}
         # Element ranges written into each device gradient chunk since its slot was taken.
         self.grad_written: dict[int, list[tuple[int, int]]] = {}
         self.found_inf = False
@@ -264,7 +264,9 @@ class ChunkManager(GradientFlow):
         if copy.pending:
             with self.traffic.waiting("device"):
                 for pending in copy.pending:
-                    pending.wait_for_compute()
+                    # NOTE: a device copy's transfers are the backend's handles (or
+                    # chains ending in one), which can wait on the compute stream.
+                    pending.wait_for_compute()  # type: ignore[attr-defined]
         return copy
 
     def param_alias(self, i: int) -> torch.Tensor:
@@ -321,10 +323,10 @@ class ChunkManager(GradientFlow):
             return
         copy.pins -= 1
         if modified:
-            copy.pending.append(self.homes.write(copy.key, copy.tensor))
+            copy.pending.append(self.homes.write(chunk_key(copy), copy.tensor))
         if not keep:
             with self.traffic.waiting("nvme"):
-                self.staging[copy.key[0]].remove(copy.key)
+                self.staging[chunk_key(copy)[0]].remove(copy.key)
 
     def write_initial(self, i: int, values: torch.Tensor) -> None:
         """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``."""

@@ -35,6 +35,7 @@ from infinity.cli.train_settings import (
 )
 from infinity.data import Corpus, CorpusError, load_corpus
 from infinity.models.gpt import describe
+from infinity.offload import engine_of
 
 DEMO_BUDGET_ATTEMPTS = 6
 
@@ -131,7 +132,7 @@ def _header(run: _Run, session: Session) -> list[str]:
         f"{s.lr * s.min_lr_ratio:g}), clip {s.clip_grad:g}, seed {s.seed}",
         *budget_lines(s.state_bytes(), stats, bool(run.derived)),
         "plan:",
-        *("  " + line for line in session.model._infinity_engine.plan.describe().splitlines()),
+        *("  " + line for line in engine_of(session.model).plan.describe().splitlines()),
     ]
 
 
@@ -261,6 +262,7 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     """The run proper, once the model is offloaded; returns the exit code."""
     args, settings, report = run.args, run.settings, run.report
     if run.resumed is not None:
+        assert run.resume_from is not None  # resumed state comes from a checkpoint path
         try:
             session.restore(run.resume_from, run.resumed)
         except infinity.CheckpointError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
+from typing import cast
 
 import torch
 from torch import nn
@@ -109,15 +110,15 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         self.manager.consume_grads = self.overlap
         self.optimizer = None  # weakref to the CPUAdam holding this model's parameters
         self.stepped_early: set[int] = set()  # chunks updated (or queued) during backward
-        self.early_queue: list = []
+        self.early_queue = []
         self._early_hyper = None
         self.early_chunk_steps = 0
         # Updates queued by optimizer.step() that run when their chunk is next needed.
-        self.trailing: deque = deque()
+        self.trailing = deque()
         self.trailing_chunks: set[int] = set()
         self.trailing_scale = 1.0
         self.trailing_chunk_steps = 0  # updates that ran after optimizer.step() returned
-        self.hooks = None
+        self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
         self._closed = False
 
     # --- layout helpers ------------------------------------------------------------
@@ -196,7 +197,8 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         if version != manager.device.version:
             # NOTE: recomputed only when the device's keys changed (this runs at
             # every access); other keys are retired slots still landing.
-            keys = manager.device.keys()
+            # (kind, chunk) keys, and retired slots' keys, whose [0] is not a Kind
+            keys = cast(list[tuple[object, int]], manager.device.keys())
             params = tuple(sorted(k[1] for k in keys if k[0] is Kind.PARAM))
             grads = tuple(sorted(k[1] for k in keys if k[0] is Kind.GRAD))
             self._resident = (manager.device.version, params, grads)
@@ -254,7 +256,10 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
     # --- saved tensors -----------------------------------------------------------------
     def pack(self, tensor: torch.Tensor):
         """Saved-tensor pack hook: a view of a parameter chunk becomes a handle."""
-        key = self.manager.device.key_at(tensor.untyped_storage().data_ptr())
+        key = cast(
+            "tuple[object, int] | None",
+            self.manager.device.key_at(tensor.untyped_storage().data_ptr()),
+        )
         if key is None or key[0] is not Kind.PARAM:
             return tensor
         chunk = key[1]

@@ -26,10 +26,11 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.runtime.engine_fields import EngineFields
 from infinity.runtime.params import ParamEntry, tensor_index
 
 
-class GradientNorms:
+class GradientNorms(EngineFields):
     """Per-tensor gradient norms and pending gradient factors of an engine."""
 
     def init_grad_norms(self) -> None:

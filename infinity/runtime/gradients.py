@@ -12,6 +12,7 @@ import torch
 from infinity.chunks.homes import Kind
 from infinity.chunks.states import TensorState
 from infinity.core.names import Phase
+from infinity.runtime.engine_fields import EngineFields
 from infinity.runtime.errors import ModelChangedError
 from infinity.runtime.params import ParamEntry
 from infinity.runtime.sentinel import GradientInChunks, is_zeroed
@@ -19,7 +20,7 @@ from infinity.runtime.sentinel import GradientInChunks, is_zeroed
 _S = TensorState
 
 
-class GradientEvents:
+class GradientEvents(EngineFields):
     """What happens when autograd hands the engine a gradient."""
 
     def on_grad(self, param: torch.Tensor) -> None:

@@ -63,10 +63,10 @@ def check_moments(engine, values: dict[int, MomentState | None]) -> None:
         if not entry.trainable:
             raise ValueError(f"optimizer state for {entry.name}, which is frozen (no moments)")
         shape = engine.layout.slots[i].shape
-        for key, value in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            if tuple(value.shape) != tuple(shape):
+        for key, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if tuple(moment.shape) != tuple(shape):
                 raise ValueError(
-                    f"optimizer state {key} of {entry.name} has shape {tuple(value.shape)}, the "
+                    f"optimizer state {key} of {entry.name} has shape {tuple(moment.shape)}, the "
                     f"parameter has {tuple(shape)}: the state dict is from another model"
                 )
         if step < 0:

@@ -21,6 +21,7 @@ from infinity.core.names import HOST, Phase
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.offloaded import MomentState, offloaded_hyper
 from infinity.runtime import optim_state
+from infinity.runtime.engine_fields import EngineFields
 from infinity.runtime.offloaded_step import (
     ChunkWork,
     chunk_ready,
@@ -36,7 +37,7 @@ from infinity.runtime.offloaded_step import (
 TRAIL_LOOKAHEAD = 2
 
 
-class OptimizerSteps:
+class OptimizerSteps(EngineFields):
     """Optimizer steps of offloaded parameters (called by ``CPUAdam``)."""
 
     def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
@@ -90,6 +91,7 @@ class OptimizerSteps:
         it, unless the queued updates already hold every gradient staging slot:
         then the oldest one is run at once, waiting for its reads.
         """
+        assert self.optimizer is not None  # the caller checks
         optimizer = self.optimizer()
         if optimizer is None:
             return
@@ -161,7 +163,8 @@ class OptimizerSteps:
     def _start_trailing(self, works: list[ChunkWork], grad_scale: float) -> None:
         """Update host-only chunks now; queue the rest in the order the forward needs them."""
         has_master = self.plan.has_master
-        now, later = [], []
+        now: list[ChunkWork] = []
+        later: list[ChunkWork] = []
         for work in works:
             on_nvme = any(self.manager.homes.tier(k) != HOST for k in work.keys(has_master))
             (later if on_nvme else now).append(work)

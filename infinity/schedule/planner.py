@@ -172,7 +172,11 @@ def make_plan(
             staging[kind][size] = max(1, count - 1 if kind != "param" else count // 2)
 
     # Shallower staging may have freed room: bring the hottest states back.
-    homes = {"optim": optim_home, "grad": grad_home, "param": param_home}
+    homes: dict[str, list[Tier] | list[Tier | None]] = {
+        "optim": optim_home,
+        "grad": grad_home,
+        "param": param_home,
+    }
     for kind, i in reversed(moves):
         if homes[kind][i] != NVME:
             continue
