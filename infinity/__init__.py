@@ -10,6 +10,11 @@ the compute device, pinned host memory and NVMe, within byte budgets per tier::
 See ``docs/ARCHITECTURE.md`` for the layers and the data flow of one step.
 """
 
+from typing import Any
+
+import torch
+from torch import nn
+
 from infinity import optim
 from infinity.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from infinity.config import AioConfig, Config, ConfigError
@@ -20,7 +25,7 @@ from infinity.schedule.planner import PlanError
 from infinity.stats import stats
 
 
-def gradients(model):
+def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the gradients held in chunks, by parameter name (needs RAM for all)."""
     from infinity.offload import engine_of
     from infinity.runtime.state_access import gradients as _gradients
@@ -28,7 +33,7 @@ def gradients(model):
     return _gradients(model, engine_of(model))
 
 
-def timeline(model):
+def timeline(model: nn.Module) -> dict[str, list[Any]]:
     """The memory timeline of the last complete iteration: per moment, the phase
     (forward/backward/grad/optimizer), the chunk accessed, bytes on the device and
     host tiers, and which parameter/gradient chunks were on the device."""

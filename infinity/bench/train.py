@@ -36,6 +36,7 @@ from infinity.bench.nvme import measure_engine
 from infinity.config import AioConfig, Config
 from infinity.core.plan import Plan
 from infinity.models.gpt import GPT, GPTConfig, init_weights
+from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.runtime.budgets import plan_for
 from infinity.runtime.params import ParamRegistry
@@ -79,7 +80,12 @@ class Runner:
     """One case, able to run one training step at a time (so cases can be interleaved)."""
 
     def __init__(
-        self, name: str, description: str, model, optimizer, config: Config | None
+        self,
+        name: str,
+        description: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: Config | None,
     ) -> None:
         self.name, self.description = name, description
         self.model, self.optimizer, self.config = model, optimizer, config
@@ -110,7 +116,7 @@ class Runner:
         if len(self.times) > before:
             self.rounds.append(statistics.median(self.times[before:]))
         if self.config is not None:
-            self.model._infinity_engine.synchronize()
+            engine_of(self.model).synchronize()
 
     def result(self) -> CaseResult:
         """Median step time and mean traffic of the timed steps; releases the model."""
@@ -120,7 +126,7 @@ class Runner:
                 k: statistics.mean(lap.get(k, 0.0) for lap in self.laps) for k in self.laps[0]
             }
         if self.config is not None:
-            self.model._infinity_engine.close()
+            engine_of(self.model).close()
         return CaseResult(
             self.name,
             self.description,

@@ -158,7 +158,9 @@ def _none(value: Any, what: str) -> int | None:
     return None
 
 
-def _within(name: str, file: str, offset: int, size: int, files: dict[str, tuple[int, int]]):
+def _within(
+    name: str, file: str, offset: int, size: int, files: dict[str, tuple[int, int]]
+) -> None:
     if offset + size > files[file][0]:
         raise CheckpointError(
             f"{META} is invalid: {name} needs bytes {offset}..{offset + size} of {file}, "

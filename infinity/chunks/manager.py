@@ -25,11 +25,12 @@ from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import HOST
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
+from infinity.io import SwapFile
 
 log = logging.getLogger("infinity")
 
 
-def _landed(fill) -> bool:
+def _landed(fill: Pending | None) -> bool:
     """``fill`` (a transfer, or None for nothing in flight) has landed; raises if it failed."""
     if fill is None:
         return True
@@ -47,7 +48,7 @@ class ChunkManager(GradientFlow):
         plan: Plan,
         dtype: torch.dtype,
         backend: DeviceBackend,
-        swap_file=None,
+        swap_file: SwapFile | None = None,
         *,
         device_policy: EvictionPolicy,
         host_policy: Callable[[], EvictionPolicy],
@@ -104,7 +105,7 @@ class ChunkManager(GradientFlow):
         self.consume_grads = False
         self.grad_consumed: set[int] = set()
 
-    def _register_staging(self, swap_file) -> str | None:
+    def _register_staging(self, swap_file: SwapFile | None) -> str | None:
         """Register the staging slabs (every NVMe transfer lands in one) with the
         I/O engine; ``None`` when done, else why not."""
         if swap_file is None:
@@ -172,7 +173,7 @@ class ChunkManager(GradientFlow):
                     copy.fill.wait()
         return copy
 
-    def _load_staging(self, key: Key, copy: Copy, from_device: bool):
+    def _load_staging(self, key: Key, copy: Copy, from_device: bool) -> Pending:
         """Start filling a staging copy: from the device copy of a parameter chunk
         if allowed and landed (a device -> host copy instead of a disk read),
         else from NVMe."""

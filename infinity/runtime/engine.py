@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from typing import cast
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -254,7 +255,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
                 counters.reset_step()
 
     # --- saved tensors -----------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor pack hook: a view of a parameter chunk becomes a handle."""
         key = cast(
             "tuple[object, int] | None",
@@ -271,7 +272,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             tensor.dtype,
         )
 
-    def unpack(self, packed):
+    def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: make the chunk resident again and rebuild the view."""
         if not isinstance(packed, tuple):
             return packed
@@ -300,7 +301,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
                 "offloaded; build the final model first, then call infinity.offload()"
             )
 
-    def _root_parameters(self):
+    def _root_parameters(self) -> Iterator[nn.Parameter]:
         root = next(m for m, parent in self.registry.parents.items() if parent is None)
         return root.parameters()
 
