@@ -36,9 +36,12 @@ test: setup
 check-install:
 	PYTHON=$(PYTHON) TORCH_SPEC='$(TORCH_SPEC)' .ci/check_install
 
+# The layers and their contracts: pyproject.toml ([tool.importlinter], [tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check infinity tests bench
 	$(VENV)/bin/ruff format --check infinity tests bench
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(PY) bench/nvme_vs_fio.py --path .infinity/bench

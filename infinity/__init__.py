@@ -10,6 +10,12 @@ the compute device, pinned host memory and NVMe, within byte budgets per tier::
 See ``docs/ARCHITECTURE.md`` for the layers and the data flow of one step.
 """
 
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
 from infinity import optim
 from infinity.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from infinity.config import AioConfig, Config, ConfigError
@@ -27,7 +33,7 @@ from infinity.schedule.planner import PlanError
 from infinity.stats import stats
 
 
-def gradients(model):
+def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the gradients held in chunks, by parameter name (needs RAM for all)."""
     from infinity.offload import engine_of
     from infinity.runtime.state_access import gradients as _gradients
@@ -35,7 +41,9 @@ def gradients(model):
     return _gradients(model, engine_of(model))
 
 
-def from_pretrained(path, config=None, **kwargs):
+def from_pretrained(
+    path: str | os.PathLike[str], config: Config | None = None, **kwargs: Any
+) -> nn.Module:
     """A local ``transformers`` checkpoint, offloaded and loaded chunk by chunk
     (see :func:`infinity.pretrained.hf.from_pretrained`; needs the ``hf`` extra)."""
     from infinity.pretrained.hf import from_pretrained as _from_pretrained
@@ -43,7 +51,7 @@ def from_pretrained(path, config=None, **kwargs):
     return _from_pretrained(path, config, **kwargs)
 
 
-def timeline(model):
+def timeline(model: nn.Module) -> dict[str, list[Any]]:
     """The memory timeline of the last complete iteration: per moment, the phase
     (forward/backward/grad/optimizer), the chunk accessed, bytes on the device and
     host tiers, and which parameter/gradient chunks were on the device."""

@@ -182,7 +182,7 @@ class Config:
         for name in self.SIZE_FIELDS:
             setattr(self, name, _size_or_auto(name, getattr(self, name)))
         self.chunk_size = _size_or_auto("chunk_size", self.chunk_size, minimum=ALIGNMENT)
-        if self.chunk_size != AUTO and self.chunk_size % ALIGNMENT:
+        if isinstance(self.chunk_size, int) and self.chunk_size % ALIGNMENT:
             raise ConfigError(
                 f"chunk_size={self.chunk_size} must be a multiple of {ALIGNMENT} bytes "
                 f"(O_DIRECT alignment), e.g. {align_up(self.chunk_size, ALIGNMENT)} or 'auto'"

@@ -80,9 +80,3 @@ def engine_of(model: nn.Module) -> OffloadEngine:
     if engine is None:
         raise ValueError("this model was not offloaded; call infinity.offload(model, config) first")
     return engine
-
-
-def engine_of_param(param: torch.Tensor) -> OffloadEngine | None:
-    """The engine holding ``param``, or ``None`` for an ordinary tensor."""
-    ref = getattr(param, "_infinity_engine", None)
-    return ref() if ref is not None else None

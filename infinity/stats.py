@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
+from infinity.core.names import HOST, NVME
 from infinity.offload import engine_of
-from infinity.schedule.planner import HOST, NVME
 
 
 def stats(model: nn.Module) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 
@@ -71,7 +72,7 @@ def _pool_bytes(size: int, config: AioConfig) -> tuple[int, int]:
     than fio's, reads measured ~15% slower here for reasons outside the engine
     (the host's copy into guest memory leaves the CPU caches).
     """
-    bs = config.block_size
+    bs = cast(int, config.block_size)  # bytes once AioConfig is built
     in_flight = bs * config.queue_depth * config.threads
     # At least 1 MiB per request, so the Python loop is never what limits.
     request = max(bs, max(in_flight // 4, MIN_REQUEST_BYTES) // bs * bs)
@@ -146,7 +147,7 @@ def measure_engine(
         backend = engine.backend
     return Point(
         backend=backend,
-        block_size=config.block_size,
+        block_size=cast(int, config.block_size),
         queue_depth=config.queue_depth,
         threads=config.threads,
         write_gbps=size / write_s / GB,

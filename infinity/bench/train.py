@@ -27,13 +27,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 import infinity
 from infinity.bench.nvme import measure_engine
 from infinity.config import AioConfig, Config
+from infinity.core.plan import Plan
 from infinity.models.gpt import GPT, GPTConfig, init_weights
+from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.runtime.budgets import plan_for
 from infinity.runtime.params import ParamRegistry
@@ -77,7 +80,12 @@ class Runner:
     """One case, able to run one training step at a time (so cases can be interleaved)."""
 
     def __init__(
-        self, name: str, description: str, model, optimizer, config: Config | None
+        self,
+        name: str,
+        description: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: Config | None,
     ) -> None:
         self.name, self.description = name, description
         self.model, self.optimizer, self.config = model, optimizer, config
@@ -108,7 +116,7 @@ class Runner:
         if len(self.times) > before:
             self.rounds.append(statistics.median(self.times[before:]))
         if self.config is not None:
-            self.model._infinity_engine.synchronize()
+            engine_of(self.model).synchronize()
 
     def result(self) -> CaseResult:
         """Median step time and mean traffic of the timed steps; releases the model."""
@@ -118,7 +126,7 @@ class Runner:
                 k: statistics.mean(lap.get(k, 0.0) for lap in self.laps) for k in self.laps[0]
             }
         if self.config is not None:
-            self.model._infinity_engine.close()
+            engine_of(self.model).close()
         return CaseResult(
             self.name,
             self.description,
@@ -143,7 +151,7 @@ def offloaded_runner(name: str, description: str, cfg: GPTConfig, config: Config
     return Runner(name, description, model, CPUAdam(model.parameters(), lr=1e-4), config)
 
 
-def host_budget_for(cfg: GPTConfig, base: Config, wanted: Callable[[object], bool]) -> int:
+def host_budget_for(cfg: GPTConfig, base: Config, wanted: Callable[[Plan], bool]) -> int:
     """The smallest host budget whose plan satisfies ``wanted(plan)`` (binary search)."""
     with torch.device("meta"):
         registry = ParamRegistry.from_model(GPT(cfg))
@@ -232,7 +240,7 @@ def run_all(
         size = min(1 << 30, max(256 << 20, param_bytes * 2))
         bw = measure_engine(tmp, size, AioConfig())
     read_bps, write_bps = bw.read_gbps * 1e9, bw.write_gbps * 1e9
-    report = {
+    report: dict[str, Any] = {
         "model": f"GPT {cfg.layers}x{cfg.hidden}",
         "params": cfg.num_params,
         "batch": batch,
@@ -241,25 +249,25 @@ def run_all(
         "nvme_write_gbps": bw.write_gbps,
         "cases": [],
     }
-    for r in results:
+    for case in results:
         io_bound = (
-            r.traffic.get("nvme_read_bytes", 0) / read_bps
-            + r.traffic.get("nvme_write_bytes", 0) / write_bps
+            case.traffic.get("nvme_read_bytes", 0) / read_bps
+            + case.traffic.get("nvme_write_bytes", 0) / write_bps
         )
-        pairs = list(zip(r.rounds, plain.rounds, strict=True))
+        pairs = list(zip(case.rounds, plain.rounds, strict=True))
         bound_ratios = [mine / max(p, io_bound) for mine, p in pairs]
         report["cases"].append(
             {
-                "case": r.name,
-                "description": r.description,
-                "step_seconds": r.step_seconds,
+                "case": case.name,
+                "description": case.description,
+                "step_seconds": case.step_seconds,
                 "vs_plain": statistics.median(mine / p for mine, p in pairs),
                 "io_lower_bound_seconds": io_bound,
                 "vs_bound": statistics.median(bound_ratios),
                 "round_ratios": [mine / p for mine, p in pairs],
                 "bound_round_ratios": bound_ratios,
-                "traffic_per_step": r.traffic,
-                "steps": r.steps,
+                "traffic_per_step": case.traffic,
+                "steps": case.steps,
             }
         )
     return report

@@ -13,10 +13,11 @@ nothing is unpickled.
 
 from __future__ import annotations
 
+import io
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,11 +37,11 @@ from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
 
 
-def _read_into(f: BinaryIO, offset: int, dst: torch.Tensor) -> None:
+def _read_into(f: io.BufferedReader, offset: int, dst: torch.Tensor) -> None:
     """Fill the uint8 tensor ``dst`` from byte ``offset`` of file ``f``."""
     f.seek(offset)
     view = dst.numpy()
-    got = f.readinto(view)
+    got = f.readinto(view.data)
     if got != view.nbytes:
         raise CheckpointError(
             f"{f.name}: short read at offset {offset} ({got} of {view.nbytes} bytes)"
@@ -70,7 +71,7 @@ def _match(engine: OffloadEngine, meta: CheckpointMeta) -> None:
 
 def _open_data(stack: ExitStack, target: Path, meta: CheckpointMeta, verify: bool):
     """Open the data files once for both passes; check sizes (and CRCs with ``verify``)."""
-    files: dict[str, BinaryIO] = {}
+    files: dict[str, io.BufferedReader] = {}
     for name in DATA_FILES:
         path = target / name
         size, crc = meta.files[name]
@@ -127,7 +128,9 @@ def load_checkpoint(
     return raw
 
 
-def _write_chunks(engine: OffloadEngine, meta: CheckpointMeta, fp: BinaryIO, fo: BinaryIO):
+def _write_chunks(
+    engine: OffloadEngine, meta: CheckpointMeta, fp: io.BufferedReader, fo: io.BufferedReader
+):
     """Second pass: read every tensor into its chunk region, chunk by chunk."""
     manager = engine.manager
     esize = engine.plan.element_size

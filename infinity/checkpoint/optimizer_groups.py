@@ -15,9 +15,9 @@ import torch
 
 from infinity.checkpoint.format import META, CheckpointError
 from infinity.checkpoint.schema import SavedGroup, finite_number
-from infinity.offload import engine_of_param
 from infinity.optim.cpu_adam import CPUAdam
 from infinity.optim.hyper import AdamHyperParams
+from infinity.optim.offloaded import engine_of_param
 from infinity.runtime.engine import OffloadEngine
 
 _ABSENT = object()

@@ -47,7 +47,7 @@ def _stream(
         for chunk in chunks:
             region, copy = engine.manager.open_host((kind, chunk), writable=False)
             try:
-                data = memoryview(region.numpy())
+                data = memoryview(region.numpy().data)
                 f.write(data)
                 crc = zlib.crc32(data, crc)
             finally:

@@ -151,12 +151,16 @@ def _tensor(
     return rec, [rec.name, *aliases]
 
 
-def _none(value: Any, what: str) -> None:
+def _none(value: Any, what: str) -> int | None:
+    """``None`` (an offset a frozen tensor does not have); raise on anything else."""
     if value is not None:
         raise _bad(what, value, "null (the tensor is frozen)")
+    return None
 
 
-def _within(name: str, file: str, offset: int, size: int, files: dict[str, tuple[int, int]]):
+def _within(
+    name: str, file: str, offset: int, size: int, files: dict[str, tuple[int, int]]
+) -> None:
     if offset + size > files[file][0]:
         raise CheckpointError(
             f"{META} is invalid: {name} needs bytes {offset}..{offset + size} of {file}, "

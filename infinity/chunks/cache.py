@@ -8,16 +8,45 @@ live view handed out (tracked through storage weak references of aliases).
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from infinity.chunks.accounting import TierAccount
 from infinity.chunks.pools import PoolExhausted, SlabPool, Slot
-from infinity.schedule.eviction import EvictionPolicy
+
+
+class EvictionPolicy(Protocol):
+    """Ranks eviction candidates; told of every access through :meth:`touch`.
+
+    Declared here, where caches use it; the strategies live in
+    :mod:`infinity.schedule.eviction`. *Whether* a copy may go is the cache's
+    rule, never the policy's.
+    """
+
+    name: str
+
+    def touch(self, key: Hashable, moment: int) -> None:
+        """``key`` was accessed at ``moment`` (a position in the step's access sequence)."""
+
+    def choose(self, candidates: Sequence[Hashable], moment: int) -> Hashable:
+        """The candidate to evict now (``candidates`` is never empty)."""
+        ...
+
+    def forget(self, key: Hashable) -> None:
+        """``key`` left the cache."""
+
+
+@runtime_checkable
+class ForecastingPolicy(EvictionPolicy, Protocol):
+    """A policy that can also say how soon a key is needed (Belady's estimate)."""
+
+    def next_use(self, key: Hashable, moment: int) -> float:
+        """Moments until ``key`` is needed."""
+        ...
 
 
 class Pending(Protocol):

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from infinity.chunks.layout import (
+    ChunkLayout,
     TensorInfo,
     build_layout,
     chunk_alignment_elems,
@@ -122,7 +123,7 @@ def chunk_cap(tensors: Sequence[TensorInfo], element_size: int, cap_bytes: int) 
     return max(cap_bytes, int(largest * element_size * _SPAN_STRETCH))
 
 
-def _oversize_elems(layout) -> int:
+def _oversize_elems(layout: ChunkLayout) -> int:
     return sum(c.capacity for c in layout.chunks if c.oversize)
 
 

@@ -9,12 +9,17 @@ the start of an accumulation cycle and adding afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import TYPE_CHECKING, cast
+
 import torch
 
-from infinity.chunks.cache import Copy
-from infinity.chunks.homes import Key, Kind
+from infinity.chunks.accounting import Traffic
+from infinity.chunks.cache import Copy, Pending, TierCache
+from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.transfers import ChainedTransfer
-from infinity.schedule.planner import HOST
+from infinity.core.names import HOST
+from infinity.devices.base import DeviceBackend
 
 
 def typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -22,8 +27,50 @@ def typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return region.view(dtype)
 
 
+def chunk_key(copy: Copy) -> Key:
+    """The (kind, chunk) of a copy in the manager's caches.
+
+    NOTE: a retired device slot still landing is keyed ``("retired", key, id)``
+    (see ``TierCache``); its ``[0]`` is no ``Kind``, so kind tests skip it.
+    """
+    return cast(Key, copy.key)
+
+
 class GradientFlow:
     """Device gradient chunks: taking a slot, writing gradients in, flushing them home."""
+
+    # NOTE: the manager's fields and methods this mixin uses, declared for the
+    # type checker (ChunkManager.__init__ sets them).
+    dtype: torch.dtype
+    backend: DeviceBackend
+    traffic: Traffic
+    homes: HomeStore
+    device: TierCache
+    staging: dict[Kind, TierCache]
+    moment: int
+    grad_valid: list[bool]
+    home_fill: dict[Key, Pending]
+    grad_written: dict[int, list[tuple[int, int]]]
+    found_inf: bool
+    check_overflow: bool
+    consume_grads: bool
+    grad_consumed: set[int]
+
+    if TYPE_CHECKING:
+
+        def nbytes(self, key: Key) -> int: ...
+        def _wait_home(self, key: Key) -> None: ...
+        def _staged(
+            self,
+            key: Key,
+            *,
+            load: bool,
+            wait: bool = True,
+            prefetch: bool = False,
+            writable: bool = True,
+            from_device: bool = False,
+            protect: Collection[Key] = (),
+        ) -> Copy | None: ...
 
     def _grad_on_device(self, i: int) -> Copy:
         """Gradient chunk ``i`` on the device (a fresh slot if it has none); what
@@ -65,11 +112,11 @@ class GradientFlow:
     def flush_all_grads(self) -> None:
         """Flush every gradient chunk on the device (end of backward)."""
         for copy in self.device:
-            if copy.key[0] is Kind.GRAD:
+            if chunk_key(copy)[0] is Kind.GRAD:
                 self.device.evict(copy.key)
 
     def _write_back_device(self, copy: Copy) -> None:
-        kind, i = copy.key
+        kind, i = chunk_key(copy)
         if kind is not Kind.GRAD:
             raise AssertionError(f"device copy {copy.key} is dirty but only gradients flow back")
         grads = copy.typed(self.dtype)
@@ -100,7 +147,8 @@ class GradientFlow:
                 home.pending.append(d2h)
                 home.dirty = True
             else:
-                write = ChainedTransfer(d2h, lambda: self.homes.write(key, home.tensor))
+                staged = home.tensor
+                write = ChainedTransfer(d2h, lambda: self.homes.write(key, staged))
                 home.pending.append(write)
             return
         if self.homes.tier(key) == HOST:
@@ -122,9 +170,10 @@ class GradientFlow:
 
     def _write_back_staging(self, copy: Copy) -> None:
         """Evicting a staging copy that was never written home: write it now."""
-        if copy.key[0] is not Kind.GRAD:
-            raise AssertionError(f"staging copy {copy.key} was left dirty")
-        copy.pending.append(self.homes.write(copy.key, copy.tensor))
+        key = chunk_key(copy)
+        if key[0] is not Kind.GRAD:
+            raise AssertionError(f"staging copy {key} was left dirty")
+        copy.pending.append(self.homes.write(key, copy.tensor))
 
     def consume_grad(self, copy: Copy | None) -> None:
         """The optimizer step is done with a gradient chunk's staging copy: if its
@@ -132,7 +181,7 @@ class GradientFlow:
         if copy is None or not copy.dirty or copy.pins:
             return
         copy.dirty = False
-        self.grad_consumed.add(copy.key[1])
+        self.grad_consumed.add(chunk_key(copy)[1])
         self.staging[Kind.GRAD].remove(copy.key)
 
     def grads_dropped(self, i: int) -> bool:

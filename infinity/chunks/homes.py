@@ -7,26 +7,18 @@ Caches in the tiers above hold copies; the home is what survives eviction.
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Callable
 
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
+from infinity.chunks.cache import Pending
 from infinity.chunks.io_failures import IOFailures
 from infinity.chunks.pools import Arena
 from infinity.chunks.transfers import ChainedTransfer
-from infinity.schedule.planner import HOST, NVME, Plan
-
-
-class Kind(str, enum.Enum):
-    """Storage kinds. ``OPTIM`` is one unit: [master (16-bit runs only), exp_avg, exp_avg_sq]."""
-
-    PARAM = "param"
-    GRAD = "grad"
-    OPTIM = "optim"
-
-
-Key = tuple[Kind, int]
+from infinity.core.names import HOST, NVME, Key, Kind
+from infinity.core.plan import Plan
+from infinity.io import IORequest, SwapFile
 
 
 class HomeStore:
@@ -35,10 +27,10 @@ class HomeStore:
     def __init__(
         self,
         plan: Plan,
-        alloc_host,
+        alloc_host: Callable[[int], torch.Tensor],
         host_account: TierAccount,
         traffic: Traffic,
-        swap_file=None,
+        swap_file: SwapFile | None = None,
     ) -> None:
         self.plan = plan
         self.traffic = traffic
@@ -58,7 +50,7 @@ class HomeStore:
         host_account.reserved += self.arena.reserved_bytes
         host_account.add(self.arena.reserved_bytes)
         self._offset: dict[Key, int] = {}
-        self._writing: dict[Key, object] = {}  # the last write of each key, until it lands
+        self._writing: dict[Key, Pending] = {}  # the last write of each key, until it lands
         offset = 0
         for key, tier in self._where.items():
             if tier == NVME:
@@ -90,30 +82,37 @@ class HomeStore:
         """The host region (uint8) of a host-homed key."""
         return self._host[key]
 
-    def read(self, key: Key, dst: torch.Tensor):
+    def _swap(self) -> SwapFile:
+        """The swap file (NVMe-homed keys exist only when the plan gave it bytes)."""
+        assert self.swap_file is not None
+        return self.swap_file
+
+    def read(self, key: Key, dst: torch.Tensor) -> Pending:
         """Start reading an NVMe-homed key into ``dst`` (uint8, aligned); returns the
         transfer. It starts only once a write of the same key still in flight has landed."""
         nbytes, offset = self._nbytes[key], self._offset[key]
         self.traffic.nvme_read_bytes += nbytes
-        return self._after_write(key, lambda: self.swap_file.read(dst[:nbytes], offset))
+        swap = self._swap()
+        return self._after_write(key, lambda: swap.read(dst[:nbytes], offset))
 
-    def write(self, key: Key, src: torch.Tensor):
+    def write(self, key: Key, src: torch.Tensor) -> Pending:
         """Start writing ``src`` to an NVMe-homed key; returns the transfer (issued
         after a write of the same key still in flight, so the last one wins)."""
         nbytes, offset = self._nbytes[key], self._offset[key]
         self.traffic.nvme_write_bytes += nbytes
-        transfer = self._after_write(key, lambda: self.swap_file.write(src[:nbytes], offset))
+        swap = self._swap()
+        transfer = self._after_write(key, lambda: swap.write(src[:nbytes], offset))
         self._writing[key] = transfer
         return transfer
 
-    def _after_write(self, key: Key, submit):
+    def _after_write(self, key: Key, submit: Callable[[], IORequest]) -> Pending:
         # NOTE: requests to one file region may complete in any order. Callers
         # mostly keep them apart (a staging copy stays cached while its write
         # lands), but a copy evicted mid-write frees its key at once: this is
         # what keeps a re-read of that key from seeing the old bytes.
         # A failed earlier write raises here (and in the chain): the home does
         # not hold what the caller expects to read or to overwrite.
-        def start():
+        def start() -> Pending:
             return self.failures.watch(submit(), key)
 
         previous = self._writing.get(key)

@@ -11,8 +11,7 @@ that does not hold what was written).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
+from infinity.core.names import Key
 from infinity.io import IORequest, NVMeIOError
 
 FIX = (
@@ -22,8 +21,8 @@ FIX = (
 )
 
 
-def _describe(key: Hashable) -> str:
-    kind, index = key  # type: ignore[misc]
+def _describe(key: Key) -> str:
+    kind, index = key
     return f"{getattr(kind, 'value', kind)} chunk {index}"
 
 
@@ -35,7 +34,7 @@ class IOFailures:
         self.reported = False  # the first error was raised at a caller at least once
         self._watched: list[WatchedTransfer] = []
 
-    def watch(self, request: IORequest, key: Hashable) -> WatchedTransfer:
+    def watch(self, request: IORequest, key: Key) -> WatchedTransfer:
         """Wrap a just-submitted transfer of ``key``'s home so its outcome is never lost."""
         if len(self._watched) > 64:
             self.sweep()
@@ -43,7 +42,7 @@ class IOFailures:
         self._watched.append(watched)
         return watched
 
-    def record(self, error: NVMeIOError, key: Hashable, *, raised: bool) -> NVMeIOError:
+    def record(self, error: NVMeIOError, key: Key, *, raised: bool) -> NVMeIOError:
         """Note a failed transfer of ``key``; returns the error to raise (the first one).
         ``raised``: the caller raises it now (else it waits for the next check)."""
         if self.first is None:
@@ -111,7 +110,7 @@ class WatchedTransfer:
 
     __slots__ = ("_failures", "key", "request")
 
-    def __init__(self, request: IORequest, key: Hashable, failures: IOFailures) -> None:
+    def __init__(self, request: IORequest, key: Key, failures: IOFailures) -> None:
         self.request = request
         self.key = key
         self._failures = failures

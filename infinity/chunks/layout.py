@@ -12,91 +12,15 @@ frozen chunks have no gradient and no optimizer state.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from infinity._native.io import ALIGNMENT as IO_ALIGNMENT
+from infinity.core.layout import ChunkLayout, ChunkSpec, TensorInfo, TensorSlot
 from infinity.utils.sizes import align_up
 
 # NOTE: tensors start on 64-byte boundaries inside a chunk so SIMD loads of the
 # optimizer kernel stay aligned; the gap costs at most 31 elements per tensor.
 TENSOR_ALIGN_BYTES = 64
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What the layout needs to know of one parameter."""
-
-    name: str
-    shape: tuple[int, ...]
-    trainable: bool
-    group: int = -1  # tensors of one module share a group; kept in one chunk when possible
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one tensor lives: chunk ``chunk``, elements ``[offset, offset + numel)``."""
-
-    index: int  # position in the layout's tensor list
-    chunk: int
-    offset: int
-    numel: int
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """One chunk: its capacity in elements and the tensors packed in it."""
-
-    index: int
-    capacity: int  # elements; a multiple of chunk_alignment_elems
-    slots: tuple[TensorSlot, ...]
-    trainable: bool
-    oversize: bool
-
-    @property
-    def used(self) -> int:
-        """Elements up to the end of the last tensor."""
-        return self.slots[-1].offset + self.slots[-1].numel if self.slots else 0
-
-    def nbytes(self, element_size: int) -> int:
-        """Bytes of this chunk for a kind whose elements have ``element_size`` bytes."""
-        return self.capacity * element_size
-
-
-@dataclass(frozen=True)
-class ChunkLayout:
-    """The packing of all tensors into chunks, for one compute element size."""
-
-    chunk_elems: int
-    element_size: int
-    chunks: tuple[ChunkSpec, ...]
-    slots: tuple[TensorSlot, ...]  # indexed like the input tensors
-
-    @property
-    def num_chunks(self) -> int:
-        """Number of chunks (normal and oversize)."""
-        return len(self.chunks)
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes of a normal chunk in the compute dtype."""
-        return self.chunk_elems * self.element_size
-
-    def wasted_elems(self) -> int:
-        """Capacity not covered by tensors (alignment gaps and chunk tails)."""
-        used = sum(s.numel for s in self.slots)
-        return sum(c.capacity for c in self.chunks) - used
-
-    def total_elems(self) -> int:
-        """Total capacity of all chunks in elements."""
-        return sum(c.capacity for c in self.chunks)
 
 
 def chunk_alignment_elems(element_size: int) -> int:

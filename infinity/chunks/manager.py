@@ -12,24 +12,25 @@ their homes and the optimizer through host staging.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Hashable
 
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
-from infinity.chunks.cache import Copy, TierCache
-from infinity.chunks.grad_flow import GradientFlow, typed
+from infinity.chunks.cache import Copy, EvictionPolicy, ForecastingPolicy, Pending, TierCache
+from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
 from infinity.chunks.transfers import ChainedTransfer
+from infinity.core.names import HOST
+from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
-from infinity.schedule.eviction import EvictionPolicy, LRUPolicy
-from infinity.schedule.planner import HOST, Plan
+from infinity.io import SwapFile
 
 log = logging.getLogger("infinity")
 
 
-def _landed(fill) -> bool:
+def _landed(fill: Pending | None) -> bool:
     """``fill`` (a transfer, or None for nothing in flight) has landed; raises if it failed."""
     if fill is None:
         return True
@@ -47,9 +48,13 @@ class ChunkManager(GradientFlow):
         plan: Plan,
         dtype: torch.dtype,
         backend: DeviceBackend,
-        swap_file=None,
-        device_policy: EvictionPolicy | None = None,
+        swap_file: SwapFile | None = None,
+        *,
+        device_policy: EvictionPolicy,
+        host_policy: Callable[[], EvictionPolicy],
     ) -> None:
+        """``device_policy`` ranks device copies; ``host_policy`` makes the policy of
+        each kind's host staging cache (the strategies are the schedule's)."""
         self.plan = plan
         self.dtype = dtype
         self.backend = backend
@@ -70,7 +75,7 @@ class ChunkManager(GradientFlow):
         self.device = TierCache(
             "device",
             device_pools,
-            device_policy or LRUPolicy(),
+            device_policy,
             self.device_account,
             self._write_back_device,
         )
@@ -82,14 +87,14 @@ class ChunkManager(GradientFlow):
             }
             self.host_account.reserved += sum(p.reserved_bytes for p in pools.values())
             self.staging[kind] = TierCache(
-                "host", pools, LRUPolicy(), self.host_account, self._write_back_staging
+                "host", pools, host_policy(), self.host_account, self._write_back_staging
             )
         self.fixed_buffers = self._register_staging(swap_file)
         n = plan.layout.num_chunks
         # Gradient homes hold data of the current accumulation cycle only when valid.
         self.grad_valid = [False] * n
         # Device -> host copies still landing in host homes (gradient flushes).
-        self.home_fill: dict[Key, object] = {}
+        self.home_fill: dict[Key, Pending] = {}
         # Element ranges written into each device gradient chunk since its slot was taken.
         self.grad_written: dict[int, list[tuple[int, int]]] = {}
         self.found_inf = False
@@ -100,7 +105,7 @@ class ChunkManager(GradientFlow):
         self.consume_grads = False
         self.grad_consumed: set[int] = set()
 
-    def _register_staging(self, swap_file) -> str | None:
+    def _register_staging(self, swap_file: SwapFile | None) -> str | None:
         """Register the staging slabs (every NVMe transfer lands in one) with the
         I/O engine; ``None`` when done, else why not."""
         if swap_file is None:
@@ -168,7 +173,7 @@ class ChunkManager(GradientFlow):
                     copy.fill.wait()
         return copy
 
-    def _load_staging(self, key: Key, copy: Copy, from_device: bool):
+    def _load_staging(self, key: Key, copy: Copy, from_device: bool) -> Pending:
         """Start filling a staging copy: from the device copy of a parameter chunk
         if allowed and landed (a device -> host copy instead of a disk read),
         else from NVMe."""
@@ -244,10 +249,10 @@ class ChunkManager(GradientFlow):
         self.traffic.h2d_bytes += nbytes
         return copy
 
-    def _sooner_than(self, key: Key):
+    def _sooner_than(self, key: Key) -> Callable[[Hashable], bool]:
         """Eviction filter for prefetching ``key``: only copies needed after it."""
         policy = self.device.policy
-        if not hasattr(policy, "next_use"):
+        if not isinstance(policy, ForecastingPolicy):
             return lambda _victim: False
         mine = policy.next_use(key, self.moment)
         return lambda victim: policy.next_use(victim, self.moment) > mine
@@ -260,7 +265,9 @@ class ChunkManager(GradientFlow):
         if copy.pending:
             with self.traffic.waiting("device"):
                 for pending in copy.pending:
-                    pending.wait_for_compute()
+                    # NOTE: a device copy's transfers are the backend's handles (or
+                    # chains ending in one), which can wait on the compute stream.
+                    pending.wait_for_compute()  # type: ignore[attr-defined]
         return copy
 
     def param_alias(self, i: int) -> torch.Tensor:
@@ -317,10 +324,10 @@ class ChunkManager(GradientFlow):
             return
         copy.pins -= 1
         if modified:
-            copy.pending.append(self.homes.write(copy.key, copy.tensor))
+            copy.pending.append(self.homes.write(chunk_key(copy), copy.tensor))
         if not keep:
             with self.traffic.waiting("nvme"):
-                self.staging[copy.key[0]].remove(copy.key)
+                self.staging[chunk_key(copy)[0]].remove(copy.key)
 
     def write_initial(self, i: int, values: torch.Tensor) -> None:
         """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``."""

@@ -58,11 +58,6 @@ class SlabPool:
         """Bytes allocated for the whole pool."""
         return self.slot_bytes * self.count
 
-    @property
-    def free_count(self) -> int:
-        """Slots currently free."""
-        return len(self._free)
-
     def try_take(self) -> Slot | None:
         """A free slot, or ``None`` if all are in use."""
         return self._free.pop() if self._free else None

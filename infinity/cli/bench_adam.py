@@ -29,6 +29,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 import torch
@@ -43,7 +44,13 @@ BYTES_PER_PARAM = {"fp32": 28, "mixed": 28}
 # Bytes of memory one parameter needs in this benchmark: p, g, m, v and
 # torch's m, v in fp32, plus bf16 gradients and bf16 output.
 _FOOTPRINT_PER_PARAM = 6 * 4 + 2 * 2
-_HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+_HYPER: dict[str, Any] = {
+    "lr": 1e-3,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+}
 # name -> (native kind, bytes per element); see cpp/adam/bandwidth.hpp
 _PROBE_BYTES = {"triad": 12, "axpy": 12, "adam_pattern": 28, "adam_prefetch": 28}
 _PROBES = {name: (BANDWIDTH_KERNELS[name], nbytes) for name, nbytes in _PROBE_BYTES.items()}

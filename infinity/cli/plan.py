@@ -13,6 +13,7 @@ import torch
 
 from infinity.cli.main import CommandError
 from infinity.config import Config, ConfigError
+from infinity.core.names import HOST, NVME
 from infinity.devices.base import resolve_device
 from infinity.models.gpt import GPT, describe
 from infinity.models.presets import PRESETS, preset
@@ -121,6 +122,6 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     print(title)
-    print(f"model states: {format_size(plan.home_bytes('host') + plan.home_bytes('nvme'))}")
+    print(f"model states: {format_size(plan.home_bytes(HOST) + plan.home_bytes(NVME))}")
     print(plan.describe())
     return 0

@@ -41,6 +41,7 @@ from infinity.cli.train_settings import (
 from infinity.data import Corpus, CorpusError, load_corpus
 from infinity.models.gpt import GPTConfig
 from infinity.models.gpt import describe as describe_gpt
+from infinity.offload import engine_of
 
 DEMO_BUDGET_ATTEMPTS = 6
 
@@ -142,7 +143,7 @@ def _header(run: _Run, session: Session) -> list[str]:
         f"{s.lr * s.min_lr_ratio:g}), clip {s.clip_grad:g}, seed {s.seed}",
         *budget_lines(s.state_bytes(), stats, bool(run.derived)),
         "plan:",
-        *("  " + line for line in session.model._infinity_engine.plan.describe().splitlines()),
+        *("  " + line for line in engine_of(session.model).plan.describe().splitlines()),
     ]
 
 
@@ -215,8 +216,11 @@ def run(args: argparse.Namespace) -> int:
         )
     config, derived = build_config(args, settings)
     try:
-        pretrained = isinstance(settings.model, PretrainedModel)
-        corpus = load_pretrained_corpus(settings.model) if pretrained else load_corpus()
+        corpus = (
+            load_pretrained_corpus(settings.model)
+            if isinstance(settings.model, PretrainedModel)
+            else load_corpus()
+        )
     except CorpusError as exc:
         raise CommandError(str(exc)) from None
     plan = _Run(
@@ -273,6 +277,7 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     """The run proper, once the model is offloaded; returns the exit code."""
     args, settings, report = run.args, run.settings, run.report
     if run.resumed is not None:
+        assert run.resume_from is not None  # resumed state comes from a checkpoint path
         try:
             session.restore(run.resume_from, run.resumed)
         except infinity.CheckpointError as exc:

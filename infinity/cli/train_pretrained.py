@@ -86,7 +86,7 @@ def inspect_model(args: argparse.Namespace, seq_len: int | None) -> PretrainedMo
             f"--model: cannot read a transformers model from '{path}': {exc}"
         ) from None
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    seq_len = seq_len or min(DEFAULTS["seq_len"], limit or DEFAULTS["seq_len"])
+    seq_len = int(seq_len or min(DEFAULTS["seq_len"], limit or DEFAULTS["seq_len"]))
     if limit is not None and seq_len > limit:
         raise CommandError(f"--seq-len {seq_len} is above the model's {limit} positions")
     has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)

@@ -179,7 +179,7 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
     preset_shape = (preset.layers, preset.hidden, preset.heads, preset.seq_len)
     if resumed is not None and args.preset is not None:
         m = resumed.model
-        if preset_shape != (m.layers, m.hidden, m.heads, m.seq_len):
+        if not isinstance(m, GPTConfig) or preset_shape != (m.layers, m.hidden, m.heads, m.seq_len):
             raise CommandError(
                 f"--preset {args.preset} is not the shape of the checkpoint's model "
                 f"({_shape(resumed)}); drop --preset when resuming"

@@ -5,6 +5,7 @@ asynchrony as CUDA: the "device" is a separately budgeted pool in RAM and
 copies run on a copy thread, so a missing wait shows up as a wrong result.
 """
 
-from infinity.devices.base import DeviceBackend, TransferHandle, make_backend
+from infinity.devices.base import DeviceBackend, TransferHandle
+from infinity.devices.factory import make_backend
 
 __all__ = ["DeviceBackend", "TransferHandle", "make_backend"]

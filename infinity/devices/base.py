@@ -27,17 +27,6 @@ class TransferHandle(abc.ABC):
         self.wait()
 
 
-class CompletedTransfer(TransferHandle):
-    """A handle for work that finished synchronously."""
-
-    def wait(self) -> None:
-        """Nothing to wait for."""
-
-    def done(self) -> bool:
-        """Always complete."""
-        return True
-
-
 class DeviceBackend(abc.ABC):
     """Allocation and asynchronous copies for one compute device."""
 
@@ -82,22 +71,3 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-def make_backend(device: str) -> DeviceBackend:
-    """The backend for a ``Config.device`` value (``"auto"`` picks CUDA when available)."""
-    device = resolve_device(device)
-    if device == "cpu":
-        from infinity.devices.cpu import CpuBackend
-
-        return CpuBackend()
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"device={device!r} but torch.cuda.is_available() is False; "
-                "use device='cpu' (or 'auto') on a host without a GPU"
-            )
-        from infinity.devices.cuda import CudaBackend
-
-        return CudaBackend(torch.device(device))
-    raise ValueError(f"device={device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from infinity.io import aligned_empty
 class _CopyHandle(TransferHandle):
     __slots__ = ("_dst", "_job", "_src")
 
-    def __init__(self, job, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def __init__(self, job: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._job = job
         # The native thread holds raw addresses: these references keep both
         # buffers alive until the handle is dropped (once done).

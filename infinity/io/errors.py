@@ -14,6 +14,8 @@ class NVMeIOError(OSError):
     length, the failing piece and ``strerror(errno)``.
     """
 
+    errno: int  # never None here, unlike a bare OSError's
+
     def __init__(
         self,
         errno: int,

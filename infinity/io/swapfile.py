@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -201,7 +201,7 @@ class SwapFile:
         self._private_dir = private_dir
         self._nbytes = size
         self._direct = direct
-        self._engine = engine if engine is not None else own_engine
+        self._engine: IOEngine = engine if engine is not None else cast(IOEngine, own_engine)
         self._pending: deque[IORequest] = deque()
         self._lock = threading.Lock()
         self._closed = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from infinity.models.gpt import GPTConfig
 
@@ -22,5 +23,5 @@ def preset(name: str, **overrides: int) -> GPTConfig:
     """The preset ``name`` with some fields replaced; ``KeyError`` names the valid presets."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    changes = {k: v for k, v in overrides.items() if v is not None}
+    changes: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     return replace(PRESETS[name], **changes)

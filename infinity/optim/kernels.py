@@ -185,11 +185,11 @@ def adam_step(
     _check_tensor("grad", grad, _GRAD_DTYPES, n)
     _check_tensor("exp_avg", exp_avg, _FP32, n)
     _check_tensor("exp_avg_sq", exp_avg_sq, _FP32, n)
-    buffers = (("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
+    buffers = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if out16 is not None:
         _check_tensor("out16", out16, _OUT_DTYPES, n)
-        buffers += (("out16", out16),)
-    _check_disjoint(buffers)
+        buffers.append(("out16", out16))
+    _check_disjoint(tuple(buffers))
 
     step = _check_step("step", step)
     hyper = _check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)

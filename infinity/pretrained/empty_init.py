@@ -53,7 +53,7 @@ def init_empty() -> Iterator[None]:
     global _depth
     with _lock:
         if _depth == 0:
-            nn.Module.register_parameter = _register_on_meta  # type: ignore[method-assign]
+            nn.Module.register_parameter = _register_on_meta  # type: ignore[method-assign,assignment]
         _depth += 1
     try:
         yield

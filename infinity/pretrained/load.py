@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -72,12 +73,12 @@ def match_checkpoint(model: nn.Module, path: str | os.PathLike[str], strict: boo
         else:
             params[key] = record
     buffers: dict[str, TensorRecord] = {}
-    for name, (module, key) in names.buffers.items():
+    for name, (module, attr) in names.buffers.items():
         if name not in in_file:
             missing.append(name)
             continue
         record = records[in_file[name]]
-        shape = tuple(module._buffers[key].shape)
+        shape = tuple(_buffer(module, attr).shape)
         if record.shape != shape:
             mismatched.append(_mismatch(record, shape))
         else:
@@ -157,7 +158,7 @@ def offload_pretrained(
 def _stream_params(
     engine: OffloadEngine, reader: RangeReader, params: dict[int, TensorRecord]
 ) -> None:
-    def writer(record: TensorRecord):
+    def writer(record: TensorRecord) -> Callable[[list[torch.Tensor]], None]:
         return lambda destinations: reader.copy_into(record, destinations)
 
     writers = {engine.registry.by_id[key].index: writer(r) for key, r in params.items()}
@@ -169,7 +170,13 @@ def _load_buffers(reader: RangeReader, matched: Matched) -> None:
     with torch.no_grad():
         for name, record in matched.buffers.items():
             module, key = matched.names.buffers[name]
-            module._buffers[key].copy_(reader.read(record))
+            _buffer(module, key).copy_(reader.read(record))
+
+
+def _buffer(module: nn.Module, attr: str) -> torch.Tensor:
+    buffer = module._buffers[attr]
+    assert buffer is not None  # NOTE: state_names lists only buffers that are set
+    return buffer
 
 
 def _drop_ignored(keys: list[str], model: nn.Module, kind: str) -> list[str]:

@@ -86,7 +86,11 @@ def save_pretrained(
         (engine.registry.entries[i] for i in chosen),
         key=lambda e: (engine.layout.slots[e.index].chunk, engine.layout.slots[e.index].offset),
     )
-    buffers = {name: m._buffers[key] for name, (m, key) in names.buffers.items()}
+    buffers = {
+        name: buffer
+        for name, (m, key) in names.buffers.items()
+        if (buffer := m._buffers[key]) is not None
+    }
     specs = [TensorSpec(chosen[e.index], engine.dtype, e.shape) for e in entries]
     specs += [TensorSpec(name, b.dtype, tuple(b.shape)) for name, b in buffers.items()]
     shards = _split(specs, limit)
@@ -174,7 +178,7 @@ def _write_shards(
                 for spec in shard:
                     if spec.name in buffers:
                         tensor = buffers[spec.name].detach().cpu().contiguous().view(-1)
-                        writer.write(spec.name, memoryview(tensor.view(torch.uint8).numpy()))
+                        writer.write(spec.name, tensor.view(torch.uint8).numpy().data)
                         continue
                     entry, data = next(values)
                     assert chosen[entry.index] == spec.name

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psutil
 import torch
@@ -16,6 +16,7 @@ from infinity.chunks.chunk_size import (
 from infinity.chunks.layout import ChunkLayout, TensorInfo, build_layout
 from infinity.config import AUTO, Config
 from infinity.io.filesystems import nearest_existing
+from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import Budgets, Plan, PlanError, make_plan
 
 MAX_AUTO_CHUNK_BYTES = 256 << 20
@@ -51,7 +52,7 @@ def nvme_capacity(path: str) -> int:
 
 def choose_plan(
     tensors: Sequence[TensorInfo],
-    working_sets_of,
+    working_sets_of: Callable[[ChunkLayout], Sequence[frozenset[int]]],
     *,
     config: Config,
     budgets: Budgets,
@@ -99,7 +100,7 @@ def choose_plan(
     raise last_error
 
 
-def plan_for(registry, config: Config, device: torch.device) -> Plan:
+def plan_for(registry: ParamRegistry, config: Config, device: torch.device) -> Plan:
     """The plan for a model's parameter registry under ``config`` (nothing is allocated)."""
     return choose_plan(
         registry.tensor_infos(),

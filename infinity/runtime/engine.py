@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -19,18 +21,25 @@ from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager, typed
 from infinity.chunks.states import StateCounters, TensorState
 from infinity.config import Config
-from infinity.devices.base import make_backend
+from infinity.core.names import Phase
+from infinity.devices.factory import make_backend
 from infinity.optim.loss_scale import LossScaler
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.errors import ModelChangedError
 from infinity.runtime.grad_norms import GradientNorms
 from infinity.runtime.gradients import GradientEvents
-from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, placeholder
+from infinity.runtime.params import (
+    ParamEntry,
+    ParamRegistry,
+    is_placeholder,
+    placeholder,
+    tensor_index,
+)
 from infinity.runtime.step_timer import StepTimer
 from infinity.runtime.stepping import OptimizerSteps
 from infinity.runtime.swap import open_swap, prepare_nvme, release
 from infinity.runtime.timeline import Moment, Timeline
-from infinity.schedule.eviction import TraceDrivenPolicy
+from infinity.schedule.eviction import LRUPolicy, TraceDrivenPolicy
 from infinity.schedule.prefetch import Prefetcher
 from infinity.schedule.trace import TraceRecorder
 
@@ -59,7 +68,12 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         self.policy = TraceDrivenPolicy()
         try:
             self.manager = ChunkManager(
-                self.plan, self.dtype, self.backend, self.swap, device_policy=self.policy
+                self.plan,
+                self.dtype,
+                self.backend,
+                self.swap,
+                device_policy=self.policy,
+                host_policy=LRUPolicy,
             )
         except BaseException:
             self._release()  # the model lives on: its finalizer would not run soon
@@ -97,15 +111,15 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         self.manager.consume_grads = self.overlap
         self.optimizer = None  # weakref to the CPUAdam holding this model's parameters
         self.stepped_early: set[int] = set()  # chunks updated (or queued) during backward
-        self.early_queue: list = []
+        self.early_queue = []
         self._early_hyper = None
         self.early_chunk_steps = 0
         # Updates queued by optimizer.step() that run when their chunk is next needed.
-        self.trailing: deque = deque()
+        self.trailing = deque()
         self.trailing_chunks: set[int] = set()
         self.trailing_scale = 1.0
         self.trailing_chunk_steps = 0  # updates that ran after optimizer.step() returned
-        self.hooks = None
+        self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
         self._closed = False
 
     # --- layout helpers ------------------------------------------------------------
@@ -133,7 +147,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
         entry.param.data = entry.placeholder
 
-    def access(self, phase: str, chunk: int) -> None:
+    def access(self, phase: Phase, chunk: int) -> None:
         """Record one access: it becomes the current moment of the iteration."""
         self.manager.moment = self.trace.moment
         self.trace.record(phase, chunk)
@@ -164,7 +178,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             return
         uses: dict = {}
         for position, (phase, chunk) in enumerate(trace.accesses):
-            kind = Kind.GRAD if phase == "grad" else Kind.PARAM
+            kind = Kind.GRAD if phase == Phase.GRAD else Kind.PARAM
             uses.setdefault((kind, chunk), []).append(position)
         self.policy.set_trace(uses, len(trace))
         depth = self.config.prefetch_depth
@@ -177,14 +191,15 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             else None
         )
 
-    def sample(self, phase: str, chunk: int) -> None:
+    def sample(self, phase: Phase, chunk: int) -> None:
         """Add the tiers' state after an access to the memory timeline."""
         manager = self.manager
         version, params, grads = self._resident
         if version != manager.device.version:
             # NOTE: recomputed only when the device's keys changed (this runs at
             # every access); other keys are retired slots still landing.
-            keys = manager.device.keys()
+            # (kind, chunk) keys, and retired slots' keys, whose [0] is not a Kind
+            keys = cast(list[tuple[object, int]], manager.device.keys())
             params = tuple(sorted(k[1] for k in keys if k[0] is Kind.PARAM))
             grads = tuple(sorted(k[1] for k in keys if k[0] is Kind.GRAD))
             self._resident = (manager.device.version, params, grads)
@@ -202,16 +217,14 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
     # --- forward -----------------------------------------------------------------------
     def begin_module(self, module: nn.Module) -> None:
         """A module's forward starts: make its parameters' chunks resident and bind views."""
-        by_chunk: dict[int, list[ParamEntry]] = {}
-        for entry in self.registry.owners[module]:
-            by_chunk.setdefault(self.layout.slots[entry.index].chunk, []).append(entry)
+        by_chunk = self.layout.group_by_chunk(self.registry.owners[module], tensor_index)
         for chunk, entries in by_chunk.items():
-            self.access("forward", chunk)
+            self.access(Phase.FORWARD, chunk)
             alias = self.manager.param_alias(chunk)
             for entry in entries:
                 entry.param.data = self.chunk_view(alias, entry)
                 self.set_state(entry, _S.COMPUTE)
-            self.sample("forward", chunk)
+            self.sample(Phase.FORWARD, chunk)
         self.prefetch()
 
     def end_module(self, module: nn.Module) -> None:
@@ -242,9 +255,12 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
                 counters.reset_step()
 
     # --- saved tensors -----------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor pack hook: a view of a parameter chunk becomes a handle."""
-        key = self.manager.device.key_at(tensor.untyped_storage().data_ptr())
+        key = cast(
+            "tuple[object, int] | None",
+            self.manager.device.key_at(tensor.untyped_storage().data_ptr()),
+        )
         if key is None or key[0] is not Kind.PARAM:
             return tensor
         chunk = key[1]
@@ -256,15 +272,15 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             tensor.dtype,
         )
 
-    def unpack(self, packed):
+    def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: make the chunk resident again and rebuild the view."""
         if not isinstance(packed, tuple):
             return packed
         chunk, shape, stride, offset, dtype = packed
         self._note_backward()
-        self.access("backward", chunk)
+        self.access(Phase.BACKWARD, chunk)
         alias = self.manager.param_alias(chunk)
-        self.sample("backward", chunk)
+        self.sample(Phase.BACKWARD, chunk)
         self.prefetch()
         return torch.as_strided(alias.view(dtype), shape, stride, offset)
 
@@ -285,7 +301,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
                 "offloaded; build the final model first, then call infinity.offload()"
             )
 
-    def _root_parameters(self):
+    def _root_parameters(self) -> Iterator[nn.Parameter]:
         root = next(m for m, parent in self.registry.parents.items() if parent is None)
         return root.parameters()
 

@@ -26,10 +26,11 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
-from infinity.runtime.params import ParamEntry
+from infinity.runtime.engine_fields import EngineFields
+from infinity.runtime.params import ParamEntry, tensor_index
 
 
-class GradientNorms:
+class GradientNorms(EngineFields):
     """Per-tensor gradient norms and pending gradient factors of an engine."""
 
     def init_grad_norms(self) -> None:
@@ -50,12 +51,8 @@ class GradientNorms:
         iteration rests on them. ``keep`` leaves NVMe staging copies cached."""
         self.synchronize()
         self.collect_zeroed_grads()
-        by_chunk: dict[int, list[ParamEntry]] = {}
-        for i in indices:
-            if self.has_grad[i]:
-                entry = self.registry.entries[i]
-                by_chunk.setdefault(self.layout.slots[i].chunk, []).append(entry)
-        for chunk, group in by_chunk.items():
+        with_grad = (self.registry.entries[i] for i in indices if self.has_grad[i])
+        for chunk, group in self.layout.group_by_chunk(with_grad, tensor_index).items():
             region, copy = self.manager.open_host((Kind.GRAD, chunk), writable=False)
             try:
                 for entry in group:
@@ -134,10 +131,7 @@ class GradientNorms:
         if not pending:
             return
         self.settle_step()
-        by_chunk: dict[int, list[int]] = {}
-        for i in pending:
-            by_chunk.setdefault(self.layout.slots[i].chunk, []).append(i)
-        for chunk, group in by_chunk.items():
+        for chunk, group in self.layout.group_by_chunk(pending, int).items():
             region, copy = self.manager.open_host((Kind.GRAD, chunk))
             try:
                 flat = typed(region, self.dtype)

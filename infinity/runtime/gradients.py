@@ -11,6 +11,8 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.states import TensorState
+from infinity.core.names import Phase
+from infinity.runtime.engine_fields import EngineFields
 from infinity.runtime.errors import ModelChangedError
 from infinity.runtime.params import ParamEntry
 from infinity.runtime.sentinel import GradientInChunks, is_zeroed
@@ -18,7 +20,7 @@ from infinity.runtime.sentinel import GradientInChunks, is_zeroed
 _S = TensorState
 
 
-class GradientEvents:
+class GradientEvents(EngineFields):
     """What happens when autograd hands the engine a gradient."""
 
     def on_grad(self, param: torch.Tensor) -> None:
@@ -31,9 +33,9 @@ class GradientEvents:
             return
         slot = self.layout.slots[entry.index]
         chunk = slot.chunk
-        self.access("grad", chunk)
+        self.access(Phase.GRAD, chunk)
         self.manager.write_grad(chunk, slot.offset, grad)
-        self.sample("grad", chunk)
+        self.sample(Phase.GRAD, chunk)
         self.has_grad[entry.index] = True
         self.set_state(entry, _S.HOLD_AFTER_BWD)
         counters = self.states[chunk]

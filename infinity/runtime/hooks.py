@@ -80,7 +80,7 @@ class HookSet:
                 self.handles.append(param.register_hook(before_grad))
                 self.handles.append(param.register_post_accumulate_grad_hook(on_grad))
 
-    def _pre(self, module: nn.Module):
+    def _pre(self, module: nn.Module) -> Callable[..., None]:
         engine = self._engine
 
         @_opaque
@@ -89,7 +89,7 @@ class HookSet:
 
         return hook
 
-    def _post(self, module: nn.Module):
+    def _post(self, module: nn.Module) -> Callable[..., None]:
         engine = self._engine
 
         @_opaque

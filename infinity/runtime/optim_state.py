@@ -16,8 +16,7 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
-
-MomentState = tuple[int, torch.Tensor, torch.Tensor]  # step, exp_avg, exp_avg_sq
+from infinity.optim.offloaded import MomentState
 
 
 def _moment_views(engine, chunk: int, region: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,18 +30,11 @@ def _moment_views(engine, chunk: int, region: torch.Tensor) -> tuple[torch.Tenso
     )
 
 
-def _by_chunk(engine, indices: Iterable[int]) -> dict[int, list[int]]:
-    grouped: dict[int, list[int]] = {}
-    for i in indices:
-        grouped.setdefault(engine.layout.slots[i].chunk, []).append(i)
-    return grouped
-
-
 def read_moments(engine, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
     """``(index, (step, exp_avg, exp_avg_sq))`` copies for tensors stepped at least once."""
     engine.settle_step()
     stepped = [i for i in indices if engine.tensor_steps[i] > 0]
-    for chunk, group in _by_chunk(engine, stepped).items():
+    for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk), writable=False)
         try:
             exp_avg, exp_avg_sq = _moment_views(engine, chunk, region)
@@ -71,10 +63,10 @@ def check_moments(engine, values: dict[int, MomentState | None]) -> None:
         if not entry.trainable:
             raise ValueError(f"optimizer state for {entry.name}, which is frozen (no moments)")
         shape = engine.layout.slots[i].shape
-        for key, value in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            if tuple(value.shape) != tuple(shape):
+        for key, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if tuple(moment.shape) != tuple(shape):
                 raise ValueError(
-                    f"optimizer state {key} of {entry.name} has shape {tuple(value.shape)}, the "
+                    f"optimizer state {key} of {entry.name} has shape {tuple(moment.shape)}, the "
                     f"parameter has {tuple(shape)}: the state dict is from another model"
                 )
         if step < 0:
@@ -85,7 +77,7 @@ def write_moments(engine, values: dict[int, MomentState | None]) -> None:
     """Set moments and step counts (by tensor index; ``None``: no state, as never
     stepped); check with :func:`check_moments` first."""
     engine.settle_step()
-    for chunk, group in _by_chunk(engine, values).items():
+    for chunk, group in engine.layout.group_by_chunk(values, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk))
         try:
             exp_avg, exp_avg_sq = _moment_views(engine, chunk, region)

@@ -59,6 +59,11 @@ class ParamEntry:
     placeholder: torch.Tensor | None = None
 
 
+def tensor_index(entry: ParamEntry) -> int:
+    """``entry``'s position in the layout (the key of ``ChunkLayout.group_by_chunk``)."""
+    return entry.index
+
+
 @dataclass
 class ParamRegistry:
     """Unique parameters in registration order and the modules that own them."""

@@ -51,8 +51,10 @@ class GradientInChunks(torch.Tensor):
         grad._zeroed = False
         return grad
 
+    # NOTE: torch declares __torch_dispatch__ as a plain function attribute;
+    # subclasses override it with a classmethod, as torch's docs show.
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         # zero_grad(set_to_none=False) zeroes in place: accept it as "zeroed".
         if func is _aten.zero_.default:
@@ -72,7 +74,8 @@ class GradientInChunks(torch.Tensor):
             return None
         raise RuntimeError(f"{func}: {_HELP}")
 
-    def __repr__(self) -> str:  # printing must not dispatch
+    # NOTE: printing must not dispatch; torch's __repr__ takes an extra keyword.
+    def __repr__(self) -> str:  # type: ignore[override]
         return f"GradientInChunks(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def _owner(self) -> Any:

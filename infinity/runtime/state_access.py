@@ -7,7 +7,7 @@ come from wherever the chunk's home is (host or NVMe).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -15,14 +15,7 @@ from torch import nn
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
 from infinity.runtime.engine import OffloadEngine
-from infinity.runtime.params import ParamEntry
-
-
-def _by_chunk(engine: OffloadEngine, entries: Iterable[ParamEntry]) -> dict[int, list[ParamEntry]]:
-    grouped: dict[int, list[ParamEntry]] = {}
-    for entry in entries:
-        grouped.setdefault(engine.layout.slots[entry.index].chunk, []).append(entry)
-    return grouped
+from infinity.runtime.params import ParamEntry, tensor_index
 
 
 def read_params(
@@ -30,7 +23,7 @@ def read_params(
 ) -> Iterator[tuple[ParamEntry, torch.Tensor]]:
     """Copies of parameter values (compute dtype; fp32 masters when ``master``)."""
     engine.settle_step()
-    for chunk, group in _by_chunk(engine, entries).items():
+    for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
         key = (Kind.OPTIM, chunk) if use_master else (Kind.PARAM, chunk)
         region, copy = engine.manager.open_host(key, writable=False)
@@ -47,7 +40,7 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
     """Set parameters (by tensor index) to ``values``; fp32 masters follow."""
     engine.settle_step()
     entries = [engine.registry.entries[i] for i in values]
-    for chunk, group in _by_chunk(engine, entries).items():
+    for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         for key, dtype in ((Kind.PARAM, engine.dtype), (Kind.OPTIM, torch.float32)):
             if key is Kind.OPTIM and not (
                 engine.plan.has_master and engine.layout.chunks[chunk].trainable
@@ -99,7 +92,7 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
     """
     engine.settle_step()
     entries = [engine.registry.entries[i] for i in writers]
-    for chunk, group in _by_chunk(engine, entries).items():
+    for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         master = engine.plan.has_master and engine.layout.chunks[chunk].trainable
         opened = [(engine.manager.open_host((Kind.PARAM, chunk)), engine.dtype)]
         try:
@@ -117,17 +110,17 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
 
 def param_bytes_by_chunk(
     engine: OffloadEngine, entries: Iterable[ParamEntry]
-) -> Iterator[tuple[ParamEntry, memoryview]]:
+) -> Generator[tuple[ParamEntry, memoryview], None, None]:
     """The raw bytes (compute dtype) of each parameter, chunk by chunk, zero-copy.
 
     A view is valid only until the next item is drawn.
     """
     engine.settle_step()
     size = engine.plan.element_size
-    for chunk, group in _by_chunk(engine, entries).items():
+    for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         region, copy = engine.manager.open_host((Kind.PARAM, chunk), writable=False)
         try:
-            data = memoryview(region.numpy())
+            data = region.numpy().data
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 yield entry, data[slot.offset * size : (slot.offset + slot.numel) * size]

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable, Iterator
 
 from infinity.chunks.homes import Kind
+from infinity.core.names import HOST, Phase
 from infinity.optim.hyper import AdamHyperParams
-from infinity.optim.offloaded_step import (
+from infinity.optim.offloaded import MomentState, offloaded_hyper
+from infinity.runtime import optim_state
+from infinity.runtime.engine_fields import EngineFields
+from infinity.runtime.offloaded_step import (
     ChunkWork,
     chunk_ready,
     finish_chunk,
@@ -26,14 +31,13 @@ from infinity.optim.offloaded_step import (
     prefetch_chunk,
     run_works,
 )
-from infinity.schedule.planner import HOST
 
 # Trailing updates whose reads are in flight at once (the optimizer staging
 # slots of the planner hold one more, the unit being updated).
 TRAIL_LOOKAHEAD = 2
 
 
-class OptimizerSteps:
+class OptimizerSteps(EngineFields):
     """Optimizer steps of offloaded parameters (called by ``CPUAdam``)."""
 
     def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
@@ -87,8 +91,7 @@ class OptimizerSteps:
         it, unless the queued updates already hold every gradient staging slot:
         then the oldest one is run at once, waiting for its reads.
         """
-        from infinity.optim.offloaded import offloaded_hyper
-
+        assert self.optimizer is not None  # the caller checks
         optimizer = self.optimizer()
         if optimizer is None:
             return
@@ -132,6 +135,19 @@ class OptimizerSteps:
     def _grad_staging_slots(self) -> int:
         return sum(self.plan.host_staging.get(Kind.GRAD.value, {}).values())
 
+    # --- optimizer state, as torch's (CPUAdam.state_dict / load_state_dict) -------------
+    def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
+        """Copies of the moments of the tensors ``indices`` stepped at least once."""
+        return optim_state.read_moments(self, indices)
+
+    def check_moments(self, values: dict[int, MomentState | None]) -> None:
+        """Raise (changing nothing) if a state does not fit its tensor."""
+        optim_state.check_moments(self, values)
+
+    def write_moments(self, values: dict[int, MomentState | None]) -> None:
+        """Set moments and step counts by tensor index (``None``: never stepped)."""
+        optim_state.write_moments(self, values)
+
     def check_not_stepped_early(self, what: str) -> None:
         """Raise if chunks were already updated in this backward (overlap_optimizer=True)."""
         if self.stepped_early:
@@ -147,7 +163,8 @@ class OptimizerSteps:
     def _start_trailing(self, works: list[ChunkWork], grad_scale: float) -> None:
         """Update host-only chunks now; queue the rest in the order the forward needs them."""
         has_master = self.plan.has_master
-        now, later = [], []
+        now: list[ChunkWork] = []
+        later: list[ChunkWork] = []
         for work in works:
             on_nvme = any(self.manager.homes.tier(k) != HOST for k in work.keys(has_master))
             (later if on_nvme else now).append(work)
@@ -166,7 +183,7 @@ class OptimizerSteps:
         first: dict[int, int] = {}
         if trace is not None:
             for moment, (phase, chunk) in enumerate(trace.accesses):
-                if phase == "forward":
+                if phase == Phase.FORWARD:
                     first.setdefault(chunk, moment)
         return first
 

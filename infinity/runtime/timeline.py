@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infinity.core.names import Phase
+
 
 @dataclass(frozen=True)
 class Moment:
     """One access and the tiers right after it."""
 
-    phase: str  # "forward" | "backward" | "grad" | "optimizer"
+    phase: Phase
     chunk: int
     device_bytes: int
     host_bytes: int
@@ -36,7 +38,7 @@ class Timeline:
     def finish_iteration(self) -> None:
         """The iteration ended: keep it as ``last`` (a forward-only pass, such as an
         evaluation, does not replace a training step)."""
-        trained = any(m.phase != "forward" for m in self.current)
+        trained = any(m.phase != Phase.FORWARD for m in self.current)
         if self.current and (trained or not self.last):
             self.last = self.current
         self.current = []
@@ -45,7 +47,7 @@ class Timeline:
         """Columns of the last complete iteration (or the running one if none)."""
         moments = self.last or self.current
         return {
-            "phase": [m.phase for m in moments],
+            "phase": [m.phase.value for m in moments],
             "chunk": [m.chunk for m in moments],
             "device_bytes": [m.device_bytes for m in moments],
             "host_bytes": [m.host_bytes for m in moments],

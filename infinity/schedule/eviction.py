@@ -8,26 +8,10 @@ farthest away, which is optimal for a known access sequence.
 
 from __future__ import annotations
 
-import abc
 import bisect
 from collections.abc import Hashable, Mapping, Sequence
 
-
-class EvictionPolicy(abc.ABC):
-    """Ranks eviction candidates; told of every access through :meth:`touch`."""
-
-    name: str
-
-    @abc.abstractmethod
-    def touch(self, key: Hashable, moment: int) -> None:
-        """``key`` was accessed at ``moment`` (a position in the step's access sequence)."""
-
-    @abc.abstractmethod
-    def choose(self, candidates: Sequence[Hashable], moment: int) -> Hashable:
-        """The candidate to evict now (``candidates`` is never empty)."""
-
-    def forget(self, key: Hashable) -> None:
-        """``key`` left the cache."""
+from infinity.chunks.cache import EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):

@@ -15,112 +15,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from infinity.chunks.layout import ChunkLayout
+from infinity.core.names import HOST, NVME, Tier
+from infinity.core.plan import FP32_BYTES, Budgets, Plan, PlanError
 from infinity.utils.sizes import format_size
 
-HOST, NVME = "host", "nvme"
-FP32_BYTES = 4
 # Host staging slots: optimizer pipeline = read i+1, compute i, write back i-1.
 OPTIM_PIPELINE_SLOTS = 3
 GRAD_STAGING_SLOTS = 4
-
-
-class PlanError(ValueError):
-    """The budgets cannot hold the model; the message says what each tier needs."""
-
-
-@dataclass(frozen=True)
-class Budgets:
-    """Bytes allowed per tier; ``nvme=None`` means no NVMe tier."""
-
-    device: int
-    host: int
-    nvme: int | None
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Homes per chunk and kind, slot counts per tier, bytes and traffic per step."""
-
-    layout: ChunkLayout
-    element_size: int
-    has_master: bool
-    param_home: tuple[str, ...]
-    grad_home: tuple[str | None, ...]  # None: frozen chunk
-    optim_home: tuple[str | None, ...]
-    device_slots: dict[int, int]  # slot bytes -> count
-    host_staging: dict[str, dict[int, int]]  # "param" | "grad" | "optim" -> slot bytes -> count
-    budgets: Budgets
-    traffic: dict[str, int] = field(default_factory=dict)
-
-    # --- sizes -------------------------------------------------------------------
-    def param_bytes(self, i: int) -> int:
-        """Bytes of parameter (and gradient) chunk ``i`` in the compute dtype."""
-        return self.layout.chunks[i].capacity * self.element_size
-
-    def optim_bytes(self, i: int) -> int:
-        """Bytes of optimizer-state unit ``i`` (master if any, exp_avg, exp_avg_sq)."""
-        parts = 3 if self.has_master else 2
-        return self.layout.chunks[i].capacity * FP32_BYTES * parts
-
-    def home_bytes(self, tier: str) -> int:
-        """Bytes of authoritative copies kept on ``tier``."""
-        n = self.layout.num_chunks
-        total = sum(self.param_bytes(i) for i in range(n) if self.param_home[i] == tier)
-        total += sum(self.param_bytes(i) for i in range(n) if self.grad_home[i] == tier)
-        total += sum(self.optim_bytes(i) for i in range(n) if self.optim_home[i] == tier)
-        return total
-
-    @property
-    def device_bytes(self) -> int:
-        """Bytes reserved on the device (all slots)."""
-        return sum(size * count for size, count in self.device_slots.items())
-
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of host staging slots."""
-        return sum(s * c for pools in self.host_staging.values() for s, c in pools.items())
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes reserved on the host: homes plus staging."""
-        return self.home_bytes(HOST) + self.staging_bytes
-
-    @property
-    def nvme_bytes(self) -> int:
-        """Bytes of swap space."""
-        return self.home_bytes(NVME)
-
-    def describe(self) -> str:
-        """A human-readable table of the plan."""
-        n = self.layout.num_chunks
-        lines = [
-            f"chunks: {n} x {format_size(self.layout.chunk_bytes)} "
-            f"({sum(c.oversize for c in self.layout.chunks)} oversize, "
-            f"{sum(not c.trainable for c in self.layout.chunks)} frozen)",
-            f"{'kind':<16}{'on host':>12}{'on nvme':>12}",
-        ]
-        for kind, homes in (
-            ("parameters", self.param_home),
-            ("gradients", self.grad_home),
-            ("optimizer", self.optim_home),
-        ):
-            lines.append(
-                f"{kind:<16}{sum(h == HOST for h in homes):>12}{sum(h == NVME for h in homes):>12}"
-            )
-        for tier, used, budget in (
-            ("device", self.device_bytes, self.budgets.device),
-            ("host", self.host_bytes, self.budgets.host),
-            ("nvme", self.nvme_bytes, self.budgets.nvme),
-        ):
-            cap = "no tier" if budget is None else format_size(budget)
-            lines.append(f"{tier:<8} uses {format_size(used):>12} of {cap}")
-        lines.append("bytes moved per step (estimate; host staging caches lower the NVMe reads):")
-        for key, value in self.traffic.items():
-            lines.append(f"  {key:<18}{format_size(value):>12}")
-        return "\n".join(lines)
 
 
 def _classes(sizes: Iterable[int]) -> Counter[int]:
@@ -218,8 +121,8 @@ def make_plan(
     device = add_device_slots(device, pbytes, trainable, budgets.device - device_need)
 
     param_home = [HOST] * n
-    grad_home: list[str | None] = [HOST if t else None for t in trainable]
-    optim_home: list[str | None] = [HOST if t else None for t in trainable]
+    grad_home: list[Tier | None] = [HOST if t else None for t in trainable]
+    optim_home: list[Tier | None] = [HOST if t else None for t in trainable]
     staging: dict[str, Counter[int]] = {"param": Counter(), "grad": Counter(), "optim": Counter()}
     trainable_bytes = [pbytes[i] for i in range(n) if trainable[i]]
     if trainable_bytes:
@@ -269,7 +172,11 @@ def make_plan(
             staging[kind][size] = max(1, count - 1 if kind != "param" else count // 2)
 
     # Shallower staging may have freed room: bring the hottest states back.
-    homes = {"optim": optim_home, "grad": grad_home, "param": param_home}
+    homes: dict[str, list[Tier] | list[Tier | None]] = {
+        "optim": optim_home,
+        "grad": grad_home,
+        "param": param_home,
+    }
     for kind, i in reversed(moves):
         if homes[kind][i] != NVME:
             continue

@@ -13,9 +13,10 @@ import bisect
 import itertools
 from collections.abc import Callable
 
+from infinity.core.names import Phase
 from infinity.schedule.trace import Trace
 
-NEED_PHASES = ("forward", "backward")
+NEED_PHASES = (Phase.FORWARD, Phase.BACKWARD)
 
 
 class Prefetcher:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from infinity.core.names import Phase
+
 log = logging.getLogger("infinity")
 
-Access = tuple[str, int]  # (phase, chunk): phase in {"forward", "backward", "grad"}
+Access = tuple[Phase, int]  # (phase, chunk): forward, backward or grad
 
 
 @dataclass(frozen=True)
@@ -25,14 +27,6 @@ class Trace:
     def __len__(self) -> int:
         return len(self.accesses)
 
-    def uses(self, phases: tuple[str, ...] = ("forward", "backward")) -> dict[int, list[int]]:
-        """Moments at which each chunk's parameters are needed."""
-        out: dict[int, list[int]] = {}
-        for moment, (phase, chunk) in enumerate(self.accesses):
-            if phase in phases:
-                out.setdefault(chunk, []).append(moment)
-        return out
-
 
 class TraceRecorder:
     """Records iterations; keeps the last complete one as :attr:`trace`."""
@@ -40,7 +34,6 @@ class TraceRecorder:
     def __init__(self) -> None:
         self.trace: Trace | None = None
         self._current: list[Access] = []
-        self.iterations = 0
         self.retraces = 0
         self.on_track = False  # the running iteration follows ``trace`` so far
 
@@ -61,7 +54,6 @@ class TraceRecorder:
                             "trace; re-tracing (prefetch resumes on the next iteration)"
                         )
                 self.trace = Trace(tuple(self._current))
-            self.iterations += 1
         self._current = []
         self.on_track = self.trace is not None
 
@@ -69,10 +61,10 @@ class TraceRecorder:
         """A forward-only pass (evaluation) does not replace a training trace."""
         if self.trace is None:
             return True
-        trains = any(phase != "forward" for phase, _ in self.trace.accesses)
-        return not trains or any(phase != "forward" for phase, _ in accesses)
+        trains = any(phase != Phase.FORWARD for phase, _ in self.trace.accesses)
+        return not trains or any(phase != Phase.FORWARD for phase, _ in accesses)
 
-    def record(self, phase: str, chunk: int) -> None:
+    def record(self, phase: Phase, chunk: int) -> None:
         """Append one access; notice when the iteration leaves the trace."""
         access = (phase, chunk)
         if self.on_track:

@@ -20,6 +20,7 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.core.names import Phase
 from infinity.optim import kernels
 from infinity.optim.hyper import AdamHyperParams
 
@@ -176,7 +177,7 @@ def chunk_ready(engine, work: ChunkWork) -> bool:
 def finish_chunk(engine, work: ChunkWork, grad_scale: float) -> int:
     """Run the update of one planned chunk; returns the tensors updated."""
     step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
-    engine.sample("optimizer", work.chunk)
+    engine.sample(Phase.OPTIMIZER, work.chunk)
     for index in work.updated:
         engine.tensor_steps[index] += 1
     return len(work.updated)
