@@ -2,7 +2,7 @@
 
 ``HeldBackend`` is a device backend whose copies happen only when the test
 releases them (or when someone waits on them, which is what a real wait
-blocks for); it records every wait and every copy that would have touched
+blocks for); it records every wait that would block and every copy that would have touched
 memory another unfinished copy is still writing or reading. ``GatedSwap``
 wraps a real :class:`~infinity.io.SwapFile` and holds every read and write until
 the test releases it, in any order it likes, or fails it with an errno.
@@ -51,7 +51,8 @@ class HeldCopy(TransferHandle):
             self.finished = True
 
     def wait(self) -> None:
-        self.backend.waited.append(self)
+        if not self.finished:  # a wait that would block
+            self.backend.waited.append(self)
         self.release()
 
     def done(self) -> bool:
@@ -133,7 +134,8 @@ class GatedRequest:
         return self.error
 
     def wait(self) -> int:
-        self.gate.waited.append(self)
+        if not self.released:  # a wait that would block
+            self.gate.waited.append(self)
         self.release()
         if self.error is not None:
             raise self.error

@@ -91,11 +91,11 @@ def test_a_blocking_fetch_with_every_slot_in_flight_waits_before_reusing_a_slot(
 
 @pytest.fixture
 def gated(tmp_path):
-    """A manager whose two parameter chunks live on NVMe behind a gate."""
+    """A manager whose three parameter chunks live on NVMe behind a gate."""
     plan = small_plan(
-        [[CHUNK_ELEMS]] * 2,
-        param_home=[NVME, NVME],
-        grad_home=[None, None],
+        [[CHUNK_ELEMS]] * 3,
+        param_home=[NVME] * 3,
+        grad_home=[None] * 3,
         device_slots=1,
         staging={"param": 2},
     )
@@ -162,3 +162,30 @@ def test_a_gradient_home_read_while_its_device_copy_is_in_flight_sees_the_gradie
     assert len(backend.unfinished()) == 1
     region, _ = manager.open_host((Kind.GRAD, 0))
     assert torch.equal(region.view(F32), grads)
+
+
+def test_a_staging_read_in_flight_is_never_evicted_and_a_reader_waits_only_for_its_own(gated):
+    manager, gate = gated
+    for i in range(3):
+        manager.write_initial(i, _values(i))
+    gate.waited.clear()
+    assert manager.prefetch_host(_param(0)) and manager.prefetch_host(_param(1))
+    first, second = gate.held("read")
+
+    region, copy = manager.open_host(_param(1), writable=False)
+    assert gate.waited == [second] and not first.done()
+    assert torch.equal(region.view(F32), _values(1))
+    manager.close_host(copy, modified=False, keep=True)
+
+    # Both staging slots are taken, chunk 0's read is still in flight: the
+    # prefetch of chunk 2 may take chunk 1's landed slot, never chunk 0's.
+    assert manager.prefetch_host(_param(2))
+    assert set(manager.staging[Kind.PARAM].keys()) == {_param(0), _param(2)}
+    assert not first.done() and gate.waited == [second]
+    for read in gate.held("read"):
+        read.release()
+    for i in (0, 2):
+        assert manager.host_ready(_param(i))
+        region, copy = manager.open_host(_param(i), writable=False)
+        assert torch.equal(region.view(F32), _values(i))
+        manager.close_host(copy, modified=False)
