@@ -20,7 +20,7 @@ from infinity.core.names import HOST, Tier
 from infinity.core.plan import Budgets, Plan
 from infinity.devices.base import DeviceBackend, TransferHandle
 from infinity.devices.cpu import CpuBackend
-from infinity.io import NVMeIOError, SwapFile, aligned_empty
+from infinity.io import IOEngine, NVMeIOError, SwapFile, aligned_empty
 from infinity.utils.sizes import align_up
 
 CHUNK_ELEMS = 1024  # fp32: 4 KiB chunks, the I/O alignment
@@ -152,18 +152,22 @@ class GatedSwap:
 
     @property
     def nbytes(self) -> int:
+        """Size of the wrapped file."""
         return self.swap.nbytes
 
     @property
-    def engine(self):
+    def engine(self) -> IOEngine:
+        """The wrapped file's I/O engine (the manager registers staging slabs with it)."""
         return self.swap.engine
 
     def read(self, tensor: torch.Tensor, offset: int) -> GatedRequest:
+        """Hold a read of ``tensor``'s bytes from ``offset``."""
         request = GatedRequest(self, "read", tensor, offset)
         self.requests.append(request)
         return request
 
     def write(self, tensor: torch.Tensor, offset: int) -> GatedRequest:
+        """Hold a write of ``tensor`` at ``offset`` (its bytes are taken on release)."""
         request = GatedRequest(self, "write", tensor, offset)
         self.requests.append(request)
         return request
