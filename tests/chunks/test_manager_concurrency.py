@@ -189,3 +189,34 @@ def test_a_staging_read_in_flight_is_never_evicted_and_a_reader_waits_only_for_i
         region, copy = manager.open_host(_param(i), writable=False)
         assert torch.equal(region.view(F32), _values(i))
         manager.close_host(copy, modified=False)
+
+
+def test_nvme_gradient_reads_while_flushes_are_in_flight_see_the_newest_sum(tmp_path):
+    plan = small_plan([[CHUNK_ELEMS]], grad_home=[NVME], device_slots=1, staging={"grad": 2})
+    swap = SwapFile(tmp_path, plan.nvme_bytes, name="grads")
+    gate, backend = GatedSwap(swap), HeldBackend()
+    manager = _manager(plan, backend, gate)
+    key = (Kind.GRAD, 0)  # the first NVMe home: offset 0
+    first, second = _values(0), _values(1) * 0.25
+    try:
+        manager.write_grad(0, 0, first)
+        manager.flush_grad(0)  # device -> staging, then staging -> NVMe
+        assert len(backend.unfinished()) == 1 and gate.held() == []  # the write waits its turn
+        region, copy = manager.open_host(key, writable=False)
+        assert torch.equal(region.view(F32), first)
+        manager.close_host(copy, modified=False, keep=True)
+        manager.synchronize()
+        assert torch.equal(gate.read_back(0, CHUNK_BYTES).view(F32), first)
+
+        manager.write_grad(0, 0, second)
+        manager.flush_grad(0)  # the next micro-batch adds, and the sum is written home
+        (write,) = gate.held("write")
+        region, copy = manager.open_host(key, writable=False)  # read while that write is held
+        assert torch.equal(region.view(F32), first + second)
+        manager.close_host(copy, modified=False, keep=True)
+        assert torch.equal(gate.read_back(0, CHUNK_BYTES).view(F32), first)  # not yet home
+        write.release()
+        assert torch.equal(gate.read_back(0, CHUNK_BYTES).view(F32), first + second)
+        assert backend.violations == []
+    finally:
+        swap.close()
