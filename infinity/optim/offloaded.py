@@ -71,11 +71,10 @@ def add_offloaded_state(param_groups: list[dict[str, Any]], state_dict: dict[str
             if slot is not None:
                 index_of.setdefault(slot.engine, {})[slot.tensor_index] = key
     for engine, keys in index_of.items():
-        for index, (step, exp_avg, exp_avg_sq) in engine.read_moments(keys):
+        for index, (step, states) in engine.read_moments(keys):
             state_dict["state"][keys[index]] = {
                 "step": torch.tensor(float(step), dtype=torch.float32),
-                "exp_avg": exp_avg,
-                "exp_avg_sq": exp_avg_sq,
+                **states,
             }
 
 
@@ -100,7 +99,8 @@ def take_offloaded_state(
                 continue
             value = state.pop(key, None)
             if value is not None:
-                value = (int(value["step"]), value["exp_avg"], value["exp_avg_sq"])
+                slots = slot.engine.chunk_optimizer.state_slots
+                value = (int(value["step"]), {name: value[name] for name in slots})
             taken.setdefault(slot.engine, {})[slot.tensor_index] = value
     for engine, values in taken.items():
         engine.check_moments(values)

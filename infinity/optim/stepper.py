@@ -7,10 +7,12 @@ from typing import Any, Protocol
 
 import torch
 
+from infinity.optim.chunk_optimizer import ChunkOptimizer
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
 
-MomentState = tuple[int, torch.Tensor, torch.Tensor]  # step, exp_avg, exp_avg_sq
+# A tensor's step count and its optimizer state by slot name (Adam: exp_avg, exp_avg_sq).
+MomentState = tuple[int, dict[str, torch.Tensor]]
 
 
 class ChunkStepper(Protocol):
@@ -23,6 +25,7 @@ class ChunkStepper(Protocol):
     scaler: LossScaler | None  # fp16 only
     loss_scaled: bool  # the loss of this backward was multiplied by the scale
     optimizer: Callable[[], Any] | None  # weak reference to the optimizer holding the model
+    chunk_optimizer: ChunkOptimizer[Any]  # the per-element optimizer its chunks are laid out for
 
     def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
