@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 
 from infinity.config import Config
+from infinity.optim import registry
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.hooks import HookSet
 from infinity.runtime.materialize import (
@@ -17,8 +16,6 @@ from infinity.runtime.materialize import (
     materialize_buffers,
 )
 from infinity.runtime.state_dict import install_state_dict_hooks
-
-_ENGINE_ATTR = "_infinity_engine"
 
 
 def offload(
@@ -42,7 +39,7 @@ def offload(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() needs an nn.Module, got {type(model).__name__}")
-    if getattr(model, _ENGINE_ATTR, None) is not None:
+    if find_engine(model) is not None:
         raise ValueError("this model is already offloaded; call infinity.offload() once per model")
     config = config if config is not None else Config()
     if not isinstance(config, Config):
@@ -59,11 +56,9 @@ def offload(
     except BaseException:
         engine.close()
         raise
+    # See NOTE [weak registry]: the hooks, not the registry, keep the engine alive.
     engine.hooks = hooks
-    for entry in engine.registry.entries:
-        entry.param._infinity_engine = weakref.ref(engine)  # type: ignore[attr-defined]
-        entry.param._infinity_index = entry.index  # type: ignore[attr-defined]
-    object.__setattr__(model, _ENGINE_ATTR, engine)
+    registry.register(model, engine, ((e.param, e.index) for e in engine.registry.entries))
     return model
 
 
@@ -76,7 +71,13 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
 
 def engine_of(model: nn.Module) -> OffloadEngine:
     """The engine of an offloaded model; a clear error if it was not offloaded."""
-    engine = getattr(model, _ENGINE_ATTR, None)
+    engine = find_engine(model)
     if engine is None:
         raise ValueError("this model was not offloaded; call infinity.offload(model, config) first")
     return engine
+
+
+def find_engine(model: nn.Module) -> OffloadEngine | None:
+    """The engine of an offloaded model, or ``None`` if it was not offloaded."""
+    engine = registry.model_engine(model)
+    return engine if isinstance(engine, OffloadEngine) else None

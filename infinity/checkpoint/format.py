@@ -9,7 +9,9 @@ A checkpoint directory holds:
   refused instead of loading wrong weights;
 - ``param.bin``: every parameter chunk in the compute dtype, in chunk order;
 - ``optim.bin``: every trainable chunk's optimizer unit (fp32 master when the
-  compute dtype is 16-bit, then ``exp_avg``, then ``exp_avg_sq``).
+  compute dtype is 16-bit, then the optimizer's state slots in order:
+  ``exp_avg``, then ``exp_avg_sq`` for Adam, see
+  :class:`infinity.optim.chunk_optimizer.ChunkOptimizer`).
 
 Loading reads only numbers and raw bytes, so a checkpoint cannot run code.
 Tensors are located by name, so a checkpoint loads into a different chunk

@@ -105,8 +105,8 @@ def load_checkpoint(
     """
     target = Path(path)
     raw = read_meta(target)
-    meta = parse_meta(raw)
     engine = engine_of(model)
+    meta = parse_meta(raw, engine.chunk_optimizer)
     _match(engine, meta)
     updates: list[tuple[dict[str, Any], dict[str, Any]]] = []
     if optimizer is not None and meta.optimizer is not None:
@@ -134,7 +134,7 @@ def _write_chunks(
     """Second pass: read every tensor into its chunk region, chunk by chunk."""
     manager = engine.manager
     esize = engine.plan.element_size
-    parts = 3 if engine.plan.has_master else 2
+    parts = engine.chunk_optimizer.unit_parts(engine.plan.has_master)
     for chunk, spec in enumerate(engine.layout.chunks):
         members = engine.chunk_members[chunk]
         region, copy = manager.open_host((Kind.PARAM, chunk), load=False)

@@ -17,7 +17,7 @@ from infinity.checkpoint.format import META, CheckpointError
 from infinity.checkpoint.schema import SavedGroup, finite_number
 from infinity.optim.cpu_adam import CPUAdam
 from infinity.optim.hyper import AdamHyperParams
-from infinity.optim.offloaded import engine_of_param
+from infinity.optim.registry import param_slot
 from infinity.runtime.engine import OffloadEngine
 
 _ABSENT = object()
@@ -29,9 +29,10 @@ def optimizer_groups(engine: OffloadEngine, optimizer) -> list[dict[str, Any]]:
     for group in optimizer.param_groups:
         names = []
         for p in group["params"]:
-            if engine_of_param(p) is not engine:
+            slot = param_slot(p)
+            if slot is None or slot.engine is not engine:
                 raise ValueError("the optimizer holds parameters that are not in this model")
-            names.append(engine.registry.entries[p._infinity_index].name)
+            names.append(engine.registry.entries[slot.tensor_index].name)
         hyper = {
             k: (list(v) if isinstance(v, tuple) else v)
             for k, v in group.items()
@@ -87,9 +88,10 @@ def hyper_updates(
     for g, (entry, group) in enumerate(zip(saved, optimizer.param_groups, strict=True)):
         names = []
         for p in group["params"]:
-            if engine_of_param(p) is not engine:
+            slot = param_slot(p)
+            if slot is None or slot.engine is not engine:
                 raise CheckpointError("the optimizer holds parameters that are not in this model")
-            names.append(engine.registry.entries[p._infinity_index].name)
+            names.append(engine.registry.entries[slot.tensor_index].name)
         if names != entry.params:
             raise CheckpointError(
                 "optimizer parameter groups hold different parameters than in the checkpoint"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infinity.checkpoint.format import DATA_FILES, META, OPTIM_FILE, PARAM_FILE, CheckpointError
+from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
@@ -194,8 +195,11 @@ def _groups(value: Any) -> list[SavedGroup] | None:
     return groups
 
 
-def parse_meta(meta: dict[str, Any]) -> CheckpointMeta:
-    """Check every field of a parsed ``meta.json``; raise :class:`CheckpointError` if any is bad."""
+def parse_meta(meta: dict[str, Any], optimizer: ChunkOptimizer[Any] = ADAM) -> CheckpointMeta:
+    """Check every field of a parsed ``meta.json``; raise :class:`CheckpointError` if any is bad.
+
+    Optimizer units are ``optimizer.unit_parts(has_master)`` chunk-long fp32 parts.
+    """
     meta = _dict(meta, "the file", ("dtype", "has_master", "step_count", "tensors", "files"))
     dtype = meta["dtype"]
     if dtype not in ELEMENT_BYTES:
@@ -204,7 +208,7 @@ def parse_meta(meta: dict[str, Any]) -> CheckpointMeta:
     if has_master != (dtype != "fp32"):
         raise _bad("has_master", has_master, f"{dtype != 'fp32'} for dtype {dtype!r}")
     files = _files(meta["files"])
-    parts = 3 if has_master else 2
+    parts = optimizer.unit_parts(has_master)
     tensors: dict[str, TensorRecord] = {}
     for k, t in enumerate(_list(meta["tensors"], "tensors")):
         rec, names = _tensor(t, f"tensors[{k}]", ELEMENT_BYTES[dtype], parts, files)

@@ -25,6 +25,7 @@ from infinity.cli.train_report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
 from infinity.cli.train_settings import RunSettings
 from infinity.data import Batches, Corpus
 from infinity.models.gpt import GPT, init_weights
+from infinity.offload import find_engine
 
 EVAL_SEED_OFFSET = 1_000_003
 COUNTER_KEYS = TRAFFIC_KEYS + WAIT_KEYS  # held-out batches never share a stream with training ones
@@ -215,6 +216,6 @@ class Session:
 
     def close(self) -> None:
         """Release the engine: threads stop and the swap files are removed."""
-        engine = getattr(self.model, "_infinity_engine", None)
+        engine = find_engine(self.model)
         if engine is not None:
             engine.close()

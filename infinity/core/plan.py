@@ -36,6 +36,7 @@ class Plan:
     layout: ChunkLayout
     element_size: int
     has_master: bool
+    state_slots: tuple[str, ...]  # the optimizer's fp32 per-element state tensors, in unit order
     param_home: tuple[Tier, ...]
     grad_home: tuple[Tier | None, ...]  # None: frozen chunk
     optim_home: tuple[Tier | None, ...]
@@ -50,8 +51,8 @@ class Plan:
         return self.layout.chunks[i].capacity * self.element_size
 
     def optim_bytes(self, i: int) -> int:
-        """Bytes of optimizer-state unit ``i`` (master if any, exp_avg, exp_avg_sq)."""
-        parts = 3 if self.has_master else 2
+        """Bytes of optimizer-state unit ``i`` (master if any, then each state slot)."""
+        parts = len(self.state_slots) + int(self.has_master)
         return self.layout.chunks[i].capacity * FP32_BYTES * parts
 
     def home_bytes(self, tier: Tier) -> int:

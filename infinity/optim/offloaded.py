@@ -1,54 +1,24 @@
 """What :class:`~infinity.optim.CPUAdam` does with parameters of offloaded models.
 
-A parameter belongs to an offloaded model when ``infinity.offload`` tagged it
-with its engine. Such parameters have no ``.grad`` tensor and no values in
-RAM: their step runs chunk by chunk inside the engine, their ``.grad`` sentinels
-answer gradient clipping from the chunks, and fp16 loss scaling is the engine's.
+A parameter belongs to an offloaded model when ``infinity.offload`` registered
+it with its engine (:mod:`infinity.optim.registry`). Such parameters have no
+``.grad`` tensor and no values in RAM: their step runs chunk by chunk inside
+the engine, their ``.grad`` sentinels answer gradient clipping from the chunks,
+and fp16 loss scaling is the engine's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from infinity.optim.hyper import AdamHyperParams
-from infinity.optim.loss_scale import LossScaler
+from infinity.optim.registry import engine_of_param, param_slot
+from infinity.optim.stepper import ChunkStepper, MomentState
 
-MomentState = tuple[int, torch.Tensor, torch.Tensor]  # step, exp_avg, exp_avg_sq
-
-
-class ChunkStepper(Protocol):
-    """What the optimizer needs of an offloaded model's engine.
-
-    Declared here so the optimizer layer depends on this protocol, not on the
-    runtime that implements it (:class:`infinity.runtime.engine.OffloadEngine`).
-    """
-
-    scaler: LossScaler | None  # fp16 only
-    loss_scaled: bool  # the loss of this backward was multiplied by the scale
-    optimizer: Callable[[], Any] | None  # weak reference to the optimizer holding the model
-
-    def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
-        """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
-        ...
-
-    def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
-        """Copies of the moments of the tensors ``indices`` stepped at least once."""
-        ...
-
-    def check_moments(self, values: dict[int, MomentState | None]) -> None:
-        """Raise (changing nothing) if a state does not fit its tensor."""
-
-    def write_moments(self, values: dict[int, MomentState | None]) -> None:
-        """Set moments and step counts by tensor index (``None``: never stepped)."""
-
-
-def engine_of_param(param: torch.Tensor) -> ChunkStepper | None:
-    """The engine holding ``param``, or ``None`` for an ordinary tensor."""
-    ref = getattr(param, "_infinity_engine", None)
-    return ref() if ref is not None else None
+__all__ = ["ChunkStepper", "MomentState", "engine_of_param"]
 
 
 def offloaded_hyper(
@@ -59,12 +29,12 @@ def offloaded_hyper(
     for group in param_groups:
         hyper = None
         for p in group["params"]:
-            engine = engine_of_param(p)
-            if engine is None:
+            slot = param_slot(p)
+            if slot is None:
                 continue
             if hyper is None:
                 hyper = AdamHyperParams.from_group(group)
-            out.setdefault(engine, {})[p._infinity_index] = hyper
+            out.setdefault(slot.engine, {})[slot.tensor_index] = hyper
     return out
 
 
@@ -97,15 +67,14 @@ def add_offloaded_state(param_groups: list[dict[str, Any]], state_dict: dict[str
     index_of: dict[ChunkStepper, dict[int, int]] = {}
     for group, saved in zip(param_groups, state_dict["param_groups"], strict=True):
         for p, key in zip(group["params"], saved["params"], strict=True):
-            engine = engine_of_param(p)
-            if engine is not None:
-                index_of.setdefault(engine, {})[p._infinity_index] = key
+            slot = param_slot(p)
+            if slot is not None:
+                index_of.setdefault(slot.engine, {})[slot.tensor_index] = key
     for engine, keys in index_of.items():
-        for index, (step, exp_avg, exp_avg_sq) in engine.read_moments(keys):
+        for index, (step, states) in engine.read_moments(keys):
             state_dict["state"][keys[index]] = {
                 "step": torch.tensor(float(step), dtype=torch.float32),
-                "exp_avg": exp_avg,
-                "exp_avg_sq": exp_avg_sq,
+                **states,
             }
 
 
@@ -125,13 +94,14 @@ def take_offloaded_state(
         if len(group["params"]) != len(saved["params"]):
             return {}
         for p, key in zip(group["params"], saved["params"], strict=True):
-            engine = engine_of_param(p)
-            if engine is None:
+            slot = param_slot(p)
+            if slot is None:
                 continue
             value = state.pop(key, None)
             if value is not None:
-                value = (int(value["step"]), value["exp_avg"], value["exp_avg_sq"])
-            taken.setdefault(engine, {})[p._infinity_index] = value
+                slots = slot.engine.chunk_optimizer.state_slots
+                value = (int(value["step"]), {name: value[name] for name in slots})
+            taken.setdefault(slot.engine, {})[slot.tensor_index] = value
     for engine, values in taken.items():
         engine.check_moments(values)
     return taken

@@ -16,6 +16,7 @@ from infinity.chunks.chunk_size import (
 from infinity.chunks.layout import ChunkLayout, TensorInfo, build_layout
 from infinity.config import AUTO, Config
 from infinity.io.filesystems import nearest_existing
+from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import Budgets, Plan, PlanError, make_plan
 
@@ -56,6 +57,7 @@ def choose_plan(
     *,
     config: Config,
     budgets: Budgets,
+    optimizer: ChunkOptimizer = ADAM,
 ) -> Plan:
     """Layout plus plan; with ``chunk_size="auto"`` try smaller chunks until the budgets fit.
 
@@ -74,6 +76,7 @@ def choose_plan(
             working_sets=working_sets_of(layout),
             prefetch_depth=config.prefetch_depth,
             consume_grads=config.overlap_optimizer is True,
+            optimizer=optimizer,
         )
 
     if config.chunk_size != AUTO:
@@ -100,11 +103,17 @@ def choose_plan(
     raise last_error
 
 
-def plan_for(registry: ParamRegistry, config: Config, device: torch.device) -> Plan:
+def plan_for(
+    registry: ParamRegistry,
+    config: Config,
+    device: torch.device,
+    optimizer: ChunkOptimizer = ADAM,
+) -> Plan:
     """The plan for a model's parameter registry under ``config`` (nothing is allocated)."""
     return choose_plan(
         registry.tensor_infos(),
         registry.working_sets,
         config=config,
         budgets=resolve_budgets(config, device),
+        optimizer=optimizer,
     )

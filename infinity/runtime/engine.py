@@ -23,6 +23,7 @@ from infinity.chunks.states import StateCounters, TensorState
 from infinity.config import Config
 from infinity.core.names import Phase
 from infinity.devices.factory import make_backend
+from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.optim.loss_scale import LossScaler
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.errors import ModelChangedError
@@ -59,7 +60,9 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
         prepare_nvme(config)
-        self.plan = plan_for(self.registry, config, self.device)
+        # The per-element optimizer the chunks are laid out for (CPUAdam's Adam).
+        self.chunk_optimizer: ChunkOptimizer[Any] = ADAM
+        self.plan = plan_for(self.registry, config, self.device, self.chunk_optimizer)
         self.layout: ChunkLayout = self.plan.layout
         self.swap = open_swap(config, self.plan.nvme_bytes)
         # Frees the threads and the swap file when the model is collected (or at

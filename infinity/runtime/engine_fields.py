@@ -21,6 +21,7 @@ from infinity.chunks.manager import ChunkManager
 from infinity.chunks.states import StateCounters, TensorState
 from infinity.core.names import Phase
 from infinity.core.plan import Plan
+from infinity.optim.chunk_optimizer import ChunkOptimizer
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
 from infinity.runtime.offloaded_step import ChunkWork
@@ -48,6 +49,7 @@ class EngineFields:
     step_timer: StepTimer
     overlap: bool  # Config(overlap_optimizer=True): step chunks during backward
     optimizer: Callable[[], Any] | None  # weak reference to the CPUAdam holding the model
+    chunk_optimizer: ChunkOptimizer[Any]  # the per-element optimizer of the chunks
     stepped_early: set[int]
     early_queue: list[ChunkWork]
     early_chunk_steps: int

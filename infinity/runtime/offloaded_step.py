@@ -1,10 +1,11 @@
 """The optimizer step over chunks: stream optimizer-state units through the host.
 
 For every trainable chunk with gradients: bring its gradient, its optimizer
-unit (fp32 master + moments) and its parameter chunk to host memory (straight
-from their homes, or staged from NVMe), run the fused CPU-Adam kernel over
-each *run* of tensors that share hyper-parameters and step count, write back
-what changed, and drop the now-stale device copy of the parameters.
+unit (fp32 master + state slots) and its parameter chunk to host memory
+(straight from their homes, or staged from NVMe), run the engine's
+``chunk_optimizer`` (the fused CPU-Adam kernel) over each *run* of tensors
+that share hyper-parameters and step count, write back what changed, and
+drop the now-stale device copy of the parameters.
 
 Tensors without a gradient are skipped exactly as ``torch.optim`` skips
 ``grad is None``: no moment update, no weight decay, no step count.
@@ -21,7 +22,7 @@ import torch
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
 from infinity.core.names import Phase
-from infinity.optim import kernels
+from infinity.optim.chunk_optimizer import StepViews
 from infinity.optim.hyper import AdamHyperParams
 
 
@@ -91,26 +92,19 @@ def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: f
         state = typed(optim_bytes, torch.float32)
         grads = typed(grad_bytes, engine.dtype)
         params = typed(param_bytes, engine.dtype)
-        parts = 3 if has_master else 2
-        views = [state[k * capacity : (k + 1) * capacity] for k in range(parts)]
-        master = views[0] if has_master else params
-        exp_avg, exp_avg_sq = views[-2], views[-1]
+        optimizer = engine.chunk_optimizer
+        unit = optimizer.unit_views(state, capacity, has_master)
+        master = unit.master if unit.master is not None else params
         if has_master and covered:
             # NOTE: the parameter chunk was not read (every tensor is rewritten
             # from its master): give the tail the zeros it had, not stale bytes.
             params[runs[-1].end : capacity].zero_()
         for run in runs:
             span = slice(run.start, run.end)
-            kernels.adam_step(
-                master[span],
-                grads[span],
-                exp_avg[span],
-                exp_avg_sq[span],
-                step=run.step,
-                grad_scale=grad_scale,
-                out16=params[span] if has_master else None,
-                **run.hyper.kernel_kwargs(),
+            views = StepViews(
+                master[span], grads[span], unit.span(span), params[span] if has_master else None
             )
+            optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
     finally:
         # NOTE: write-backs finish in the background (keep=True): the slot is
         # reused only once its write has landed, so chunk i-1 is written while

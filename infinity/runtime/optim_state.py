@@ -1,4 +1,5 @@
-"""Adam moments and step counts of offloaded parameters, as torch's optimizer state.
+"""Optimizer states (Adam: the moments) and step counts of offloaded parameters,
+as torch's optimizer state.
 
 ``CPUAdam.state_dict()`` / ``load_state_dict()`` use this so that loops which
 save and restore the optimizer themselves (``transformers.Trainer``
@@ -19,36 +20,28 @@ from infinity.chunks.manager import typed
 from infinity.optim.offloaded import MomentState
 
 
-def _moment_views(engine, chunk: int, region: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flat exp_avg and exp_avg_sq of a chunk's optimizer unit (master first, if any)."""
+def _slot_views(engine, chunk: int, region: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The flat state slots of a chunk's optimizer unit, by name (Adam: exp_avg, exp_avg_sq)."""
     capacity = engine.layout.chunks[chunk].capacity
-    state = typed(region, torch.float32)
-    parts = 3 if engine.plan.has_master else 2
-    return (
-        state[(parts - 2) * capacity : (parts - 1) * capacity],
-        state[(parts - 1) * capacity : parts * capacity],
+    unit = engine.chunk_optimizer.unit_views(
+        typed(region, torch.float32), capacity, engine.plan.has_master
     )
+    return unit.state
 
 
 def read_moments(engine, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
-    """``(index, (step, exp_avg, exp_avg_sq))`` copies for tensors stepped at least once."""
+    """``(index, (step, {slot: state}))`` copies for tensors stepped at least once."""
     engine.settle_step()
     stepped = [i for i in indices if engine.tensor_steps[i] > 0]
     for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk), writable=False)
         try:
-            exp_avg, exp_avg_sq = _moment_views(engine, chunk, region)
+            views = _slot_views(engine, chunk, region)
             for i in group:
                 slot = engine.layout.slots[i]
                 span = slice(slot.offset, slot.offset + slot.numel)
-                yield (
-                    i,
-                    (
-                        engine.tensor_steps[i],
-                        exp_avg[span].view(slot.shape).clone(),
-                        exp_avg_sq[span].view(slot.shape).clone(),
-                    ),
-                )
+                states = {k: v[span].view(slot.shape).clone() for k, v in views.items()}
+                yield i, (engine.tensor_steps[i], states)
         finally:
             engine.manager.close_host(copy, modified=False)
 
@@ -58,12 +51,13 @@ def check_moments(engine, values: dict[int, MomentState | None]) -> None:
     for i, value in values.items():
         if value is None:
             continue
-        step, exp_avg, exp_avg_sq = value
+        step, states = value
         entry = engine.registry.entries[i]
         if not entry.trainable:
             raise ValueError(f"optimizer state for {entry.name}, which is frozen (no moments)")
         shape = engine.layout.slots[i].shape
-        for key, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        for key in engine.chunk_optimizer.state_slots:
+            moment = states[key]
             if tuple(moment.shape) != tuple(shape):
                 raise ValueError(
                     f"optimizer state {key} of {entry.name} has shape {tuple(moment.shape)}, the "
@@ -80,19 +74,19 @@ def write_moments(engine, values: dict[int, MomentState | None]) -> None:
     for chunk, group in engine.layout.group_by_chunk(values, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk))
         try:
-            exp_avg, exp_avg_sq = _moment_views(engine, chunk, region)
+            views = _slot_views(engine, chunk, region)
             for i in group:
                 slot = engine.layout.slots[i]
                 span = slice(slot.offset, slot.offset + slot.numel)
                 value = values[i]
                 if value is None:
-                    exp_avg[span].zero_()
-                    exp_avg_sq[span].zero_()
+                    for view in views.values():
+                        view[span].zero_()
                     engine.tensor_steps[i] = 0
                     continue
-                step, m, v = value
-                exp_avg[span].copy_(m.reshape(-1))
-                exp_avg_sq[span].copy_(v.reshape(-1))
+                step, states = value
+                for key, view in views.items():
+                    view[span].copy_(states[key].reshape(-1))
                 engine.tensor_steps[i] = step
         finally:
             engine.manager.close_host(copy, modified=True)

@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterable, Sequence
 from infinity.chunks.layout import ChunkLayout
 from infinity.core.names import HOST, NVME, Tier
 from infinity.core.plan import FP32_BYTES, Budgets, Plan, PlanError
+from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.utils.sizes import format_size
 
 # Host staging slots: optimizer pipeline = read i+1, compute i, write back i-1.
@@ -96,8 +97,11 @@ def make_plan(
     working_sets: Sequence[frozenset[int]],
     prefetch_depth: int,
     consume_grads: bool = False,
+    optimizer: ChunkOptimizer = ADAM,
 ) -> Plan:
     """Place every chunk's kinds on host or NVMe and size the slot pools.
+
+    An optimizer unit holds ``optimizer.unit_parts(has_master)`` fp32 parts.
 
     Raises :class:`PlanError` (before anything is allocated) when a budget is
     too small, naming the bytes each tier would need.
@@ -105,7 +109,7 @@ def make_plan(
     chunks = layout.chunks
     n = len(chunks)
     pbytes = [c.capacity * element_size for c in chunks]
-    obytes = [c.capacity * FP32_BYTES * (3 if has_master else 2) for c in chunks]
+    obytes = [c.capacity * FP32_BYTES * optimizer.unit_parts(has_master) for c in chunks]
 
     # Device: the minimum working set, then as many more slots as fit.
     device = min_device_slots(layout, element_size, working_sets)
@@ -201,6 +205,7 @@ def make_plan(
         layout=layout,
         element_size=element_size,
         has_master=has_master,
+        state_slots=optimizer.state_slots,
         param_home=tuple(param_home),
         grad_home=tuple(grad_home),
         optim_home=tuple(optim_home),

@@ -21,6 +21,7 @@ from engine_helpers import (
 import infinity
 from infinity.chunks.homes import HomeStore, Kind
 from infinity.chunks.manager import ChunkManager
+from infinity.offload import engine_of
 from infinity.runtime.stepping import OptimizerSteps
 from infinity.schedule.planner import NVME
 
@@ -29,7 +30,7 @@ TOL = 1e-5  # fp32, same as the other NVMe tests against torch
 
 
 def _nvme_grad_bytes(model) -> int:
-    plan = model._infinity_engine.plan
+    plan = engine_of(model).plan
     n = plan.layout.num_chunks
     return sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] == NVME)
 
@@ -66,7 +67,7 @@ def test_a_gradient_evicted_before_its_step_is_written_and_read_back(tmp_path, m
     model, opt, ref, ref_opt = nvme_pair(tmp_path, host_factor=2.0, overlap_optimizer=True)
     # A slow disk: optimizer reads land long after backward has flushed more
     # gradient chunks than there are staging slots, so some must be evicted.
-    model._infinity_engine.swap.engine.inject_delay(30_000)
+    engine_of(model).swap.engine.inject_delay(30_000)
     err = train_pair_error(model, opt, ref, ref_opt, 3)
     assert evicted, "no gradient was evicted before its step: the case was not exercised"
     assert err < TOL, f"global relative error {err:.2e}"
@@ -84,7 +85,7 @@ def test_a_slow_disk_makes_backward_wait_rather_than_spill_gradients(tmp_path, m
     model, opt, ref, ref_opt = nvme_pair(tmp_path, host_factor=2.0, overlap_optimizer=True)
     # The same slow disk as above: now the oldest queued update waits for its
     # reads instead of a gradient going to disk and coming back.
-    model._infinity_engine.swap.engine.inject_delay(30_000)
+    engine_of(model).swap.engine.inject_delay(30_000)
     err = train_pair_error(model, opt, ref, ref_opt, 3)
     assert err < TOL, f"global relative error {err:.2e}"
     assert written, "nothing was written: the NVMe tier was not exercised"
@@ -129,13 +130,13 @@ def test_a_slow_disk_reads_each_optimizer_unit_once_per_step(tmp_path, monkeypat
     monkeypatch.setattr(HomeStore, "read", spy)
     # Every state on NVMe, two optimizer staging slots for 13 units.
     model, opt, ref, ref_opt = nvme_pair(tmp_path, host_factor=1.0, overlap_optimizer=True)
-    plan = model._infinity_engine.plan
+    plan = engine_of(model).plan
     units = sum(home == NVME for home in plan.optim_home)
     assert units > sum(plan.host_staging["optim"].values())  # more units than slots
     # Reads land slowly, so updates queue up beyond the staging slots: reading
     # for a later update must neither evict a unit an older one still needs
     # nor take the slot an older one waits for (83 reads here before it did not).
-    model._infinity_engine.swap.engine.inject_delay(20_000)
+    engine_of(model).swap.engine.inject_delay(20_000)
     steps = 3
     err = train_pair_error(model, opt, ref, ref_opt, steps)
     assert err < TOL, f"global relative error {err:.2e}"

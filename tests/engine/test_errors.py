@@ -9,6 +9,7 @@ import torch
 from engine_helpers import batches, config, param_bytes, tiny_gpt
 
 import infinity
+from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 
 
@@ -172,7 +173,7 @@ def _on_nvme(tmp_path):
 def test_no_swap_files_remain_after_close(tmp_path):
     model = _on_nvme(tmp_path)
     assert any(tmp_path.iterdir())
-    model._infinity_engine.close()
+    engine_of(model).close()
     assert not any(os.scandir(tmp_path))
 
 
@@ -182,7 +183,7 @@ def test_disk_error_mid_training_is_a_clear_error_and_cleanup_still_works(tmp_pa
     from infinity.io import NVMeIOError
 
     model = _on_nvme(tmp_path)
-    engine = model._infinity_engine
+    engine = engine_of(model)
     opt = CPUAdam(model.parameters(), lr=1e-3)
     x, y = batches(1)[0]
     model(x, y).backward()

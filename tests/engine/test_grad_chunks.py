@@ -18,6 +18,7 @@ import infinity
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
 from infinity.devices.cpu import CpuBackend
+from infinity.offload import engine_of
 
 
 @pytest.fixture
@@ -74,7 +75,7 @@ def test_gradient_chunks_hold_reference_gradients_and_zeros(poisoned_device, tmp
         if step + 1 < steps:
             ref_opt.step()
             opt.step()
-    engine = model._infinity_engine
+    engine = engine_of(model)
     checked = 0
     for chunk in range(engine.layout.num_chunks):
         if not engine.manager.grad_valid[chunk]:

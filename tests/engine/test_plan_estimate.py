@@ -11,6 +11,7 @@ import pytest
 from engine_helpers import batches, config, param_bytes, tiny_gpt, train
 
 import infinity
+from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.schedule.planner import NVME
 
@@ -27,7 +28,7 @@ def _run(tmp_path, *, host_factor: float | None, overlap: bool) -> tuple[dict, d
         cfg.update(host_memory=int(pbytes * host_factor), nvme_path=str(tmp_path))
     model = infinity.offload(model, config(**cfg))
     train(model, CPUAdam(model.parameters(), lr=1e-3), batches(STEPS))
-    engine = model._infinity_engine
+    engine = engine_of(model)
     engine.synchronize()
     measured = infinity.stats(model)["last_step"]
     estimate = engine.plan.traffic

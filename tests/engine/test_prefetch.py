@@ -10,6 +10,7 @@ from engine_helpers import batches, config, param_bytes, reference_pair, tiny_gp
 
 import infinity
 from infinity.chunks.homes import Kind
+from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 
 
@@ -27,7 +28,7 @@ def _run(tmp_path, *, depth, dtype="bf16", nvme=True, delay_us=0, copy_delay=0.0
             **kw,
         ),
     )
-    engine = model._infinity_engine
+    engine = engine_of(model)
     if delay_us:
         engine.swap.engine.inject_delay(delay_us)
     engine.backend.copy_delay_s = copy_delay
@@ -85,7 +86,7 @@ def test_eviction_stress_random_orders_tiny_budget(tmp_path):
     model = infinity.offload(
         model, config(device_memory=budget, chunk_size="12KiB", prefetch_depth=2)
     )
-    engine = model._infinity_engine
+    engine = engine_of(model)
     opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
     rng = random.Random(0)
     g = torch.Generator().manual_seed(1)
@@ -114,7 +115,7 @@ def test_belady_is_used_once_a_trace_exists(tmp_path):
         config(device_memory=param_bytes(tiny_gpt(), 4) // 2, chunk_size="8KiB", prefetch_depth=2),
     )
     opt = CPUAdam(model.parameters(), lr=1e-3)
-    engine = model._infinity_engine
+    engine = engine_of(model)
     train(model, opt, batches(3))
     assert engine.trace.trace is not None and engine.trace.retraces == 0
     assert engine.policy.active  # following the trace
@@ -139,7 +140,7 @@ def _overlap_run(tmp_path, overlap, *, clip=False, accumulate=False):
     opt = CPUAdam(model.parameters(), lr=3e-3, weight_decay=0.1)
     before = (lambda _s: opt.clip_grad_norm_(1.0)) if clip else None
     losses = train(model, opt, batches(4, seed=4), accum=2 if accumulate else 1, before_step=before)
-    return losses, model.state_dict(), model._infinity_engine
+    return losses, model.state_dict(), engine_of(model)
 
 
 def test_overlapped_optimizer_step_is_bitwise_equal(tmp_path):
@@ -167,7 +168,7 @@ def test_evaluation_passes_leave_the_training_trace_alone():
         config(device_memory=param_bytes(tiny_gpt(), 4) // 2, chunk_size="8KiB", prefetch_depth=2),
     )
     opt = CPUAdam(model.parameters(), lr=1e-3)
-    engine = model._infinity_engine
+    engine = engine_of(model)
     data = batches(4)
     train(model, opt, data[:2])
     trace = engine.trace.trace
@@ -182,7 +183,7 @@ def test_evaluation_passes_leave_the_training_trace_alone():
 def test_a_view_kept_across_the_step_keeps_its_slot_and_old_values():
     model = infinity.offload(tiny_gpt(), config(device_memory="1MiB", chunk_size="8KiB"))
     opt = CPUAdam(model.parameters(), lr=1e-2)
-    engine = model._infinity_engine
+    engine = engine_of(model)
     x, y = batches(1)[0]
     model(x, y).backward()
     held = engine.manager.param_alias(0)  # e.g. a user kept a weight view from forward

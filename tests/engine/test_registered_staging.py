@@ -7,6 +7,7 @@ from engine_helpers import nvme_pair, train_pair_error
 
 import infinity
 from infinity.io import IOEngine, available_backends
+from infinity.offload import engine_of
 
 
 def _offloaded(tmp_path, backend: str):
@@ -20,7 +21,7 @@ def test_nvme_transfers_go_through_registered_staging_and_match_torch(tmp_path):
     stats = infinity.stats(model)
     assert stats["nvme_registered_buffers"] is True
     assert "nvme_registration_error" not in stats
-    assert model._infinity_engine.swap.engine.fixed_transfers > 0
+    assert engine_of(model).swap.engine.fixed_transfers > 0
 
 
 def test_a_refused_registration_is_reported_and_changes_nothing_else(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import torch
 from engine_helpers import batches, global_rel_error, gpt_loss, nvme_pair
 
 import infinity
+from infinity.offload import engine_of
 
 TOL = 1e-5
 
@@ -28,7 +29,7 @@ def _step_both(model, opt, ref, ref_opt, batch) -> None:
 
 def test_step_leaves_nvme_updates_queued_and_the_forward_runs_them(tmp_path):
     model, opt, ref, ref_opt = _pair(tmp_path)
-    engine = model._infinity_engine
+    engine = engine_of(model)
     data = batches(3)
     for batch in data:
         _step_both(model, opt, ref, ref_opt, batch)
@@ -46,7 +47,7 @@ def test_state_dict_right_after_step_has_the_update(tmp_path):
     model, opt, ref, ref_opt = _pair(tmp_path)
     for batch in batches(2):
         _step_both(model, opt, ref, ref_opt, batch)
-    assert model._infinity_engine.trailing
+    assert engine_of(model).trailing
     err = global_rel_error(model, ref)  # reads model.state_dict() before any forward
     assert err < TOL, f"global relative error {err:.2e}"
 
@@ -87,9 +88,9 @@ def test_checkpoint_saved_right_after_step_resumes_the_reference_curve(tmp_path)
     data = batches(4)
     for batch in data[:2]:
         _step_both(model, opt, ref, ref_opt, batch)
-    assert model._infinity_engine.trailing
+    assert engine_of(model).trailing
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
-    model._infinity_engine.close()
+    engine_of(model).close()
     fresh, fresh_opt, _, _ = _pair(tmp_path / "b")
     infinity.load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
     for batch in data[2:]:
