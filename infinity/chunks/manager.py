@@ -19,6 +19,7 @@ import torch
 from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.cache import Copy, EvictionPolicy, ForecastingPolicy, Pending, TierCache
 from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
+from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
 from infinity.chunks.transfers import ChainedTransfer
@@ -91,19 +92,16 @@ class ChunkManager(GradientFlow):
             )
         self.fixed_buffers = self._register_staging(swap_file)
         n = plan.layout.num_chunks
-        # Gradient homes hold data of the current accumulation cycle only when valid.
-        self.grad_valid = [False] * n
+        # Where each chunk's gradients of the current accumulation cycle are.
+        self.grads = GradStates(n)
         # Device -> host copies still landing in host homes (gradient flushes).
         self.home_fill: dict[Key, Pending] = {}
-        # Element ranges written into each device gradient chunk since its slot was taken.
-        self.grad_written: dict[int, list[tuple[int, int]]] = {}
         self.found_inf = False
         self.check_overflow = False
         # overlap_optimizer=True: NVMe-homed gradients wait in staging for their
         # step and are dropped once used, never written (the promise of that
-        # mode is that nothing reads them after the step). Chunks so dropped:
+        # mode is that nothing reads them after the step): GradState.CONSUMED.
         self.consume_grads = False
-        self.grad_consumed: set[int] = set()
 
     def _register_staging(self, swap_file: SwapFile | None) -> str | None:
         """Register the staging slabs (every NVMe transfer lands in one) with the
