@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 
-from infinity.chunks.states import IllegalTransition
+from infinity.chunks.states import IllegalTransition, check_transition
 
 
 class GradState(enum.IntEnum):
@@ -87,11 +87,9 @@ class GradStates:
     def set(self, chunk: int, new: GradState) -> None:
         """Move ``chunk`` to ``new``; raise :class:`IllegalGradTransition` if not allowed."""
         old = self.states[chunk]
-        if (old, new) not in LEGAL_GRAD_TRANSITIONS:
-            raise IllegalGradTransition(
-                f"gradients of chunk {chunk}: {old.name} -> {new.name} is not a legal "
-                "transition (an internal error of the engine)"
-            )
+        check_transition(
+            LEGAL_GRAD_TRANSITIONS, old, new, "gradients of chunk", chunk, IllegalGradTransition
+        )
         self.states[chunk] = new
 
     # --- the engine's moves ----------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 import builtins
 import enum
 
-from infinity.chunks.states import IllegalTransition
+from infinity.chunks.states import IllegalTransition, check_transition
 
 
 class UpdateState(enum.IntEnum):
@@ -85,11 +85,9 @@ class UpdateStates:
     def set(self, chunk: int, new: UpdateState) -> None:
         """Move ``chunk`` to ``new``; raise :class:`IllegalUpdateTransition` if not allowed."""
         old = self.states[chunk]
-        if (old, new) not in LEGAL_UPDATE_TRANSITIONS:
-            raise IllegalUpdateTransition(
-                f"update of chunk {chunk}: {old.name} -> {new.name} is not a legal "
-                "transition (an internal error of the engine)"
-            )
+        check_transition(
+            LEGAL_UPDATE_TRANSITIONS, old, new, "update of chunk", chunk, IllegalUpdateTransition
+        )
         self.states[chunk] = new
         self.counts[old] -= 1
         self.counts[new] += 1
