@@ -16,6 +16,7 @@ import torch
 
 from infinity.chunks.accounting import Traffic
 from infinity.chunks.cache import Copy, Pending, TierCache
+from infinity.chunks.grad_state import GradState, GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import HOST
@@ -48,13 +49,11 @@ class GradientFlow:
     device: TierCache
     staging: dict[Kind, TierCache]
     moment: int
-    grad_valid: list[bool]
+    grads: GradStates
     home_fill: dict[Key, Pending]
-    grad_written: dict[int, list[tuple[int, int]]]
     found_inf: bool
     check_overflow: bool
     consume_grads: bool
-    grad_consumed: set[int]
 
     if TYPE_CHECKING:
 
@@ -78,11 +77,13 @@ class GradientFlow:
         key = (Kind.GRAD, i)
         copy = self.device.get(key)
         if copy is None:
+            # Adding to gradients a step dropped could only fail at the flush.
+            self.check_grad_kept(key)
             copy = self.device.insert(key, self.nbytes(key), self.moment)
             copy.dirty = True
             # NOTE: not zeroed now: most of a chunk is about to be overwritten by
             # its tensors' gradients, so only the gaps are zeroed, at the flush.
-            self.grad_written[i] = []
+            self.grads.slot_taken(i)
         self.device.touch(key, self.moment)
         return copy
 
@@ -92,12 +93,12 @@ class GradientFlow:
         flat = self._grad_on_device(i).typed(self.dtype)
         end = start + grad.numel()
         flat[start:end].view(grad.shape).copy_(grad)
-        self.grad_written[i].append((start, end))
+        self.grads.written[i].append((start, end))
 
     def _zero_unwritten(self, i: int, grads: torch.Tensor) -> None:
         """Zero what no gradient was written to in device chunk ``i`` (gaps, unused tensors)."""
         cursor = 0
-        for start, end in sorted(self.grad_written.pop(i, [])):
+        for start, end in sorted(self.grads.written[i]):
             if start > cursor:
                 grads[cursor:start].zero_()
             cursor = max(cursor, end)
@@ -125,16 +126,15 @@ class GradientFlow:
         key: Key = (Kind.GRAD, i)
         nbytes = self.nbytes(key)
         self.traffic.d2h_bytes += nbytes
-        if not self.grad_valid[i]:
+        if self.grads[i] is GradState.RECEIVING:
             # First gradients of this accumulation cycle: a plain copy home, left
             # in flight (the device slot is reused only once it has landed).
-            self.grad_valid[i] = True
             if self.homes.tier(key) == HOST:
                 d2h = self.backend.copy_async(self.homes.host(key), copy.tensor)
                 copy.pending.append(d2h)
                 self.home_fill[key] = d2h
+                self.grads.flushed(i)
                 return
-            self.grad_consumed.discard(i)
             home = self._staged(key, load=False)
             assert home is not None
             d2h = self.backend.copy_async(home.tensor, copy.tensor)
@@ -150,6 +150,7 @@ class GradientFlow:
                 staged = home.tensor
                 write = ChainedTransfer(d2h, lambda: self.homes.write(key, staged))
                 home.pending.append(write)
+            self.grads.flushed(i)
             return
         if self.homes.tier(key) == HOST:
             self._wait_home(key)
@@ -166,7 +167,7 @@ class GradientFlow:
                 home.pins -= 1
             home.pending.append(self.homes.write(key, home.tensor))
             home.dirty = False  # the sum is on its way home
-        self.grad_valid[i] = True
+        self.grads.flushed(i)
 
     def _write_back_staging(self, copy: Copy) -> None:
         """Evicting a staging copy that was never written home: write it now."""
@@ -180,18 +181,20 @@ class GradientFlow:
         bytes never went home (``consume_grads``), drop them instead of writing them."""
         if copy is None or not copy.dirty or copy.pins:
             return
+        i = chunk_key(copy)[1]
+        if self.grads[i] is not GradState.FLUSHED:
+            # NOTE: ADDING: more gradients of the chunk are on the device (a
+            # tensor used again after the early step); their flush adds to
+            # these bytes, so they are kept and written home as usual.
+            return
         copy.dirty = False
-        self.grad_consumed.add(chunk_key(copy)[1])
+        self.grads.consumed(i)
         self.staging[Kind.GRAD].remove(copy.key)
-
-    def grads_dropped(self, i: int) -> bool:
-        """Chunk ``i`` has gradients this cycle, but a step consumed and dropped them."""
-        return self.grad_valid[i] and i in self.grad_consumed
 
     def check_grad_kept(self, key: Key) -> None:
         """Raise if ``key`` is a gradient chunk whose gradients a step consumed."""
         kind, i = key
-        if kind is Kind.GRAD and self.grads_dropped(i):
+        if kind is Kind.GRAD and self.grads.dropped(i):
             raise RuntimeError(
                 f"the gradients of chunk {i} were used by the overlapped optimizer step and are "
                 "not kept (Config(overlap_optimizer=True) drops them instead of writing them to "
@@ -226,6 +229,5 @@ class GradientFlow:
 
     def invalidate_grads(self) -> None:
         """Gradients were zeroed: the next flush overwrites instead of adding."""
-        self.grad_valid = [False] * len(self.grad_valid)
-        self.grad_consumed.clear()
+        self.grads.zero_all()
         self.found_inf = False

@@ -19,9 +19,11 @@ import torch
 from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.cache import Copy, EvictionPolicy, ForecastingPolicy, Pending, TierCache
 from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
+from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
 from infinity.chunks.transfers import ChainedTransfer
+from infinity.chunks.update_state import UpdateStates
 from infinity.core.names import HOST
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
@@ -91,19 +93,19 @@ class ChunkManager(GradientFlow):
             )
         self.fixed_buffers = self._register_staging(swap_file)
         n = plan.layout.num_chunks
-        # Gradient homes hold data of the current accumulation cycle only when valid.
-        self.grad_valid = [False] * n
+        # Where each chunk's gradients of the current accumulation cycle are.
+        self.grads = GradStates(n)
         # Device -> host copies still landing in host homes (gradient flushes).
         self.home_fill: dict[Key, Pending] = {}
-        # Element ranges written into each device gradient chunk since its slot was taken.
-        self.grad_written: dict[int, list[tuple[int, int]]] = {}
         self.found_inf = False
         self.check_overflow = False
         # overlap_optimizer=True: NVMe-homed gradients wait in staging for their
         # step and are dropped once used, never written (the promise of that
-        # mode is that nothing reads them after the step). Chunks so dropped:
+        # mode is that nothing reads them after the step): GradState.CONSUMED.
         self.consume_grads = False
-        self.grad_consumed: set[int] = set()
+        # Where each chunk's optimizer update is: moved by the engine's update
+        # pipeline only; checked here, on every read of parameter bytes.
+        self.updates = UpdateStates(n)
 
     def _register_staging(self, swap_file: SwapFile | None) -> str | None:
         """Register the staging slabs (every NVMe transfer lands in one) with the
@@ -224,6 +226,7 @@ class ChunkManager(GradientFlow):
         ``i`` is evicted (per the eviction policy's next-use estimate); then
         ``None`` means "not now".
         """
+        self.updates.check_readable(i)
         key = (Kind.PARAM, i)
         copy = self.device.get(key)
         if copy is not None:
@@ -305,7 +308,15 @@ class ChunkManager(GradientFlow):
         A host-homed key gives its home; an NVMe-homed one a pinned staging
         copy (read first if ``load``). Its data has landed; with ``writable``
         every transfer still reading the buffer has finished as well.
+
+        NOTE: parameter and optimizer bytes of a chunk whose update trails the
+        step raise :class:`~infinity.chunks.update_state.StaleRead`. A chunk
+        queued during backward (overlap_optimizer) passes: reading state
+        between backward and ``optimizer.step()`` shows each chunk as its
+        update left it, updated or not yet.
         """
+        if key[0] is not Kind.GRAD:
+            self.updates.check_readable(key[1], early=False)
         if self.homes.tier(key) == HOST:
             self._wait_home(key)
             return self.homes.host(key), None

@@ -8,6 +8,7 @@ they cannot go stale.
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 
 class TensorState(enum.IntEnum):
@@ -45,7 +46,27 @@ LEGAL_TRANSITIONS: frozenset[tuple[TensorState, TensorState]] = frozenset(
 
 
 class IllegalTransition(RuntimeError):
-    """A tensor was moved between states in an order the engine does not allow."""
+    """A tensor (or a chunk's gradients or update, see ``grad_state`` and
+    ``update_state``) was moved between states in an order the engine does not allow."""
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def check_transition(
+    legal: frozenset[tuple[E, E]],
+    old: E,
+    new: E,
+    what: str,
+    index: int,
+    error: type[IllegalTransition] = IllegalTransition,
+) -> None:
+    """Raise ``error`` naming ``what index``, ``old`` and ``new`` unless the move is ``legal``."""
+    if (old, new) not in legal:
+        raise error(
+            f"{what} {index}: {old.name} -> {new.name} is not a legal transition "
+            "(an internal error of the engine)"
+        )
 
 
 class StateCounters:
@@ -65,10 +86,7 @@ class StateCounters:
     def set(self, i: int, new: TensorState) -> None:
         """Move tensor ``i`` to ``new``; raise :class:`IllegalTransition` if not allowed."""
         old = self.states[i]
-        if (old, new) not in LEGAL_TRANSITIONS:
-            raise IllegalTransition(
-                f"tensor {i}: {old.name} -> {new.name} is not a legal transition"
-            )
+        check_transition(LEGAL_TRANSITIONS, old, new, "tensor", i)
         self.states[i] = new
         self.counts[old] -= 1
         self.counts[new] += 1

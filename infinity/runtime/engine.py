@@ -113,13 +113,12 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         self.overlap = config.overlap_optimizer is True
         self.manager.consume_grads = self.overlap
         self.optimizer = None  # weakref to the CPUAdam holding this model's parameters
-        self.stepped_early: set[int] = set()  # chunks updated (or queued) during backward
+        # Chunks updated or queued during backward: UpdateState (manager.updates).
         self.early_queue = []
         self._early_hyper = None
         self.early_chunk_steps = 0
         # Updates queued by optimizer.step() that run when their chunk is next needed.
         self.trailing = deque()
-        self.trailing_chunks: set[int] = set()
         self.trailing_scale = 1.0
         self.trailing_chunk_steps = 0  # updates that ran after optimizer.step() returned
         self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
@@ -159,7 +158,9 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         if self.trailing:
             self.poll_trailing(needed=chunk)
         if self.early_queue:
-            self.poll_early()
+            # NOTE: a gradient arriving needs no parameter bytes; every other
+            # access reads them, so the chunk's queued update runs first.
+            self.poll_early(needed=None if phase == Phase.GRAD else chunk)
 
     def prefetch(self) -> None:
         """Start fetching the chunks the trace says come next (never blocks)."""
@@ -169,7 +170,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         for chunk in self.prefetcher.plan(
             self.manager.moment, lambda c: (Kind.PARAM, c) in resident
         ):
-            if self.is_trailing(chunk):
+            if self.manager.updates.queued(chunk):
                 break  # its update has not run: the home still holds old values
             if self.manager.fetch_param(chunk, prefetch=True) is None:
                 break  # no room without evicting something needed sooner

@@ -50,11 +50,9 @@ class EngineFields:
     overlap: bool  # Config(overlap_optimizer=True): step chunks during backward
     optimizer: Callable[[], Any] | None  # weak reference to the CPUAdam holding the model
     chunk_optimizer: ChunkOptimizer[Any]  # the per-element optimizer of the chunks
-    stepped_early: set[int]
     early_queue: list[ChunkWork]
     early_chunk_steps: int
     trailing: deque[ChunkWork]
-    trailing_chunks: set[int]
     trailing_scale: float
     trailing_chunk_steps: int
     grad_factors: list[float]  # per tensor: the pending clip factor

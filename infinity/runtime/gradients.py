@@ -101,7 +101,7 @@ class GradientEvents(EngineFields):
             self.reset_grad_factors(e.index for es in zeroed_chunks.values() for e in es)
         for chunk, entries in zeroed_chunks.items():
             if not any(self.has_grad[e.index] for e in self.chunk_members[chunk]):
-                self.manager.grad_valid[chunk] = False
+                self.manager.grads.zeroed(chunk)
             else:
                 self._zero_grad_ranges(chunk, entries)
         if zeroed_chunks and not any(self.has_grad):
@@ -118,7 +118,7 @@ class GradientEvents(EngineFields):
 
     def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:
         """Zero some tensors' gradients inside a chunk whose other gradients stay."""
-        if not self.manager.grad_valid[chunk] or self.manager.grads_dropped(chunk):
+        if not self.manager.grads.home_valid(chunk):
             return  # nothing kept to zero (a later read or addition raises)
         region, copy = self.manager.open_host((Kind.GRAD, chunk))
         for entry in entries:

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from infinity.chunks.homes import Kind
+from infinity.chunks.update_state import UpdateState
 from infinity.core.names import HOST, Phase
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.offloaded import MomentState, offloaded_hyper
@@ -31,6 +32,8 @@ from infinity.runtime.offloaded_step import (
     prefetch_chunk,
     run_works,
 )
+
+_U = UpdateState
 
 # Trailing updates whose reads are in flight at once (the optimizer staging
 # slots of the planner hold one more, the unit being updated).
@@ -70,9 +73,12 @@ class OptimizerSteps(EngineFields):
                 return False
         grad_scale *= self.step_grad_factor(hyper_by_index.keys())
         # overlap_optimizer: chunks queued during backward whose reads had not landed.
-        works = self.early_queue + plan_works(self, hyper_by_index, skip=self.stepped_early)
+        updates = self.manager.updates
+        stepped = updates.chunks_in(_U.STEPPED)
+        works = self.early_queue + plan_works(self, hyper_by_index, skip=stepped | self._early())
         self.early_queue = []
-        self.stepped_early = set()
+        for chunk in stepped:
+            updates.set(chunk, _U.IDLE)
         self._early_hyper = None
         self.step_count += 1
         self._start_trailing(works, grad_scale)
@@ -98,7 +104,7 @@ class OptimizerSteps(EngineFields):
         if self._early_hyper is None:
             self._early_hyper = offloaded_hyper(optimizer.param_groups).get(self, {})
         work = plan_chunk(self, chunk, self._early_hyper)
-        self.stepped_early.add(chunk)
+        self.manager.updates.set(chunk, _U.STEPPED if work is None else _U.EARLY)
         if work is not None:
             # NOTE: its reads start in poll_early, in queue order: prefetched
             # here, it could take the slot an older starved update waits for.
@@ -108,24 +114,37 @@ class OptimizerSteps(EngineFields):
                 # NOTE: each queued update holds its gradients in a host staging
                 # slot; one more would evict them to disk and read them back.
                 # Waiting for the oldest update's reads costs less I/O than that.
-                work = self.early_queue.pop(0)
-                finish_chunk(self, work, grad_scale=1.0)
-                self.early_chunk_steps += 1
+                self._run_early(self.early_queue.pop(0))
 
-    def poll_early(self) -> None:
-        """Run queued early updates whose data is in host memory (never waits on I/O)."""
+    def poll_early(self, needed: int | None = None) -> None:
+        """Run queued early updates whose data is in host memory (never waits on I/O),
+        and (waiting for its reads) the one of chunk ``needed``."""
         pending: list[ChunkWork] = []
         starved = False
         for work in self.early_queue:
             # Retry reads that found no free slot, in queue order: once one finds
             # none, later chunks must not take the next free slots before it.
             starved = starved or not prefetch_chunk(self, work, ahead=pending)
-            if chunk_ready(self, work):
-                finish_chunk(self, work, grad_scale=1.0)
-                self.early_chunk_steps += 1
+            if work.chunk == needed or chunk_ready(self, work):
+                self._run_early(work)
             else:
                 pending.append(work)
         self.early_queue = pending
+
+    def _early(self) -> set[int]:
+        """Chunks whose update was queued during this backward and has not run."""
+        return self.manager.updates.chunks_in(_U.EARLY)
+
+    def _run_early(self, work: ChunkWork) -> None:
+        self._run(work, 1.0, then=_U.STEPPED)
+        self.early_chunk_steps += 1
+
+    def _run(self, work: ChunkWork, grad_scale: float, then: UpdateState) -> None:
+        """Run one queued update; its chunk is readable again afterwards."""
+        updates = self.manager.updates
+        updates.set(work.chunk, _U.RUNNING)
+        finish_chunk(self, work, grad_scale)
+        updates.set(work.chunk, then)
 
     def _staged_grads_queued(self) -> int:
         """Queued early updates whose gradients wait in host staging (NVMe-homed)."""
@@ -150,7 +169,7 @@ class OptimizerSteps(EngineFields):
 
     def check_not_stepped_early(self, what: str) -> None:
         """Raise if chunks were already updated in this backward (overlap_optimizer=True)."""
-        if self.stepped_early:
+        if self.manager.updates.stepped_in_backward:
             raise RuntimeError(
                 f"{what} after a backward whose chunks were already updated "
                 "(Config(overlap_optimizer=True) steps each chunk as soon as its gradients are "
@@ -168,11 +187,17 @@ class OptimizerSteps(EngineFields):
         for work in works:
             on_nvme = any(self.manager.homes.tier(k) != HOST for k in work.keys(has_master))
             (later if on_nvme else now).append(work)
+        updates = self.manager.updates
+        for work in later:
+            updates.set(work.chunk, _U.TRAILING)
+        for work in now:
+            updates.set(work.chunk, _U.RUNNING)
         run_works(self, now, grad_scale)
+        for work in now:
+            updates.set(work.chunk, _U.IDLE)
         first_use = self._first_forward_use()
         later.sort(key=lambda w: first_use.get(w.chunk, len(first_use)))
         self.trailing = deque(later)
-        self.trailing_chunks = {w.chunk for w in later}
         self.trailing_scale = grad_scale
         for position, work in enumerate(later[:TRAIL_LOOKAHEAD]):
             # the reads travel while the caller loads data
@@ -195,12 +220,11 @@ class OptimizerSteps(EngineFields):
             for position, work in enumerate(window):
                 prefetch_chunk(self, work, ahead=window[:position])  # retried at every poll
             work = self.trailing[0]
-            must = settle or (needed is not None and needed in self.trailing_chunks)
+            must = settle or (needed is not None and self.is_trailing(needed))
             if not must and not chunk_ready(self, work):
                 return
             self.trailing.popleft()
-            self.trailing_chunks.discard(work.chunk)
-            finish_chunk(self, work, self.trailing_scale)
+            self._run(work, self.trailing_scale, then=_U.IDLE)
             self.trailing_chunk_steps += 1
 
     def settle_step(self) -> None:
@@ -221,4 +245,4 @@ class OptimizerSteps(EngineFields):
     def is_trailing(self, chunk: int) -> bool:
         """Chunk ``chunk`` has an update queued: its parameters (home and every copy)
         still hold the values from before the step."""
-        return chunk in self.trailing_chunks
+        return self.manager.updates.trailing(chunk)

@@ -78,7 +78,7 @@ def test_gradient_chunks_hold_reference_gradients_and_zeros(poisoned_device, tmp
     engine = engine_of(model)
     checked = 0
     for chunk in range(engine.layout.num_chunks):
-        if not engine.manager.grad_valid[chunk]:
+        if not engine.manager.grads.has_grads(chunk):
             continue  # no gradient reached this chunk: its home is not read
         region, handle = engine.manager.open_host((Kind.GRAD, chunk), writable=False)
         try:
@@ -96,5 +96,5 @@ def test_gradient_chunks_hold_reference_gradients_and_zeros(poisoned_device, tmp
     assert checked >= 3
     # branch b's bias shares a chunk with used tensors: its range was checked as zeros
     b_bias = next(e for e in engine.registry.entries if e.name == "b.bias")
-    assert engine.manager.grad_valid[engine.layout.slots[b_bias.index].chunk]
+    assert engine.manager.grads.has_grads(engine.layout.slots[b_bias.index].chunk)
     engine.close()
