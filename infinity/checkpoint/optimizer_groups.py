@@ -23,16 +23,22 @@ from infinity.runtime.engine import OffloadEngine
 _ABSENT = object()
 
 
+def _param_names(engine: OffloadEngine, group: dict[str, Any], error: type[Exception]) -> list[str]:
+    """The names of a param group's parameters; ``error`` if one is not in this model."""
+    names = []
+    for p in group["params"]:
+        slot = param_slot(p)
+        if slot is None or slot.engine is not engine:
+            raise error("the optimizer holds parameters that are not in this model")
+        names.append(engine.registry.entries[slot.tensor_index].name)
+    return names
+
+
 def optimizer_groups(engine: OffloadEngine, optimizer) -> list[dict[str, Any]]:
     """Each group's JSON-able hyper-parameters and the names of its parameters."""
     groups = []
     for group in optimizer.param_groups:
-        names = []
-        for p in group["params"]:
-            slot = param_slot(p)
-            if slot is None or slot.engine is not engine:
-                raise ValueError("the optimizer holds parameters that are not in this model")
-            names.append(engine.registry.entries[slot.tensor_index].name)
+        names = _param_names(engine, group, ValueError)
         hyper = {
             k: (list(v) if isinstance(v, tuple) else v)
             for k, v in group.items()
@@ -86,12 +92,7 @@ def hyper_updates(
         )
     updates = []
     for g, (entry, group) in enumerate(zip(saved, optimizer.param_groups, strict=True)):
-        names = []
-        for p in group["params"]:
-            slot = param_slot(p)
-            if slot is None or slot.engine is not engine:
-                raise CheckpointError("the optimizer holds parameters that are not in this model")
-            names.append(engine.registry.entries[slot.tensor_index].name)
+        names = _param_names(engine, group, CheckpointError)
         if names != entry.params:
             raise CheckpointError(
                 "optimizer parameter groups hold different parameters than in the checkpoint"
