@@ -212,6 +212,7 @@ def small_plan(
         layout=layout,
         element_size=4,
         has_master=False,
+        state_slots=("exp_avg", "exp_avg_sq"),
         param_home=params,
         grad_home=grads,
         optim_home=grads,

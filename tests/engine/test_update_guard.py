@@ -10,13 +10,14 @@ from engine_helpers import batches, global_rel_error, gpt_loss, nvme_pair
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.update_state import StaleRead, UpdateState
+from infinity.offload import engine_of
 
 TOL = 1e-5
 
 
 def test_a_trailing_chunk_raises_on_a_bypassing_read_and_the_engine_settles_it(tmp_path):
     model, opt, ref, ref_opt = nvme_pair(tmp_path)
-    engine = model._infinity_engine
+    engine = engine_of(model)
     for m, o in ((model, opt), (ref, ref_opt)):
         gpt_loss(m, batches(1)[0]).backward()
         o.step()
