@@ -170,3 +170,22 @@ def train_pair_error(model, opt, ref, ref_opt, steps: int) -> float:
     train(model, opt, data)
     train(ref, ref_opt, data)
     return global_rel_error(model, ref)
+
+
+def resume_equals_uninterrupted(tmp_path, checkpoint, data, start: int) -> nn.Module:
+    """Load ``checkpoint`` (saved after ``data[:start]``) into a fresh NVMe model, train
+    it on ``data[start:]``, and require every tensor of its state bit-identical to a
+    fault-free run over all of ``data``; the resumed model (still open) is returned."""
+    from infinity.offload import engine_of
+
+    resumed, resumed_opt, _r, _o = nvme_pair(tmp_path / "resumed", host_factor=1.0)
+    infinity.load_checkpoint(checkpoint, resumed, resumed_opt)
+    train(resumed, resumed_opt, data[start:])
+    clean, clean_opt, _r, _o = nvme_pair(tmp_path / "clean", host_factor=1.0)
+    train(clean, clean_opt, data)
+    got, want = resumed.state_dict(), clean.state_dict()
+    engine_of(clean).close()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    return resumed

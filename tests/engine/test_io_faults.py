@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from engine_helpers import batches, nvme_pair, train
+from engine_helpers import batches, nvme_pair, resume_equals_uninterrupted, train
 from fault_harness import Case, fired, run
 
 import infinity
@@ -138,19 +138,8 @@ def test_checkpoint_before_the_fault_resumes_exactly(tmp_path) -> None:
     with pytest.raises(infinity.NVMeIOError):
         train(model, opt, data[2:])
     engine_of(model).close()
-
-    resumed, resumed_opt, _r, _o = nvme_pair(tmp_path / "b", host_factor=1.0)
-    infinity.load_checkpoint(tmp_path / "ckpt", resumed, resumed_opt)
-    train(resumed, resumed_opt, data[2:])
-
-    clean, clean_opt, _r, _o = nvme_pair(tmp_path / "c", host_factor=1.0)
-    train(clean, clean_opt, data)
-    got, want = resumed.state_dict(), clean.state_dict()
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
-    for m in (resumed, clean):
-        engine_of(m).close()
+    resumed = resume_equals_uninterrupted(tmp_path, tmp_path / "ckpt", data, start=2)
+    engine_of(resumed).close()
 
 
 def test_close_raises_a_failure_still_in_flight_and_cleans_up(tmp_path) -> None:

@@ -9,7 +9,14 @@ import errno
 
 import pytest
 import torch
-from engine_helpers import batches, global_rel_error, gpt_loss, nvme_pair, train
+from engine_helpers import (
+    batches,
+    global_rel_error,
+    gpt_loss,
+    nvme_pair,
+    resume_equals_uninterrupted,
+    train,
+)
 
 import infinity
 from infinity.offload import engine_of
@@ -44,16 +51,7 @@ def test_io_error_in_the_step_fails_the_engine_and_the_checkpoint_resumes_exactl
             call()
     engine.close()
 
-    resumed, resumed_opt, _r, _o = nvme_pair(tmp_path / "b", host_factor=1.0)
-    infinity.load_checkpoint(tmp_path / "ckpt", resumed, resumed_opt)
-    train(resumed, resumed_opt, data[2:])
-    clean, clean_opt, _r, _o = nvme_pair(tmp_path / "c", host_factor=1.0)
-    train(clean, clean_opt, data)
-    got, want = resumed.state_dict(), clean.state_dict()
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    resumed = resume_equals_uninterrupted(tmp_path, tmp_path / "ckpt", data, start=2)
     train(ref, ref_opt, data)
     assert global_rel_error(resumed, ref) < 1e-5
-    for m in (resumed, clean):
-        engine_of(m).close()
+    engine_of(resumed).close()
