@@ -93,11 +93,13 @@ class Copy:
         failed: a failed read or write is never mistaken for a landed one.
         """
         if self.pending:  # NOTE: the common case (nothing in flight) allocates nothing
-            finished = [p for p in self.pending if p.done()]
-            for p in finished:
-                p.wait()  # NOTE: raises before anything is forgotten
-            if finished:
-                self.pending = [p for p in self.pending if not any(p is f for f in finished)]
+            running = []
+            for p in self.pending:
+                if p.done():
+                    p.wait()  # NOTE: raises before anything is forgotten
+                else:
+                    running.append(p)
+            self.pending = running
         return bool(self.pending)
 
     def wait(self) -> None:
