@@ -1,7 +1,9 @@
 """The gradient side of the chunk manager: device gradient slots and their flush.
 
-A mixin of :class:`~infinity.chunks.manager.ChunkManager` (split out to keep one
-concern per module); it uses the manager's caches, homes, backend and counters.
+A component the :class:`~infinity.chunks.manager.ChunkManager` holds (and
+builds): it owns the gradient lifecycle of every chunk
+(:class:`~infinity.chunks.grad_state.GradStates`) and the fp16 overflow note,
+and uses the device cache and host staging it is given, never the manager.
 Gradients are the only data that flows device -> host: a flush copies a device
 gradient chunk to its home (host, or host staging then NVMe), overwriting at
 the start of an accumulation cycle and adding afterwards.
@@ -9,15 +11,16 @@ the start of an accumulation cycle and adding afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 
 from infinity.chunks.accounting import Traffic
-from infinity.chunks.cache import Copy, Pending, TierCache
+from infinity.chunks.cache import Copy, TierCache
+from infinity.chunks.clock import Clock
 from infinity.chunks.grad_state import GradState, GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
+from infinity.chunks.staging import HostStaging
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import HOST
 from infinity.devices.base import DeviceBackend
@@ -40,36 +43,33 @@ def chunk_key(copy: Copy) -> Key:
 class GradientFlow:
     """Device gradient chunks: taking a slot, writing gradients in, flushing them home."""
 
-    # NOTE: the manager's fields and methods this mixin uses, declared for the
-    # type checker (ChunkManager.__init__ sets them).
-    dtype: torch.dtype
-    backend: DeviceBackend
-    traffic: Traffic
-    homes: HomeStore
-    device: TierCache
-    staging: dict[Kind, TierCache]
-    moment: int
-    grads: GradStates
-    home_fill: dict[Key, Pending]
-    found_inf: bool
-    check_overflow: bool
-    consume_grads: bool
-
-    if TYPE_CHECKING:
-
-        def nbytes(self, key: Key) -> int: ...
-        def _wait_home(self, key: Key) -> None: ...
-        def _staged(
-            self,
-            key: Key,
-            *,
-            load: bool,
-            wait: bool = True,
-            prefetch: bool = False,
-            writable: bool = True,
-            from_device: bool = False,
-            protect: Collection[Key] = (),
-        ) -> Copy | None: ...
+    def __init__(
+        self,
+        num_chunks: int,
+        dtype: torch.dtype,
+        backend: DeviceBackend,
+        homes: HomeStore,
+        device: TierCache,
+        staging: HostStaging,
+        traffic: Traffic,
+        clock: Clock,
+    ) -> None:
+        self.dtype = dtype
+        self.backend = backend
+        self.homes = homes
+        self.device = device
+        self.staging = staging
+        self.traffic = traffic
+        self.clock = clock
+        # Where each chunk's gradients of the current accumulation cycle are.
+        self.grads = GradStates(num_chunks)
+        # fp16: an inf/NaN gradient was seen in this accumulation cycle (the step is skipped).
+        self.found_inf = False
+        self.check_overflow = False
+        # overlap_optimizer=True: NVMe-homed gradients wait in staging for their
+        # step and are dropped once used, never written (the promise of that
+        # mode is that nothing reads them after the step): GradState.CONSUMED.
+        self.consume_grads = False
 
     def _grad_on_device(self, i: int) -> Copy:
         """Gradient chunk ``i`` on the device (a fresh slot if it has none); what
@@ -79,12 +79,12 @@ class GradientFlow:
         if copy is None:
             # Adding to gradients a step dropped could only fail at the flush.
             self.check_grad_kept(key)
-            copy = self.device.insert(key, self.nbytes(key), self.moment)
+            copy = self.device.insert(key, self.homes.nbytes(key), self.clock.now)
             copy.dirty = True
             # NOTE: not zeroed now: most of a chunk is about to be overwritten by
             # its tensors' gradients, so only the gaps are zeroed, at the flush.
             self.grads.slot_taken(i)
-        self.device.touch(key, self.moment)
+        self.device.touch(key, self.clock.now)
         return copy
 
     def write_grad(self, i: int, start: int, grad: torch.Tensor) -> None:
@@ -116,7 +116,8 @@ class GradientFlow:
             if chunk_key(copy)[0] is Kind.GRAD:
                 self.device.evict(copy.key)
 
-    def _write_back_device(self, copy: Copy) -> None:
+    def write_back_device(self, copy: Copy) -> None:
+        """Flush a dirty device gradient copy home (the device cache's write-back)."""
         kind, i = chunk_key(copy)
         if kind is not Kind.GRAD:
             raise AssertionError(f"device copy {copy.key} is dirty but only gradients flow back")
@@ -124,7 +125,7 @@ class GradientFlow:
         self._zero_unwritten(i, grads)
         self._check_finite(grads)
         key: Key = (Kind.GRAD, i)
-        nbytes = self.nbytes(key)
+        nbytes = self.homes.nbytes(key)
         self.traffic.d2h_bytes += nbytes
         if self.grads[i] is GradState.RECEIVING:
             # First gradients of this accumulation cycle: a plain copy home, left
@@ -132,10 +133,10 @@ class GradientFlow:
             if self.homes.tier(key) == HOST:
                 d2h = self.backend.copy_async(self.homes.host(key), copy.tensor)
                 copy.pending.append(d2h)
-                self.home_fill[key] = d2h
+                self.staging.home_fill[key] = d2h
                 self.grads.flushed(i)
                 return
-            home = self._staged(key, load=False)
+            home = self.staging.staged(key, load=False)
             assert home is not None
             d2h = self.backend.copy_async(home.tensor, copy.tensor)
             copy.pending.append(d2h)
@@ -153,12 +154,12 @@ class GradientFlow:
             self.grads.flushed(i)
             return
         if self.homes.tier(key) == HOST:
-            self._wait_home(key)
+            self.staging.wait_home(key)
             self._add_into(self.homes.host(key), copy, i, nbytes)
         else:
             # NOTE: the home on NVMe is only ever changed through its staging
             # copy, so a cached staging copy can never be stale.
-            home = self._staged(key, load=True)
+            home = self.staging.staged(key, load=True)
             assert home is not None
             home.pins += 1  # the transient slot below must not take this one
             try:
@@ -168,13 +169,6 @@ class GradientFlow:
             home.pending.append(self.homes.write(key, home.tensor))
             home.dirty = False  # the sum is on its way home
         self.grads.flushed(i)
-
-    def _write_back_staging(self, copy: Copy) -> None:
-        """Evicting a staging copy that was never written home: write it now."""
-        key = chunk_key(copy)
-        if key[0] is not Kind.GRAD:
-            raise AssertionError(f"staging copy {key} was left dirty")
-        copy.pending.append(self.homes.write(key, copy.tensor))
 
     def consume_grad(self, copy: Copy | None) -> None:
         """The optimizer step is done with a gradient chunk's staging copy: if its
@@ -189,7 +183,7 @@ class GradientFlow:
             return
         copy.dirty = False
         self.grads.consumed(i)
-        self.staging[Kind.GRAD].remove(copy.key)
+        self.staging.caches[Kind.GRAD].remove(copy.key)
 
     def check_grad_kept(self, key: Key) -> None:
         """Raise if ``key`` is a gradient chunk whose gradients a step consumed."""
@@ -209,9 +203,9 @@ class GradientFlow:
 
     def _add_into(self, total: torch.Tensor, copy: Copy, i: int, nbytes: int) -> None:
         """``total += `` the device gradient chunk, through a transient staging slot."""
-        cache = self.staging[Kind.GRAD]
+        cache = self.staging.caches[Kind.GRAD]
         stage_key = ("incoming", i)
-        stage = cache.insert(stage_key, nbytes, self.moment)
+        stage = cache.insert(stage_key, nbytes, self.clock.now)
         try:
             self._copy_back(stage.tensor, copy)
             summed = typed(total, self.dtype)

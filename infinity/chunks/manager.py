@@ -17,11 +17,13 @@ from collections.abc import Callable, Collection, Hashable
 import torch
 
 from infinity.chunks.accounting import TierAccount, Traffic
-from infinity.chunks.cache import Copy, EvictionPolicy, ForecastingPolicy, Pending, TierCache
+from infinity.chunks.cache import Copy, EvictionPolicy, ForecastingPolicy, TierCache
+from infinity.chunks.clock import Clock
 from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
 from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
+from infinity.chunks.staging import HostStaging
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.chunks.update_state import UpdateStates
 from infinity.core.names import HOST
@@ -32,18 +34,15 @@ from infinity.io import SwapFile
 log = logging.getLogger("infinity")
 
 
-def _landed(fill: Pending | None) -> bool:
-    """``fill`` (a transfer, or None for nothing in flight) has landed; raises if it failed."""
-    if fill is None:
-        return True
-    if not fill.done():
-        return False
-    fill.wait()  # NOTE: done, so this only raises a failure instead of calling it landed
-    return True
+class ChunkManager:
+    """Places chunk copies in the device and host tiers and accounts every byte.
 
-
-class ChunkManager(GradientFlow):
-    """Places chunk copies in the device and host tiers and accounts every byte."""
+    Composed of :class:`~infinity.chunks.staging.HostStaging` (``host``: the
+    staging slots of NVMe-homed chunks) and
+    :class:`~infinity.chunks.grad_flow.GradientFlow` (``grad_flow``: device
+    gradient chunks and their flush), both built here and given what they use;
+    neither knows the manager. Its gradient methods delegate to ``grad_flow``.
+    """
 
     def __init__(
         self,
@@ -68,7 +67,7 @@ class ChunkManager(GradientFlow):
         self.failures = self.homes.failures  # the sticky first NVMe error
         self.nvme_account.reserved = plan.nvme_bytes
         self.nvme_account.add(plan.nvme_bytes)
-        self.moment = 0
+        self.clock = Clock()
         device_pools = {
             size: SlabPool("device", size, count, backend.alloc_device)
             for size, count in plan.device_slots.items()
@@ -81,127 +80,72 @@ class ChunkManager(GradientFlow):
             self.device_account,
             self._write_back_device,
         )
-        self.staging: dict[Kind, TierCache] = {}
-        for kind in Kind:
-            pools = {
-                size: SlabPool("host", size, count, backend.alloc_host)
-                for size, count in plan.host_staging.get(kind.value, {}).items()
-            }
-            self.host_account.reserved += sum(p.reserved_bytes for p in pools.values())
-            self.staging[kind] = TierCache(
-                "host", pools, host_policy(), self.host_account, self._write_back_staging
-            )
-        self.fixed_buffers = self._register_staging(swap_file)
+        self.host = HostStaging(
+            plan,
+            backend,
+            self.homes,
+            self.device,
+            self.host_account,
+            self.traffic,
+            self.clock,
+            host_policy,
+        )
+        self.staging = self.host.caches
+        self.fixed_buffers = self.host.register(swap_file)
         n = plan.layout.num_chunks
-        # Where each chunk's gradients of the current accumulation cycle are.
-        self.grads = GradStates(n)
-        # Device -> host copies still landing in host homes (gradient flushes).
-        self.home_fill: dict[Key, Pending] = {}
-        self.found_inf = False
-        self.check_overflow = False
-        # overlap_optimizer=True: NVMe-homed gradients wait in staging for their
-        # step and are dropped once used, never written (the promise of that
-        # mode is that nothing reads them after the step): GradState.CONSUMED.
-        self.consume_grads = False
+        self.grad_flow = GradientFlow(
+            n, dtype, backend, self.homes, self.device, self.host, self.traffic, self.clock
+        )
         # Where each chunk's optimizer update is: moved by the engine's update
         # pipeline only; checked here, on every read of parameter bytes.
         self.updates = UpdateStates(n)
 
-    def _register_staging(self, swap_file: SwapFile | None) -> str | None:
-        """Register the staging slabs (every NVMe transfer lands in one) with the
-        I/O engine; ``None`` when done, else why not."""
-        if swap_file is None:
-            return "no NVMe tier"
-        slabs = [pool.slab for cache in self.staging.values() for pool in cache.pools.values()]
-        reason = swap_file.engine.register_buffers([s for s in slabs if s.numel()])
-        if reason is not None:
-            log.debug("staging buffers not registered with the kernel: %s", reason)
-        return reason
+    @property
+    def moment(self) -> int:
+        """The current moment of the iteration (set by the runtime at every access)."""
+        return self.clock.now
+
+    @moment.setter
+    def moment(self, value: int) -> None:
+        self.clock.now = value
+
+    @property
+    def grads(self) -> GradStates:
+        """Where each chunk's gradients of the current accumulation cycle are."""
+        return self.grad_flow.grads
+
+    # --- the gradient side (see GradientFlow) -------------------------------------
+    def _write_back_device(self, copy: Copy) -> None:
+        self.grad_flow.write_back_device(copy)
+
+    def write_grad(self, i: int, start: int, grad: torch.Tensor) -> None:
+        """Copy ``grad`` into device gradient chunk ``i`` at element ``start``."""
+        self.grad_flow.write_grad(i, start, grad)
+
+    def flush_grad(self, i: int) -> None:
+        """Move gradient chunk ``i`` off the device, adding it to its home."""
+        self.grad_flow.flush_grad(i)
+
+    def flush_all_grads(self) -> None:
+        """Flush every gradient chunk on the device (end of backward)."""
+        self.grad_flow.flush_all_grads()
+
+    def consume_grad(self, copy: Copy | None) -> None:
+        """The optimizer step is done with a gradient chunk's staging copy."""
+        self.grad_flow.consume_grad(copy)
+
+    def invalidate_grads(self) -> None:
+        """Gradients were zeroed: the next flush overwrites instead of adding."""
+        self.grad_flow.invalidate_grads()
 
     # --- helpers -----------------------------------------------------------------
     def nbytes(self, key: Key) -> int:
         """Bytes of ``key`` in any tier."""
         return self.homes.nbytes(key)
 
-    def _staged(
-        self,
-        key: Key,
-        *,
-        load: bool,
-        wait: bool = True,
-        prefetch: bool = False,
-        writable: bool = True,
-        from_device: bool = False,
-        protect: Collection[Key] = (),
-    ) -> Copy | None:
-        """A host staging copy of an NVMe-homed key, its read started if ``load``.
-
-        ``wait`` blocks until the data has landed and, if ``writable``, until
-        every transfer reading the buffer (write-backs, copies to the device)
-        is done too, so it may be modified. ``prefetch`` never blocks for a
-        slot: ``None`` if no slot can be had without waiting or without evicting
-        one of the keys in ``protect``. ``from_device``
-        lets a parameter chunk come from its landed device copy instead of the
-        disk (not while fetching that very device copy, which is still empty).
-        """
-        cache = self.staging[key[0]]
-        copy = cache.get(key)
-        if copy is None:
-            if load:
-                self.check_grad_kept(key)
-            if prefetch:
-                copy = cache.try_insert(
-                    key, self.nbytes(key), self.moment, lambda k: k not in protect
-                )
-                if copy is None:
-                    return None
-            else:
-                copy = cache.insert(key, self.nbytes(key), self.moment)
-            if load:
-                copy.fill = self._load_staging(key, copy, from_device)
-                copy.pending.append(copy.fill)
-        cache.touch(key, self.moment)
-        if wait and writable and copy.pending:
-            with self.traffic.waiting("nvme"):
-                copy.wait()
-        if wait and copy.fill is not None:
-            # NOTE: reading needs only the incoming data; a write-back of the
-            # same bytes still in flight does not stand in the way. Waited even
-            # when done: that is what raises if the read failed.
-            if copy.fill.done():
-                copy.fill.wait()
-            else:
-                with self.traffic.waiting("nvme"):
-                    copy.fill.wait()
-        return copy
-
-    def _load_staging(self, key: Key, copy: Copy, from_device: bool) -> Pending:
-        """Start filling a staging copy: from the device copy of a parameter chunk
-        if allowed and landed (a device -> host copy instead of a disk read),
-        else from NVMe."""
-        on_device = self.device.get(key) if from_device and key[0] is Kind.PARAM else None
-        if on_device is None or on_device.in_flight():
-            return self.homes.read(key, copy.tensor)
-        # NOTE: device parameter copies are exact caches of their home (an
-        # update discards them), so these are the bytes the disk would give.
-        d2h = self.backend.copy_async(copy.tensor, on_device.tensor)
-        on_device.pending.append(d2h)  # the device slot is read until the copy ends
-        self.traffic.d2h_bytes += copy.nbytes
-        return d2h
-
-    def _wait_home(self, key: Key) -> None:
-        """Wait for a device -> host copy still landing in a host home."""
-        fill = self.home_fill.pop(key, None)
-        if fill is not None:
-            with self.traffic.waiting("device"):
-                fill.wait()
-
     def host_ready(self, key: Key) -> bool:
         """``key``'s bytes are in host memory now (its home, or a landed staging read)."""
-        if self.homes.tier(key) == HOST:
-            return _landed(self.home_fill.get(key))
-        copy = self.staging[key[0]].get(key)
-        return copy is not None and _landed(copy.fill)
+        return self.host.host_ready(key)
 
     def prefetch_host(self, key: Key, protect: Collection[Key] = ()) -> bool:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed);
@@ -213,7 +157,8 @@ class ChunkManager(GradientFlow):
             return True
         if self.homes.tier(key) == HOST:
             return True
-        copy = self._staged(
+        self.grad_flow.check_grad_kept(key)
+        copy = self.host.staged(
             key, load=True, wait=False, prefetch=True, from_device=True, protect=protect
         )
         return copy is not None
@@ -241,7 +186,7 @@ class ChunkManager(GradientFlow):
         if self.homes.tier(key) == HOST:
             copy.pending.append(self.backend.copy_async(copy.tensor, self.homes.host(key)))
         else:
-            staged = self._staged(key, load=True, wait=False, prefetch=prefetch)
+            staged = self.host.staged(key, load=True, wait=False, prefetch=prefetch)
             if staged is None:
                 self.device.remove(key)
                 return None
@@ -318,9 +263,13 @@ class ChunkManager(GradientFlow):
         if key[0] is not Kind.GRAD:
             self.updates.check_readable(key[1], early=False)
         if self.homes.tier(key) == HOST:
-            self._wait_home(key)
+            self.host.wait_home(key)
             return self.homes.host(key), None
-        copy = self._staged(key, load=load, writable=writable, from_device=True)
+        if load:
+            # NOTE: a consumed gradient chunk is never cached in staging, so
+            # checking before the lookup is checking every read from disk.
+            self.grad_flow.check_grad_kept(key)
+        copy = self.host.staged(key, load=load, writable=writable, from_device=True)
         assert copy is not None
         copy.pins += 1
         return copy.tensor, copy
@@ -356,8 +305,8 @@ class ChunkManager(GradientFlow):
 
     def synchronize(self) -> None:
         """Wait for every transfer in flight in every tier."""
-        for key in list(self.home_fill):
-            self._wait_home(key)
+        for key in list(self.host.home_fill):
+            self.host.wait_home(key)
         for cache in (self.device, *self.staging.values()):
             for copy in cache:
                 copy.wait()

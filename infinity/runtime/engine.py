@@ -104,14 +104,14 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
             if config.dtype == "fp16"
             else None
         )
-        self.manager.check_overflow = self.scaler is not None
+        self.manager.grad_flow.check_overflow = self.scaler is not None
         self.loss_scaled = False
         self.step_count = 0
         self.step_timer = StepTimer(self.manager.traffic)
         # overlap_optimizer=True: the optimizer registers itself; chunks stepped
         # during the current backward are remembered until step().
         self.overlap = config.overlap_optimizer is True
-        self.manager.consume_grads = self.overlap
+        self.manager.grad_flow.consume_grads = self.overlap
         self.optimizer = None  # weakref to the CPUAdam holding this model's parameters
         # Chunks updated or queued during backward: UpdateState (manager.updates).
         self.early_queue = []

@@ -105,7 +105,7 @@ class GradientEvents(EngineFields):
             else:
                 self._zero_grad_ranges(chunk, entries)
         if zeroed_chunks and not any(self.has_grad):
-            self.manager.found_inf = False
+            self.manager.grad_flow.found_inf = False
 
     def reset_gradients(self) -> None:
         """Forget every gradient (after loading a checkpoint)."""

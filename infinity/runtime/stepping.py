@@ -64,7 +64,7 @@ class OptimizerSteps(EngineFields):
                     "`optimizer.scale_loss(loss).backward()` instead of `loss.backward()` "
                     "(bf16 and fp32 need no scaling)"
                 )
-            found_inf = self.manager.found_inf
+            found_inf = self.manager.grad_flow.found_inf
             grad_scale = 1.0 / self.scaler.scale
             self.scaler.update(found_inf)
             self.loss_scaled = False

@@ -20,7 +20,7 @@ from engine_helpers import (
 
 import infinity
 from infinity.chunks.homes import HomeStore, Kind
-from infinity.chunks.manager import ChunkManager
+from infinity.chunks.staging import HostStaging
 from infinity.offload import engine_of
 from infinity.runtime.stepping import OptimizerSteps
 from infinity.schedule.planner import NVME
@@ -54,13 +54,13 @@ def test_overlap_keeps_gradients_off_the_disk_and_matches_torch(tmp_path):
 
 def test_a_gradient_evicted_before_its_step_is_written_and_read_back(tmp_path, monkeypatch):
     evicted = []
-    original = ChunkManager._write_back_staging
+    original = HostStaging._write_back_staging
 
     def spy(self, copy):
         evicted.append(copy.key)
         original(self, copy)
 
-    monkeypatch.setattr(ChunkManager, "_write_back_staging", spy)
+    monkeypatch.setattr(HostStaging, "_write_back_staging", spy)
     # The engine bounds its queue of early updates by the gradient staging
     # slots (next test); lifted here, so the write-back path stays covered.
     monkeypatch.setattr(OptimizerSteps, "_grad_staging_slots", lambda self: 1 << 30)
