@@ -69,7 +69,9 @@ def _match(engine: OffloadEngine, meta: CheckpointMeta) -> None:
         raise CheckpointError("checkpoint does not match the model: " + "; ".join(problems[:10]))
 
 
-def _open_data(stack: ExitStack, target: Path, meta: CheckpointMeta, verify: bool):
+def _open_data(
+    stack: ExitStack, target: Path, meta: CheckpointMeta, verify: bool
+) -> dict[str, io.BufferedReader]:
     """Open the data files once for both passes; check sizes (and CRCs with ``verify``)."""
     files: dict[str, io.BufferedReader] = {}
     for name in DATA_FILES:
@@ -91,7 +93,7 @@ def _open_data(stack: ExitStack, target: Path, meta: CheckpointMeta, verify: boo
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
-    optimizer=None,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
     verify: bool = True,
 ) -> dict:
@@ -130,7 +132,7 @@ def load_checkpoint(
 
 def _write_chunks(
     engine: OffloadEngine, meta: CheckpointMeta, fp: io.BufferedReader, fo: io.BufferedReader
-):
+) -> None:
     """Second pass: read every tensor into its chunk region, chunk by chunk."""
     manager = engine.manager
     esize = engine.plan.element_size

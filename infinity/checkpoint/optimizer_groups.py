@@ -34,7 +34,9 @@ def _param_names(engine: OffloadEngine, group: dict[str, Any], error: type[Excep
     return names
 
 
-def optimizer_groups(engine: OffloadEngine, optimizer) -> list[dict[str, Any]]:
+def optimizer_groups(
+    engine: OffloadEngine, optimizer: torch.optim.Optimizer
+) -> list[dict[str, Any]]:
     """Each group's JSON-able hyper-parameters and the names of its parameters."""
     groups = []
     for group in optimizer.param_groups:
@@ -82,7 +84,7 @@ def _value(what: str, saved: Any, current: Any) -> Any:
 
 
 def hyper_updates(
-    engine: OffloadEngine, optimizer, saved: list[SavedGroup]
+    engine: OffloadEngine, optimizer: torch.optim.Optimizer, saved: list[SavedGroup]
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """``(group, new values)`` for each of ``optimizer``'s groups, all checked; nothing is set."""
     if len(saved) != len(optimizer.param_groups):

@@ -17,6 +17,7 @@ import shutil
 import zlib
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from infinity.checkpoint import temporaries
@@ -59,7 +60,9 @@ def _stream(
     return offsets, {"bytes": position, "crc32": crc}
 
 
-def write_checkpoint(directory: Path, model: nn.Module, optimizer=None) -> None:
+def write_checkpoint(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Write the checkpoint files into the existing empty ``directory`` and fsync them.
 
     No rename: the caller makes the directory visible once it is complete.
@@ -103,7 +106,9 @@ def write_checkpoint(directory: Path, model: nn.Module, optimizer=None) -> None:
     fsync_dir(directory)
 
 
-def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer=None) -> Path:
+def save_checkpoint(
+    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> Path:
     """Write ``model`` (and ``optimizer``'s state) to the directory ``path``, atomically.
 
     On any error (a full disk included) the temporary is removed and the

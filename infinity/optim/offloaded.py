@@ -54,7 +54,7 @@ def scale_loss(param_groups: Iterable[dict[str, Any]], loss: torch.Tensor) -> to
     scales = set()
     for engine in engines(param_groups):
         if engine.scaler is not None:
-            engine.loss_scaled = True
+            engine.note_loss_scaled()
             scales.add(engine.scaler.scale)
     if len(scales) > 1:
         raise RuntimeError("the optimizer holds fp16 models with different loss scales")

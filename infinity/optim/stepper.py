@@ -23,9 +23,11 @@ class ChunkStepper(Protocol):
     """
 
     scaler: LossScaler | None  # fp16 only
-    loss_scaled: bool  # the loss of this backward was multiplied by the scale
     optimizer: Callable[[], Any] | None  # weak reference to the optimizer holding the model
     chunk_optimizer: ChunkOptimizer[Any]  # the per-element optimizer its chunks are laid out for
+
+    def note_loss_scaled(self) -> None:
+        """The loss of the coming backward was multiplied by the fp16 loss scale."""
 
     def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it."""

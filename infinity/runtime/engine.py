@@ -1,8 +1,26 @@
 """``OffloadEngine``: one per offloaded model; what the hooks and the optimizer call.
 
-It owns the parameter registry, the plan and the chunk manager, and implements
-the per-event logic: a module starts or ends its forward, autograd saves or
-unpacks a weight view, a gradient is ready, backward ends.
+The engine composes components, each owning its state and built only on those
+before it (one dependency direction, none knows the engine):
+
+- :class:`~infinity.runtime.model_chunks.ModelChunks` (``chunks``): registry,
+  plan, layout, chunk manager, tensor states, step counts, gradient states;
+- :class:`~infinity.runtime.update_queue.UpdateQueue` (``queue``): updates
+  queued early (during backward) or trailing (into the next forward);
+- :class:`~infinity.runtime.fetcher.ParamFetcher` (``fetcher``): accesses,
+  the trace, prefetch;
+- :class:`~infinity.runtime.grad_ledger.GradientLedger` (``ledger``): which
+  tensors hold a gradient, pending clip factors, zeroing;
+- :class:`~infinity.runtime.grad_norms.GradientNorms` (``norms``): norms and
+  scaling through the ``param.grad`` sentinels;
+- :class:`~infinity.runtime.stepping.UpdatePipeline` (``pipeline``): the
+  optimizer step, early steps, loss scale, optimizer state;
+- :class:`~infinity.runtime.gradients.GradientSink` (``sink``): gradient
+  arrival, start and end of backward.
+
+The engine itself handles the forward side (a module starts or ends, autograd
+saves or unpacks a weight view) and keeps the methods hooks, ``CPUAdam``,
+state access and checkpoints call.
 """
 
 from __future__ import annotations
@@ -10,46 +28,43 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.layout import ChunkLayout
-from infinity.chunks.manager import ChunkManager, typed
-from infinity.chunks.states import StateCounters, TensorState
+from infinity.chunks.manager import ChunkManager
+from infinity.chunks.states import TensorState
 from infinity.config import Config
 from infinity.core.names import Phase
 from infinity.devices.factory import make_backend
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
+from infinity.optim.stepper import MomentState
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.errors import ModelChangedError
+from infinity.runtime.fetcher import ParamFetcher
+from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.grad_norms import GradientNorms
-from infinity.runtime.gradients import GradientEvents
-from infinity.runtime.params import (
-    ParamEntry,
-    ParamRegistry,
-    is_placeholder,
-    placeholder,
-    tensor_index,
-)
-from infinity.runtime.step_timer import StepTimer
-from infinity.runtime.stepping import OptimizerSteps
+from infinity.runtime.gradients import GradientSink
+from infinity.runtime.model_chunks import ModelChunks
+from infinity.runtime.offloaded_step import ChunkWork
+from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, tensor_index
+from infinity.runtime.stepping import UpdatePipeline
 from infinity.runtime.swap import open_swap, prepare_nvme, release
-from infinity.runtime.timeline import Moment, Timeline
+from infinity.runtime.update_queue import UpdateQueue
 from infinity.schedule.eviction import LRUPolicy, TraceDrivenPolicy
-from infinity.schedule.prefetch import Prefetcher
 from infinity.schedule.trace import TraceRecorder
 
 log = logging.getLogger("infinity")
 _S = TensorState
 
 
-class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
-    """Runtime state of one offloaded model."""
+class OffloadEngine:
+    """Runtime state of one offloaded model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, config: Config) -> None:
         self.config = config
@@ -63,7 +78,7 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         # The per-element optimizer the chunks are laid out for (CPUAdam's Adam).
         self.chunk_optimizer: ChunkOptimizer[Any] = ADAM
         self.plan = plan_for(self.registry, config, self.device, self.chunk_optimizer)
-        self.layout: ChunkLayout = self.plan.layout
+        self.layout = self.plan.layout
         self.swap = open_swap(config, self.plan.nvme_bytes)
         # Frees the threads and the swap file when the model is collected (or at
         # exit) if close() was not called; it holds no reference to the model.
@@ -81,179 +96,169 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         except BaseException:
             self._release()  # the model lives on: its finalizer would not run soon
             raise
-        self.prefetcher: Prefetcher | None = None
-        n = self.layout.num_chunks
-        self.chunk_members: list[list[ParamEntry]] = [[] for _ in range(n)]
-        for entry in self.registry.entries:
-            self.chunk_members[self.layout.slots[entry.index].chunk].append(entry)
-        # Position of each tensor inside its chunk's state counters.
-        self.local_index = {
-            e.index: pos for members in self.chunk_members for pos, e in enumerate(members)
-        }
-        self.states = [StateCounters(len(m)) for m in self.chunk_members]
-        self.has_grad = [False] * len(self.registry.entries)
-        self.init_grad_norms()
-        self.trace = TraceRecorder()
-        self.timeline = Timeline()
-        self._resident: tuple[int, tuple[int, ...], tuple[int, ...]] = (-1, (), ())
-        self._backward_active = False
-        self._param_count = len(self.registry.entries)
-        self.tensor_steps = [0] * len(self.registry.entries)
         self.scaler = (
             LossScaler(config.initial_loss_scale, config.loss_scale_window, config.min_loss_scale)
             if config.dtype == "fp16"
             else None
         )
-        self.manager.grad_flow.check_overflow = self.scaler is not None
-        self.loss_scaled = False
-        self.step_count = 0
-        self.step_timer = StepTimer(self.manager.traffic)
-        # overlap_optimizer=True: the optimizer registers itself; chunks stepped
-        # during the current backward are remembered until step().
         self.overlap = config.overlap_optimizer is True
+        self.manager.grad_flow.check_overflow = self.scaler is not None
         self.manager.grad_flow.consume_grads = self.overlap
-        self.optimizer = None  # weakref to the CPUAdam holding this model's parameters
-        # Chunks updated or queued during backward: UpdateState (manager.updates).
-        self.early_queue = []
-        self._early_hyper = None
-        self.early_chunk_steps = 0
-        # Updates queued by optimizer.step() that run when their chunk is next needed.
-        self.trailing = deque()
-        self.trailing_scale = 1.0
-        self.trailing_chunk_steps = 0  # updates that ran after optimizer.step() returned
+        self.chunks = ModelChunks(
+            self.registry, self.plan, self.manager, self.dtype, self.device, self.chunk_optimizer
+        )
+        self.trace = TraceRecorder()
+        self.queue = UpdateQueue(self.chunks, self.trace)
+        self.fetcher = ParamFetcher(self.chunks, self.queue, self.trace, self.policy, config)
+        self.ledger = GradientLedger(self.chunks)
+        self.norms = GradientNorms(self.chunks, self.ledger, self.queue, self.scaler)
+        self.pipeline = UpdatePipeline(
+            self.chunks, self.queue, self.ledger, self.scaler, self.fetcher.prefetch
+        )
+        self.sink = GradientSink(
+            self.chunks,
+            self.fetcher,
+            self.queue,
+            self.ledger,
+            self.norms,
+            self.pipeline,
+            overlap=self.overlap,
+        )
+        self.chunk_members = self.chunks.chunk_members
+        self.states = self.chunks.states
+        self.tensor_steps = self.chunks.tensor_steps
+        self.has_grad = self.chunks.has_grad
+        self.timeline = self.chunks.timeline
+        self.step_timer = self.pipeline.step_timer
+        self._param_count = len(self.registry.entries)
         self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
         self._closed = False
 
-    # --- layout helpers ------------------------------------------------------------
+    # --- what other layers read or set ---------------------------------------------------
+    @property
+    def optimizer(self) -> Callable[[], Any] | None:
+        """Weak reference to the CPUAdam holding this model's parameters (it sets it)."""
+        return self.pipeline.optimizer
+
+    @optimizer.setter
+    def optimizer(self, ref: Callable[[], Any] | None) -> None:
+        self.pipeline.optimizer = ref
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (skipped fp16 steps not counted)."""
+        return self.pipeline.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.pipeline.step_count = value
+
+    @property
+    def trailing(self) -> deque[ChunkWork]:
+        """Updates queued by the last step that have not run yet."""
+        return self.queue.trailing
+
+    @property
+    def trailing_chunk_steps(self) -> int:
+        """Chunk updates that ran after ``optimizer.step()`` returned."""
+        return self.queue.trailing_chunk_steps
+
+    @property
+    def early_chunk_steps(self) -> int:
+        """Chunk updates that ran during a backward (overlap_optimizer)."""
+        return self.queue.early_chunk_steps
+
+    def note_loss_scaled(self) -> None:
+        """The loss of the coming backward was multiplied by the fp16 loss scale."""
+        self.pipeline.note_loss_scaled()
+
+    # --- delegated to the components --------------------------------------------------
     def set_state(self, entry: ParamEntry, state: TensorState) -> None:
         """Move one parameter to ``state`` (checked against the whitelist)."""
-        chunk = self.layout.slots[entry.index].chunk
-        self.states[chunk].set(self.local_index[entry.index], state)
+        self.chunks.set_state(entry, state)
 
     def chunk_view(self, chunk_bytes: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
         """``entry``'s tensor inside a chunk's bytes (compute dtype, its shape)."""
-        slot = self.layout.slots[entry.index]
-        flat = typed(chunk_bytes, self.dtype)
-        return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        return self.chunks.chunk_view(chunk_bytes, entry)
 
     def release_new(self, entry: ParamEntry) -> None:
         """Turn a meta parameter into a real one holding its placeholder (same object)."""
-        if entry.placeholder is None:
-            entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
-        fresh = nn.Parameter(entry.placeholder, requires_grad=entry.trainable)
-        torch.utils.swap_tensors(entry.param, fresh)
+        self.chunks.release_new(entry)
 
     def release(self, entry: ParamEntry) -> None:
         """Point the parameter back at its placeholder (no chunk memory held)."""
-        if entry.placeholder is None:
-            entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
-        entry.param.data = entry.placeholder
+        self.chunks.release(entry)
 
-    def access(self, phase: Phase, chunk: int) -> None:
-        """Record one access: it becomes the current moment of the iteration."""
-        self.manager.moment = self.trace.moment
-        self.trace.record(phase, chunk)
-        self.policy.active = self.trace.on_track
-        self.manager.poll()
-        if self.trailing:
-            self.poll_trailing(needed=chunk)
-        if self.early_queue:
-            # NOTE: a gradient arriving needs no parameter bytes; every other
-            # access reads them, so the chunk's queued update runs first.
-            self.poll_early(needed=None if phase == Phase.GRAD else chunk)
+    def on_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: a parameter's gradient is ready."""
+        self.sink.on_grad(param)
 
-    def prefetch(self) -> None:
-        """Start fetching the chunks the trace says come next (never blocks)."""
-        if self.prefetcher is None or not self.trace.on_track:
-            return
-        resident = self.manager.device
-        for chunk in self.prefetcher.plan(
-            self.manager.moment, lambda c: (Kind.PARAM, c) in resident
-        ):
-            if self.manager.updates.queued(chunk):
-                break  # its update has not run: the home still holds old values
-            if self.manager.fetch_param(chunk, prefetch=True) is None:
-                break  # no room without evicting something needed sooner
+    def before_grad(self, grad: torch.Tensor) -> None:
+        """Tensor hook of a parameter, run before its AccumulateGrad."""
+        self.sink.before_grad(grad)
 
-    def _new_trace(self) -> None:
-        """A finished iteration became the trace: rebuild Belady's uses and the prefetcher."""
-        trace = self.trace.trace
-        if trace is None:
-            return
-        uses: dict = {}
-        for position, (phase, chunk) in enumerate(trace.accesses):
-            kind = Kind.GRAD if phase == Phase.GRAD else Kind.PARAM
-            uses.setdefault((kind, chunk), []).append(position)
-        self.policy.set_trace(uses, len(trace))
-        depth = self.config.prefetch_depth
-        budget = self.config.prefetch_bytes
-        if budget == "auto":
-            budget = depth * self.layout.chunk_bytes
-        self.prefetcher = (
-            Prefetcher(trace, depth, int(budget), lambda c: self.plan.param_bytes(c))
-            if depth
-            else None
-        )
+    def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
+        """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
+        return self.pipeline.step(hyper_by_index)
 
-    def sample(self, phase: Phase, chunk: int) -> None:
-        """Add the tiers' state after an access to the memory timeline."""
-        manager = self.manager
-        version, params, grads = self._resident
-        if version != manager.device.version:
-            # NOTE: recomputed only when the device's keys changed (this runs at
-            # every access); other keys are retired slots still landing.
-            # (kind, chunk) keys, and retired slots' keys, whose [0] is not a Kind
-            keys = cast(list[tuple[object, int]], manager.device.keys())
-            params = tuple(sorted(k[1] for k in keys if k[0] is Kind.PARAM))
-            grads = tuple(sorted(k[1] for k in keys if k[0] is Kind.GRAD))
-            self._resident = (manager.device.version, params, grads)
-        self.timeline.add(
-            Moment(
-                phase,
-                chunk,
-                manager.device_account.used,
-                manager.host_account.used,
-                params,
-                grads,
-            )
-        )
+    def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
+        """Copies of the moments of the tensors ``indices`` stepped at least once."""
+        return self.pipeline.read_moments(indices)
+
+    def check_moments(self, values: dict[int, MomentState | None]) -> None:
+        """Raise (changing nothing) if a state does not fit its tensor."""
+        self.pipeline.check_moments(values)
+
+    def write_moments(self, values: dict[int, MomentState | None]) -> None:
+        """Set moments and step counts by tensor index (``None``: never stepped)."""
+        self.pipeline.write_moments(values)
+
+    def reset_gradients(self) -> None:
+        """Forget every gradient (after loading a checkpoint)."""
+        self.ledger.reset()
+
+    def settle_step(self) -> None:
+        """Finish every queued update (before anything reads or changes chunk data)."""
+        self.queue.settle()
+
+    def synchronize(self) -> None:
+        """Finish queued updates and wait for every transfer in flight."""
+        self.queue.synchronize()
 
     # --- forward -----------------------------------------------------------------------
     def begin_module(self, module: nn.Module) -> None:
         """A module's forward starts: make its parameters' chunks resident and bind views."""
         by_chunk = self.layout.group_by_chunk(self.registry.owners[module], tensor_index)
+        chunks = self.chunks
         for chunk, entries in by_chunk.items():
-            self.access(Phase.FORWARD, chunk)
+            self.fetcher.access(Phase.FORWARD, chunk)
             alias = self.manager.param_alias(chunk)
             for entry in entries:
-                entry.param.data = self.chunk_view(alias, entry)
-                self.set_state(entry, _S.COMPUTE)
-            self.sample(Phase.FORWARD, chunk)
-        self.prefetch()
+                entry.param.data = chunks.chunk_view(alias, entry)
+                chunks.set_state(entry, _S.COMPUTE)
+            chunks.sample(Phase.FORWARD, chunk)
+        self.fetcher.prefetch()
 
     def end_module(self, module: nn.Module) -> None:
         """A module's forward ended: drop the views; the chunks become evictable."""
+        chunks = self.chunks
         for entry in self.registry.owners[module]:
-            self.release(entry)
-            chunk = self.layout.slots[entry.index].chunk
-            if self.states[chunk].states[self.local_index[entry.index]] != _S.COMPUTE:
+            chunks.release(entry)
+            if chunks.state_of(entry) != _S.COMPUTE:
                 continue  # the forward failed before this parameter was bound
-            after_grad = self.has_grad[entry.index] and self._backward_active
-            self.set_state(entry, _S.HOLD_AFTER_BWD if after_grad else _S.HOLD_AFTER_FWD)
+            after_grad = chunks.has_grad[entry.index] and self.sink.running
+            chunks.set_state(entry, _S.HOLD_AFTER_BWD if after_grad else _S.HOLD_AFTER_FWD)
 
     def begin_forward(self) -> None:
         """The root module's forward starts: check the model, start a new iteration."""
         self.manager.check_io()
         self._check_model()
-        if self._backward_active and torch._C._current_graph_task_id() == -1:
+        if self.sink.running and torch._C._current_graph_task_id() == -1:
             # A backward that never finished (interrupted, or an exception inside
             # it): its end-of-backward callback will not come, so settle it now.
-            self._end_backward()
-        if not self._backward_active:
-            previous = self.trace.trace
-            self.trace.start_iteration()
-            if self.trace.trace is not previous:
-                self._new_trace()
+            self.sink.end_backward()
+        if not self.sink.running:
+            self.fetcher.start_iteration()
             self.timeline.finish_iteration()
             for counters in self.states:
                 counters.reset_step()
@@ -281,11 +286,11 @@ class OffloadEngine(GradientEvents, GradientNorms, OptimizerSteps):
         if not isinstance(packed, tuple):
             return packed
         chunk, shape, stride, offset, dtype = packed
-        self._note_backward()
-        self.access(Phase.BACKWARD, chunk)
+        self.sink.note_backward()
+        self.fetcher.access(Phase.BACKWARD, chunk)
         alias = self.manager.param_alias(chunk)
-        self.sample(Phase.BACKWARD, chunk)
-        self.prefetch()
+        self.chunks.sample(Phase.BACKWARD, chunk)
+        self.fetcher.prefetch()
         return torch.as_strided(alias.view(dtype), shape, stride, offset)
 
     def _check_model(self) -> None:

@@ -1,126 +1,117 @@
-"""Gradient events of the engine: arrival, start and end of backward, zeroing.
+"""The gradient sink: arrival of gradients, start and end of backward.
 
-A mixin of :class:`~infinity.runtime.engine.OffloadEngine` (split out to keep
-one concern per module); it uses the engine's registry, layout, states and
-chunk manager.
+A component of :class:`~infinity.runtime.engine.OffloadEngine`, built on the
+model's chunks, the fetcher (each arrival is an access), the update queue, the
+gradient ledger and norms, and the update pipeline (early steps). It owns the
+backward-pass state (:class:`~infinity.runtime.lifecycles.Backward`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from infinity.chunks.homes import Kind
 from infinity.chunks.states import TensorState
 from infinity.core.names import Phase
-from infinity.runtime.engine_fields import EngineFields
-from infinity.runtime.errors import ModelChangedError
-from infinity.runtime.params import ParamEntry
-from infinity.runtime.sentinel import GradientInChunks, is_zeroed
+from infinity.runtime.fetcher import ParamFetcher
+from infinity.runtime.grad_ledger import GradientLedger
+from infinity.runtime.grad_norms import GradientNorms
+from infinity.runtime.lifecycles import LEGAL_BACKWARD, Backward, Lifecycle
+from infinity.runtime.model_chunks import ModelChunks
+from infinity.runtime.sentinel import GradientInChunks
+from infinity.runtime.stepping import UpdatePipeline
+from infinity.runtime.update_queue import UpdateQueue
 
 _S = TensorState
 
 
-class GradientEvents(EngineFields):
+class GradientSink:
     """What happens when autograd hands the engine a gradient."""
+
+    def __init__(
+        self,
+        chunks: ModelChunks,
+        fetcher: ParamFetcher,
+        queue: UpdateQueue,
+        ledger: GradientLedger,
+        norms: GradientNorms,
+        pipeline: UpdatePipeline,
+        *,
+        overlap: bool,
+    ) -> None:
+        """``overlap`` (``Config(overlap_optimizer=True)``): step each chunk as soon as
+        its gradients are complete."""
+        self.chunks = chunks
+        self.manager = chunks.manager
+        self.fetcher = fetcher
+        self.queue = queue
+        self.ledger = ledger
+        self.norms = norms
+        self.pipeline = pipeline
+        self.overlap = overlap
+        self.backward = Lifecycle(Backward.IDLE, LEGAL_BACKWARD, "backward pass")
+
+    @property
+    def running(self) -> bool:
+        """A backward pass is running (its end-of-backward callback has not come)."""
+        return self.backward.state is Backward.RUNNING
 
     def on_grad(self, param: torch.Tensor) -> None:
         """A parameter's gradient is ready: move it into its gradient chunk."""
-        self._note_backward()
-        entry = self.registry.by_id[id(param)]
+        self.note_backward()
+        chunks = self.chunks
+        entry = chunks.registry.by_id[id(param)]
         grad = param.grad
         param.grad = None
         if grad is None:
             return
-        slot = self.layout.slots[entry.index]
+        slot = chunks.layout.slots[entry.index]
         chunk = slot.chunk
-        self.access(Phase.GRAD, chunk)
+        self.fetcher.access(Phase.GRAD, chunk)
         self.manager.write_grad(chunk, slot.offset, grad)
-        self.sample(Phase.GRAD, chunk)
-        self.has_grad[entry.index] = True
-        self.set_state(entry, _S.HOLD_AFTER_BWD)
-        counters = self.states[chunk]
+        chunks.sample(Phase.GRAD, chunk)
+        self.ledger.received(entry.index)
+        chunks.set_state(entry, _S.HOLD_AFTER_BWD)
+        counters = chunks.states[chunk]
         if counters.count(_S.HOLD_AFTER_FWD) == 0 and not counters.in_compute:
             self.manager.flush_grad(chunk)
-            if self.overlap and self.optimizer is not None:
-                self._step_early(chunk)
+            if self.overlap and self.pipeline.optimizer is not None:
+                self.pipeline.step_early(chunk)
 
     def before_grad(self, grad: torch.Tensor) -> None:
         """Tensor hook of a parameter, run before its AccumulateGrad."""
-        self._note_backward()
+        self.note_backward()
 
-    def _note_backward(self) -> None:
+    def note_backward(self) -> None:
         """First event of a backward pass: settle last step's gradients, arm the end hook."""
-        if self._backward_active:
+        if self.running:
             return
-        self.check_not_stepped_early("a second backward before optimizer.step()")
-        self.settle_step()  # the updates still queued read the previous gradients
-        self._backward_active = True
+        self.queue.check_not_stepped_early("a second backward before optimizer.step()")
+        self.queue.settle()  # the updates still queued read the previous gradients
+        self.backward.move(Backward.RUNNING)
         # Sentinels the user dropped (zero_grad) mean "zeroed"; the rest must
         # leave param.grad before AccumulateGrad runs, or it would add to them.
-        self.collect_zeroed_grads()
+        self.ledger.collect_zeroed()
         # Accumulating onto clipped gradients: the clip factor must be in the chunks.
-        self.apply_grad_factors()
-        self.forget_grad_norms()
-        for entry in self.registry.entries:
+        self.ledger.apply_factors()
+        self.ledger.changed()
+        for entry in self.chunks.registry.entries:
             if isinstance(entry.param.grad, GradientInChunks):
                 entry.param.grad = None
         # NOTE: queue_callback runs once the whole backward pass is done;
         # that is where partial gradient chunks (unused parameters) go home.
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
-    def _end_backward(self) -> None:
-        self._backward_active = False
+    def end_backward(self) -> None:
+        """The backward pass ended (or was found interrupted): flush what is left."""
+        self.backward.move(Backward.IDLE)
         self.manager.flush_all_grads()
         self.set_sentinels()
-        self.trace.end_backward()
+        self.fetcher.trace.end_backward()
         self.manager.check_io()  # raised from backward(), not at some later call
 
     def set_sentinels(self) -> None:
         """Every parameter with a gradient in chunks shows a sentinel in ``.grad``."""
-        for entry in self.registry.entries:
-            if self.has_grad[entry.index] and entry.param.grad is None:
-                entry.param.grad = GradientInChunks(entry.param.data, self, entry.index)
-
-    def collect_zeroed_grads(self) -> None:
-        """Gradients whose ``param.grad`` the user set to ``None`` (zero_grad) are dropped."""
-        zeroed_chunks: dict[int, list[ParamEntry]] = {}
-        for entry in self.registry.entries:
-            if not self.has_grad[entry.index]:
-                continue
-            grad = entry.param.grad
-            if grad is not None and not isinstance(grad, GradientInChunks):
-                raise ModelChangedError(
-                    f"{entry.name}.grad was assigned a tensor; gradients of offloaded parameters "
-                    "live in chunks and cannot be set by hand"
-                )
-            if is_zeroed(grad):
-                entry.param.grad = None
-                self.has_grad[entry.index] = False
-                zeroed_chunks.setdefault(self.layout.slots[entry.index].chunk, []).append(entry)
-        if zeroed_chunks:
-            self.reset_grad_factors(e.index for es in zeroed_chunks.values() for e in es)
-        for chunk, entries in zeroed_chunks.items():
-            if not any(self.has_grad[e.index] for e in self.chunk_members[chunk]):
-                self.manager.grads.zeroed(chunk)
-            else:
-                self._zero_grad_ranges(chunk, entries)
-        if zeroed_chunks and not any(self.has_grad):
-            self.manager.grad_flow.found_inf = False
-
-    def reset_gradients(self) -> None:
-        """Forget every gradient (after loading a checkpoint)."""
-        for entry in self.registry.entries:
-            if isinstance(entry.param.grad, GradientInChunks):
-                entry.param.grad = None
-        self.has_grad = [False] * len(self.registry.entries)
-        self.reset_grad_factors()
-        self.manager.invalidate_grads()
-
-    def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:
-        """Zero some tensors' gradients inside a chunk whose other gradients stay."""
-        if not self.manager.grads.home_valid(chunk):
-            return  # nothing kept to zero (a later read or addition raises)
-        region, copy = self.manager.open_host((Kind.GRAD, chunk))
-        for entry in entries:
-            self.chunk_view(region, entry).zero_()
-        self.manager.close_host(copy, modified=True)
+        has_grad = self.chunks.has_grad
+        for entry in self.chunks.registry.entries:
+            if has_grad[entry.index] and entry.param.grad is None:
+                entry.param.grad = GradientInChunks(entry.param.data, self.norms, entry.index)

@@ -16,14 +16,44 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.manager import typed
+from infinity.chunks.layout import ChunkLayout
+from infinity.chunks.manager import ChunkManager, typed
 from infinity.core.names import Phase
-from infinity.optim.chunk_optimizer import StepViews
+from infinity.core.plan import Plan
+from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews
 from infinity.optim.hyper import AdamHyperParams
+from infinity.runtime.params import ParamEntry
+
+
+class HeldGradients(Protocol):
+    """Per tensor: whether its gradient is in the chunks."""
+
+    def __getitem__(self, index: int) -> bool: ...
+
+
+class StepContext(Protocol):
+    """Exactly what the step over chunks uses of a model's chunks
+    (:class:`~infinity.runtime.model_chunks.ModelChunks` provides it)."""
+
+    manager: ChunkManager
+    layout: ChunkLayout
+    plan: Plan
+    dtype: torch.dtype
+    chunk_optimizer: ChunkOptimizer[Any]
+    chunk_members: list[list[ParamEntry]]  # per chunk, its parameters
+    tensor_steps: list[int]  # per tensor: optimizer steps taken (advanced here)
+
+    @property
+    def has_grad(self) -> HeldGradients:
+        """Per tensor: its gradient is in the chunks (read only here)."""
+
+    def sample(self, phase: Phase, chunk: int) -> None:
+        """Add the tiers' state after an access to the memory timeline."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +81,7 @@ def plan_runs(
     need not be read. The chunk's empty tail is left out: updating zeros
     would only cost time.
     """
-    groups: list[list] = []  # [start, end, hyper, step]
+    groups: list[list[Any]] = []  # [start, end, hyper, step]
     covered = True
     previous_skipped = False
     for index, offset, numel in sorted(members, key=lambda m: m[1]):
@@ -77,7 +107,9 @@ def plan_runs(
     return runs, covered and bool(runs)
 
 
-def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: float) -> None:
+def step_chunk(
+    engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
+) -> None:
     """Update one chunk in place in its homes (see module docstring)."""
     manager = engine.manager
     capacity = engine.layout.chunks[chunk].capacity
@@ -133,7 +165,9 @@ class ChunkWork:
         return keys
 
 
-def plan_chunk(engine, chunk: int, hyper_by_index: dict[int, AdamHyperParams]) -> ChunkWork | None:
+def plan_chunk(
+    engine: StepContext, chunk: int, hyper_by_index: dict[int, AdamHyperParams]
+) -> ChunkWork | None:
     """The update of ``chunk``, or ``None`` if none of its tensors has a gradient."""
     members = tuple(
         (e.index, engine.layout.slots[e.index].offset, engine.layout.slots[e.index].numel)
@@ -148,7 +182,7 @@ def plan_chunk(engine, chunk: int, hyper_by_index: dict[int, AdamHyperParams]) -
     return ChunkWork(chunk, updated, tuple(runs), covered) if runs else None
 
 
-def prefetch_chunk(engine, work: ChunkWork, ahead: Iterable[ChunkWork] = ()) -> bool:
+def prefetch_chunk(engine: StepContext, work: ChunkWork, ahead: Iterable[ChunkWork] = ()) -> bool:
     """Start reading what :func:`step_chunk` will need (NVMe homes only; never blocks);
     False if some read found no free staging slot.
 
@@ -163,12 +197,12 @@ def prefetch_chunk(engine, work: ChunkWork, ahead: Iterable[ChunkWork] = ()) -> 
     return all(started)
 
 
-def chunk_ready(engine, work: ChunkWork) -> bool:
+def chunk_ready(engine: StepContext, work: ChunkWork) -> bool:
     """Everything the update reads is in host memory (no wait would happen)."""
     return all(engine.manager.host_ready(key) for key in work.keys(engine.plan.has_master))
 
 
-def finish_chunk(engine, work: ChunkWork, grad_scale: float) -> int:
+def finish_chunk(engine: StepContext, work: ChunkWork, grad_scale: float) -> int:
     """Run the update of one planned chunk; returns the tensors updated."""
     step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
     engine.sample(Phase.OPTIMIZER, work.chunk)
@@ -177,7 +211,7 @@ def finish_chunk(engine, work: ChunkWork, grad_scale: float) -> int:
     return len(work.updated)
 
 
-def run_works(engine, works: list[ChunkWork], grad_scale: float) -> int:
+def run_works(engine: StepContext, works: list[ChunkWork], grad_scale: float) -> int:
     """Update planned chunks in order, pipelined: read unit i+1 while the kernel runs
     on unit i (and unit i-1 is written back)."""
     updated = 0
@@ -189,7 +223,7 @@ def run_works(engine, works: list[ChunkWork], grad_scale: float) -> int:
 
 
 def plan_works(
-    engine, hyper_by_index: dict[int, AdamHyperParams], skip: set[int]
+    engine: StepContext, hyper_by_index: dict[int, AdamHyperParams], skip: set[int]
 ) -> list[ChunkWork]:
     """The updates of one optimizer step: every trainable chunk not in ``skip`` (handled)."""
     works = []

@@ -18,9 +18,10 @@ import torch
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
 from infinity.optim.offloaded import MomentState
+from infinity.runtime.model_chunks import ModelChunks
 
 
-def _slot_views(engine, chunk: int, region: torch.Tensor) -> dict[str, torch.Tensor]:
+def _slot_views(engine: ModelChunks, chunk: int, region: torch.Tensor) -> dict[str, torch.Tensor]:
     """The flat state slots of a chunk's optimizer unit, by name (Adam: exp_avg, exp_avg_sq)."""
     capacity = engine.layout.chunks[chunk].capacity
     unit = engine.chunk_optimizer.unit_views(
@@ -29,9 +30,9 @@ def _slot_views(engine, chunk: int, region: torch.Tensor) -> dict[str, torch.Ten
     return unit.state
 
 
-def read_moments(engine, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
-    """``(index, (step, {slot: state}))`` copies for tensors stepped at least once."""
-    engine.settle_step()
+def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
+    """``(index, (step, {slot: state}))`` copies for tensors stepped at least once
+    (the caller has settled queued updates: a stale read raises ``StaleRead``)."""
     stepped = [i for i in indices if engine.tensor_steps[i] > 0]
     for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk), writable=False)
@@ -46,7 +47,7 @@ def read_moments(engine, indices: Iterable[int]) -> Iterator[tuple[int, MomentSt
             engine.manager.close_host(copy, modified=False)
 
 
-def check_moments(engine, values: dict[int, MomentState | None]) -> None:
+def check_moments(engine: ModelChunks, values: dict[int, MomentState | None]) -> None:
     """Raise (changing nothing) if a state does not fit its tensor."""
     for i, value in values.items():
         if value is None:
@@ -67,10 +68,9 @@ def check_moments(engine, values: dict[int, MomentState | None]) -> None:
             raise ValueError(f"optimizer state of {entry.name} has step {step}")
 
 
-def write_moments(engine, values: dict[int, MomentState | None]) -> None:
+def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) -> None:
     """Set moments and step counts (by tensor index; ``None``: no state, as never
-    stepped); check with :func:`check_moments` first."""
-    engine.settle_step()
+    stepped); check with :func:`check_moments` first. The caller has settled."""
     for chunk, group in engine.layout.group_by_chunk(values, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk))
         try:

@@ -21,7 +21,8 @@ seeing nothing.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -34,15 +35,28 @@ _HELP = (
 )
 
 
+class GradientOwner(Protocol):
+    """What a sentinel asks of its model's engine (its gradient-norm component)."""
+
+    def grad_norm(self, index: int, norm_type: float) -> torch.Tensor:
+        """The norm of tensor ``index``'s gradient as torch would see it."""
+        ...
+
+    def scale_grad(self, index: int, factor: float) -> None:
+        """Multiply tensor ``index``'s gradient by ``factor``."""
+
+
 class GradientInChunks(torch.Tensor):
     """Stands in ``param.grad`` for a gradient held in chunk memory."""
 
-    _engine: weakref.ReferenceType | None
+    _engine: weakref.ReferenceType[GradientOwner] | None
     _index: int
     _zeroed: bool
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, engine: Any = None, index: int = -1) -> GradientInChunks:
+    def __new__(
+        cls, like: torch.Tensor, engine: GradientOwner | None = None, index: int = -1
+    ) -> GradientInChunks:
         grad = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, dtype=like.dtype, device=like.device
         )
@@ -54,7 +68,13 @@ class GradientInChunks(torch.Tensor):
     # NOTE: torch declares __torch_dispatch__ as a plain function attribute;
     # subclasses override it with a classmethod, as torch's docs show.
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         # zero_grad(set_to_none=False) zeroes in place: accept it as "zeroed".
         if func is _aten.zero_.default:
@@ -78,7 +98,7 @@ class GradientInChunks(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"GradientInChunks(shape={tuple(self.shape)}, dtype={self.dtype})"
 
-    def _owner(self) -> Any:
+    def _owner(self) -> GradientOwner:
         engine = self._engine() if self._engine is not None else None
         if engine is None:
             raise RuntimeError(f"this gradient's offloaded model is gone: {_HELP}")
@@ -104,7 +124,14 @@ def _scalar(value: Any, func: Any) -> float:
     return float(value)
 
 
-def _vector_norm(grad, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
+def _vector_norm(
+    grad: GradientInChunks,
+    ord: float = 2,
+    dim: Sequence[int] | None = None,
+    keepdim: bool = False,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     if dim is not None and len(dim) not in (0, grad.dim()):
         raise RuntimeError(f"vector_norm over dims {dim}: {_HELP}")
     norm = grad._norm(float(ord))
@@ -113,7 +140,9 @@ def _vector_norm(grad, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.T
     return norm if dtype is None else norm.to(dtype)
 
 
-def _foreach_norm(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
+def _foreach_norm(
+    tensors: Sequence[torch.Tensor], ord: float = 2, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """Norms of a list mixing sentinels and ordinary tensors (in order)."""
     plain = [t for t in tensors if not isinstance(t, GradientInChunks)]
     plain_norms = iter(torch._foreach_norm(plain, ord, dtype=dtype) if plain else [])
@@ -123,7 +152,7 @@ def _foreach_norm(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
     ]
 
 
-def _foreach_mul_(tensors, factor: float) -> None:
+def _foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
     plain = [t for t in tensors if not isinstance(t, GradientInChunks)]
     if plain:
         torch._foreach_mul_(plain, factor)

@@ -69,8 +69,8 @@ def _grad_views(
     """The gradients of the tensors in ``indices`` that have one, chunk by chunk, as
     torch's ``param.grad`` would hold them: views of the host copies (valid during
     the iteration step), or scaled copies where a clip factor is pending."""
-    for entry, view in engine.grad_views(indices):
-        yield entry, engine.stored_gradient(entry.index, view)
+    for entry, view in engine.norms.grad_views(indices):
+        yield entry, engine.ledger.stored_gradient(entry.index, view)
 
 
 def gradients(model: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:

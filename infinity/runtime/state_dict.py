@@ -8,9 +8,14 @@ torch copy into a placeholder.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.params import ParamEntry
 from infinity.runtime.state_access import read_params, write_params
 
 
@@ -23,7 +28,13 @@ def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
         }
         consumed: list[str] = []
 
-        def save_hook(mod, state_dict, prefix, local_metadata, names=names) -> None:
+        def save_hook(
+            mod: nn.Module,
+            state_dict: dict[str, Any],
+            prefix: str,
+            local_metadata: dict[str, Any],
+            names: dict[str, ParamEntry] = names,
+        ) -> None:
             wanted = {
                 prefix + name: entry for name, entry in names.items() if prefix + name in state_dict
             }
@@ -36,18 +47,18 @@ def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
                         state_dict[key] = value
 
         def load_pre_hook(
-            mod,
-            state_dict,
-            prefix,
-            local_metadata,
-            strict,
-            missing,
-            unexpected,
-            errors,
-            names=names,
-            consumed=consumed,
+            mod: nn.Module,
+            state_dict: dict[str, Any],
+            prefix: str,
+            local_metadata: dict[str, Any],
+            strict: bool,
+            missing: list[str],
+            unexpected: list[str],
+            errors: list[str],
+            names: dict[str, ParamEntry] = names,
+            consumed: list[str] = consumed,
         ) -> None:
-            values = {}
+            values: dict[int, torch.Tensor] = {}
             for name, entry in names.items():
                 key = prefix + name
                 if key in state_dict:
@@ -56,7 +67,9 @@ def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
             if values:
                 write_params(engine, values)
 
-        def load_post_hook(mod, incompatible, consumed=consumed) -> None:
+        def load_post_hook(
+            mod: nn.Module, incompatible: Any, consumed: list[str] = consumed
+        ) -> None:
             for key in consumed:
                 if key in incompatible.missing_keys:
                     incompatible.missing_keys.remove(key)

@@ -22,7 +22,7 @@ import infinity
 from infinity.chunks.homes import HomeStore, Kind
 from infinity.chunks.staging import HostStaging
 from infinity.offload import engine_of
-from infinity.runtime.stepping import OptimizerSteps
+from infinity.runtime.update_queue import UpdateQueue
 from infinity.schedule.planner import NVME
 
 STEPS = 4
@@ -63,7 +63,7 @@ def test_a_gradient_evicted_before_its_step_is_written_and_read_back(tmp_path, m
     monkeypatch.setattr(HostStaging, "_write_back_staging", spy)
     # The engine bounds its queue of early updates by the gradient staging
     # slots (next test); lifted here, so the write-back path stays covered.
-    monkeypatch.setattr(OptimizerSteps, "_grad_staging_slots", lambda self: 1 << 30)
+    monkeypatch.setattr(UpdateQueue, "_grad_staging_slots", lambda self: 1 << 30)
     model, opt, ref, ref_opt = nvme_pair(tmp_path, host_factor=2.0, overlap_optimizer=True)
     # A slow disk: optimizer reads land long after backward has flushed more
     # gradient chunks than there are staging slots, so some must be evicted.

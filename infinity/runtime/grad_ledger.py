@@ -1,0 +1,168 @@
+"""What the engine knows of each tensor's gradient: held or not, and its pending factor.
+
+A component of :class:`~infinity.runtime.engine.OffloadEngine`, built on
+:class:`~infinity.runtime.model_chunks.ModelChunks`. It is the only component
+that moves the per-tensor gradient states (``chunks.has_grad``, see
+:mod:`infinity.runtime.lifecycles`) and the pending gradient factors.
+
+- ``param.grad`` set to ``None`` (or a sentinel zeroed in place) by the user is
+  how the engine learns gradients were zeroed: :meth:`collect_zeroed` turns
+  that into states here and in the chunk manager.
+- A multiplication of a gradient (clipping) is only recorded, as a pending
+  factor per tensor. The step folds a common factor into the fused kernel's
+  gradient scale; the factors are written into the chunks only when something
+  needs the scaled values in place (see :mod:`infinity.runtime.grad_norms`).
+
+``version`` changes whenever a gradient as the user sees it may have changed,
+so a cache of norms keyed by it never serves stale values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from infinity.chunks.homes import Kind
+from infinity.chunks.manager import typed
+from infinity.chunks.update_state import UpdateState
+from infinity.runtime.errors import ModelChangedError
+from infinity.runtime.model_chunks import ModelChunks
+from infinity.runtime.params import ParamEntry
+from infinity.runtime.sentinel import GradientInChunks, is_zeroed
+
+
+class GradientLedger:
+    """Per-tensor gradient states and pending factors of one model."""
+
+    def __init__(self, chunks: ModelChunks) -> None:
+        self.chunks = chunks
+        self.manager = chunks.manager
+        self.has_grad = chunks.has_grad  # moved only here (see ModelChunks)
+        n = len(chunks.registry.entries)
+        self.factors = [1.0] * n  # per tensor: the pending clip factor
+        self.version = 0
+
+    def changed(self) -> None:
+        """The gradients (as the user sees them) may have changed."""
+        self.version += 1
+
+    def received(self, index: int) -> None:
+        """Tensor ``index``'s gradient arrived in its chunk."""
+        self.has_grad.received(index)
+
+    # --- zeroing -------------------------------------------------------------------
+    def collect_zeroed(self) -> None:
+        """Gradients whose ``param.grad`` the user set to ``None`` (zero_grad) are dropped."""
+        chunks = self.chunks
+        zeroed_chunks: dict[int, list[ParamEntry]] = {}
+        for entry in chunks.registry.entries:
+            if not self.has_grad[entry.index]:
+                continue
+            grad = entry.param.grad
+            if grad is not None and not isinstance(grad, GradientInChunks):
+                raise ModelChangedError(
+                    f"{entry.name}.grad was assigned a tensor; gradients of offloaded parameters "
+                    "live in chunks and cannot be set by hand"
+                )
+            if is_zeroed(grad):
+                entry.param.grad = None
+                self.has_grad.dropped(entry.index)
+                zeroed_chunks.setdefault(chunks.chunk_of(entry.index), []).append(entry)
+        if zeroed_chunks:
+            self.reset_factors(e.index for es in zeroed_chunks.values() for e in es)
+        for chunk, entries in zeroed_chunks.items():
+            if not any(self.has_grad[e.index] for e in chunks.chunk_members[chunk]):
+                self.manager.grads.zeroed(chunk)
+            else:
+                self._zero_grad_ranges(chunk, entries)
+        if zeroed_chunks and not self.has_grad.any:
+            self.manager.grad_flow.found_inf = False
+
+    def reset(self) -> None:
+        """Forget every gradient (after loading a checkpoint)."""
+        for entry in self.chunks.registry.entries:
+            if isinstance(entry.param.grad, GradientInChunks):
+                entry.param.grad = None
+        self.has_grad.drop_all()
+        self.reset_factors()
+        self.manager.invalidate_grads()
+
+    def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:
+        """Zero some tensors' gradients inside a chunk whose other gradients stay."""
+        if not self.manager.grads.home_valid(chunk):
+            return  # nothing kept to zero (a later read or addition raises)
+        region, copy = self.manager.open_host((Kind.GRAD, chunk))
+        for entry in entries:
+            self.chunks.chunk_view(region, entry).zero_()
+        self.manager.close_host(copy, modified=True)
+
+    # --- pending factors -------------------------------------------------------------
+    def scale(self, index: int, factor: float) -> None:
+        """Record a multiplication of tensor ``index``'s gradient by ``factor``."""
+        self.factors[index] *= factor
+        self.changed()
+
+    def stored_gradient(self, index: int, view: torch.Tensor) -> torch.Tensor:
+        """A stored gradient with its pending factor applied (``view`` itself if none)."""
+        factor = self.factors[index]
+        return view if factor == 1.0 else view * factor
+
+    def step_factor(self, indices: Iterable[int]) -> float:
+        """The factor the step applies to the gradients of ``indices`` (those stepped).
+
+        One factor shared by all folds into the kernel; otherwise the factors
+        are first written into the chunks and the step applies none.
+        """
+        factors = {self.factor_of(i) for i in indices if self.has_grad[i]}
+        if len(factors) <= 1:
+            return factors.pop() if factors else 1.0
+        self.apply_factors()
+        return 1.0
+
+    def apply_factors(self) -> None:
+        """Write the pending factors into the gradient chunks (then all are 1).
+
+        The caller has settled queued updates (they read these gradients).
+        """
+        pending = {
+            i: self.factor_of(i)
+            for i, f in enumerate(self.factors)
+            if f != 1.0 and self.has_grad[i]
+        }
+        self.factors = [1.0] * len(self.factors)
+        if not pending:
+            return
+        updates = self.manager.updates
+        if updates.count(UpdateState.TRAILING) or updates.count(UpdateState.EARLY):
+            raise AssertionError("gradient factors applied while updates are queued")
+        layout = self.chunks.layout
+        for chunk, group in layout.group_by_chunk(pending, int).items():
+            region, copy = self.manager.open_host((Kind.GRAD, chunk))
+            try:
+                flat = typed(region, self.chunks.dtype)
+                for i in group:
+                    slot = layout.slots[i]
+                    flat[slot.offset : slot.offset + slot.numel].mul_(pending[i])
+            finally:
+                self.manager.close_host(copy, modified=True)
+        self.changed()
+
+    def factor_of(self, index: int) -> float:
+        """Tensor ``index``'s pending factor; raises if it is not finite."""
+        factor = self.factors[index]
+        if not math.isfinite(factor):
+            raise RuntimeError(
+                f"the gradient of {self.chunks.registry.entries[index].name} was scaled by "
+                f"{factor} (a clip coefficient from a non-finite gradient norm); call "
+                "optimizer.zero_grad() before the next backward, or clip with "
+                "error_if_nonfinite=True to stop at the bad norm"
+            )
+        return factor
+
+    def reset_factors(self, indices: Iterable[int] | None = None) -> None:
+        """Gradients of ``indices`` (all when ``None``) were dropped: no pending factor."""
+        for i in range(len(self.factors)) if indices is None else indices:
+            self.factors[i] = 1.0
+        self.changed()

@@ -1,0 +1,121 @@
+"""``ModelChunks``: one offloaded model's parameters laid out in chunks.
+
+The base every component of the engine is built on: the parameter registry,
+the plan and its layout, the chunk manager, which tensors each chunk holds,
+their states (:mod:`infinity.chunks.states`), their optimizer step counts and
+gradient states (:class:`~infinity.runtime.lifecycles.TensorGrads`), and the
+memory timeline. It knows no other component.
+
+NOTE: ``has_grad`` is stored here because every component reads it (and the
+step plans from it); only the gradient ledger
+(:class:`~infinity.runtime.grad_ledger.GradientLedger`) moves it, as only the
+update queue moves the manager's update states.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from infinity.chunks.homes import Kind
+from infinity.chunks.layout import ChunkLayout
+from infinity.chunks.manager import ChunkManager, typed
+from infinity.chunks.states import StateCounters, TensorState
+from infinity.core.names import Phase
+from infinity.core.plan import Plan
+from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.runtime.lifecycles import TensorGrads
+from infinity.runtime.params import ParamEntry, ParamRegistry, placeholder
+from infinity.runtime.timeline import Moment, Timeline
+
+
+class ModelChunks:
+    """Where each parameter of one model lives in the chunks, and its per-tensor state."""
+
+    def __init__(
+        self,
+        registry: ParamRegistry,
+        plan: Plan,
+        manager: ChunkManager,
+        dtype: torch.dtype,
+        device: torch.device,
+        chunk_optimizer: ChunkOptimizer[Any],
+    ) -> None:
+        self.registry = registry
+        self.plan = plan
+        self.layout: ChunkLayout = plan.layout
+        self.manager = manager
+        self.dtype = dtype
+        self.device = device
+        # The per-element optimizer the chunks are laid out for (CPUAdam's Adam).
+        self.chunk_optimizer = chunk_optimizer
+        self.chunk_members: list[list[ParamEntry]] = [[] for _ in range(self.layout.num_chunks)]
+        for entry in registry.entries:
+            self.chunk_members[self.layout.slots[entry.index].chunk].append(entry)
+        # Position of each tensor inside its chunk's state counters.
+        self.local_index = {
+            e.index: pos for members in self.chunk_members for pos, e in enumerate(members)
+        }
+        self.states = [StateCounters(len(m)) for m in self.chunk_members]
+        n = len(registry.entries)
+        self.has_grad = TensorGrads(n)  # per tensor: its gradient is in the chunks
+        self.tensor_steps = [0] * n  # per tensor: optimizer steps taken
+        self.timeline = Timeline()
+        self._resident: tuple[int, tuple[int, ...], tuple[int, ...]] = (-1, (), ())
+
+    def chunk_of(self, index: int) -> int:
+        """The chunk holding tensor ``index``."""
+        return self.layout.slots[index].chunk
+
+    def set_state(self, entry: ParamEntry, state: TensorState) -> None:
+        """Move one parameter to ``state`` (checked against the whitelist)."""
+        chunk = self.layout.slots[entry.index].chunk
+        self.states[chunk].set(self.local_index[entry.index], state)
+
+    def state_of(self, entry: ParamEntry) -> TensorState:
+        """The state of one parameter."""
+        return self.states[self.chunk_of(entry.index)].states[self.local_index[entry.index]]
+
+    def chunk_view(self, chunk_bytes: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
+        """``entry``'s tensor inside a chunk's bytes (compute dtype, its shape)."""
+        slot = self.layout.slots[entry.index]
+        flat = typed(chunk_bytes, self.dtype)
+        return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def release_new(self, entry: ParamEntry) -> None:
+        """Turn a meta parameter into a real one holding its placeholder (same object)."""
+        if entry.placeholder is None:
+            entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
+        fresh = nn.Parameter(entry.placeholder, requires_grad=entry.trainable)
+        torch.utils.swap_tensors(entry.param, fresh)
+
+    def release(self, entry: ParamEntry) -> None:
+        """Point the parameter back at its placeholder (no chunk memory held)."""
+        if entry.placeholder is None:
+            entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
+        entry.param.data = entry.placeholder
+
+    def sample(self, phase: Phase, chunk: int) -> None:
+        """Add the tiers' state after an access to the memory timeline."""
+        manager = self.manager
+        version, params, grads = self._resident
+        if version != manager.device.version:
+            # NOTE: recomputed only when the device's keys changed (this runs at
+            # every access); other keys are retired slots still landing.
+            # (kind, chunk) keys, and retired slots' keys, whose [0] is not a Kind
+            keys = cast(list[tuple[object, int]], manager.device.keys())
+            params = tuple(sorted(k[1] for k in keys if k[0] is Kind.PARAM))
+            grads = tuple(sorted(k[1] for k in keys if k[0] is Kind.GRAD))
+            self._resident = (manager.device.version, params, grads)
+        self.timeline.add(
+            Moment(
+                phase,
+                chunk,
+                manager.device_account.used,
+                manager.host_account.used,
+                params,
+                grads,
+            )
+        )

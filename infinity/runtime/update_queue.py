@@ -1,0 +1,223 @@
+"""The queue of chunk updates that have not run yet: early ones and trailing ones.
+
+A component of :class:`~infinity.runtime.engine.OffloadEngine`, built on
+:class:`~infinity.runtime.model_chunks.ModelChunks` and the access trace. It is
+the only component that moves the manager's update states
+(:mod:`infinity.chunks.update_state`), and the one every reader of chunk
+bytes settles through (:meth:`UpdateQueue.settle`).
+
+NOTE: ``optimizer.step()`` updates host-homed chunks at once, but a chunk whose
+optimizer state (or gradient, or parameters) lives on NVMe is only *queued*: its
+update runs at a later hook, at the latest when the next forward (or anything
+else) first touches that chunk. The values seen are the same as with an eager
+step; what changes is that the disk traffic of the update overlaps compute.
+With ``overlap_optimizer=True`` a chunk's update is also queued *early*, during
+backward, as soon as its gradients are complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+
+from infinity.chunks.homes import Kind
+from infinity.chunks.update_state import UpdateState
+from infinity.core.names import HOST, Phase
+from infinity.runtime.model_chunks import ModelChunks
+from infinity.runtime.offloaded_step import (
+    ChunkWork,
+    chunk_ready,
+    finish_chunk,
+    prefetch_chunk,
+    run_works,
+)
+from infinity.schedule.trace import TraceRecorder
+
+_U = UpdateState
+
+# Trailing updates whose reads are in flight at once (the optimizer staging
+# slots of the planner hold one more, the unit being updated).
+TRAIL_LOOKAHEAD = 2
+
+
+class TrailingUpdates(deque[ChunkWork]):
+    """Updates queued by ``optimizer.step()``, in the order the forward needs their
+    chunks, with the gradient scale of the step that queued them (one per step)."""
+
+    def __init__(self, works: Iterable[ChunkWork] = (), grad_scale: float = 1.0) -> None:
+        super().__init__(works)
+        self.grad_scale = grad_scale
+
+
+class UpdateQueue:
+    """Queued chunk updates: run when their data has landed or their chunk is needed."""
+
+    def __init__(self, chunks: ModelChunks, trace: TraceRecorder) -> None:
+        self.chunks = chunks
+        self.manager = chunks.manager
+        self.trace = trace
+        # Chunks queued during backward (overlap_optimizer), oldest first.
+        self.early: list[ChunkWork] = []
+        self.early_chunk_steps = 0  # updates run during a backward
+        self.trailing = TrailingUpdates()
+        self.trailing_chunk_steps = 0  # updates that ran after optimizer.step() returned
+
+    # --- early updates (during backward) -------------------------------------------
+    def add_early(self, chunk: int, work: ChunkWork | None) -> None:
+        """Queue the update of ``chunk``, whose gradients are all in (reads start now);
+        ``work`` is ``None`` if none of its tensors has a gradient (nothing to run).
+
+        The update runs at a later hook once its reads have landed
+        (:meth:`poll_early`), so backward does not wait on the disk for it,
+        unless the queued updates already hold every gradient staging slot:
+        then the oldest one is run at once, waiting for its reads.
+        """
+        self.manager.updates.set(chunk, _U.STEPPED if work is None else _U.EARLY)
+        if work is None:
+            return
+        # NOTE: its reads start in poll_early, in queue order: prefetched
+        # here, it could take the slot an older starved update waits for.
+        self.early.append(work)
+        self.poll_early()
+        while self.early and self._staged_grads_queued() >= self._grad_staging_slots():
+            # NOTE: each queued update holds its gradients in a host staging
+            # slot; one more would evict them to disk and read them back.
+            # Waiting for the oldest update's reads costs less I/O than that.
+            self._run_early(self.early.pop(0))
+
+    def poll_early(self, needed: int | None = None) -> None:
+        """Run queued early updates whose data is in host memory (never waits on I/O),
+        and (waiting for its reads) the one of chunk ``needed``."""
+        pending: list[ChunkWork] = []
+        starved = False
+        for work in self.early:
+            # Retry reads that found no free slot, in queue order: once one finds
+            # none, later chunks must not take the next free slots before it.
+            starved = starved or not prefetch_chunk(self.chunks, work, ahead=pending)
+            if work.chunk == needed or chunk_ready(self.chunks, work):
+                self._run_early(work)
+            else:
+                pending.append(work)
+        self.early = pending
+
+    def take_early(self) -> list[ChunkWork]:
+        """``optimizer.step()``: the early updates not run yet, to run with the step;
+        chunks stepped during backward become idle."""
+        works, self.early = self.early, []
+        updates = self.manager.updates
+        for chunk in updates.chunks_in(_U.STEPPED):
+            updates.set(chunk, _U.IDLE)
+        return works
+
+    def handled_early(self) -> set[int]:
+        """Chunks stepped or queued during this backward (the step skips planning them)."""
+        return self.manager.updates.chunks_in(_U.STEPPED, _U.EARLY)
+
+    def _run_early(self, work: ChunkWork) -> None:
+        self._run(work, 1.0, then=_U.STEPPED)
+        self.early_chunk_steps += 1
+
+    def _run(self, work: ChunkWork, grad_scale: float, then: UpdateState) -> None:
+        """Run one queued update; its chunk is readable again afterwards."""
+        updates = self.manager.updates
+        updates.set(work.chunk, _U.RUNNING)
+        finish_chunk(self.chunks, work, grad_scale)
+        updates.set(work.chunk, then)
+
+    def _staged_grads_queued(self) -> int:
+        """Queued early updates whose gradients wait in host staging (NVMe-homed)."""
+        tier = self.manager.homes.tier
+        return sum(tier((Kind.GRAD, w.chunk)) != HOST for w in self.early)
+
+    def _grad_staging_slots(self) -> int:
+        return sum(self.chunks.plan.host_staging.get(Kind.GRAD.value, {}).values())
+
+    def check_not_stepped_early(self, what: str) -> None:
+        """Raise if chunks were already updated in this backward (overlap_optimizer=True)."""
+        if self.manager.updates.stepped_in_backward:
+            raise RuntimeError(
+                f"{what} after a backward whose chunks were already updated "
+                "(Config(overlap_optimizer=True) steps each chunk as soon as its gradients are "
+                "complete). With gradient clipping or accumulation use overlap_optimizer=False "
+                "(transformers.Trainer computes the gradient norm at every step, so it needs "
+                "overlap_optimizer=False)."
+            )
+
+    # --- the step trailing into the next forward ----------------------------------------
+    def start_step(self, works: list[ChunkWork], grad_scale: float) -> None:
+        """Update host-only chunks now; queue the rest in the order the forward needs them."""
+        has_master = self.chunks.plan.has_master
+        now: list[ChunkWork] = []
+        later: list[ChunkWork] = []
+        for work in works:
+            on_nvme = any(self.manager.homes.tier(k) != HOST for k in work.keys(has_master))
+            (later if on_nvme else now).append(work)
+        updates = self.manager.updates
+        for work in later:
+            updates.set(work.chunk, _U.TRAILING)
+        for work in now:
+            updates.set(work.chunk, _U.RUNNING)
+        run_works(self.chunks, now, grad_scale)
+        for work in now:
+            updates.set(work.chunk, _U.IDLE)
+        first_use = self._first_forward_use()
+        later.sort(key=lambda w: first_use.get(w.chunk, len(first_use)))
+        self.trailing = TrailingUpdates(later, grad_scale)
+        for position, work in enumerate(later[:TRAIL_LOOKAHEAD]):
+            # the reads travel while the caller loads data
+            prefetch_chunk(self.chunks, work, ahead=later[:position])
+
+    def _first_forward_use(self) -> dict[int, int]:
+        trace = self.trace.trace
+        first: dict[int, int] = {}
+        if trace is not None:
+            for moment, (phase, chunk) in enumerate(trace.accesses):
+                if phase == Phase.FORWARD:
+                    first.setdefault(chunk, moment)
+        return first
+
+    def poll_trailing(self, needed: int | None = None, *, settle: bool = False) -> None:
+        """Run queued updates: those whose data has landed, and (waiting for its reads)
+        every one up to chunk ``needed``; all of them if ``settle``."""
+        trailing = self.trailing
+        while trailing:
+            window = list(itertools.islice(trailing, TRAIL_LOOKAHEAD))
+            for position, work in enumerate(window):
+                prefetch_chunk(self.chunks, work, ahead=window[:position])  # retried at every poll
+            work = trailing[0]
+            must = settle or (needed is not None and self.is_trailing(needed))
+            if not must and not chunk_ready(self.chunks, work):
+                return
+            trailing.popleft()
+            self._run(work, trailing.grad_scale, then=_U.IDLE)
+            self.trailing_chunk_steps += 1
+
+    def before_access(self, phase: Phase, chunk: int) -> None:
+        """An access of ``chunk`` is about to read it: run what must run first."""
+        if self.trailing:
+            self.poll_trailing(needed=chunk)
+        if self.early:
+            # NOTE: a gradient arriving needs no parameter bytes; every other
+            # access reads them, so the chunk's queued update runs first.
+            self.poll_early(needed=None if phase == Phase.GRAD else chunk)
+
+    def settle(self) -> None:
+        """Finish every queued update (before anything reads or changes chunk data).
+
+        Every engine entry point passes here or checks itself: after an I/O
+        error it raises instead (see :mod:`infinity.chunks.io_failures`).
+        """
+        self.manager.check_io()
+        if self.trailing:
+            self.poll_trailing(settle=True)
+
+    def synchronize(self) -> None:
+        """Finish queued updates and wait for every transfer in flight."""
+        self.settle()
+        self.manager.synchronize()
+
+    def is_trailing(self, chunk: int) -> bool:
+        """Chunk ``chunk`` has an update queued: its parameters (home and every copy)
+        still hold the values from before the step."""
+        return self.manager.updates.trailing(chunk)
