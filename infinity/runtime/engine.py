@@ -252,6 +252,7 @@ class OffloadEngine:
     def begin_forward(self) -> None:
         """The root module's forward starts: check the model, start a new iteration."""
         self.manager.check_io()
+        self.queue.check_failed()
         self._check_model()
         if self.sink.running and torch._C._current_graph_task_id() == -1:
             # A backward that never finished (interrupted, or an exception inside
@@ -321,7 +322,7 @@ class OffloadEngine:
         self._closed = True
         failures = self.manager.failures
         try:
-            if failures.first is None:
+            if failures.first is None and self.queue.failure is None:
                 self.synchronize()  # queued updates run, every transfer lands (errors raise)
         finally:
             self._release()

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from infinity.chunks.homes import Kind
 from infinity.chunks.update_state import UpdateState
 from infinity.core.names import HOST, Phase
+from infinity.io import NVMeIOError
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.offloaded_step import (
     ChunkWork,
@@ -62,6 +63,25 @@ class UpdateQueue:
         self.early_chunk_steps = 0  # updates run during a backward
         self.trailing = TrailingUpdates()
         self.trailing_chunk_steps = 0  # updates that ran after optimizer.step() returned
+        # The first error raised inside an update: some chunks may be updated and
+        # others not, so the engine refuses to go on (see check_failed).
+        self.failure: BaseException | None = None
+
+    def check_failed(self) -> None:
+        """Raise if an update failed earlier, naming that first error and the fix."""
+        if self.failure is not None:
+            raise RuntimeError(
+                "this offloaded model stopped after an error inside an optimizer update "
+                f"({type(self.failure).__name__}: {self.failure}); some chunks may be updated "
+                "and others not: load the last checkpoint into a freshly offloaded model "
+                "(infinity.load_checkpoint) and continue from there"
+            ) from self.failure
+
+    def _failed(self, error: BaseException) -> None:
+        # NOTE: an I/O error is already sticky in the manager's IOFailures, which
+        # every entry point checks (and whose message names the failed transfer).
+        if self.failure is None and not isinstance(error, NVMeIOError):
+            self.failure = error
 
     # --- early updates (during backward) -------------------------------------------
     def add_early(self, chunk: int, work: ChunkWork | None) -> None:
@@ -122,7 +142,11 @@ class UpdateQueue:
         """Run one queued update; its chunk is readable again afterwards."""
         updates = self.manager.updates
         updates.set(work.chunk, _U.RUNNING)
-        finish_chunk(self.chunks, work, grad_scale)
+        try:
+            finish_chunk(self.chunks, work, grad_scale)
+        except BaseException as error:
+            self._failed(error)
+            raise
         updates.set(work.chunk, then)
 
     def _staged_grads_queued(self) -> int:
@@ -158,7 +182,11 @@ class UpdateQueue:
             updates.set(work.chunk, _U.TRAILING)
         for work in now:
             updates.set(work.chunk, _U.RUNNING)
-        run_works(self.chunks, now, grad_scale)
+        try:
+            run_works(self.chunks, now, grad_scale)
+        except BaseException as error:
+            self._failed(error)
+            raise
         for work in now:
             updates.set(work.chunk, _U.IDLE)
         first_use = self._first_forward_use()
@@ -195,6 +223,7 @@ class UpdateQueue:
 
     def before_access(self, phase: Phase, chunk: int) -> None:
         """An access of ``chunk`` is about to read it: run what must run first."""
+        self.check_failed()
         if self.trailing:
             self.poll_trailing(needed=chunk)
         if self.early:
@@ -209,6 +238,7 @@ class UpdateQueue:
         error it raises instead (see :mod:`infinity.chunks.io_failures`).
         """
         self.manager.check_io()
+        self.check_failed()
         if self.trailing:
             self.poll_trailing(settle=True)
 
