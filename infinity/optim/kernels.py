@@ -204,7 +204,10 @@ def adam_step(
     scale_ptrs = (0, 0)
     if exp_avg.dtype is torch.uint8:
         blocks = -(-n // _QBLOCK)
-        for name, scale in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):
+        for name, scale in (
+            ("exp_avg_scale", exp_avg_scale),
+            ("exp_avg_sq_scale", exp_avg_sq_scale),
+        ):
             if scale is None:
                 raise ValueError(f"{name} is required with int8 (uint8) moments")
             _check_tensor(name, scale, _FP32, blocks, f"{n} elements in blocks of {_QBLOCK}")

@@ -114,6 +114,8 @@ class StateFormat:
         size = STATE_ELEMENT_BYTES[self.name]
         ranges = [(offset * size, numel * size)]
         if self.quantized:
+            if numel == 0:
+                return [*ranges, (0, 0)]
             if offset % QBLOCK:
                 raise ValueError(f"int8 state of a tensor at element {offset} is not block-aligned")
             first = self.data_bytes(capacity) + offset // QBLOCK * FP32_BYTES
@@ -130,7 +132,9 @@ def _ptr(t: torch.Tensor) -> int:
 def read_moments(exp_avg: StoredSlot, exp_avg_sq: StoredSlot) -> tuple[torch.Tensor, torch.Tensor]:
     """New fp32 copies of a pair of stored moments (first, second)."""
     if exp_avg.scale is None or exp_avg_sq.scale is None:
-        return exp_avg.data.float(), exp_avg_sq.data.float()
+        return exp_avg.data.to(torch.float32, copy=True), exp_avg_sq.data.to(
+            torch.float32, copy=True
+        )
     out = []
     for slot, signed in ((exp_avg, True), (exp_avg_sq, False)):
         values = torch.empty(slot.data.numel(), dtype=torch.float32)

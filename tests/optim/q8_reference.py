@@ -35,7 +35,9 @@ def _nearest(y: np.ndarray, table: np.ndarray) -> np.ndarray:
     return np.where(y >= table[-1], len(table) - 1, code)
 
 
-def encode_block(m: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.float32, np.ndarray, np.float32]:
+def encode_block(
+    m: np.ndarray, v: np.ndarray
+) -> tuple[np.ndarray, np.float32, np.ndarray, np.float32]:
     """Codes and scales of one block of fp32 moments."""
     m = m.astype(np.float32)
     v = v.astype(np.float32)
