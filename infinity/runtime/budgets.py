@@ -111,11 +111,12 @@ def plan_for(
     device: torch.device,
     optimizer: ChunkOptimizer = ADAM,
 ) -> Plan:
-    """The plan for a model's parameter registry under ``config`` (nothing is allocated)."""
+    """The plan for a model's parameter registry under ``config`` (nothing is allocated);
+    the optimizer's state slots are stored as ``config.optimizer_state_dtype``."""
     return choose_plan(
         registry.tensor_infos(),
         registry.working_sets,
         config=config,
         budgets=resolve_budgets(config, device),
-        optimizer=optimizer,
+        optimizer=optimizer.with_state_dtype(config.optimizer_state_dtype),
     )
