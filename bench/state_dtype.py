@@ -131,9 +131,8 @@ def main() -> int:
         print(f"demo ({args.loss_steps} steps): mean loss of the last 20 steps")
         for name, losses in curves.items():
             marks = ", ".join(f"{losses[i]:.3f}" for i in range(0, len(losses), 50))
-            print(
-                f"{name:<6}{_tail(losses):8.4f}  ({_tail(losses) / ref - 1:+.2%})  every 50: {marks}"
-            )
+            change = _tail(losses) / ref - 1
+            print(f"{name:<6}{_tail(losses):8.4f}  ({change:+.2%})  every 50: {marks}")
     if args.json:
         print(json.dumps(report))
     return 0

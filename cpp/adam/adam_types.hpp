@@ -57,8 +57,7 @@ inline constexpr StateFormatInfo kStateFormats[] = {
     {StateFormat::kQ8, "int8", 1},
 };
 
-/// Elements per quantisation block of kQ8 (one fp32 scale each). See q8_codec.hpp
-/// for why 256; the thread partition (partition.hpp) cuts on multiples of it.
+/// Elements per quantisation block of kQ8 (one fp32 scale each). See NOTE [int8 block size].
 inline constexpr int64_t kQBlock = 256;
 
 /// Flat buffers of one step; all hold `n` elements and do not overlap.

@@ -107,7 +107,7 @@ void q8_encode_moments(const float* m, const float* v, uint8_t* m_code, float* m
         const float v_inv = q8::inverse_scale(v_max);
         for (int64_t i = i0; i < end; ++i) {
             const uint32_t vc = q8::encode<ScalarOps, q8::Unsigned>(v[i], v_inv);
-            // See NOTE [second moment zero] (q8_codec.hpp).
+            // See NOTE [int8 second moment zero].
             v_code[i] = static_cast<uint8_t>(vc);
             m_code[i] = vc == 0 ? 0 : static_cast<uint8_t>(q8::encode<ScalarOps, q8::Signed>(m[i], m_inv));
         }

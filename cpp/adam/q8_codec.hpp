@@ -12,26 +12,23 @@
 // encode with a few integer operations and no table:
 //   exp_avg     sign + 4-bit exponent + 3-bit fraction (bias 15): |m| / absmax
 //               from 1 down to 2^-17 / 1.875 (4e-6), at most 1/16 relative error;
-//   exp_avg_sq  4+1 = 5-bit exponent + 3-bit fraction (bias 31), no sign: down to
+//   exp_avg_sq  5-bit exponent + 3-bit fraction (bias 31), no sign: down to
 //               2^-33 / 1.875 (6e-11), so sqrt(v) reaches as far below its block
 //               maximum as |m| does below its own.
 // Both map the block's largest value to the largest code, 1.875 (= 2^0 * 1.111b),
-// and keep subnormals (a linear step below 2^(1-bias)). Rounding is to
-// nearest, ties to even, the same as fp32 -> bf16: deterministic, so every ISA,
-// thread count and resumed run stores the same bytes.
+// and keep subnormals (a linear step below 2^(1-bias)).
 //
-// NOTE [second moment zero]: an element whose exp_avg_sq rounds to code 0 gets
-// exp_avg code 0 as well. Otherwise the next step would divide a surviving
-// first moment by eps alone (sqrt(0) + eps) and take a step of ~lr * m / eps.
-// With both zero the element restarts as at step 1 (its next update is
-// (1-beta1) g / sqrt((1-beta2) g^2), bias-corrected, as Adam's first step).
+// Rounding is to nearest, ties to even, here and for bf16 moments alike.
+// Stochastic rounding would keep small per-step changes unbiased (beta2 =
+// 0.999 decays the second moment by 0.1% a step, less than half a step of
+// either format, so under nearest rounding it holds its value until a gradient
+// moves it further), but it needs random bits that are the same on every ISA,
+// thread split and resumed run; nearest rounding is reproducible for free, and
+// bench/state_dtype.py measures what it costs in loss.
 //
-// NOTE [why 256]: the block's fp32 values (2 x 1 KiB) stay in L1 between the
-// update and the re-encoding pass; the scale costs 4 bytes per 256 (1.6%);
-// smaller blocks confine an outlier's loss of resolution to fewer neighbours
-// (the paper uses 2048 and reports outliers as the reason for blocks at all).
-// Tensors start on block boundaries in int8 mode (the chunk layout aligns
-// them), so a tensor's codes never share a scale with another tensor's.
+// See NOTE [int8 second moment zero] (an element whose second moment codes to
+// zero loses its first moment too) and NOTE [int8 block size] (why 256, and
+// why tensors start on a block), docs/NOTES.md.
 #pragma once
 
 #include <cstdint>
@@ -202,7 +199,7 @@ inline __attribute__((always_inline)) void q8_block(const AdamBuffers& b, const 
     for (int64_t j = 0; j < len; j += W) {
         const int64_t count = len - j < W ? len - j : W;
         const typename Ops::I v = encode<Ops, Unsigned>(Ops::load(v_f32 + j), v_inv);
-        // See NOTE [second moment zero].
+        // See NOTE [int8 second moment zero].
         const typename Ops::I m =
             Ops::lt_select(zero, v, encode<Ops, Signed>(Ops::load(m_f32 + j), m_inv), zero);
         store_lanes<Ops>(m_code + j, count, [&](uint8_t* d) { Ops::store_u8(d, m); });

@@ -84,7 +84,8 @@ class StateFormat:
 
     @property
     def element_alignment(self) -> int:
-        """Elements a tensor's state must start on inside a chunk (int8: one block)."""
+        """Elements a tensor's state must start on inside a chunk (int8: one block;
+        see NOTE [int8 block size])."""
         return QBLOCK if self.quantized else 1
 
     def data_bytes(self, capacity: int) -> int:
@@ -131,12 +132,11 @@ def _ptr(t: torch.Tensor) -> int:
 
 def read_moments(exp_avg: StoredSlot, exp_avg_sq: StoredSlot) -> tuple[torch.Tensor, torch.Tensor]:
     """New fp32 copies of a pair of stored moments (first, second)."""
-    if exp_avg.scale is None or exp_avg_sq.scale is None:
-        return exp_avg.data.to(torch.float32, copy=True), exp_avg_sq.data.to(
-            torch.float32, copy=True
-        )
     out = []
     for slot, signed in ((exp_avg, True), (exp_avg_sq, False)):
+        if slot.scale is None:
+            out.append(slot.data.to(torch.float32, copy=True))
+            continue
         values = torch.empty(slot.data.numel(), dtype=torch.float32)
         n = slot.data.numel()
         native().adam.q8_decode(_ptr(slot.data), _ptr(slot.scale), _ptr(values), n, signed)

@@ -49,7 +49,7 @@ def encode_block(
         y = (x * inv).astype(np.float32)  # one fp32 rounding, as the kernel
         out.append(_nearest(y.astype(np.float64), table))
     m_code = out[0] | (np.signbit(m).astype(np.int64) << 7)
-    m_code = np.where(out[1] == 0, 0, m_code)  # NOTE [second moment zero]
+    m_code = np.where(out[1] == 0, 0, m_code)  # docs/NOTES.md: int8 second moment zero
     return m_code.astype(np.uint8), m_max, out[1].astype(np.uint8), v_max
 
 

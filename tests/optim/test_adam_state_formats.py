@@ -61,8 +61,8 @@ def test_codec_matches_reference_exactly(n: int) -> None:
 
 def test_codec_resolution() -> None:
     """Values above the subnormal codes of their block come back within 1/16 (3 fraction
-    bits); a second moment below the range zeroes its first moment (NOTE [second moment
-    zero] in cpp/adam/q8_codec.hpp)."""
+    bits); a second moment below the range zeroes its first moment (docs/NOTES.md: int8
+    second moment zero)."""
     m, v = _moments(4096, seed=1)
     dm, dv = read_moments(*_stored(m, v))
     assert np.all(dm.numpy()[dv.numpy() == 0] == 0)
