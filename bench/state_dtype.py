@@ -65,6 +65,7 @@ def nvme_case(args: argparse.Namespace) -> dict:
             turn = r % len(runners)
             for runner in runners[turn:] + runners[:turn]:
                 runner.block(data[r * block : (r + 1) * block], timed=r >= warm_rounds)
+        r_laps = {r.name: r.laps for r in runners}
         results = {res.name: res for res in (r.result() for r in runners)}
     fp32 = results["fp32"]
     for name, res in results.items():
@@ -75,6 +76,10 @@ def nvme_case(args: argparse.Namespace) -> dict:
             "host_memory": res.config["host_memory"],
             "time_vs_fp32": statistics.median(
                 a / b for a, b in zip(res.rounds, fp32.rounds, strict=True)
+            ),
+            "round_ratios": [a / b for a, b in zip(res.rounds, fp32.rounds, strict=True)],
+            "wait_nvme_seconds": statistics.mean(
+                lap.get("wait_nvme_seconds", 0.0) for lap in r_laps[name]
             ),
         }
     base_bytes = out["cases"]["fp32"]["nvme_bytes_per_step"]
@@ -90,7 +95,7 @@ def demo_losses(args: argparse.Namespace) -> dict:
         print(f"... demo, {name} moments", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
             cmd = [
-                sys.executable, "-m", "infinity.cli.main", "train", "--json",
+                sys.executable, "-m", "infinity", "train", "--json",
                 "--steps", str(args.loss_steps), "--optimizer-state-dtype", name,
                 "--checkpoint-dir", "none", "--plot", "none", "--nvme-path", tmp,
             ]  # fmt: skip
@@ -117,10 +122,15 @@ def main() -> int:
     report: dict = {"nvme": nvme_case(args)}
     print(f"{report['nvme']['model']} ({report['nvme']['params'] / 1e6:.1f}M parameters), "
           "optimizer states on NVMe")  # fmt: skip
-    print(f"{'moments':<9}{'step s':>8}{'x fp32':>8}{'NVMe/step':>12}{'x fp32':>8}{'host':>11}")
+    print(
+        f"{'moments':<9}{'step s':>8}{'x fp32':>8}{'rounds':>12}{'NVMe wait':>10}"
+        f"{'NVMe/step':>12}{'x fp32':>8}{'host':>11}"
+    )
     for name, c in report["nvme"]["cases"].items():
+        spread = f"{min(c['round_ratios']):.2f}-{max(c['round_ratios']):.2f}"
         print(
-            f"{name:<9}{c['step_seconds']:>8.3f}{c['time_vs_fp32']:>8.2f}"
+            f"{name:<9}{c['step_seconds']:>8.3f}{c['time_vs_fp32']:>8.2f}{spread:>12}"
+            f"{c['wait_nvme_seconds']:>10.3f}"
             f"{format_size(c['nvme_bytes_per_step']):>12}{c['bytes_vs_fp32']:>8.2f}"
             f"{format_size(c['host_memory']):>11}"
         )

@@ -41,16 +41,8 @@ struct ScalarOps {
 
     // Integer lanes for the int8 codec (q8_codec.hpp): uint32 arithmetic wraps.
     using I = uint32_t;
-    static I bits(V x) {
-        I u;
-        std::memcpy(&u, &x, sizeof u);
-        return u;
-    }
-    static V from_bits(I u) {
-        V x;
-        std::memcpy(&x, &u, sizeof x);
-        return x;
-    }
+    static I bits(V x) { return float_bits(x); }
+    static V from_bits(I u) { return bits_float(u); }
     static I iset1(uint32_t x) { return x; }
     static I iadd(I a, I b) { return a + b; }
     static I isub(I a, I b) { return a - b; }

@@ -36,15 +36,9 @@
 
 #include "adam/adam_math.hpp"
 #include "adam/adam_types.hpp"
+#include "adam/convert.hpp"
 
 namespace infinity::adam::q8 {
-
-/// The float with bit pattern `u`.
-inline float bits_to_float(uint32_t u) {
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /// The value of the largest code: a block's absmax maps to it.
 inline constexpr float kMax = 1.875f;
@@ -93,7 +87,7 @@ inline __attribute__((always_inline)) typename Ops::I encode(typename Ops::V x, 
     const I rounded = Ops::iadd(u, Ops::iadd(Ops::iset1((1u << (C::kDrop - 1)) - 1), lsb));
     const I normal = Ops::isub(Ops::template shr<C::kDrop>(rounded), Ops::iset1(C::kOffset));
     // Subnormal range: adding 2^(21-bias) rounds y to a multiple of the step.
-    const typename Ops::V magic = Ops::set1(bits_to_float(C::kMagic));
+    const typename Ops::V magic = Ops::set1(bits_float(C::kMagic));
     const I sub = Ops::isub(Ops::bits(Ops::add(y, magic)), Ops::iset1(C::kMagic));
     I code = Ops::lt_select(u, Ops::iset1(C::kMinNormal), sub, normal);
     code = Ops::imin(code, Ops::iset1(F::kMaxCode));
@@ -112,7 +106,7 @@ inline __attribute__((always_inline)) typename Ops::V decode(typename Ops::I cod
     const I mag = F::kSigned ? Ops::iand(code, Ops::iset1(0x7f)) : code;
     const I normal = Ops::iadd(Ops::template shl<C::kDrop>(mag), Ops::iset1(C::kOffset << C::kDrop));
     const I sub = Ops::bits(
-        Ops::mul(Ops::cvt(mag), Ops::set1(bits_to_float(C::kSubStep))));
+        Ops::mul(Ops::cvt(mag), Ops::set1(bits_float(C::kSubStep))));
     I value = Ops::lt_select(mag, Ops::iset1(1 << C::kFraction), sub, normal);
     if constexpr (F::kSigned) {
         value = Ops::ior(value, Ops::template shl<24>(Ops::iand(code, Ops::iset1(0x80))));
