@@ -17,12 +17,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from infinity._native.adam import STATE_ELEMENT_BYTES
 from infinity._native.io import ALIGNMENT, MAX_QUEUE_DEPTH, MAX_THREADS
 from infinity.utils.sizes import align_up, parse_size, shown
 
 AUTO = "auto"
 DTYPES = ("fp32", "bf16", "fp16")
 AIO_BACKENDS = ("auto", "io_uring", "aio", "threads")
+OPTIMIZER_STATE_DTYPES = tuple(STATE_ELEMENT_BYTES)  # "fp32", "bf16", "int8": the kernel's formats
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes: more is the wrong file
 
 
@@ -154,6 +156,11 @@ class Config:
         initial_loss_scale, loss_scale_window, min_loss_scale: fp16 dynamic loss
             scaling (scale halves on overflow, doubles after ``loss_scale_window``
             good steps).
+        optimizer_state_dtype: how the optimizer's moments are stored: ``"fp32"``
+            (exact, the default), ``"bf16"`` (half the bytes; rounded to nearest
+            even) or ``"int8"`` (about a quarter: 8-bit codes with one fp32 scale per
+            256 elements, as in 8-bit Adam). The update runs in fp32 and master
+            weights stay fp32 either way; checkpoints keep the stored format.
     """
 
     device_memory: int | str = AUTO
@@ -170,6 +177,7 @@ class Config:
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
+    optimizer_state_dtype: str = "fp32"
 
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = (
         "device_memory",
@@ -224,6 +232,9 @@ class Config:
                 raise ConfigError(f"{name}={shown(value)} must be a positive, finite number")
             setattr(self, name, number)
         self.loss_scale_window = _positive_int("loss_scale_window", self.loss_scale_window)
+        self.optimizer_state_dtype = _choice(
+            "optimizer_state_dtype", self.optimizer_state_dtype, OPTIMIZER_STATE_DTYPES
+        )
 
     # --- (de)serialisation ------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -79,19 +79,40 @@ inline __attribute__((always_inline)) void adam_update(typename Ops::V& p, typen
     p = Ops::add(p, Ops::div(Ops::mul(k.neg_step_size, m), den));
 }
 
-/// Updates elements [i, i + Ops::kWidth); kStream: write out16 with streaming stores.
-template <class Ops, class G, class O, bool kL2, bool kStream>
+/// Loads one vector of a moment stored as S (F32Tag or BF16Tag) at element i.
+template <class Ops, class S>
+inline __attribute__((always_inline)) typename Ops::V load_moment(const void* base, int64_t i) {
+    if constexpr (std::is_same_v<S, F32Tag>) {
+        return Ops::load(static_cast<const float*>(base) + i);
+    } else {
+        return Ops::template load_grad<BF16Tag>(static_cast<const uint16_t*>(base) + i);
+    }
+}
+
+/// Stores one vector of a moment as S (bf16: round-to-nearest-even) at element i.
+template <class Ops, class S>
+inline __attribute__((always_inline)) void store_moment(void* base, int64_t i, typename Ops::V x) {
+    if constexpr (std::is_same_v<S, F32Tag>) {
+        Ops::store(static_cast<float*>(base) + i, x);
+    } else {
+        Ops::template store_out<BF16Tag, false>(static_cast<uint16_t*>(base) + i, x);
+    }
+}
+
+/// Updates elements [i, i + Ops::kWidth); kStream: write out16 with streaming
+/// stores; S: how the moments are stored (F32Tag or BF16Tag).
+template <class Ops, class G, class O, class S, bool kL2, bool kStream>
 inline __attribute__((always_inline)) void adam_vector(const AdamBuffers& b,
                                                        const VecCoeffs<Ops>& k, int64_t i) {
     using V = typename Ops::V;
     const auto* const grad = static_cast<const typename G::Storage*>(b.grad);
     V p = Ops::load(b.param + i);
-    V m = Ops::load(b.exp_avg + i);
-    V v = Ops::load(b.exp_avg_sq + i);
+    V m = load_moment<Ops, S>(b.exp_avg, i);
+    V v = load_moment<Ops, S>(b.exp_avg_sq, i);
     adam_update<Ops, kL2>(p, Ops::template load_grad<G>(grad + i), m, v, k);
     Ops::store(b.param + i, p);
-    Ops::store(b.exp_avg + i, m);
-    Ops::store(b.exp_avg_sq + i, v);
+    store_moment<Ops, S>(b.exp_avg, i, m);
+    store_moment<Ops, S>(b.exp_avg_sq, i, v);
     if constexpr (!std::is_same_v<O, NoOutTag>) {
         Ops::template store_out<O, kStream>(static_cast<typename O::Storage*>(b.out16) + i, p);
     }
@@ -99,7 +120,7 @@ inline __attribute__((always_inline)) void adam_vector(const AdamBuffers& b,
 
 /// Runs the update over elements [begin, end) in whole vectors of Ops::kWidth
 /// and returns the index of the first element it did not process.
-template <class Ops, class G, class O, bool kL2, bool kStream>
+template <class Ops, class G, class O, class S, bool kL2, bool kStream>
 inline __attribute__((always_inline)) int64_t adam_loop(const AdamBuffers& b, const AdamCoeffs& c,
                                                         int64_t begin, int64_t end) {
     // One 64-byte line of every fp32 stream per iteration.
@@ -119,14 +140,14 @@ inline __attribute__((always_inline)) int64_t adam_loop(const AdamBuffers& b, co
         for (; i + kLine <= end; i += kLine) {
             if (i < prefetch_end) {
                 __builtin_prefetch(b.param + i + kAhead, 1, 3);
-                __builtin_prefetch(b.exp_avg + i + kAhead, 1, 3);
-                __builtin_prefetch(b.exp_avg_sq + i + kAhead, 1, 3);
+                __builtin_prefetch(static_cast<typename S::Storage*>(b.exp_avg) + i + kAhead, 1, 3);
+                __builtin_prefetch(static_cast<typename S::Storage*>(b.exp_avg_sq) + i + kAhead, 1, 3);
                 __builtin_prefetch(grad + i + kAhead, 0, 3);
             }
-            for (int64_t j = 0; j < kLine; j += Ops::kWidth) adam_vector<Ops, G, O, kL2, kStream>(b, k, i + j);
+            for (int64_t j = 0; j < kLine; j += Ops::kWidth) adam_vector<Ops, G, O, S, kL2, kStream>(b, k, i + j);
         }
     }
-    for (; i + Ops::kWidth <= end; i += Ops::kWidth) adam_vector<Ops, G, O, kL2, kStream>(b, k, i);
+    for (; i + Ops::kWidth <= end; i += Ops::kWidth) adam_vector<Ops, G, O, S, kL2, kStream>(b, k, i);
     return i;
 }
 
@@ -144,35 +165,6 @@ inline bool stream_out(const AdamBuffers& b, int64_t begin) {
     const auto address = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(b.out16) + begin);
     return Ops::kWidth > 1 && b.n >= kMinElements &&
            address % (Ops::kWidth * sizeof(uint16_t)) == 0;
-}
-
-/// Dispatches on grad dtype, output dtype and Adam/AdamW to adam_loop.
-template <class Ops>
-inline __attribute__((always_inline)) int64_t adam_dispatch(const AdamBuffers& b,
-                                                            const AdamCoeffs& c, int64_t begin,
-                                                            int64_t end) {
-    auto with_out = [&](auto grad_tag, auto l2_tag) -> int64_t {
-        using G = decltype(grad_tag);
-        constexpr bool kL2 = decltype(l2_tag)::value;
-        if (b.out16 == nullptr) return adam_loop<Ops, G, NoOutTag, kL2, false>(b, c, begin, end);
-        const bool stream = stream_out<Ops>(b, begin);
-        if (b.out_dtype == DType::kBF16) {
-            return stream ? adam_loop<Ops, G, BF16Tag, kL2, true>(b, c, begin, end)
-                          : adam_loop<Ops, G, BF16Tag, kL2, false>(b, c, begin, end);
-        }
-        return stream ? adam_loop<Ops, G, F16Tag, kL2, true>(b, c, begin, end)
-                      : adam_loop<Ops, G, F16Tag, kL2, false>(b, c, begin, end);
-    };
-    auto with_grad = [&](auto l2_tag) -> int64_t {
-        switch (b.grad_dtype) {
-            case DType::kF32: return with_out(F32Tag{}, l2_tag);
-            case DType::kBF16: return with_out(BF16Tag{}, l2_tag);
-            case DType::kF16: return with_out(F16Tag{}, l2_tag);
-        }
-        return begin;  // unreachable: dtypes are validated before any kernel runs
-    };
-    if (c.use_l2) return with_grad(std::true_type{});
-    return with_grad(std::false_type{});
 }
 
 }  // namespace infinity::adam

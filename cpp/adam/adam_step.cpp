@@ -20,15 +20,32 @@ void require(bool ok, const std::string& message) {
 
 size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
 
+bool known_state(StateFormat f) {
+    for (const StateFormatInfo& info : kStateFormats) {
+        if (info.code == f) return true;
+    }
+    return false;
+}
+
+size_t state_size(StateFormat f) {
+    for (const StateFormatInfo& info : kStateFormats) {
+        if (info.code == f) return static_cast<size_t>(info.element_bytes);
+    }
+    return 4;
+}
+
 void validate(const AdamBuffers& b, const AdamHyper& h, const std::string& where) {
     require(b.n >= 0, where + "n must be >= 0");
     require(h.step >= 1, where + "step must be >= 1 (the step count after the increment)");
     require(known_dtype(b.grad_dtype), where + "unknown grad dtype code");
+    require(known_state(b.state), where + "unknown optimizer state format code");
     require(b.out16 == nullptr || out16_dtype(b.out_dtype),
             where + "out16 dtype must be bf16 or fp16");
     if (b.n > 0) {
         require(b.param && b.grad && b.exp_avg && b.exp_avg_sq,
                 where + "null buffer pointer for a non-empty step");
+        require(b.state != StateFormat::kQ8 || (b.exp_avg_scale && b.exp_avg_sq_scale),
+                where + "int8 moments need both block-scale buffers");
     }
     for (double x : {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.grad_scale}) {
         require(std::isfinite(x), where + "hyper-parameters must be finite");
@@ -56,18 +73,27 @@ struct Span {
 /// tensors overlap in a way that makes the order of the updates matter.
 bool check_overlaps(const std::vector<AdamBuffers>& buffers) {
     std::vector<Span> spans;
-    spans.reserve(buffers.size() * 5);
+    spans.reserve(buffers.size() * 7);
     for (size_t t = 0; t < buffers.size(); ++t) {
         const AdamBuffers& b = buffers[t];
         if (b.n == 0) continue;
-        const auto add = [&](const void* p, size_t elem, const char* name, bool written) {
+        const auto add_n = [&](const void* p, int64_t count, size_t elem, const char* name,
+                               bool written) {
             const auto begin = reinterpret_cast<uintptr_t>(p);
-            spans.push_back({begin, begin + static_cast<uintptr_t>(b.n) * elem, t, name, written});
+            spans.push_back({begin, begin + static_cast<uintptr_t>(count) * elem, t, name, written});
+        };
+        const auto add = [&](const void* p, size_t elem, const char* name, bool written) {
+            add_n(p, b.n, elem, name, written);
         };
         add(b.param, 4, "master", true);
         add(b.grad, dtype_size(b.grad_dtype), "grad", false);
-        add(b.exp_avg, 4, "exp_avg", true);
-        add(b.exp_avg_sq, 4, "exp_avg_sq", true);
+        add(b.exp_avg, state_size(b.state), "exp_avg", true);
+        add(b.exp_avg_sq, state_size(b.state), "exp_avg_sq", true);
+        if (b.state == StateFormat::kQ8) {
+            const int64_t blocks = (b.n + kQBlock - 1) / kQBlock;
+            add_n(b.exp_avg_scale, blocks, 4, "exp_avg_scale", true);
+            add_n(b.exp_avg_sq_scale, blocks, 4, "exp_avg_sq_scale", true);
+        }
         if (b.out16) add(b.out16, 2, "out16", true);
     }
     std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {

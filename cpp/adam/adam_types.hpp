@@ -36,16 +36,43 @@ constexpr bool out16_dtype(DType d) {
     return false;
 }
 
+/// How the two moments are stored (`Config(optimizer_state_dtype=...)`); the
+/// update itself always runs in fp32.
+enum class StateFormat : int {
+    kF32 = 0,   ///< fp32, exact
+    kBF16 = 1,  ///< bfloat16, round-to-nearest-even on every store
+    kQ8 = 2,    ///< 8-bit codes per element plus one fp32 absmax per kQBlock elements (q8_codec.hpp)
+};
+
+/// The codes Python passes for each StateFormat, by config name; exported as
+/// `_C.adam.state_formats`.
+struct StateFormatInfo {
+    StateFormat code;
+    const char* name;    ///< the value of `Config.optimizer_state_dtype`
+    int element_bytes;   ///< bytes per element of each moment (without the block scales)
+};
+inline constexpr StateFormatInfo kStateFormats[] = {
+    {StateFormat::kF32, "fp32", 4},
+    {StateFormat::kBF16, "bf16", 2},
+    {StateFormat::kQ8, "int8", 1},
+};
+
+/// Elements per quantisation block of kQ8 (one fp32 scale each). See NOTE [int8 block size].
+inline constexpr int64_t kQBlock = 256;
+
 /// Flat buffers of one step; all hold `n` elements and do not overlap.
 struct AdamBuffers {
     float* param = nullptr;       ///< fp32 master parameters, updated in place
     const void* grad = nullptr;   ///< gradients, `grad_dtype`
-    float* exp_avg = nullptr;     ///< first moment, fp32, updated in place
-    float* exp_avg_sq = nullptr;  ///< second moment, fp32, updated in place
+    void* exp_avg = nullptr;      ///< first moment, `state`, updated in place
+    void* exp_avg_sq = nullptr;   ///< second moment, `state`, updated in place
+    float* exp_avg_scale = nullptr;     ///< kQ8: absmax of each block of exp_avg
+    float* exp_avg_sq_scale = nullptr;  ///< kQ8: max of each block of exp_avg_sq
     void* out16 = nullptr;        ///< optional 16-bit copy of the updated params
     int64_t n = 0;
     DType grad_dtype = DType::kF32;
     DType out_dtype = DType::kBF16;  ///< only read when out16 != nullptr
+    StateFormat state = StateFormat::kF32;
 };
 
 /// Hyper-parameters of one step as the user gives them (double, like Python floats).

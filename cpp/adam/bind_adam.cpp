@@ -13,6 +13,7 @@
 #include "adam/adam_step.hpp"
 #include "adam/bandwidth.hpp"
 #include "adam/isa.hpp"
+#include "adam/kernels.hpp"
 #include "common/thread_pool.hpp"
 
 namespace py = pybind11;
@@ -46,8 +47,8 @@ adam::AdamBuffers make_buffers(uintptr_t param, uintptr_t grad, int grad_dtype, 
     b.param = as_ptr<float>(param);
     b.grad = as_ptr<const void>(grad);
     b.grad_dtype = to_dtype(grad_dtype, "grad");
-    b.exp_avg = as_ptr<float>(exp_avg);
-    b.exp_avg_sq = as_ptr<float>(exp_avg_sq);
+    b.exp_avg = as_ptr<void>(exp_avg);
+    b.exp_avg_sq = as_ptr<void>(exp_avg_sq);
     b.out16 = as_ptr<void>(out16);
     if (out16 != 0) b.out_dtype = to_dtype(out_dtype, "out16");
     b.n = n;
@@ -68,11 +69,23 @@ adam::AdamHyper make_hyper(int64_t step_count, double lr, double beta1, double b
     return h;
 }
 
+adam::StateFormat to_state(int code) {
+    for (const adam::StateFormatInfo& f : adam::kStateFormats) {
+        if (static_cast<int>(f.code) == code) return f.code;
+    }
+    throw std::invalid_argument("state_format code must be 0 (fp32), 1 (bf16) or 2 (int8)");
+}
+
 void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
           uintptr_t out16, int out_dtype, int64_t n, int64_t step_count, double lr, double beta1,
-          double beta2, double eps, double weight_decay, bool adamw, double grad_scale) {
-    adam::adam_step(make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, out16, out_dtype, n),
-                    make_hyper(step_count, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale));
+          double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+          int state_format, uintptr_t exp_avg_scale, uintptr_t exp_avg_sq_scale) {
+    adam::AdamBuffers b =
+        make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, out16, out_dtype, n);
+    b.state = to_state(state_format);
+    b.exp_avg_scale = as_ptr<float>(exp_avg_scale);
+    b.exp_avg_sq_scale = as_ptr<float>(exp_avg_sq_scale);
+    adam::adam_step(b, make_hyper(step_count, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale));
 }
 
 void step_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
@@ -116,14 +129,47 @@ void bind_adam(py::module_& m) {
     kernels["adam_pattern"] = static_cast<int>(adam::BandwidthKernel::kAdamPattern);
     kernels["adam_prefetch"] = static_cast<int>(adam::BandwidthKernel::kAdamPatternPrefetch);
     m.attr("bandwidth_kernels") = kernels;
+    py::dict formats;
+    py::dict format_bytes;
+    for (const adam::StateFormatInfo& f : adam::kStateFormats) {
+        formats[f.name] = static_cast<int>(f.code);
+        format_bytes[f.name] = f.element_bytes;
+    }
+    m.attr("state_formats") = formats;
+    m.attr("state_element_bytes") = format_bytes;
+    m.attr("QBLOCK") = adam::kQBlock;
 
     m.def("step", &step, py::call_guard<py::gil_scoped_release>(), py::arg("param"), py::arg("grad"),
           py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out16"),
           py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
-          py::arg("grad_scale"),
+          py::arg("grad_scale"), py::arg("state_format") = 0, py::arg("exp_avg_scale") = 0,
+          py::arg("exp_avg_sq_scale") = 0,
           "Fused Adam/AdamW step over raw, validated buffers (dtype codes: 0 fp32, 1 bf16, 2 "
-          "fp16; out16=0 for none). Releases the GIL.");
+          "fp16; out16=0 for none; state_format from state_formats, int8 with the two block-"
+          "scale buffers). Releases the GIL.");
+    m.def(
+        "q8_encode_moments",
+        [](uintptr_t m, uintptr_t v, uintptr_t m_code, uintptr_t m_scale, uintptr_t v_code,
+           uintptr_t v_scale, int64_t n) {
+            if (n < 0) throw std::invalid_argument("q8_encode_moments: n must be >= 0");
+            adam::q8_encode_moments(as_ptr<const float>(m), as_ptr<const float>(v),
+                                    as_ptr<uint8_t>(m_code), as_ptr<float>(m_scale),
+                                    as_ptr<uint8_t>(v_code), as_ptr<float>(v_scale), n);
+        },
+        py::call_guard<py::gil_scoped_release>(), py::arg("m"), py::arg("v"), py::arg("m_code"),
+        py::arg("m_scale"), py::arg("v_code"), py::arg("v_scale"), py::arg("n"),
+        "Encode n fp32 moments into int8 codes and block scales, as the kernel stores them.");
+    m.def(
+        "q8_decode",
+        [](uintptr_t code, uintptr_t scale, uintptr_t out, int64_t n, bool is_signed) {
+            if (n < 0) throw std::invalid_argument("q8_decode: n must be >= 0");
+            adam::q8_decode(as_ptr<const uint8_t>(code), as_ptr<const float>(scale),
+                            as_ptr<float>(out), n, is_signed);
+        },
+        py::call_guard<py::gil_scoped_release>(), py::arg("code"), py::arg("scale"), py::arg("out"),
+        py::arg("n"), py::arg("is_signed"),
+        "Decode n int8 codes of one moment (is_signed: exp_avg) into fp32.");
     m.def("step_many", &step_many, py::call_guard<py::gil_scoped_release>(), py::arg("params"),
           py::arg("grads"), py::arg("grad_dtypes"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
           py::arg("out16s"), py::arg("out_dtypes"), py::arg("numels"), py::arg("steps"),

@@ -22,7 +22,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #endif
 
-#include "adam/adam_math.hpp"
+#include "adam/adam_dispatch.hpp"
 
 namespace infinity::adam {
 namespace {
@@ -43,6 +43,42 @@ struct Avx2Ops {
     static V keep(V x) {
         __asm__("" : "+x"(x));
         return x;
+    }
+
+    // Integer lanes for the int8 codec (q8_codec.hpp).
+    using I = __m256i;
+    static I bits(V x) { return _mm256_castps_si256(x); }
+    static V from_bits(I u) { return _mm256_castsi256_ps(u); }
+    static I iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+    static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+    static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+    static I iand(I a, I b) { return _mm256_and_si256(a, b); }
+    static I ior(I a, I b) { return _mm256_or_si256(a, b); }
+    template <int k>
+    static I shr(I a) { return _mm256_srli_epi32(a, k); }
+    template <int k>
+    static I shl(I a) { return _mm256_slli_epi32(a, k); }
+    static I lt_select(I a, I b, I x, I y) { return _mm256_blendv_epi8(y, x, _mm256_cmpgt_epi32(b, a)); }
+    static I imin(I a, I b) { return _mm256_min_epi32(a, b); }
+    static V cvt(I a) { return _mm256_cvtepi32_ps(a); }
+    static V max(V a, V b) { return _mm256_max_ps(a, b); }
+    static float hmax(V a) {
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        return _mm_cvtss_f32(m);
+    }
+    static I load_u8(const uint8_t* p) {
+        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    }
+    static void store_u8(uint8_t* p, I x) {
+        // The low byte of each 32-bit lane, gathered into the low 4 bytes of each half.
+        const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              -1, -1, -1, -1);
+        const __m256i b = _mm256_shuffle_epi8(x, pick);
+        const __m128i lo = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(p), lo);
     }
 
     template <class G>

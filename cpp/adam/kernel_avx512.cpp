@@ -27,7 +27,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #endif
 
-#include "adam/adam_math.hpp"
+#include "adam/adam_dispatch.hpp"
 
 namespace infinity::adam {
 namespace {
@@ -48,6 +48,40 @@ struct Avx512Ops {
     static V keep(V x) {
         __asm__("" : "+v"(x));
         return x;
+    }
+
+    // Integer lanes for the int8 codec (q8_codec.hpp).
+    using I = __m512i;
+    static I bits(V x) { return _mm512_castps_si512(x); }
+    static V from_bits(I u) { return _mm512_castsi512_ps(u); }
+    static I iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+    static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+    static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+    static I iand(I a, I b) { return _mm512_and_si512(a, b); }
+    static I ior(I a, I b) { return _mm512_or_si512(a, b); }
+    template <int k>
+    static I shr(I a) { return _mm512_srli_epi32(a, k); }
+    template <int k>
+    static I shl(I a) { return _mm512_slli_epi32(a, k); }
+    static I lt_select(I a, I b, I x, I y) {
+        return _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(a, b), y, x);
+    }
+    static I imin(I a, I b) { return _mm512_min_epi32(a, b); }
+    static V cvt(I a) { return _mm512_cvtepi32_ps(a); }
+    static V max(V a, V b) { return _mm512_max_ps(a, b); }
+    static float hmax(V a) {
+        __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        return _mm_cvtss_f32(m);
+    }
+    static I load_u8(const uint8_t* p) {
+        return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+    static void store_u8(uint8_t* p, I x) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
     }
 
     template <class G>

@@ -5,13 +5,17 @@
 #include <cstdint>
 #include <vector>
 
+#include "adam/adam_types.hpp"
+
 namespace infinity::adam {
 
 /// Segments start at multiples of this many elements within their tensor: a
 /// multiple of the widest vector (16 floats), so scalar code only ever runs
-/// on a tensor's own tail, and of a cache line in every buffer (64 floats =
-/// 256 B, 64 halves = 128 B), so two threads never write the same line.
-constexpr int64_t kBlock = 64;
+/// on a tensor's own tail, of a cache line in every buffer (64 floats =
+/// 256 B, 64 bytes of int8 codes), so two threads never write the same line,
+/// and of the int8 quantisation block (kQBlock), so a block is one thread's.
+constexpr int64_t kBlock = 256;
+static_assert(kBlock % kQBlock == 0, "a thread's segment must hold whole quantisation blocks");
 
 /// Elements [begin, end) of tensor `tensor`.
 struct Segment {

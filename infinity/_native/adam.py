@@ -24,3 +24,11 @@ BANDWIDTH_KERNELS: dict[str, int] = {
     str(name): int(code) for name, code in _adam.bandwidth_kernels.items()
 }
 """Code of each memory-bandwidth probe of ``bandwidth_probe``, by name."""
+STATE_FORMATS: dict[str, int] = {str(name): int(code) for name, code in _adam.state_formats.items()}
+"""Code of each way the kernel stores the moments, by ``Config.optimizer_state_dtype``."""
+STATE_ELEMENT_BYTES: dict[str, int] = {
+    str(name): int(size) for name, size in _adam.state_element_bytes.items()
+}
+"""Bytes per element of one moment in each state format (int8: without block scales)."""
+QBLOCK: int = int(_adam.QBLOCK)
+"""Elements per int8 quantisation block (one fp32 scale each)."""

@@ -8,10 +8,16 @@ A checkpoint directory holds:
   of its own canonical form (``meta_sha256``), so a damaged offset or count is
   refused instead of loading wrong weights;
 - ``param.bin``: every parameter chunk in the compute dtype, in chunk order;
-- ``optim.bin``: every trainable chunk's optimizer unit (fp32 master when the
-  compute dtype is 16-bit, then the optimizer's state slots in order:
-  ``exp_avg``, then ``exp_avg_sq`` for Adam, see
-  :class:`infinity.optim.chunk_optimizer.ChunkOptimizer`).
+- ``optim.bin``: every trainable chunk's optimizer unit as it is stored (fp32
+  master when the compute dtype is 16-bit, then the optimizer's state slots in
+  order: ``exp_avg``, then ``exp_avg_sq`` for Adam, in the stored format that
+  ``meta.json`` names as ``optimizer_state_dtype``: fp32, bf16, or int8 codes
+  and their block scales; see
+  :class:`infinity.optim.chunk_optimizer.ChunkOptimizer`). A checkpoint loads
+  only into a model offloaded with the same ``optimizer_state_dtype`` (saved
+  bytes are restored as they were, so a resumed run is bit-identical); to
+  change the format, go through ``CPUAdam.state_dict()`` / ``load_state_dict()``,
+  which carry fp32 values.
 
 Loading reads only numbers and raw bytes, so a checkpoint cannot run code.
 Tensors are located by name, so a checkpoint loads into a different chunk
@@ -28,8 +34,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 FORMAT = "infinity-checkpoint"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)  # NOTE: version 1 has no meta_sha256; everything else is checked
+VERSION = 3
+# NOTE: version 1 has no meta_sha256; before version 3 there is no
+# optimizer_state_dtype (the states are fp32). Everything else is checked.
+READABLE_VERSIONS = (1, 2, 3)
 META = "meta.json"
 META_CHECKSUM = "meta_sha256"
 PARAM_FILE = "param.bin"

@@ -31,7 +31,7 @@ from infinity.checkpoint.format import (
     stream_crc,
 )
 from infinity.checkpoint.optimizer_groups import hyper_updates
-from infinity.checkpoint.schema import FP32, CheckpointMeta, parse_meta
+from infinity.checkpoint.schema import CheckpointMeta, parse_meta
 from infinity.chunks.homes import Kind
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
@@ -53,6 +53,14 @@ def _match(engine: OffloadEngine, meta: CheckpointMeta) -> None:
         raise CheckpointError(
             f"checkpoint was written with dtype={meta.dtype!r} but the model is offloaded "
             f"with dtype={engine.config.dtype!r}; offload with the checkpoint's dtype"
+        )
+    stored = engine.chunk_optimizer.state_format.name
+    if meta.optimizer_state_dtype != stored:
+        raise CheckpointError(
+            f"checkpoint stores optimizer states as {meta.optimizer_state_dtype!r} but the model "
+            f"is offloaded with optimizer_state_dtype={stored!r}; offload with "
+            f"optimizer_state_dtype={meta.optimizer_state_dtype!r} (to convert, load it so and "
+            "move the states through CPUAdam.state_dict() / load_state_dict())"
         )
     problems = []
     for entry in engine.registry.entries:
@@ -136,7 +144,7 @@ def _write_chunks(
     """Second pass: read every tensor into its chunk region, chunk by chunk."""
     manager = engine.manager
     esize = engine.plan.element_size
-    parts = engine.chunk_optimizer.unit_parts(engine.plan.has_master)
+    optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
     for chunk, spec in enumerate(engine.layout.chunks):
         members = engine.chunk_members[chunk]
         region, copy = manager.open_host((Kind.PARAM, chunk), load=False)
@@ -158,9 +166,13 @@ def _write_chunks(
                 slot = engine.layout.slots[entry.index]
                 rec = meta.tensors[entry.name]
                 assert rec.optim_offset is not None  # _match: trainable in the checkpoint too
-                for k in range(parts):
-                    src = rec.optim_offset + (k * rec.chunk_capacity + rec.element_offset) * FP32
-                    at = (k * spec.capacity + slot.offset) * FP32
-                    _read_into(fo, src, region[at : at + slot.numel * FP32])
+                # NOTE: the same ranges, in the checkpoint's layout and in this one:
+                # the stored bytes (int8 codes and block scales included) are copied.
+                saved = optimizer.tensor_ranges(
+                    rec.chunk_capacity, has_master, rec.element_offset, rec.numel
+                )
+                here = optimizer.tensor_ranges(spec.capacity, has_master, slot.offset, slot.numel)
+                for (src, size), (at, _size) in zip(saved, here, strict=True):
+                    _read_into(fo, rec.optim_offset + src, region[at : at + size])
         finally:
             manager.close_host(copy, modified=True)

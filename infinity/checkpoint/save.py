@@ -96,6 +96,7 @@ def write_checkpoint(
         "version": VERSION,
         "dtype": engine.config.dtype,
         "has_master": engine.plan.has_master,
+        "optimizer_state_dtype": engine.chunk_optimizer.state_format.name,
         "step_count": engine.step_count,
         "tensors": tensors,
         "files": {PARAM_FILE: param_info, OPTIM_FILE: optim_info},

@@ -16,7 +16,6 @@ from infinity.checkpoint.format import DATA_FILES, META, OPTIM_FILE, PARAM_FILE,
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-FP32 = 4
 MAX_INT = (1 << 62) - 1  # NOTE: offsets, sizes and counts must stay int64 (torch, file offsets)
 
 
@@ -58,6 +57,7 @@ class CheckpointMeta:
     files: dict[str, tuple[int, int]]  # file name -> (bytes, CRC-32)
     loss_scaler: dict[str, float | int] | None
     optimizer: list[SavedGroup] | None
+    optimizer_state_dtype: str = "fp32"  # how optim.bin stores the state slots
 
 
 def _bad(what: str, value: Any, expected: str) -> CheckpointError:
@@ -119,7 +119,12 @@ def _files(value: Any) -> dict[str, tuple[int, int]]:
 
 
 def _tensor(
-    t: Any, what: str, esize: int, parts: int, files: dict[str, tuple[int, int]]
+    t: Any,
+    what: str,
+    esize: int,
+    optimizer: ChunkOptimizer[Any],
+    has_master: bool,
+    files: dict[str, tuple[int, int]],
 ) -> tuple[TensorRecord, list[str]]:
     t = _dict(t, what, (*TensorRecord.__dataclass_fields__, "aliases"))
     shape = tuple(
@@ -147,7 +152,12 @@ def _tensor(
         )
     _within(rec.name, PARAM_FILE, rec.param_offset, rec.numel * esize, files)
     if rec.optim_offset is not None:
-        _within(rec.name, OPTIM_FILE, rec.optim_offset, parts * rec.chunk_capacity * FP32, files)
+        unit = optimizer.unit_bytes(rec.chunk_capacity, has_master)
+        _within(rec.name, OPTIM_FILE, rec.optim_offset, unit, files)
+        try:
+            optimizer.tensor_ranges(rec.chunk_capacity, has_master, rec.element_offset, rec.numel)
+        except ValueError as exc:  # int8: the tensor must start on a quantisation block
+            raise CheckpointError(f"{META} is invalid: {rec.name}: {exc}") from None
     aliases = [_str(a, f"{what}.aliases[{k}]") for k, a in enumerate(_list(t["aliases"], what))]
     return rec, [rec.name, *aliases]
 
@@ -198,7 +208,9 @@ def _groups(value: Any) -> list[SavedGroup] | None:
 def parse_meta(meta: dict[str, Any], optimizer: ChunkOptimizer[Any] = ADAM) -> CheckpointMeta:
     """Check every field of a parsed ``meta.json``; raise :class:`CheckpointError` if any is bad.
 
-    Optimizer units are ``optimizer.unit_parts(has_master)`` chunk-long fp32 parts.
+    Optimizer units are ``optimizer.unit_bytes(capacity, has_master)`` long, with
+    the state slots in the checkpoint's ``optimizer_state_dtype`` (``"fp32"`` before
+    version 3).
     """
     meta = _dict(meta, "the file", ("dtype", "has_master", "step_count", "tensors", "files"))
     dtype = meta["dtype"]
@@ -208,10 +220,13 @@ def parse_meta(meta: dict[str, Any], optimizer: ChunkOptimizer[Any] = ADAM) -> C
     if has_master != (dtype != "fp32"):
         raise _bad("has_master", has_master, f"{dtype != 'fp32'} for dtype {dtype!r}")
     files = _files(meta["files"])
-    parts = optimizer.unit_parts(has_master)
+    state_dtype = meta.get("optimizer_state_dtype", "fp32")
+    if state_dtype not in optimizer.state_dtypes:
+        raise _bad("optimizer_state_dtype", state_dtype, f"one of {list(optimizer.state_dtypes)}")
+    stored = optimizer.with_state_dtype(state_dtype)
     tensors: dict[str, TensorRecord] = {}
     for k, t in enumerate(_list(meta["tensors"], "tensors")):
-        rec, names = _tensor(t, f"tensors[{k}]", ELEMENT_BYTES[dtype], parts, files)
+        rec, names = _tensor(t, f"tensors[{k}]", ELEMENT_BYTES[dtype], stored, has_master, files)
         for name in names:
             if name in tensors:
                 raise CheckpointError(f"{META} is invalid: tensor {name!r} appears twice")
@@ -224,4 +239,5 @@ def parse_meta(meta: dict[str, Any], optimizer: ChunkOptimizer[Any] = ADAM) -> C
         files=files,
         loss_scaler=_scaler(meta.get("loss_scaler")),
         optimizer=_groups(meta.get("optimizer")),
+        optimizer_state_dtype=state_dtype,
     )

@@ -12,6 +12,7 @@ frozen chunks have no gradient and no optimizer state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from infinity._native.io import ALIGNMENT as IO_ALIGNMENT
@@ -45,12 +46,20 @@ def _group_sizes(tensors: Sequence[TensorInfo], align: int) -> dict[tuple[int, b
     return sizes
 
 
-def build_layout(tensors: Sequence[TensorInfo], chunk_elems: int, element_size: int) -> ChunkLayout:
+def build_layout(
+    tensors: Sequence[TensorInfo],
+    chunk_elems: int,
+    element_size: int,
+    *,
+    tensor_align: int = 1,
+) -> ChunkLayout:
     """Pack ``tensors`` in order into chunks of ``chunk_elems`` elements.
 
     Trainable and frozen tensors go to separate chunk streams (each keeps the
     given order); a tensor that does not fit an empty chunk gets an oversize
-    chunk of its own.
+    chunk of its own. Tensors start on multiples of ``TENSOR_ALIGN_BYTES`` and of
+    ``tensor_align`` elements (the optimizer's: int8 states start on a
+    quantisation block, so no block holds two tensors).
     """
     granule = chunk_alignment_elems(element_size)
     if chunk_elems <= 0 or chunk_elems % granule:
@@ -58,7 +67,7 @@ def build_layout(tensors: Sequence[TensorInfo], chunk_elems: int, element_size: 
             f"chunk_elems={chunk_elems} must be a positive multiple of {granule} "
             f"({IO_ALIGNMENT} bytes of {element_size}-byte elements)"
         )
-    align = tensor_alignment_elems(element_size)
+    align = math.lcm(tensor_alignment_elems(element_size), tensor_align)
     # Open chunk per stream: (trainable) -> list of (index, offset, numel, shape)
     open_chunk: dict[bool, list[tuple[int, int, int, tuple[int, ...]]]] = {True: [], False: []}
     open_fill: dict[bool, int] = {True: 0, False: 0}

@@ -17,6 +17,7 @@ from infinity.core.names import HOST, NVME
 from infinity.devices.base import resolve_device
 from infinity.models.gpt import GPT, describe
 from infinity.models.presets import PRESETS, preset
+from infinity.optim.state_formats import STATE_DTYPES
 from infinity.runtime.budgets import plan_for
 from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import PlanError
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--overlap-optimizer",
         action="store_true",
         help="plan for Config(overlap_optimizer=True): gradients on NVMe never reach the disk",
+    )
+    parser.add_argument(
+        "--optimizer-state-dtype",
+        default="fp32",
+        choices=STATE_DTYPES,
+        help="how Adam's moments are stored (Config.optimizer_state_dtype)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -91,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size,
             device=args.device,
             overlap_optimizer=args.overlap_optimizer,
+            optimizer_state_dtype=args.optimizer_state_dtype,
         )
     except ConfigError as exc:
         raise CommandError(str(exc)) from None
@@ -117,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
                         "optim": list(plan.optim_home),
                     },
                     "traffic_per_step": plan.traffic,
+                    "optimizer_state_dtype": plan.state_dtype,
+                    "optim_bytes": sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i]),
                 }
             )
         )

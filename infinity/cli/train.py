@@ -140,7 +140,8 @@ def _header(run: _Run, session: Session) -> list[str]:
         f"{corpus.eval.numel() / 1e6:.2f}M held out)",
         f"steps: {s.steps} x {s.batch_size * s.grad_accum} sequences = "
         f"{s.tokens_per_step} tokens/step; AdamW lr {s.lr:g} (warmup {s.warmup}, cosine to "
-        f"{s.lr * s.min_lr_ratio:g}), clip {s.clip_grad:g}, seed {s.seed}",
+        f"{s.lr * s.min_lr_ratio:g}), {s.optimizer_state_dtype} moments, clip {s.clip_grad:g}, "
+        f"seed {s.seed}",
         *budget_lines(s.state_bytes(), stats, bool(run.derived)),
         "plan:",
         *("  " + line for line in engine_of(session.model).plan.describe().splitlines()),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from infinity.cli.train_settings import DEFAULT_PLOT, PRESETS
+from infinity.optim.state_formats import STATE_DTYPES
 
 DEFAULT_CHECKPOINT_DIR = "./.infinity/checkpoints"
 
@@ -105,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     memory.add_argument(
         "--chunk-size", metavar="SIZE", help="bytes per chunk, a multiple of 4KiB (default: auto)"
+    )
+    memory.add_argument(
+        "--optimizer-state-dtype",
+        choices=STATE_DTYPES,
+        help="how Adam's moments are stored: fp32 (exact), bf16, or int8 (block-quantised, "
+        "about a quarter of the bytes); default fp32, or the resumed run's",
     )
     memory.add_argument(
         "--config", metavar="FILE", help="an infinity.Config JSON file; flags override it"

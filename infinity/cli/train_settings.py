@@ -26,6 +26,7 @@ from infinity.cli.train_pretrained import (
 )
 from infinity.config import Config, ConfigError
 from infinity.models.gpt import GPTConfig
+from infinity.optim.state_formats import StateFormat
 from infinity.utils.sizes import align_up, parse_size
 
 DEFAULT_NVME_PATH = "./.infinity/nvme"
@@ -45,6 +46,7 @@ FLAG_OF = {
     "host_memory": "--host-memory",
     "chunk_size": "--chunk-size",
     "nvme_path": "--nvme-path",
+    "optimizer_state_dtype": "--optimizer-state-dtype",
 }
 
 
@@ -89,6 +91,7 @@ class RunSettings:
     weight_decay: float
     clip_grad: float
     seed: int
+    optimizer_state_dtype: str = "fp32"  # how the moments are stored (absent before: fp32)
 
     @property
     def tokens_per_step(self) -> int:
@@ -96,10 +99,13 @@ class RunSettings:
         return self.batch_size * self.grad_accum * self.model.seq_len
 
     def state_bytes(self) -> int:
-        """Bytes of model states: parameters, gradients, fp32 master (16-bit only), moments."""
+        """Bytes of model states: parameters, gradients, fp32 master (16-bit only), and
+        the two moments as stored (int8: with one fp32 scale per QBLOCK elements)."""
         element = BYTES_PER_ELEMENT[self.dtype]
         master = 4 if element < 4 else 0
-        return self.model.num_params * (2 * element + master + 8)
+        n = self.model.num_params
+        stored = StateFormat(self.optimizer_state_dtype)
+        return n * (2 * element + master) + 2 * (stored.data_bytes(n) + stored.scale_bytes(n))
 
     def param_bytes(self) -> int:
         """Bytes of the parameters in the compute dtype."""
@@ -175,6 +181,7 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
         weight_decay=resumed.weight_decay if resumed is not None else 0.1,
         clip_grad=pick("clip_grad", 1.0),
         seed=pick("seed", 0),
+        optimizer_state_dtype=pick("optimizer_state_dtype", "fp32"),
     )
     preset_shape = (preset.layers, preset.hidden, preset.heads, preset.seq_len)
     if resumed is not None and args.preset is not None:
@@ -250,6 +257,8 @@ def build_config(args: argparse.Namespace, settings: RunSettings) -> tuple[Confi
     if args.nvme_path is not None:
         given["nvme_path"] = None if args.nvme_path.lower() == "none" else args.nvme_path
     given["dtype"] = settings.dtype
+    if args.optimizer_state_dtype is not None or "optimizer_state_dtype" not in given:
+        given["optimizer_state_dtype"] = settings.optimizer_state_dtype
     given.setdefault("nvme_path", DEFAULT_NVME_PATH)
     derived = []
     if "device_memory" not in given:

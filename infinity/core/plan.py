@@ -44,6 +44,10 @@ class Plan:
     host_staging: dict[str, dict[int, int]]  # "param" | "grad" | "optim" -> slot bytes -> count
     budgets: Budgets
     traffic: dict[str, int] = field(default_factory=dict)
+    # Bytes of each chunk's optimizer unit, from the optimizer and its state format
+    # (``Config.optimizer_state_dtype``); empty: fp32 parts, ``len(state_slots) + has_master``.
+    optim_unit_bytes: tuple[int, ...] = ()
+    state_dtype: str = "fp32"  # how the state slots are stored
 
     # --- sizes -------------------------------------------------------------------
     def param_bytes(self, i: int) -> int:
@@ -52,6 +56,8 @@ class Plan:
 
     def optim_bytes(self, i: int) -> int:
         """Bytes of optimizer-state unit ``i`` (master if any, then each state slot)."""
+        if self.optim_unit_bytes:
+            return self.optim_unit_bytes[i]
         parts = len(self.state_slots) + int(self.has_master)
         return self.layout.chunks[i].capacity * FP32_BYTES * parts
 
@@ -100,6 +106,12 @@ class Plan:
             lines.append(
                 f"{kind:<16}{sum(h == HOST for h in homes):>12}{sum(h == NVME for h in homes):>12}"
             )
+        trainable = [i for i in range(n) if self.optim_home[i] is not None]
+        lines.append(
+            f"optimizer states: {self.state_dtype}, "
+            f"{format_size(sum(self.optim_bytes(i) for i in trainable))} in "
+            f"{len(trainable)} units"
+        )
         for tier, used, budget in (
             ("device", self.device_bytes, self.budgets.device),
             ("host", self.host_bytes, self.budgets.host),

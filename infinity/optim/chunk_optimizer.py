@@ -1,27 +1,39 @@
 """The chunk-optimizer interface: what the planner, the offloaded step and the
 checkpoint format ask of an optimizer instead of assuming Adam.
 
-An optimizer keeps, per trainable chunk, one fp32 *unit*: the fp32 master
+An optimizer keeps, per trainable chunk, one *unit* of bytes: the fp32 master
 copy of the parameters (16-bit compute dtypes only; for fp32 the parameter
-chunk is the master) followed by one chunk-long fp32 tensor per *state slot*
-(Adam: ``exp_avg`` then ``exp_avg_sq``). The planner sizes a unit from
-:meth:`ChunkOptimizer.unit_parts`, the step and the checkpoint cut it with
-:meth:`ChunkOptimizer.unit_views`, and :meth:`ChunkOptimizer.step` runs the
+chunk is the master) followed by one chunk-long *state slot* per state tensor
+(Adam: ``exp_avg`` then ``exp_avg_sq``), stored in the optimizer's
+:class:`~infinity.optim.state_formats.StateFormat` (``Config.optimizer_state_dtype``:
+fp32, bf16, or int8 codes followed by their block scales). Every part starts
+on the I/O alignment. The planner sizes a unit from
+:meth:`ChunkOptimizer.unit_bytes`, the step cuts it with
+:meth:`ChunkOptimizer.unit_views`, the checkpoint finds a tensor's bytes with
+:meth:`ChunkOptimizer.tensor_ranges`, and :meth:`ChunkOptimizer.step` runs the
 update on one run of tensors. A second optimizer (SGD with momentum: one slot)
 is a subclass naming its slots and its kernel.
 """
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
 
 import torch
 
 from infinity.optim import kernels
 from infinity.optim.hyper import AdamHyperParams
+from infinity.optim.state_formats import (
+    FP32_BYTES,
+    StateFormat,
+    StoredSlot,
+    read_moments,
+    write_moments,
+)
 
 H = TypeVar("H", contravariant=True)
 
@@ -32,8 +44,9 @@ class StepViews:
 
     master: torch.Tensor  # fp32 values updated in place (the parameters, for fp32)
     grad: torch.Tensor  # gradients in the compute dtype
-    state: Mapping[str, torch.Tensor]  # fp32, one view per state slot
+    state: Mapping[str, torch.Tensor]  # one view per state slot, in the stored dtype
     out16: torch.Tensor | None  # 16-bit parameters rewritten from ``master``, if any
+    scales: Mapping[str, torch.Tensor] = field(default_factory=dict)  # int8: block scales
 
 
 @dataclass(frozen=True)
@@ -41,30 +54,99 @@ class UnitViews:
     """One chunk's optimizer unit, cut into its parts (each ``capacity`` elements)."""
 
     master: torch.Tensor | None  # None for fp32 (the parameter chunk is the master)
-    state: dict[str, torch.Tensor]  # slot name -> fp32 view, in slot order
+    slots: dict[str, StoredSlot]  # slot name -> stored values (and scales), in slot order
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The stored values of every slot, by name."""
+        return {name: slot.data for name, slot in self.slots.items()}
 
     def span(self, span: slice) -> dict[str, torch.Tensor]:
-        """The state views of elements ``span``."""
-        return {name: view[span] for name, view in self.state.items()}
+        """The stored values of elements ``span``, by slot name."""
+        return {name: slot.span(span).data for name, slot in self.slots.items()}
+
+    def scale_span(self, span: slice) -> dict[str, torch.Tensor]:
+        """The block scales covering elements ``span`` (int8; empty otherwise)."""
+        spans = {name: slot.span(span).scale for name, slot in self.slots.items()}
+        return {name: scale for name, scale in spans.items() if scale is not None}
 
 
 class ChunkOptimizer(ABC, Generic[H]):
-    """An optimizer whose per-element state is fp32 tensors shaped like the parameters."""
+    """An optimizer whose per-element state is tensors shaped like the parameters."""
 
     name: ClassVar[str]
-    state_slots: ClassVar[tuple[str, ...]]  # names of the fp32 state tensors, in unit order
+    state_slots: ClassVar[tuple[str, ...]]  # names of the state tensors, in unit order
+    state_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)  # storage formats step() handles
+    state_format: StateFormat = StateFormat()
+
+    def with_state_dtype(self, name: str) -> ChunkOptimizer[H]:
+        """This optimizer with its state slots stored as ``name`` (itself if unchanged)."""
+        if name == self.state_format.name:
+            return self
+        if name not in self.state_dtypes:
+            raise ValueError(
+                f"optimizer_state_dtype={name!r} is not supported by the {self.name!r} chunk "
+                f"optimizer; it stores {', '.join(map(repr, self.state_dtypes))}"
+            )
+        other = copy.copy(self)
+        other.state_format = StateFormat(name)
+        return other
 
     def unit_parts(self, has_master: bool) -> int:
-        """Chunk-long fp32 parts of one unit: the master (if any) plus one per slot."""
+        """Parts of one unit: the master (if any) plus one per slot."""
         return len(self.state_slots) + int(has_master)
 
+    def unit_part_bytes(self, capacity: int, has_master: bool) -> list[int]:
+        """Bytes of each part of the unit of a chunk of ``capacity`` elements, in order."""
+        master = [capacity * FP32_BYTES] if has_master else []
+        return master + [self.state_format.slot_bytes(capacity)] * len(self.state_slots)
+
+    def unit_bytes(self, capacity: int, has_master: bool) -> int:
+        """Bytes of the unit of a chunk of ``capacity`` elements."""
+        return sum(self.unit_part_bytes(capacity, has_master))
+
     def unit_views(self, unit: torch.Tensor, capacity: int, has_master: bool) -> UnitViews:
-        """Cut a flat fp32 ``unit`` of a chunk of ``capacity`` elements into its parts."""
-        parts = [
-            unit[k * capacity : (k + 1) * capacity] for k in range(self.unit_parts(has_master))
-        ]
-        master = parts.pop(0) if has_master else None
-        return UnitViews(master, dict(zip(self.state_slots, parts, strict=True)))
+        """Cut a flat ``unit`` (any dtype: its bytes are used) of a chunk of
+        ``capacity`` elements into its parts."""
+        raw = unit.view(torch.uint8)
+        parts, at = [], 0
+        for size in self.unit_part_bytes(capacity, has_master):
+            parts.append(raw[at : at + size])
+            at += size
+        master = parts.pop(0)[: capacity * FP32_BYTES].view(torch.float32) if has_master else None
+        slots = [self.state_format.slot_view(part, capacity) for part in parts]
+        return UnitViews(master, dict(zip(self.state_slots, slots, strict=True)))
+
+    def tensor_ranges(
+        self, capacity: int, has_master: bool, offset: int, numel: int
+    ) -> list[tuple[int, int]]:
+        """Byte ranges ``(start, length)`` in a unit holding the state of the tensor at
+        elements ``[offset, offset + numel)``: master, then each slot's values (and
+        int8 scales). The same tensor has ranges of the same lengths in any layout."""
+        ranges, at = [], 0
+        for k, size in enumerate(self.unit_part_bytes(capacity, has_master)):
+            if has_master and k == 0:
+                ranges.append((offset * FP32_BYTES, numel * FP32_BYTES))
+            else:
+                ranges += [
+                    (at + start, n)
+                    for start, n in self.state_format.tensor_ranges(capacity, offset, numel)
+                ]
+            at += size
+        return ranges
+
+    def read_state(self, unit: UnitViews, span: slice) -> dict[str, torch.Tensor]:
+        """New fp32 copies of the state of elements ``span``, by slot name."""
+        if self.state_format.quantized:
+            raise NotImplementedError(f"{self.name} does not decode quantised state")
+        return {name: data[span].to(torch.float32, copy=True) for name, data in unit.state.items()}
+
+    def write_state(self, unit: UnitViews, span: slice, values: Mapping[str, torch.Tensor]) -> None:
+        """Store fp32 ``values`` (flat, by slot name) as the state of elements ``span``."""
+        if self.state_format.quantized:
+            raise NotImplementedError(f"{self.name} does not encode quantised state")
+        for name, data in unit.state.items():
+            data[span].copy_(values[name].reshape(-1))
 
     @abstractmethod
     def step(self, views: StepViews, hyper: H, *, step: int, grad_scale: float) -> None:
@@ -77,6 +159,22 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
 
     name = "adam"
     state_slots = ("exp_avg", "exp_avg_sq")
+    state_dtypes = ("fp32", "bf16", "int8")
+
+    def read_state(self, unit: UnitViews, span: slice) -> dict[str, torch.Tensor]:
+        """New fp32 copies of both moments of elements ``span`` (int8: decoded)."""
+        m, v = read_moments(unit.slots["exp_avg"].span(span), unit.slots["exp_avg_sq"].span(span))
+        return {"exp_avg": m, "exp_avg_sq": v}
+
+    def write_state(self, unit: UnitViews, span: slice, values: Mapping[str, torch.Tensor]) -> None:
+        """Store fp32 moments as the kernel would (int8: encoded block by block from
+        ``span.start``, which is a block boundary: tensors start on one)."""
+        write_moments(
+            unit.slots["exp_avg"].span(span),
+            unit.slots["exp_avg_sq"].span(span),
+            values["exp_avg"].reshape(-1),
+            values["exp_avg_sq"].reshape(-1),
+        )
 
     def step(
         self, views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float
@@ -90,8 +188,11 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
             step=step,
             grad_scale=grad_scale,
             out16=views.out16,
+            exp_avg_scale=views.scales.get("exp_avg"),
+            exp_avg_sq_scale=views.scales.get("exp_avg_sq"),
             **hyper.kernel_kwargs(),
         )
 
 
 ADAM = AdamChunks()
+"""Adam with exact fp32 moments; ``ADAM.with_state_dtype(...)`` for bf16 or int8."""

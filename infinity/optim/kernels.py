@@ -28,6 +28,8 @@ import torch
 from infinity._native import native
 from infinity._native.adam import GRAD_CODES as _GRAD_CODES
 from infinity._native.adam import OUT16_CODES as _OUT_CODES
+from infinity._native.adam import QBLOCK as _QBLOCK
+from infinity._native.adam import STATE_FORMATS as _STATE_CODES
 
 __all__ = [
     "active_isa",
@@ -43,6 +45,13 @@ __all__ = [
 _F32 = torch.float32
 _STRIDED = torch.strided
 _FP32 = (torch.float32,)
+# The moments' storage dtype names the kernel's state format (int8 codes are bytes).
+_STATE_OF_DTYPE = {
+    torch.float32: _STATE_CODES["fp32"],
+    torch.bfloat16: _STATE_CODES["bf16"],
+    torch.uint8: _STATE_CODES["int8"],
+}
+_STATE_DTYPES = tuple(_STATE_OF_DTYPE)
 _GRAD_DTYPES = tuple(_GRAD_CODES)
 _OUT_DTYPES = tuple(_OUT_CODES)
 _module: ModuleType | None = None
@@ -145,6 +154,8 @@ def adam_step(
     adamw: bool = True,
     grad_scale: float = 1.0,
     out16: torch.Tensor | None = None,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
 ) -> None:
     """Apply one Adam or AdamW step in place, in one pass over the buffers.
 
@@ -165,7 +176,11 @@ def adam_step(
     Args:
         master: fp32 master parameters, updated in place.
         grad: gradients, fp32, bf16 or fp16; only read.
-        exp_avg, exp_avg_sq: fp32 first and second moments, updated in place.
+        exp_avg, exp_avg_sq: first and second moments, updated in place: fp32,
+            bf16 (rounded to nearest even on every store), or uint8 int8 codes
+            with one fp32 scale per 256 elements in ``exp_avg_scale`` /
+            ``exp_avg_sq_scale`` (see ``cpp/adam/q8_codec.hpp``); both the same dtype.
+            The update itself runs in fp32.
         step: the 1-based step count *after* the increment (bias correction).
         lr, beta1, beta2, eps, weight_decay: as in ``torch.optim.AdamW``.
         adamw: decoupled weight decay (AdamW) if True, L2 (Adam) if False.
@@ -183,9 +198,21 @@ def adam_step(
     """
     n = _check_tensor("master", master, _FP32, None)
     _check_tensor("grad", grad, _GRAD_DTYPES, n)
-    _check_tensor("exp_avg", exp_avg, _FP32, n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, _FP32, n)
+    _check_tensor("exp_avg", exp_avg, _STATE_DTYPES, n)
+    _check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "exp_avg")
     buffers = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    scale_ptrs = (0, 0)
+    if exp_avg.dtype is torch.uint8:
+        blocks = -(-n // _QBLOCK)
+        for name, scale in (
+            ("exp_avg_scale", exp_avg_scale),
+            ("exp_avg_sq_scale", exp_avg_sq_scale),
+        ):
+            if scale is None:
+                raise ValueError(f"{name} is required with int8 (uint8) moments")
+            _check_tensor(name, scale, _FP32, blocks, f"{n} elements in blocks of {_QBLOCK}")
+            buffers.append((name, scale))
+        scale_ptrs = (exp_avg_scale.data_ptr(), exp_avg_sq_scale.data_ptr())  # type: ignore[union-attr]
     if out16 is not None:
         _check_tensor("out16", out16, _OUT_DTYPES, n)
         buffers.append(("out16", out16))
@@ -204,6 +231,8 @@ def adam_step(
         n,
         step,
         *hyper,
+        _STATE_OF_DTYPE[exp_avg.dtype],
+        *scale_ptrs,
     )
 
 

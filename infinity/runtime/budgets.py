@@ -67,6 +67,8 @@ def choose_plan(
     element_size = torch.finfo(dtype).bits // 8
     has_master = config.dtype != "fp32"
 
+    align = optimizer.state_format.element_alignment
+
     def attempt(layout: ChunkLayout) -> Plan:
         return make_plan(
             layout,
@@ -81,7 +83,7 @@ def choose_plan(
 
     if config.chunk_size != AUTO:
         elems = int(config.chunk_size) // element_size
-        return attempt(build_layout(tensors, elems, element_size))
+        return attempt(build_layout(tensors, elems, element_size, tensor_align=align))
     # NOTE: a quarter of the device bounds even a raised cap, and a plan that
     # does not fit retries with smaller chunks.
     cap = chunk_cap(tensors, element_size, MAX_AUTO_CHUNK_BYTES)
@@ -95,7 +97,7 @@ def choose_plan(
             min_bytes=min(MIN_AUTO_CHUNK_BYTES, max_bytes),
         )
         try:
-            return attempt(build_layout(tensors, elems, element_size))
+            return attempt(build_layout(tensors, elems, element_size, tensor_align=align))
         except PlanError as exc:
             last_error = exc
         max_bytes //= 2
@@ -109,11 +111,12 @@ def plan_for(
     device: torch.device,
     optimizer: ChunkOptimizer = ADAM,
 ) -> Plan:
-    """The plan for a model's parameter registry under ``config`` (nothing is allocated)."""
+    """The plan for a model's parameter registry under ``config`` (nothing is allocated);
+    the optimizer's state slots are stored as ``config.optimizer_state_dtype``."""
     return choose_plan(
         registry.tensor_infos(),
         registry.working_sets,
         config=config,
         budgets=resolve_budgets(config, device),
-        optimizer=optimizer,
+        optimizer=optimizer.with_state_dtype(config.optimizer_state_dtype),
     )

@@ -76,7 +76,9 @@ class OffloadEngine:
             raise ValueError("the model has no parameters: there is nothing to offload")
         prepare_nvme(config)
         # The per-element optimizer the chunks are laid out for (CPUAdam's Adam).
-        self.chunk_optimizer: ChunkOptimizer[Any] = ADAM
+        self.chunk_optimizer: ChunkOptimizer[Any] = ADAM.with_state_dtype(
+            config.optimizer_state_dtype
+        )
         self.plan = plan_for(self.registry, config, self.device, self.chunk_optimizer)
         self.layout = self.plan.layout
         self.swap = open_swap(config, self.plan.nvme_bytes)

@@ -134,7 +134,11 @@ def step_chunk(
         for run in runs:
             span = slice(run.start, run.end)
             views = StepViews(
-                master[span], grads[span], unit.span(span), params[span] if has_master else None
+                master[span],
+                grads[span],
+                unit.span(span),
+                params[span] if has_master else None,
+                unit.scale_span(span),
             )
             optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
     finally:

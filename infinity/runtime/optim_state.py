@@ -16,18 +16,15 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.manager import typed
+from infinity.optim.chunk_optimizer import UnitViews
 from infinity.optim.offloaded import MomentState
 from infinity.runtime.model_chunks import ModelChunks
 
 
-def _slot_views(engine: ModelChunks, chunk: int, region: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The flat state slots of a chunk's optimizer unit, by name (Adam: exp_avg, exp_avg_sq)."""
+def _unit(engine: ModelChunks, chunk: int, region: torch.Tensor) -> UnitViews:
+    """A chunk's optimizer unit cut into its parts (state slots in the stored format)."""
     capacity = engine.layout.chunks[chunk].capacity
-    unit = engine.chunk_optimizer.unit_views(
-        typed(region, torch.float32), capacity, engine.plan.has_master
-    )
-    return unit.state
+    return engine.chunk_optimizer.unit_views(region, capacity, engine.plan.has_master)
 
 
 def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
@@ -37,11 +34,13 @@ def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[
     for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk), writable=False)
         try:
-            views = _slot_views(engine, chunk, region)
+            unit = _unit(engine, chunk, region)
             for i in group:
                 slot = engine.layout.slots[i]
                 span = slice(slot.offset, slot.offset + slot.numel)
-                states = {k: v[span].view(slot.shape).clone() for k, v in views.items()}
+                # NOTE: fp32 copies whatever the stored format (int8 decoded), as torch's.
+                values = engine.chunk_optimizer.read_state(unit, span)
+                states = {k: v.view(slot.shape) for k, v in values.items()}
                 yield i, (engine.tensor_steps[i], states)
         finally:
             engine.manager.close_host(copy, modified=False)
@@ -74,19 +73,19 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
     for chunk, group in engine.layout.group_by_chunk(values, int).items():
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk))
         try:
-            views = _slot_views(engine, chunk, region)
+            unit = _unit(engine, chunk, region)
+            optimizer = engine.chunk_optimizer
             for i in group:
                 slot = engine.layout.slots[i]
                 span = slice(slot.offset, slot.offset + slot.numel)
                 value = values[i]
                 if value is None:
-                    for view in views.values():
-                        view[span].zero_()
+                    zeros = torch.zeros(slot.numel)
+                    optimizer.write_state(unit, span, dict.fromkeys(optimizer.state_slots, zeros))
                     engine.tensor_steps[i] = 0
                     continue
                 step, states = value
-                for key, view in views.items():
-                    view[span].copy_(states[key].reshape(-1))
+                optimizer.write_state(unit, span, states)
                 engine.tensor_steps[i] = step
         finally:
             engine.manager.close_host(copy, modified=True)

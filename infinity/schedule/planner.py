@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from infinity.chunks.layout import ChunkLayout
 from infinity.core.names import HOST, NVME, Tier
-from infinity.core.plan import FP32_BYTES, Budgets, Plan, PlanError
+from infinity.core.plan import Budgets, Plan, PlanError
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.utils.sizes import format_size
 
@@ -101,7 +101,8 @@ def make_plan(
 ) -> Plan:
     """Place every chunk's kinds on host or NVMe and size the slot pools.
 
-    An optimizer unit holds ``optimizer.unit_parts(has_master)`` fp32 parts.
+    An optimizer unit holds ``optimizer.unit_bytes(capacity, has_master)`` bytes
+    (an fp32 master if any, then the state slots in the optimizer's state format).
 
     Raises :class:`PlanError` (before anything is allocated) when a budget is
     too small, naming the bytes each tier would need.
@@ -109,7 +110,7 @@ def make_plan(
     chunks = layout.chunks
     n = len(chunks)
     pbytes = [c.capacity * element_size for c in chunks]
-    obytes = [c.capacity * FP32_BYTES * optimizer.unit_parts(has_master) for c in chunks]
+    obytes = [optimizer.unit_bytes(c.capacity, has_master) for c in chunks]
 
     # Device: the minimum working set, then as many more slots as fit.
     device = min_device_slots(layout, element_size, working_sets)
@@ -206,6 +207,8 @@ def make_plan(
         element_size=element_size,
         has_master=has_master,
         state_slots=optimizer.state_slots,
+        optim_unit_bytes=tuple(obytes),
+        state_dtype=optimizer.state_format.name,
         param_home=tuple(param_home),
         grad_home=tuple(grad_home),
         optim_home=tuple(optim_home),

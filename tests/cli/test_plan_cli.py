@@ -52,3 +52,22 @@ def test_plan_table_and_errors(tmp_path):
     assert unknown.returncode == 2 and "unknown preset" in unknown.stderr
     size = _plan("--device-memory", "lots")
     assert size.returncode == 2 and "device_memory='lots'" in size.stderr
+
+
+def test_plan_shows_the_bytes_of_each_optimizer_state_dtype(capsys):
+    from infinity.cli.main import main  # in-process: three plans of a small model in a second
+
+    args = ["plan", "--model", "small", "--layers", "2", "--dtype", "fp32"]
+    args += ["--host-memory", "2GiB", "--device-memory", "512MiB"]
+    units = {}
+    for name in ("fp32", "bf16", "int8"):
+        assert main([*args, "--optimizer-state-dtype", name, "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert plan["optimizer_state_dtype"] == name
+        units[name] = plan["optim_bytes"]
+    assert main([*args, "--optimizer-state-dtype", "int8"]) == 0
+    assert "optimizer states: int8" in capsys.readouterr().out
+    # fp32 compute has no master: 8 bytes a parameter, 4 in bf16, 2 + 4/256 in int8
+    # (within a percent: chunk tails and int8's block-aligned tensors)
+    assert 0.5 <= units["bf16"] / units["fp32"] <= 0.505
+    assert (2 + 4 / 256) / 8 <= units["int8"] / units["fp32"] <= (2 + 4 / 256) / 8 * 1.01

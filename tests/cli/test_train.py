@@ -244,3 +244,25 @@ def test_malformed_flag_is_an_argparse_error(capsys):
         main([*TINY, "--steps", "many"])
     assert exc.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_int8_states_resume_without_the_flag(tmp_path, capsys, monkeypatch):
+    """The run remembers --optimizer-state-dtype: a resume without it continues in int8,
+    on the same loss curve as an uninterrupted int8 run."""
+    monkeypatch.chdir(tmp_path)
+    common = ["--steps", "4", "--eval-batches", "0", "--plot", "none"]
+    nvme = ["--nvme-path", str(tmp_path / "nvme")]
+    int8 = ["--optimizer-state-dtype", "int8"]
+    code, events = _train_in_process(capsys, *common, *nvme, *int8, "--checkpoint-dir", "none")
+    assert code == 0
+    (start,) = [e for e in events if e["event"] == "start"]
+    assert any("int8 moments" in line for line in start["lines"])
+    assert any("optimizer states: int8" in line for line in start["lines"])
+    reference = _summary(events)["losses"]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    code, events = _train_in_process(capsys, *common, *nvme, *int8, *ckpt, "--stop-after", "2")
+    assert code == 0
+    first = _summary(events)
+    code, events = _train_in_process(capsys, "--resume", "--eval-batches", "0", *nvme, *ckpt)
+    assert code == 0
+    assert {**first["losses"], **_summary(events)["losses"]} == reference

@@ -1,0 +1,152 @@
+"""Optimizer-state storage (``Config(optimizer_state_dtype=...)``): NVMe bytes, step time, loss.
+
+python bench/state_dtype.py [--steps 18 --loss-steps 300 --json]
+
+1. The NVMe-bound case of ``bench/train_overhead.py`` (case c0: GPT 8x512, fp32,
+   batch 4 x 256, optimizer states on NVMe, parameters and gradients in RAM,
+   the default step) with fp32, bf16 and int8 moments, each at the smallest host
+   budget that keeps parameters and gradients in RAM (so every optimizer unit
+   is on NVMe). The three run in interleaved blocks; the ratios to fp32 are
+   medians over rounds of paired ratios (see ``infinity.bench.train``).
+2. The demo (``infinity train``, the "small" preset: 300 steps) once per state
+   dtype, each in its own process: the loss curve against fp32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from infinity.bench.train import _batches, host_budget_for, offloaded_runner
+from infinity.config import Config
+from infinity.models.gpt import GPTConfig
+from infinity.schedule.planner import NVME
+from infinity.utils.sizes import format_size
+
+DTYPES = ("fp32", "bf16", "int8")
+
+
+def nvme_case(args: argparse.Namespace) -> dict:
+    """Step time and NVMe bytes per step of case c0 for each state dtype."""
+    cfg = GPTConfig(vocab_size=256, seq_len=256, layers=8, hidden=512, heads=8)
+    block = 4
+    rounds = -(-args.steps // (block - 1))
+    warm_rounds = 1
+    data = _batches(cfg, 4, (rounds + warm_rounds) * block)
+    os.makedirs(args.nvme_path, exist_ok=True)
+    out: dict = {"model": "GPT 8x512 fp32, batch 4 x 256", "params": cfg.num_params, "cases": {}}
+    with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
+        runners = []
+        for name in DTYPES:
+            base = Config(
+                device="cpu",
+                dtype="fp32",
+                device_memory=cfg.num_params * 2,
+                nvme_path=tmp,
+                optimizer_state_dtype=name,
+            )
+            host = host_budget_for(
+                cfg, base, lambda p: NVME not in p.param_home and NVME not in p.grad_home
+            )
+            runners.append(
+                offloaded_runner(
+                    name, f"c0 with {name} moments", cfg, base.replace(host_memory=host)
+                )
+            )
+        for r in range(rounds + warm_rounds):
+            print(f"... round {r + 1} of {rounds + warm_rounds}", file=sys.stderr, flush=True)
+            turn = r % len(runners)
+            for runner in runners[turn:] + runners[:turn]:
+                runner.block(data[r * block : (r + 1) * block], timed=r >= warm_rounds)
+        r_laps = {r.name: r.laps for r in runners}
+        results = {res.name: res for res in (r.result() for r in runners)}
+    fp32 = results["fp32"]
+    for name, res in results.items():
+        nvme = res.traffic.get("nvme_read_bytes", 0) + res.traffic.get("nvme_write_bytes", 0)
+        out["cases"][name] = {
+            "step_seconds": res.step_seconds,
+            "nvme_bytes_per_step": nvme,
+            "host_memory": res.config["host_memory"],
+            "time_vs_fp32": statistics.median(
+                a / b for a, b in zip(res.rounds, fp32.rounds, strict=True)
+            ),
+            "round_ratios": [a / b for a, b in zip(res.rounds, fp32.rounds, strict=True)],
+            "wait_nvme_seconds": statistics.mean(
+                lap.get("wait_nvme_seconds", 0.0) for lap in r_laps[name]
+            ),
+        }
+    base_bytes = out["cases"]["fp32"]["nvme_bytes_per_step"]
+    for case in out["cases"].values():
+        case["bytes_vs_fp32"] = case["nvme_bytes_per_step"] / base_bytes
+    return out
+
+
+def demo_losses(args: argparse.Namespace) -> dict:
+    """The demo's loss per step for each state dtype (each run in its own process)."""
+    curves = {}
+    for name in DTYPES:
+        print(f"... demo, {name} moments", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
+            cmd = [
+                sys.executable, "-m", "infinity", "train", "--json",
+                "--steps", str(args.loss_steps), "--optimizer-state-dtype", name,
+                "--checkpoint-dir", "none", "--plot", "none", "--nvme-path", tmp,
+            ]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        curves[name] = [e["loss"] for e in events if e["event"] == "step"]
+    return curves
+
+
+def _tail(losses: list[float], n: int = 20) -> float:
+    """Mean loss of the last ``n`` steps (one step's loss is one batch's: noisy)."""
+    return sum(losses[-n:]) / len(losses[-n:])
+
+
+def main() -> int:
+    """Run both parts and print the tables (and JSON)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=18, help="timed steps per dtype (part 1)")
+    parser.add_argument("--loss-steps", type=int, default=300, help="demo steps (part 2; 0 skips)")
+    parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    report: dict = {"nvme": nvme_case(args)}
+    print(f"{report['nvme']['model']} ({report['nvme']['params'] / 1e6:.1f}M parameters), "
+          "optimizer states on NVMe")  # fmt: skip
+    print(
+        f"{'moments':<9}{'step s':>8}{'x fp32':>8}{'rounds':>12}{'NVMe wait':>10}"
+        f"{'NVMe/step':>12}{'x fp32':>8}{'host':>11}"
+    )
+    for name, c in report["nvme"]["cases"].items():
+        spread = f"{min(c['round_ratios']):.2f}-{max(c['round_ratios']):.2f}"
+        print(
+            f"{name:<9}{c['step_seconds']:>8.3f}{c['time_vs_fp32']:>8.2f}{spread:>12}"
+            f"{c['wait_nvme_seconds']:>10.3f}"
+            f"{format_size(c['nvme_bytes_per_step']):>12}{c['bytes_vs_fp32']:>8.2f}"
+            f"{format_size(c['host_memory']):>11}"
+        )
+    if args.loss_steps:
+        curves = demo_losses(args)
+        report["demo_losses"] = curves
+        ref = _tail(curves["fp32"])
+        print(f"demo ({args.loss_steps} steps): mean loss of the last 20 steps")
+        for name, losses in curves.items():
+            marks = ", ".join(f"{losses[i]:.3f}" for i in range(0, len(losses), 50))
+            change = _tail(losses) / ref - 1
+            print(f"{name:<6}{_tail(losses):8.4f}  ({change:+.2%})  every 50: {marks}")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
