@@ -33,6 +33,8 @@ from infinity.checkpoint.format import (
 from infinity.checkpoint.optimizer_groups import hyper_updates
 from infinity.checkpoint.schema import FP32, CheckpointMeta, parse_meta
 from infinity.chunks.homes import Kind
+from infinity.chunks.span_access import each_span
+from infinity.chunks.spans import is_split
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
 
@@ -137,6 +139,9 @@ def _write_chunks(
     parts = engine.chunk_optimizer.unit_parts(engine.plan.has_master)
     for chunk, spec in enumerate(engine.layout.chunks):
         members = engine.chunk_members[chunk]
+        if is_split(engine.layout, chunk):
+            _write_split(engine, meta, fp, fo, chunk)
+            continue
         region, copy = manager.open_host((Kind.PARAM, chunk), load=False)
         try:
             region.zero_()
@@ -162,3 +167,41 @@ def _write_chunks(
                     _read_into(fo, src, region[at : at + slot.numel * FP32])
         finally:
             manager.close_host(copy, modified=True)
+
+
+def _write_split(
+    engine: OffloadEngine,
+    meta: CheckpointMeta,
+    fp: io.BufferedReader,
+    fo: io.BufferedReader,
+    chunk: int,
+) -> None:
+    """:func:`_write_chunks` for an oversize chunk, span by span (staging stays chunk-sized)."""
+    manager = engine.manager
+    spec = engine.layout.chunks[chunk]
+    kinds = [(Kind.PARAM, engine.plan.element_size)]
+    kinds += [(Kind.OPTIM, FP32)] if spec.trainable else []
+    for kind, size in kinds:
+        spans = each_span(manager, kind, chunk, 0, spec.capacity, load=False, modify=True)
+        for at, parts in spans:
+            width = parts[0].numel() // size
+            for part in parts:
+                part.zero_()
+            for entry in engine.chunk_members[chunk]:
+                slot = engine.layout.slots[entry.index]
+                first, last = max(at, slot.offset), min(at + width, slot.offset + slot.numel)
+                if first >= last:
+                    continue
+                rec = meta.tensors[entry.name]
+                into = first - slot.offset  # elements into the tensor
+                for k, part in enumerate(parts):
+                    dst = part[(first - at) * size : (last - at) * size]
+                    if kind is Kind.PARAM:
+                        src = rec.param_offset + into * size
+                    else:
+                        assert rec.optim_offset is not None  # trainable in the checkpoint too
+                        src = rec.optim_offset + (
+                            k * rec.chunk_capacity + rec.element_offset + into
+                        ) * FP32
+                    _read_into(fp if kind is Kind.PARAM else fo, src, dst)
+    manager.drop_param(chunk)

@@ -15,6 +15,7 @@ import errno
 import os
 import shutil
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from torch import nn
@@ -31,6 +32,8 @@ from infinity.checkpoint.format import (
 )
 from infinity.checkpoint.optimizer_groups import optimizer_groups
 from infinity.chunks.homes import Kind
+from infinity.chunks.span_access import each_span
+from infinity.chunks.spans import is_split
 from infinity.io.errors import NVMeIOError
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
@@ -45,18 +48,36 @@ def _stream(
     position = 0
     with open(file, "wb") as f:
         for chunk in chunks:
-            region, copy = engine.manager.open_host((kind, chunk), writable=False)
-            try:
-                data = memoryview(region.numpy().data)
+            offsets[chunk] = position
+            for data in _chunk_bytes(engine, kind, chunk):
                 f.write(data)
                 crc = zlib.crc32(data, crc)
-            finally:
-                engine.manager.close_host(copy, modified=False)
-            offsets[chunk] = position
-            position += len(data)
+                position += len(data)
         f.flush()
         os.fsync(f.fileno())
     return offsets, {"bytes": position, "crc32": crc}
+
+
+def _chunk_bytes(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[memoryview]:
+    """The home bytes of ``(kind, chunk)`` in order, whole or (oversize) span by span."""
+    if not is_split(engine.layout, chunk):
+        region, copy = engine.manager.open_host((kind, chunk), writable=False)
+        try:
+            yield memoryview(region.numpy().data)
+        finally:
+            engine.manager.close_host(copy, modified=False)
+        return
+    # NOTE: the file holds each part of a unit whole, one after the other; a
+    # span holds a slice of every part, so a unit's spans are read once per part.
+    capacity = engine.layout.chunks[chunk].capacity
+    parts = engine.manager.nbytes((kind, chunk)) // (capacity * _element_bytes(engine, kind))
+    for part in range(parts):
+        for _at, views in each_span(engine.manager, kind, chunk, 0, capacity):
+            yield memoryview(views[part].numpy().data)
+
+
+def _element_bytes(engine: OffloadEngine, kind: Kind) -> int:
+    return 4 if kind is Kind.OPTIM else engine.plan.element_size
 
 
 def write_checkpoint(directory: Path, model: nn.Module, optimizer=None) -> None:

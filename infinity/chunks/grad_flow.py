@@ -18,6 +18,8 @@ from infinity.chunks.accounting import Traffic
 from infinity.chunks.cache import Copy, Pending, TierCache
 from infinity.chunks.grad_state import GradState, GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
+from infinity.chunks.span_access import flush_grad_spans
+from infinity.chunks.spans import is_split
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import HOST
 from infinity.devices.base import DeviceBackend
@@ -126,6 +128,9 @@ class GradientFlow:
         key: Key = (Kind.GRAD, i)
         nbytes = self.nbytes(key)
         self.traffic.d2h_bytes += nbytes
+        if is_split(self.homes.plan.layout, i):
+            flush_grad_spans(self, copy, i)  # type: ignore[arg-type]  # NOTE: self is the manager
+            return
         if self.grads[i] is GradState.RECEIVING:
             # First gradients of this accumulation cycle: a plain copy home, left
             # in flight (the device slot is reused only once it has landed).
@@ -193,7 +198,7 @@ class GradientFlow:
 
     def check_grad_kept(self, key: Key) -> None:
         """Raise if ``key`` is a gradient chunk whose gradients a step consumed."""
-        kind, i = key
+        kind, i = key[0], key[1]
         if kind is Kind.GRAD and self.grads.dropped(i):
             raise RuntimeError(
                 f"the gradients of chunk {i} were used by the overlapped optimizer step and are "

@@ -22,6 +22,8 @@ from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
 from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
+from infinity.chunks.span_access import SpanFill, first_span, write_initial_spans
+from infinity.chunks.spans import SpanKey, is_split
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.chunks.update_state import UpdateStates
 from infinity.core.names import HOST
@@ -147,6 +149,8 @@ class ChunkManager(GradientFlow):
         cache = self.staging[key[0]]
         copy = cache.get(key)
         if copy is None:
+            if not isinstance(key, SpanKey) and is_split(self.plan.layout, key[1]):
+                raise AssertionError(f"{key} is oversize: stage it in spans (chunks/spans.py)")
             if load:
                 self.check_grad_kept(key)
             if prefetch:
@@ -179,12 +183,17 @@ class ChunkManager(GradientFlow):
         """Start filling a staging copy: from the device copy of a parameter chunk
         if allowed and landed (a device -> host copy instead of a disk read),
         else from NVMe."""
-        on_device = self.device.get(key) if from_device and key[0] is Kind.PARAM else None
+        device_key = key.base if isinstance(key, SpanKey) else key
+        on_device = self.device.get(device_key) if from_device and key[0] is Kind.PARAM else None
         if on_device is None or on_device.in_flight():
             return self.homes.read(key, copy.tensor)
         # NOTE: device parameter copies are exact caches of their home (an
         # update discards them), so these are the bytes the disk would give.
-        d2h = self.backend.copy_async(copy.tensor, on_device.tensor)
+        source = on_device.tensor
+        if isinstance(key, SpanKey):
+            size = self.plan.element_size
+            source = source[key.start * size : key.end * size]
+        d2h = self.backend.copy_async(copy.tensor, source)
         on_device.pending.append(d2h)  # the device slot is read until the copy ends
         self.traffic.d2h_bytes += copy.nbytes
         return d2h
@@ -197,16 +206,20 @@ class ChunkManager(GradientFlow):
                 fill.wait()
 
     def host_ready(self, key: Key) -> bool:
-        """``key``'s bytes are in host memory now (its home, or a landed staging read)."""
+        """``key``'s bytes are in host memory now (its home, or a landed staging read;
+        for an oversize key, its first span)."""
         if self.homes.tier(key) == HOST:
             return _landed(self.home_fill.get(key))
+        key = first_span(self, key)
         copy = self.staging[key[0]].get(key)
         return copy is not None and _landed(copy.fill)
 
     def prefetch_host(self, key: Key, protect: Collection[Key] = ()) -> bool:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed);
         False if no staging slot was free without evicting a key of ``protect``
-        (try again later)."""
+        (try again later). An oversize key starts its first span."""
+        if self.homes.tier(key) != HOST:
+            key = first_span(self, key)
         cache = self.staging[key[0]]
         if key in cache:  # NOTE: the common case: polls retry reads already started
             cache.touch(key, self.moment)
@@ -240,6 +253,8 @@ class ChunkManager(GradientFlow):
             copy = self.device.insert(key, nbytes, self.moment)
         if self.homes.tier(key) == HOST:
             copy.pending.append(self.backend.copy_async(copy.tensor, self.homes.host(key)))
+        elif is_split(self.plan.layout, i):
+            copy.pending.append(SpanFill(self, i, copy.tensor))
         else:
             staged = self._staged(key, load=True, wait=False, prefetch=prefetch)
             if staged is None:
@@ -342,6 +357,9 @@ class ChunkManager(GradientFlow):
 
     def write_initial(self, i: int, values: torch.Tensor) -> None:
         """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``."""
+        if is_split(self.plan.layout, i):
+            write_initial_spans(self, i, values)
+            return
         region, copy = self.open_host((Kind.PARAM, i), load=False)
         typed(region, self.dtype).copy_(values)
         self.close_host(copy, modified=True)

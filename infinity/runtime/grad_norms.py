@@ -26,6 +26,8 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.chunks.span_access import each_span, read_elements
+from infinity.chunks.spans import is_split
 from infinity.runtime.engine_fields import EngineFields
 from infinity.runtime.params import ParamEntry, tensor_index
 
@@ -53,6 +55,14 @@ class GradientNorms(EngineFields):
         self.collect_zeroed_grads()
         with_grad = (self.registry.entries[i] for i in indices if self.has_grad[i])
         for chunk, group in self.layout.group_by_chunk(with_grad, tensor_index).items():
+            if is_split(self.layout, chunk):
+                # NOTE: an oversize chunk is never staged whole: a copy of the tensor.
+                for entry in group:
+                    slot = self.layout.slots[entry.index]
+                    end = slot.offset + slot.numel
+                    flat = read_elements(self.manager, Kind.GRAD, chunk, 0, slot.offset, end, self.dtype)
+                    yield entry, flat.view(slot.shape)
+                continue
             region, copy = self.manager.open_host((Kind.GRAD, chunk), writable=False)
             try:
                 for entry in group:
@@ -132,6 +142,15 @@ class GradientNorms(EngineFields):
             return
         self.settle_step()
         for chunk, group in self.layout.group_by_chunk(pending, int).items():
+            if is_split(self.layout, chunk):
+                for i in group:
+                    slot = self.layout.slots[i]
+                    end = slot.offset + slot.numel
+                    for _at, parts in each_span(
+                        self.manager, Kind.GRAD, chunk, slot.offset, end, modify=True
+                    ):
+                        parts[0].view(self.dtype).mul_(pending[i])
+                continue
             region, copy = self.manager.open_host((Kind.GRAD, chunk))
             try:
                 flat = typed(region, self.dtype)

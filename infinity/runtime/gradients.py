@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from infinity.chunks.homes import Kind
+from infinity.chunks.span_access import each_span
+from infinity.chunks.spans import is_split
 from infinity.chunks.states import TensorState
 from infinity.core.names import Phase
 from infinity.runtime.engine_fields import EngineFields
@@ -120,6 +122,15 @@ class GradientEvents(EngineFields):
         """Zero some tensors' gradients inside a chunk whose other gradients stay."""
         if not self.manager.grads.home_valid(chunk):
             return  # nothing kept to zero (a later read or addition raises)
+        if is_split(self.layout, chunk):
+            for entry in entries:
+                slot = self.layout.slots[entry.index]
+                end = slot.offset + slot.numel
+                for _at, parts in each_span(
+                    self.manager, Kind.GRAD, chunk, slot.offset, end, modify=True
+                ):
+                    parts[0].zero_()
+            return
         region, copy = self.manager.open_host((Kind.GRAD, chunk))
         for entry in entries:
             self.chunk_view(region, entry).zero_()

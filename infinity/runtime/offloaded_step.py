@@ -21,9 +21,11 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
 from infinity.optim.chunk_optimizer import StepViews
 from infinity.optim.hyper import AdamHyperParams
+from infinity.runtime.oversize_step import step_chunk_in_spans
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ def plan_runs(
 
 def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: float) -> None:
     """Update one chunk in place in its homes (see module docstring)."""
+    if is_split(engine.layout, chunk):
+        step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
+        return
     manager = engine.manager
     capacity = engine.layout.chunks[chunk].capacity
     has_master = engine.plan.has_master

@@ -17,6 +17,8 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.chunks.span_access import read_elements, write_elements
+from infinity.chunks.spans import is_split
 from infinity.optim.offloaded import MomentState
 
 
@@ -34,6 +36,9 @@ def read_moments(engine, indices: Iterable[int]) -> Iterator[tuple[int, MomentSt
     engine.settle_step()
     stepped = [i for i in indices if engine.tensor_steps[i] > 0]
     for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
+        if is_split(engine.layout, chunk):
+            yield from _read_split(engine, chunk, group)
+            continue
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk), writable=False)
         try:
             views = _slot_views(engine, chunk, region)
@@ -72,6 +77,9 @@ def write_moments(engine, values: dict[int, MomentState | None]) -> None:
     stepped); check with :func:`check_moments` first."""
     engine.settle_step()
     for chunk, group in engine.layout.group_by_chunk(values, int).items():
+        if is_split(engine.layout, chunk):
+            _write_split(engine, chunk, {i: values[i] for i in group})
+            continue
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk))
         try:
             views = _slot_views(engine, chunk, region)
@@ -90,3 +98,38 @@ def write_moments(engine, values: dict[int, MomentState | None]) -> None:
                 engine.tensor_steps[i] = step
         finally:
             engine.manager.close_host(copy, modified=True)
+
+
+def _slot_parts(engine) -> dict[str, int]:
+    """Each state slot's part index in an optimizer unit (after the master, if any)."""
+    first = int(engine.plan.has_master)
+    return {name: first + k for k, name in enumerate(engine.chunk_optimizer.state_slots)}
+
+
+def _read_split(engine, chunk: int, group: list[int]) -> Iterator[tuple[int, MomentState]]:
+    """:func:`read_moments` of an oversize chunk, span by span."""
+    for i in group:
+        slot = engine.layout.slots[i]
+        end = slot.offset + slot.numel
+        states = {
+            name: read_elements(
+                engine.manager, Kind.OPTIM, chunk, part, slot.offset, end, torch.float32
+            ).view(slot.shape)
+            for name, part in _slot_parts(engine).items()
+        }
+        yield i, (engine.tensor_steps[i], states)
+
+
+def _write_split(engine, chunk: int, values: dict[int, MomentState | None]) -> None:
+    """:func:`write_moments` of an oversize chunk, span by span."""
+    for i, value in values.items():
+        slot = engine.layout.slots[i]
+        step, states = value if value is not None else (0, None)
+        for name, part in _slot_parts(engine).items():
+            moment = (
+                torch.zeros(slot.numel, dtype=torch.float32)
+                if states is None
+                else states[name].reshape(-1).to(torch.float32)
+            )
+            write_elements(engine.manager, Kind.OPTIM, chunk, part, slot.offset, moment)
+        engine.tensor_steps[i] = step

@@ -14,6 +14,8 @@ from torch import nn
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.chunks.span_access import read_elements, write_elements
+from infinity.chunks.spans import is_split
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry, tensor_index
 
@@ -26,6 +28,14 @@ def read_params(
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
         key = (Kind.OPTIM, chunk) if use_master else (Kind.PARAM, chunk)
+        dtype = torch.float32 if use_master else engine.dtype
+        if is_split(engine.layout, chunk):
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                end = slot.offset + slot.numel
+                flat = read_elements(engine.manager, key[0], chunk, 0, slot.offset, end, dtype)
+                yield entry, flat.view(slot.shape)
+            continue
         region, copy = engine.manager.open_host(key, writable=False)
         try:
             flat = typed(region, torch.float32 if use_master else engine.dtype)
@@ -46,6 +56,9 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
                 engine.plan.has_master and engine.layout.chunks[chunk].trainable
             ):
                 continue
+            if is_split(engine.layout, chunk):
+                _write_split(engine, key, dtype, chunk, group, values)
+                continue
             region, copy = engine.manager.open_host((key, chunk))
             try:
                 flat = typed(region, dtype)
@@ -61,6 +74,26 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
             finally:
                 engine.manager.close_host(copy, modified=True)
         engine.manager.drop_param(chunk)
+
+
+def _write_split(
+    engine: OffloadEngine,
+    kind: Kind,
+    dtype: torch.dtype,
+    chunk: int,
+    group: list[ParamEntry],
+    values: dict[int, torch.Tensor],
+) -> None:
+    """``write_params`` of an oversize chunk, span by span."""
+    for entry in group:
+        slot = engine.layout.slots[entry.index]
+        value = values[entry.index]
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(
+                f"{entry.name}: value of shape {tuple(value.shape)} does not match the "
+                f"parameter's shape {slot.shape}"
+            )
+        write_elements(engine.manager, kind, chunk, 0, slot.offset, value.to(dtype))
 
 
 def _grad_views(
@@ -94,6 +127,18 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
     entries = [engine.registry.entries[i] for i in writers]
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         master = engine.plan.has_master and engine.layout.chunks[chunk].trainable
+        if is_split(engine.layout, chunk):
+            # NOTE: the writers fill whole tensors: one transient copy of the
+            # tensor, then written in spans (staging stays chunk-sized).
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                flats = [torch.empty(slot.numel, dtype=engine.dtype)]
+                flats += [torch.empty(slot.numel, dtype=torch.float32)] if master else []
+                writers[entry.index](flats)
+                for kind, flat in zip((Kind.PARAM, Kind.OPTIM), flats, strict=False):
+                    write_elements(engine.manager, kind, chunk, 0, slot.offset, flat)
+            engine.manager.drop_param(chunk)
+            continue
         opened = [(engine.manager.open_host((Kind.PARAM, chunk)), engine.dtype)]
         try:
             if master:
@@ -118,6 +163,13 @@ def param_bytes_by_chunk(
     engine.settle_step()
     size = engine.plan.element_size
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
+        if is_split(engine.layout, chunk):
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                end = slot.offset + slot.numel
+                flat = read_elements(engine.manager, Kind.PARAM, chunk, 0, slot.offset, end, engine.dtype)
+                yield entry, flat.view(torch.uint8).numpy().data
+            continue
         region, copy = engine.manager.open_host((Kind.PARAM, chunk), writable=False)
         try:
             data = region.numpy().data

@@ -128,9 +128,16 @@ def make_plan(
     grad_home: list[Tier | None] = [HOST if t else None for t in trainable]
     optim_home: list[Tier | None] = [HOST if t else None for t in trainable]
     staging: dict[str, Counter[int]] = {"param": Counter(), "grad": Counter(), "optim": Counter()}
+    # NOTE: oversize chunks go through host staging in spans of the normal chunk
+    # size (chunks/spans.py), so no staging slot is ever larger than that.
+    normal = {
+        "param": layout.chunk_bytes,
+        "grad": layout.chunk_bytes,
+        "optim": layout.chunk_elems * FP32_BYTES * optimizer.unit_parts(has_master),
+    }
     trainable_bytes = [pbytes[i] for i in range(n) if trainable[i]]
     if trainable_bytes:
-        staging["grad"][max(trainable_bytes)] = GRAD_STAGING_SLOTS
+        staging["grad"][min(max(trainable_bytes), normal["grad"])] = GRAD_STAGING_SLOTS
 
     def host_need() -> int:
         homes = sum(pbytes[i] for i in range(n) if param_home[i] == HOST)
@@ -140,9 +147,9 @@ def make_plan(
 
     def add_staging(kind: str, size: int, count: int) -> None:
         # NOTE: a chunk fits any larger slot, so one set of slots of the largest
-        # size a kind needs serves all its chunks (oversize ones included).
+        # size a kind needs serves all its chunks (oversize ones in spans).
         pool = staging[kind]
-        largest = max([size, *pool])
+        largest = max([min(size, normal[kind]), *pool])
         pool.clear()
         pool[largest] = count
 
