@@ -139,7 +139,7 @@ def _write_chunks(
     parts = engine.chunk_optimizer.unit_parts(engine.plan.has_master)
     for chunk, spec in enumerate(engine.layout.chunks):
         members = engine.chunk_members[chunk]
-        if is_split(engine.layout, chunk):
+        if is_split(engine.plan, chunk):
             _write_split(engine, meta, fp, fo, chunk)
             continue
         region, copy = manager.open_host((Kind.PARAM, chunk), load=False)

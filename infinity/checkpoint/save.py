@@ -60,7 +60,7 @@ def _stream(
 
 def _chunk_bytes(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[memoryview]:
     """The home bytes of ``(kind, chunk)`` in order, whole or (oversize) span by span."""
-    if not is_split(engine.layout, chunk):
+    if not is_split(engine.plan, chunk):
         region, copy = engine.manager.open_host((kind, chunk), writable=False)
         try:
             yield memoryview(region.numpy().data)

@@ -128,7 +128,7 @@ class GradientFlow:
         key: Key = (Kind.GRAD, i)
         nbytes = self.nbytes(key)
         self.traffic.d2h_bytes += nbytes
-        if is_split(self.homes.plan.layout, i):
+        if is_split(self.homes.plan, i):
             flush_grad_spans(self, copy, i)  # type: ignore[arg-type]  # NOTE: self is the manager
             return
         if self.grads[i] is GradState.RECEIVING:

@@ -149,7 +149,7 @@ class ChunkManager(GradientFlow):
         cache = self.staging[key[0]]
         copy = cache.get(key)
         if copy is None:
-            if not isinstance(key, SpanKey) and is_split(self.plan.layout, key[1]):
+            if not isinstance(key, SpanKey) and is_split(self.plan, key[1]):
                 raise AssertionError(f"{key} is oversize: stage it in spans (chunks/spans.py)")
             if load:
                 self.check_grad_kept(key)
@@ -253,7 +253,7 @@ class ChunkManager(GradientFlow):
             copy = self.device.insert(key, nbytes, self.moment)
         if self.homes.tier(key) == HOST:
             copy.pending.append(self.backend.copy_async(copy.tensor, self.homes.host(key)))
-        elif is_split(self.plan.layout, i):
+        elif is_split(self.plan, i):
             copy.pending.append(SpanFill(self, i, copy.tensor))
         else:
             staged = self._staged(key, load=True, wait=False, prefetch=prefetch)
@@ -357,7 +357,7 @@ class ChunkManager(GradientFlow):
 
     def write_initial(self, i: int, values: torch.Tensor) -> None:
         """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``."""
-        if is_split(self.plan.layout, i):
+        if is_split(self.plan, i):
             write_initial_spans(self, i, values)
             return
         region, copy = self.open_host((Kind.PARAM, i), load=False)

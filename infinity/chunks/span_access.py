@@ -31,9 +31,9 @@ FILL_WINDOW = 2
 
 def first_span(manager: ChunkManager, key: Key) -> Key:
     """``key``, or its first span if it is an oversize key (not a span already)."""
-    if isinstance(key, SpanKey) or not is_split(manager.plan.layout, key[1]):
+    if isinstance(key, SpanKey) or not is_split(manager.plan, key[1]):
         return key
-    start, end = span_ranges(manager.plan.layout, key[1])[0]
+    start, end = span_ranges(manager.plan, key[1])[0]
     return span_key(key[0], key[1], start, end)
 
 
@@ -60,7 +60,7 @@ def open_span(
     if manager.homes.tier(key) == HOST:
         region, _none = manager.open_host(key, load=load, writable=writable)
         return [region[offset : offset + nbytes] for offset, nbytes in ranges], None
-    if not is_split(manager.plan.layout, chunk) and (start, end) == (0, capacity):
+    if not is_split(manager.plan, chunk) and (start, end) == (0, capacity):
         region, copy = manager.open_host(key, load=load, writable=writable)
     else:
         region, copy = manager.open_host(
@@ -81,7 +81,7 @@ class SpanFill:
         self._manager = manager
         self._chunk = chunk
         self._dst = dst
-        self._ranges = span_ranges(manager.plan.layout, chunk)
+        self._ranges = span_ranges(manager.plan, chunk)
         self._next = 0
         self._in_flight: deque[Pending] = deque()
         self._advance(block=False)
@@ -153,7 +153,7 @@ def flush_grad_spans(manager: ChunkManager, copy: Copy, chunk: int) -> None:
     homes, backend = manager.homes, manager.backend
     receiving = manager.grads[chunk] is GradState.RECEIVING
     size = manager.plan.element_size
-    ranges = span_ranges(manager.plan.layout, chunk)
+    ranges = span_ranges(manager.plan, chunk)
     if homes.tier(key) == HOST:
         if receiving:
             d2h = backend.copy_async(homes.host(key), copy.tensor)
@@ -198,7 +198,7 @@ def write_initial_spans(manager: ChunkManager, chunk: int, values: torch.Tensor)
     """``write_initial`` of an oversize chunk: parameters (and fp32 master, zero
     moments) from fp32 ``values``, span by span."""
     trainable = manager.plan.grad_home[chunk] is not None
-    for start, end in span_ranges(manager.plan.layout, chunk):
+    for start, end in span_ranges(manager.plan, chunk):
         parts, copy = open_span(manager, Kind.PARAM, chunk, start, end, load=False)
         parts[0].view(manager.dtype).copy_(values[start:end])
         manager.close_host(copy, modified=True)
@@ -225,7 +225,7 @@ def each_span(
     """Elements ``[start, end)`` of ``(kind, chunk)``, one span at a time: yields the
     position in the range and each part's bytes (uint8) of the span's overlap.
     With ``modify`` the span is written back once the caller moves on."""
-    for low, high in span_ranges(manager.plan.layout, chunk):
+    for low, high in span_ranges(manager.plan, chunk):
         first, last = max(low, start), min(high, end)
         if first >= last:
             continue

@@ -8,7 +8,9 @@ host staging as *spans*, consecutive element ranges ``[start, end)`` of at most
 part of its key (an optimizer unit's master and state slots), laid out part
 after part in its staging slot, so a span of a unit looks exactly like the unit
 of a chunk of ``end - start`` elements. Host staging is thus bounded by the
-normal chunk size whatever the largest tensor is.
+normal chunk size whatever the largest tensor is. The planner splits only when
+it must (``Plan.span_elems``): with room for whole staging slots, an oversize
+chunk is staged whole as before.
 
 NOTE: span boundaries are multiples of the normal chunk capacity, itself a
 multiple of the I/O granule for every kind (``chunk_alignment_elems``), so every
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, cast
 
-from infinity.core.layout import ChunkLayout
+from infinity.core.plan import Plan
 from infinity.core.names import Key, Kind
 
 
@@ -48,15 +50,15 @@ def base_key(key: Key) -> Key:
     return key.base if isinstance(key, SpanKey) else key
 
 
-def is_split(layout: ChunkLayout, chunk: int) -> bool:
-    """Chunk ``chunk`` is larger than a normal chunk: its staged traffic goes in spans."""
-    return layout.chunks[chunk].capacity > layout.chunk_elems
+def is_split(plan: Plan, chunk: int) -> bool:
+    """Chunk ``chunk`` is larger than the plan's span: its staged traffic goes in spans."""
+    return plan.layout.chunks[chunk].capacity > plan.span_elems
 
 
-def span_ranges(layout: ChunkLayout, chunk: int) -> list[tuple[int, int]]:
+def span_ranges(plan: Plan, chunk: int) -> list[tuple[int, int]]:
     """The element ranges of chunk ``chunk``'s spans (one range for a normal chunk)."""
-    capacity = layout.chunks[chunk].capacity
-    step = layout.chunk_elems if is_split(layout, chunk) else capacity
+    capacity = plan.layout.chunks[chunk].capacity
+    step = plan.span_elems if is_split(plan, chunk) else capacity
     return [(start, min(start + step, capacity)) for start in range(0, capacity, step)]
 
 

@@ -44,6 +44,13 @@ class Plan:
     host_staging: dict[str, dict[int, int]]  # "param" | "grad" | "optim" -> slot bytes -> count
     budgets: Budgets
     traffic: dict[str, int] = field(default_factory=dict)
+    # Chunks larger than this many elements go through host staging in spans of
+    # it (chunks/spans.py); 0 means the layout's normal chunk capacity.
+    span_elems: int = 0
+
+    def __post_init__(self) -> None:
+        if self.span_elems == 0:
+            object.__setattr__(self, "span_elems", self.layout.chunk_elems)
 
     # --- sizes -------------------------------------------------------------------
     def param_bytes(self, i: int) -> int:

@@ -55,7 +55,7 @@ class GradientNorms(EngineFields):
         self.collect_zeroed_grads()
         with_grad = (self.registry.entries[i] for i in indices if self.has_grad[i])
         for chunk, group in self.layout.group_by_chunk(with_grad, tensor_index).items():
-            if is_split(self.layout, chunk):
+            if is_split(self.plan, chunk):
                 # NOTE: an oversize chunk is never staged whole: a copy of the tensor.
                 for entry in group:
                     slot = self.layout.slots[entry.index]
@@ -142,7 +142,7 @@ class GradientNorms(EngineFields):
             return
         self.settle_step()
         for chunk, group in self.layout.group_by_chunk(pending, int).items():
-            if is_split(self.layout, chunk):
+            if is_split(self.plan, chunk):
                 for i in group:
                     slot = self.layout.slots[i]
                     end = slot.offset + slot.numel

@@ -122,7 +122,7 @@ class GradientEvents(EngineFields):
         """Zero some tensors' gradients inside a chunk whose other gradients stay."""
         if not self.manager.grads.home_valid(chunk):
             return  # nothing kept to zero (a later read or addition raises)
-        if is_split(self.layout, chunk):
+        if is_split(self.plan, chunk):
             for entry in entries:
                 slot = self.layout.slots[entry.index]
                 end = slot.offset + slot.numel

@@ -81,7 +81,7 @@ def plan_runs(
 
 def step_chunk(engine, chunk: int, runs: list[Run], covered: bool, grad_scale: float) -> None:
     """Update one chunk in place in its homes (see module docstring)."""
-    if is_split(engine.layout, chunk):
+    if is_split(engine.plan, chunk):
         step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
         return
     manager = engine.manager

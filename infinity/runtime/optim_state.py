@@ -36,7 +36,7 @@ def read_moments(engine, indices: Iterable[int]) -> Iterator[tuple[int, MomentSt
     engine.settle_step()
     stepped = [i for i in indices if engine.tensor_steps[i] > 0]
     for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
-        if is_split(engine.layout, chunk):
+        if is_split(engine.plan, chunk):
             yield from _read_split(engine, chunk, group)
             continue
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk), writable=False)
@@ -77,7 +77,7 @@ def write_moments(engine, values: dict[int, MomentState | None]) -> None:
     stepped); check with :func:`check_moments` first."""
     engine.settle_step()
     for chunk, group in engine.layout.group_by_chunk(values, int).items():
-        if is_split(engine.layout, chunk):
+        if is_split(engine.plan, chunk):
             _write_split(engine, chunk, {i: values[i] for i in group})
             continue
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk))

@@ -28,7 +28,7 @@ def step_chunk_in_spans(engine, chunk: int, runs: list, covered: bool, grad_scal
     # 16-bit: the parameter chunk is only written (unless some tensors keep old values).
     load_params = not (has_master and covered)
     kinds = [Kind.GRAD, Kind.OPTIM] + ([Kind.PARAM] if load_params else [])
-    ranges = span_ranges(engine.layout, chunk)
+    ranges = span_ranges(engine.plan, chunk)
     last_end = runs[-1].end
     for position, (start, end) in enumerate(ranges):
         if position + 1 < len(ranges):

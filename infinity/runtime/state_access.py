@@ -29,7 +29,7 @@ def read_params(
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
         key = (Kind.OPTIM, chunk) if use_master else (Kind.PARAM, chunk)
         dtype = torch.float32 if use_master else engine.dtype
-        if is_split(engine.layout, chunk):
+        if is_split(engine.plan, chunk):
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 end = slot.offset + slot.numel
@@ -56,7 +56,7 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
                 engine.plan.has_master and engine.layout.chunks[chunk].trainable
             ):
                 continue
-            if is_split(engine.layout, chunk):
+            if is_split(engine.plan, chunk):
                 _write_split(engine, key, dtype, chunk, group, values)
                 continue
             region, copy = engine.manager.open_host((key, chunk))
@@ -127,7 +127,7 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
     entries = [engine.registry.entries[i] for i in writers]
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         master = engine.plan.has_master and engine.layout.chunks[chunk].trainable
-        if is_split(engine.layout, chunk):
+        if is_split(engine.plan, chunk):
             # NOTE: the writers fill whole tensors: one transient copy of the
             # tensor, then written in spans (staging stays chunk-sized).
             for entry in group:
@@ -163,7 +163,7 @@ def param_bytes_by_chunk(
     engine.settle_step()
     size = engine.plan.element_size
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
-        if is_split(engine.layout, chunk):
+        if is_split(engine.plan, chunk):
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 end = slot.offset + slot.numel

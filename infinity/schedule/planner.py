@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 
 from infinity.chunks.layout import ChunkLayout
+from infinity.chunks.spans import is_split
 from infinity.core.names import HOST, NVME, Tier
 from infinity.core.plan import FP32_BYTES, Budgets, Plan, PlanError
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
@@ -102,10 +103,46 @@ def make_plan(
     """Place every chunk's kinds on host or NVMe and size the slot pools.
 
     An optimizer unit holds ``optimizer.unit_parts(has_master)`` fp32 parts.
+    Oversize chunks are staged whole if the host budget allows it, else in
+    spans of the normal chunk size (``chunks/spans.py``): then host staging is
+    bounded by the chunk size whatever the largest tensor is.
 
     Raises :class:`PlanError` (before anything is allocated) when a budget is
     too small, naming the bytes each tier would need.
     """
+    kwargs = {
+        "element_size": element_size,
+        "has_master": has_master,
+        "budgets": budgets,
+        "working_sets": working_sets,
+        "prefetch_depth": prefetch_depth,
+        "consume_grads": consume_grads,
+        "optimizer": optimizer,
+    }
+    largest = max((c.capacity for c in layout.chunks), default=layout.chunk_elems)
+    if largest <= layout.chunk_elems:
+        return _place(layout, span_elems=layout.chunk_elems, **kwargs)  # type: ignore[arg-type]
+    try:
+        # NOTE: whole slots first: fewer, larger transfers, and what a roomy
+        # budget always got; spans only when the host cannot afford them.
+        return _place(layout, span_elems=largest, **kwargs)  # type: ignore[arg-type]
+    except PlanError:
+        return _place(layout, span_elems=layout.chunk_elems, **kwargs)  # type: ignore[arg-type]
+
+
+def _place(
+    layout: ChunkLayout,
+    *,
+    span_elems: int,
+    element_size: int,
+    has_master: bool,
+    budgets: Budgets,
+    working_sets: Sequence[frozenset[int]],
+    prefetch_depth: int,
+    consume_grads: bool,
+    optimizer: ChunkOptimizer,
+) -> Plan:
+    """:func:`make_plan` with staging slots of at most ``span_elems`` elements."""
     chunks = layout.chunks
     n = len(chunks)
     pbytes = [c.capacity * element_size for c in chunks]
@@ -131,9 +168,9 @@ def make_plan(
     # NOTE: oversize chunks go through host staging in spans of the normal chunk
     # size (chunks/spans.py), so no staging slot is ever larger than that.
     normal = {
-        "param": layout.chunk_bytes,
-        "grad": layout.chunk_bytes,
-        "optim": layout.chunk_elems * FP32_BYTES * optimizer.unit_parts(has_master),
+        "param": span_elems * element_size,
+        "grad": span_elems * element_size,
+        "optim": span_elems * FP32_BYTES * optimizer.unit_parts(has_master),
     }
     trainable_bytes = [pbytes[i] for i in range(n) if trainable[i]]
     if trainable_bytes:
@@ -219,6 +256,7 @@ def make_plan(
         device_slots={s: c for s, c in device.items() if c},
         host_staging={k: {s: c for s, c in v.items() if c} for k, v in staging.items()},
         budgets=budgets,
+        span_elems=span_elems,
     )
     if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
         raise PlanError(
@@ -247,10 +285,11 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     refetched = min(params, max(0, params - cached))
     on_nvme = [i for i in range(n) if plan.param_home[i] == NVME]
     nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
-    nvme_grad = (
-        0
-        if consume_grads
-        else sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] == NVME)
+    # NOTE: an oversize chunk's gradients go home in spans even when consumed.
+    nvme_grad = sum(
+        plan.param_bytes(i)
+        for i in range(n)
+        if plan.grad_home[i] == NVME and (not consume_grads or is_split(plan, i))
     )
     nvme_optim = sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i] == NVME)
     updated = [i for i in on_nvme if plan.grad_home[i] is not None]
