@@ -120,14 +120,32 @@ def make_plan(
         "optimizer": optimizer,
     }
     largest = max((c.capacity for c in layout.chunks), default=layout.chunk_elems)
-    if largest <= layout.chunk_elems:
-        return _place(layout, span_elems=layout.chunk_elems, **kwargs)  # type: ignore[arg-type]
+    plan: Plan | None = None
+    if largest > layout.chunk_elems:
+        try:
+            # NOTE: whole slots first: fewer, larger transfers, and what a roomy
+            # budget always got; spans only when the host cannot afford them.
+            plan = _place(layout, span_elems=largest, **kwargs)  # type: ignore[arg-type]
+        except PlanError:
+            plan = None
+    if plan is None:
+        plan = _place(layout, span_elems=layout.chunk_elems, **kwargs)  # type: ignore[arg-type]
+    if budgets.nvme is not None:
+        object.__setattr__(plan, "min_host_bytes", _minimum_host(layout, kwargs))
+    return plan
+
+
+def _minimum_host(layout: ChunkLayout, kwargs: dict[str, object]) -> int:
+    """The smallest host budget this layout plans with: every state on NVMe, the
+    shallowest staging, oversize chunks in spans."""
+    budgets = kwargs["budgets"]
+    assert isinstance(budgets, Budgets)
+    bare = dict(kwargs, budgets=Budgets(device=budgets.device, host=0, nvme=1 << 62))
     try:
-        # NOTE: whole slots first: fewer, larger transfers, and what a roomy
-        # budget always got; spans only when the host cannot afford them.
-        return _place(layout, span_elems=largest, **kwargs)  # type: ignore[arg-type]
-    except PlanError:
-        return _place(layout, span_elems=layout.chunk_elems, **kwargs)  # type: ignore[arg-type]
+        _place(layout, span_elems=layout.chunk_elems, **bare)  # type: ignore[arg-type]
+    except PlanError as exc:
+        return exc.needed
+    return 0
 
 
 def _place(
@@ -152,11 +170,14 @@ def _place(
     device = min_device_slots(layout, element_size, working_sets)
     device_need = sum(s * c for s, c in device.items())
     if device_need > budgets.device:
+        largest = max(c.capacity for c in chunks) * element_size
         raise PlanError(
             f"device_memory={format_size(budgets.device)} is too small: one module needs "
             f"{format_size(device_need)} of chunk memory at once (its parameters' chunks plus a "
-            f"gradient chunk). Raise device_memory to at least {device_need} bytes or use a "
-            "smaller chunk_size."
+            f"gradient chunk; the largest tensor's chunk, {format_size(largest)}, must be whole "
+            f"on the device). Raise device_memory to at least {device_need} bytes or use a "
+            "smaller chunk_size.",
+            needed=device_need,
         )
     trainable = [c.trainable for c in chunks]
     device = add_device_slots(device, pbytes, trainable, budgets.device - device_need)
@@ -243,7 +264,8 @@ def _place(
         raise PlanError(
             f"host_memory={format_size(budgets.host)} is too small even with every state on "
             f"NVMe: staging buffers alone need {format_size(need)}. Raise host_memory to at "
-            f"least {need} bytes, or use a smaller chunk_size."
+            f"least {need} bytes, or use a smaller chunk_size.",
+            needed=need,
         )
     plan = Plan(
         layout=layout,
@@ -257,6 +279,7 @@ def _place(
         host_staging={k: {s: c for s, c in v.items() if c} for k, v in staging.items()},
         budgets=budgets,
         span_elems=span_elems,
+        min_device_bytes=device_need,
     )
     if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
         raise PlanError(
