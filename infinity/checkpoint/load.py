@@ -200,8 +200,9 @@ def _write_split(
                         src = rec.param_offset + into * size
                     else:
                         assert rec.optim_offset is not None  # trainable in the checkpoint too
-                        src = rec.optim_offset + (
-                            k * rec.chunk_capacity + rec.element_offset + into
-                        ) * FP32
+                        src = (
+                            rec.optim_offset
+                            + (k * rec.chunk_capacity + rec.element_offset + into) * FP32
+                        )
                     _read_into(fp if kind is Kind.PARAM else fo, src, dst)
     manager.drop_param(chunk)

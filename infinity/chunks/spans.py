@@ -73,7 +73,9 @@ def part_ranges(key: SpanKey, capacity: int, home_bytes: int) -> list[tuple[int,
     width = key.end - key.start
     parts = max(1, element // _part_element_bytes(key.kind, element))
     per_part = element // parts
-    return [(k * capacity * per_part + key.start * per_part, width * per_part) for k in range(parts)]
+    return [
+        (k * capacity * per_part + key.start * per_part, width * per_part) for k in range(parts)
+    ]
 
 
 def _part_element_bytes(kind: Kind, element: int) -> int:

@@ -106,7 +106,11 @@ class Plan:
         lines = [
             f"host staging {format_size(self.staging_bytes)} (slots of at most "
             f"{format_size(self.span_elems * self.element_size)} of parameters: oversize chunks "
-            + ("move in spans of the chunk size)" if self.span_elems < largest // self.element_size else "staged whole)")
+            + (
+                "move in spans of the chunk size)"
+                if self.span_elems < largest // self.element_size
+                else "staged whole)"
+            )
         ]
         if self.min_device_bytes:
             lines.append(

@@ -60,7 +60,9 @@ class GradientNorms(EngineFields):
                 for entry in group:
                     slot = self.layout.slots[entry.index]
                     end = slot.offset + slot.numel
-                    flat = read_elements(self.manager, Kind.GRAD, chunk, 0, slot.offset, end, self.dtype)
+                    flat = read_elements(
+                        self.manager, Kind.GRAD, chunk, 0, slot.offset, end, self.dtype
+                    )
                     yield entry, flat.view(slot.shape)
                 continue
             region, copy = self.manager.open_host((Kind.GRAD, chunk), writable=False)

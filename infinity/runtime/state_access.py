@@ -167,7 +167,9 @@ def param_bytes_by_chunk(
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 end = slot.offset + slot.numel
-                flat = read_elements(engine.manager, Kind.PARAM, chunk, 0, slot.offset, end, engine.dtype)
+                flat = read_elements(
+                    engine.manager, Kind.PARAM, chunk, 0, slot.offset, end, engine.dtype
+                )
                 yield entry, flat.view(torch.uint8).numpy().data
             continue
         region, copy = engine.manager.open_host((Kind.PARAM, chunk), writable=False)

@@ -98,9 +98,17 @@ def test_spans_are_bit_identical_to_whole_staging(tmp_path, dtype, accum, clip, 
         opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
         scale = opt.scale_loss if dtype == "fp16" else None
         data = batches(STEPS * accum, vocab=VOCAB, seq=16)
-        train(model, opt, data, accum=accum, loss_fn=_loss, scale=scale,
-              before_step=(lambda _s, m=model: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
-              if clip else None)
+        train(
+            model,
+            opt,
+            data,
+            accum=accum,
+            loss_fn=_loss,
+            scale=scale,
+            before_step=(lambda _s, m=model: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+            if clip
+            else None,
+        )
         results[spans] = _states(model, opt)
         engine_of(model).close()
     assert results[True].keys() == results[False].keys()
@@ -123,3 +131,37 @@ def test_checkpoint_written_in_spans_loads_into_whole_staging(tmp_path):
         for name, value in want.items():
             assert torch.equal(got[name], value), (spans, name)
         engine_of(other).close()
+
+
+@pytest.mark.slow
+def test_113m_llama_trains_on_256mib_of_host_like_torch(tmp_path):
+    """The issue's model at full size (2 GiB of fp32 states) on 128 MiB of device and
+    256 MiB of host: two steps, losses as plain PyTorch AdamW's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=16384,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ref, ref_opt = reference_pair(model, lr=1e-4)
+    model = infinity.offload(
+        model,
+        config(device_memory="128MiB", host_memory="256MiB", nvme_path=str(tmp_path)),
+    )
+    plan = engine_of(model).plan
+    assert plan.home_bytes("host") + plan.nvme_bytes > plan.budgets.host + plan.budgets.device
+    assert plan.span_elems < max(c.capacity for c in plan.layout.chunks)
+    data = batches(2, vocab=16384, seq=32, batch=1)
+    losses = train(
+        model, CPUAdam(model.parameters(), lr=1e-4, weight_decay=0.1), data, loss_fn=_loss
+    )
+    peak_host = infinity.stats(model)["host_peak_bytes"]
+    ref_losses = train(ref, ref_opt, data, loss_fn=_loss)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert peak_host <= 256 << 20

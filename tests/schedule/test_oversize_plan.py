@@ -82,7 +82,9 @@ def test_host_minimum_does_not_grow_with_the_largest_tensor(tmp_path):
     """Four times the vocabulary: the device minimum grows (the embedding is whole
     there), the host minimum does not."""
     small, large = (
-        _plan(_llama(vocab), tmp_path, device_memory="1GiB", host_memory="256MiB", chunk_size="8MiB")
+        _plan(
+            _llama(vocab), tmp_path, device_memory="1GiB", host_memory="256MiB", chunk_size="8MiB"
+        )
         for vocab in (16384, 65536)
     )
     assert large.min_device_bytes > small.min_device_bytes
