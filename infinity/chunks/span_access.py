@@ -10,19 +10,55 @@ slots at a time, whatever the chunk's size.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Iterator
+from typing import Protocol
 
 import torch
 
-from infinity.chunks.cache import Copy, Pending
-from infinity.chunks.grad_state import GradState
+from infinity.chunks.accounting import Traffic
+from infinity.chunks.cache import Copy, Pending, TierCache
+from infinity.chunks.grad_state import GradState, GradStates
+from infinity.chunks.homes import HomeStore
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import HOST, Key, Kind
+from infinity.core.plan import Plan
+from infinity.devices.base import DeviceBackend
 
-if TYPE_CHECKING:
-    from infinity.chunks.manager import ChunkManager
+
+class ChunkManager(Protocol):
+    """What these functions use of :class:`~infinity.chunks.manager.ChunkManager`
+    (a protocol: the manager imports this module)."""
+
+    plan: Plan
+    dtype: torch.dtype
+    backend: DeviceBackend
+    homes: HomeStore
+    staging: dict[Kind, TierCache]
+    traffic: Traffic
+    grads: GradStates
+    home_fill: dict[Key, Pending]
+    moment: int
+
+    def nbytes(self, key: Key) -> int: ...
+    def open_host(
+        self, key: Key, *, load: bool = True, writable: bool = True
+    ) -> tuple[torch.Tensor, Copy | None]: ...
+    def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None: ...
+    def _wait_home(self, key: Key) -> None: ...
+    def _check_finite(self, grads: torch.Tensor) -> None: ...
+    def _staged(
+        self,
+        key: Key,
+        *,
+        load: bool,
+        wait: bool = True,
+        prefetch: bool = False,
+        writable: bool = True,
+        from_device: bool = False,
+        protect: Collection[Key] = (),
+    ) -> Copy | None: ...
+
 
 # Spans of one device fill in flight at once: one landing from NVMe while the
 # previous one is copied to the device.
@@ -190,7 +226,7 @@ def flush_grad_spans(manager: ChunkManager, copy: Copy, chunk: int) -> None:
     manager.grads.flushed(chunk)
 
 
-def _writer(manager: ChunkManager, span: Key, staged: torch.Tensor):
+def _writer(manager: ChunkManager, span: Key, staged: torch.Tensor) -> Callable[[], Pending]:
     return lambda: manager.homes.write(span, staged)
 
 
@@ -242,7 +278,13 @@ def each_span(
 
 
 def read_elements(
-    manager: ChunkManager, kind: Kind, chunk: int, part: int, start: int, end: int, dtype
+    manager: ChunkManager,
+    kind: Kind,
+    chunk: int,
+    part: int,
+    start: int,
+    end: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """A new flat tensor of elements ``[start, end)`` of part ``part`` of ``(kind, chunk)``."""
     out = torch.empty(end - start, dtype=dtype)

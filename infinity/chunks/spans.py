@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, cast
 
-from infinity.core.plan import Plan
 from infinity.core.names import Key, Kind
+from infinity.core.plan import Plan
 
 
 class SpanKey(NamedTuple):
