@@ -100,7 +100,15 @@ def choose_plan(
             last_error = exc
         max_bytes //= 2
     assert last_error is not None
-    raise last_error
+    # NOTE: the planner already tried every smaller chunk: "use a smaller
+    # chunk_size" would send the user after what was done for them.
+    raise PlanError(
+        str(last_error)
+        .replace(", or use a smaller chunk_size", "")
+        .replace(" or use a smaller chunk_size", "")
+        + f" (chunk_size='auto' tried chunks down to {MIN_SEARCH_CHUNK_BYTES >> 10} KiB)",
+        needed=last_error.needed,
+    ) from None
 
 
 def plan_for(

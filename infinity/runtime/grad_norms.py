@@ -26,7 +26,7 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
-from infinity.chunks.span_access import each_span, read_elements
+from infinity.chunks.span_access import each_span, read_tensor
 from infinity.chunks.spans import is_split
 from infinity.runtime.engine_fields import EngineFields
 from infinity.runtime.params import ParamEntry, tensor_index
@@ -59,11 +59,7 @@ class GradientNorms(EngineFields):
                 # NOTE: an oversize chunk is never staged whole: a copy of the tensor.
                 for entry in group:
                     slot = self.layout.slots[entry.index]
-                    end = slot.offset + slot.numel
-                    flat = read_elements(
-                        self.manager, Kind.GRAD, chunk, 0, slot.offset, end, self.dtype
-                    )
-                    yield entry, flat.view(slot.shape)
+                    yield entry, read_tensor(self.manager, Kind.GRAD, slot, self.dtype)
                 continue
             region, copy = self.manager.open_host((Kind.GRAD, chunk), writable=False)
             try:

@@ -17,7 +17,7 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
-from infinity.chunks.span_access import read_elements, write_elements
+from infinity.chunks.span_access import read_tensor, write_elements
 from infinity.chunks.spans import is_split
 from infinity.optim.offloaded import MomentState
 
@@ -110,11 +110,8 @@ def _read_split(engine, chunk: int, group: list[int]) -> Iterator[tuple[int, Mom
     """:func:`read_moments` of an oversize chunk, span by span."""
     for i in group:
         slot = engine.layout.slots[i]
-        end = slot.offset + slot.numel
         states = {
-            name: read_elements(
-                engine.manager, Kind.OPTIM, chunk, part, slot.offset, end, torch.float32
-            ).view(slot.shape)
+            name: read_tensor(engine.manager, Kind.OPTIM, slot, torch.float32, part)
             for name, part in _slot_parts(engine).items()
         }
         yield i, (engine.tensor_steps[i], states)

@@ -14,7 +14,7 @@ from torch import nn
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
-from infinity.chunks.span_access import read_elements, write_elements
+from infinity.chunks.span_access import read_tensor, write_elements
 from infinity.chunks.spans import is_split
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry, tensor_index
@@ -31,10 +31,10 @@ def read_params(
         dtype = torch.float32 if use_master else engine.dtype
         if is_split(engine.plan, chunk):
             for entry in group:
-                slot = engine.layout.slots[entry.index]
-                end = slot.offset + slot.numel
-                flat = read_elements(engine.manager, key[0], chunk, 0, slot.offset, end, dtype)
-                yield entry, flat.view(slot.shape)
+                yield (
+                    entry,
+                    read_tensor(engine.manager, key[0], engine.layout.slots[entry.index], dtype),
+                )
             continue
         region, copy = engine.manager.open_host(key, writable=False)
         try:
@@ -64,16 +64,21 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
                 flat = typed(region, dtype)
                 for entry in group:
                     slot = engine.layout.slots[entry.index]
-                    value = values[entry.index]
-                    if tuple(value.shape) != slot.shape:
-                        raise ValueError(
-                            f"{entry.name}: value of shape {tuple(value.shape)} does not match the "
-                            f"parameter's shape {slot.shape}"
-                        )
+                    value = _checked(entry, values[entry.index], slot.shape)
                     flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
             finally:
                 engine.manager.close_host(copy, modified=True)
         engine.manager.drop_param(chunk)
+
+
+def _checked(entry: ParamEntry, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``value``, if it has the parameter's shape."""
+    if tuple(value.shape) != shape:
+        raise ValueError(
+            f"{entry.name}: value of shape {tuple(value.shape)} does not match the "
+            f"parameter's shape {shape}"
+        )
+    return value
 
 
 def _write_split(
@@ -87,12 +92,7 @@ def _write_split(
     """``write_params`` of an oversize chunk, span by span."""
     for entry in group:
         slot = engine.layout.slots[entry.index]
-        value = values[entry.index]
-        if tuple(value.shape) != slot.shape:
-            raise ValueError(
-                f"{entry.name}: value of shape {tuple(value.shape)} does not match the "
-                f"parameter's shape {slot.shape}"
-            )
+        value = _checked(entry, values[entry.index], slot.shape)
         write_elements(engine.manager, kind, chunk, 0, slot.offset, value.to(dtype))
 
 
@@ -166,10 +166,7 @@ def param_bytes_by_chunk(
         if is_split(engine.plan, chunk):
             for entry in group:
                 slot = engine.layout.slots[entry.index]
-                end = slot.offset + slot.numel
-                flat = read_elements(
-                    engine.manager, Kind.PARAM, chunk, 0, slot.offset, end, engine.dtype
-                )
+                flat = read_tensor(engine.manager, Kind.PARAM, slot, engine.dtype).reshape(-1)
                 yield entry, flat.view(torch.uint8).numpy().data
             continue
         region, copy = engine.manager.open_host((Kind.PARAM, chunk), writable=False)

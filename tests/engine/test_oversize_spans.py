@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import batches, config, global_rel_error, reference_pair, tiny_llama, train
+from engine_helpers import (
+    batches,
+    config,
+    global_rel_error,
+    llama_113m_config,
+    reference_pair,
+    tiny_llama,
+    train,
+)
 
 import infinity
 from infinity.offload import engine_of
@@ -138,15 +146,7 @@ def test_113m_llama_trains_on_256mib_of_host_like_torch(tmp_path):
     """The issue's model at full size (2 GiB of fp32 states) on 128 MiB of device and
     256 MiB of host: two steps, losses as plain PyTorch AdamW's."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=16384,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        tie_word_embeddings=True,
-    )
+    cfg = llama_113m_config()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     ref, ref_opt = reference_pair(model, lr=1e-4)

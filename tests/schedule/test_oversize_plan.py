@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import llama_113m_config
 
 import infinity
 from infinity.core.names import NVME
@@ -22,15 +23,7 @@ MiB = 1 << 20
 
 
 def _llama(vocab: int = 16384):
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        tie_word_embeddings=True,
-    )
+    cfg = llama_113m_config(vocab)
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(cfg)
 
