@@ -30,9 +30,9 @@ CHUNK = 64 << 10  # the embedding (1 MiB in fp32) spans 16 chunks
 STEPS = 3
 
 
-def _twin():
+def _twin(seed: int = 0):
     """A 2-layer Llama with a tied 4096 x 64 embedding: the 113M shape problem, small."""
-    return tiny_llama(VOCAB, hidden=HIDDEN, intermediate=2 * HIDDEN, tie=True)
+    return tiny_llama(VOCAB, hidden=HIDDEN, intermediate=2 * HIDDEN, tie=True, seed=seed)
 
 
 def _loss(m, batch):
@@ -165,3 +165,33 @@ def test_113m_llama_trains_on_256mib_of_host_like_torch(tmp_path):
     ref_losses = train(ref, ref_opt, data, loss_fn=_loss)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert peak_host <= 256 << 20
+
+
+def test_state_dicts_and_pretrained_weights_round_trip_in_spans(tmp_path):
+    """torch's state dicts and safetensors weights in and out of an oversize chunk in
+    spans: ``transformers`` reads what ``save_pretrained`` wrote, and a fresh model
+    loaded from either holds the trained values."""
+    transformers = pytest.importorskip("transformers")
+    model = _offload(_twin(), tmp_path, spans=True)
+    opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
+    _run(model, opt)
+    want = _states(model, opt)
+    infinity.save_pretrained(model, tmp_path / "hf")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(theirs[name], value), name
+    for source in ("state_dict", "pretrained"):
+        (tmp_path / source).mkdir()
+        other = _offload(_twin(seed=1), tmp_path / source, spans=True)
+        other_opt = CPUAdam(other.parameters(), lr=1e-3, weight_decay=0.1)
+        if source == "state_dict":
+            other.load_state_dict(model.state_dict())
+            other_opt.load_state_dict(opt.state_dict())
+            got = _states(other, other_opt)
+            assert got.keys() == want.keys()
+        else:
+            infinity.load_pretrained(other, tmp_path / "hf")
+            got = {k: v for k, v in _states(other, other_opt).items() if k.startswith("param/")}
+        for name, value in got.items():
+            assert torch.equal(value, want[name]), (source, name)
+        engine_of(other).close()
