@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -52,3 +54,23 @@ def test_plan_table_and_errors(tmp_path):
     assert unknown.returncode == 2 and "unknown preset" in unknown.stderr
     size = _plan("--device-memory", "lots")
     assert size.returncode == 2 and "device_memory='lots'" in size.stderr
+
+
+def test_gpt2_config_plans_on_768mib_and_names_both_minimums(tmp_path):
+    """A ``transformers`` GPT-2 124M (tied 50257 x 768 embedding) on 512 MiB of device
+    and 768 MiB of host: it plans, and the table says why the device cannot shrink
+    below the embedding while the host could go far lower."""
+    transformers = pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257).to_json_file(
+        config
+    )
+    budgets = ("--device-memory", "512MiB", "--host-memory", "768MiB", "--dtype", "fp32")
+    args = ("--model", str(config), *budgets, "--nvme-path", str(tmp_path / "swap"))
+    out = _plan(*args)
+    assert out.returncode == 0, out.stderr
+    assert "must be whole on the device" in out.stdout and "host minimum" in out.stdout
+    plan = json.loads(_plan(*args, "--json").stdout.strip().splitlines()[-1])
+    assert plan["host_bytes"] <= 768 << 20
+    assert 0 < plan["min_host_bytes"] < 147 << 20  # below the embedding's own 147 MiB
+    assert plan["staging_bytes"] <= 16 * plan["chunk_size"]
