@@ -33,6 +33,8 @@ from infinity.checkpoint.format import (
 from infinity.checkpoint.optimizer_groups import hyper_updates
 from infinity.checkpoint.schema import CheckpointMeta, parse_meta
 from infinity.chunks.homes import Kind
+from infinity.chunks.span_access import open_span
+from infinity.chunks.spans import is_split, span_ranges
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
 
@@ -147,6 +149,9 @@ def _write_chunks(
     optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
     for chunk, spec in enumerate(engine.layout.chunks):
         members = engine.chunk_members[chunk]
+        if is_split(engine.plan, chunk):
+            _write_split(engine, meta, fp, fo, chunk)
+            continue
         region, copy = manager.open_host((Kind.PARAM, chunk), load=False)
         try:
             region.zero_()
@@ -176,3 +181,53 @@ def _write_chunks(
                     _read_into(fo, rec.optim_offset + src, region[at : at + size])
         finally:
             manager.close_host(copy, modified=True)
+
+
+def _write_split(
+    engine: OffloadEngine,
+    meta: CheckpointMeta,
+    fp: io.BufferedReader,
+    fo: io.BufferedReader,
+    chunk: int,
+) -> None:
+    """:func:`_write_chunks` for an oversize chunk, span by span (staging stays chunk-sized)."""
+    manager = engine.manager
+    spec = engine.layout.chunks[chunk]
+    optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
+    esize = engine.plan.element_size
+    kinds = [Kind.PARAM, Kind.OPTIM] if spec.trainable else [Kind.PARAM]
+    for kind in kinds:
+        for at, end in span_ranges(engine.plan, chunk):
+            parts, copy = open_span(manager, kind, chunk, at, end, load=False)
+            try:
+                for part in parts:
+                    part.zero_()
+                for entry in engine.chunk_members[chunk]:
+                    slot = engine.layout.slots[entry.index]
+                    first, last = max(at, slot.offset), min(end, slot.offset + slot.numel)
+                    if first >= last:
+                        continue
+                    rec = meta.tensors[entry.name]
+                    into = first - slot.offset  # elements into the tensor
+                    if kind is Kind.PARAM:
+                        dst = parts[0][(first - at) * esize : (last - at) * esize]
+                        _read_into(fp, rec.param_offset + into * esize, dst)
+                        continue
+                    assert rec.optim_offset is not None  # trainable in the checkpoint too
+                    # NOTE: the same pieces (master, each slot's values and int8
+                    # scales) in the checkpoint's layout and in this span's.
+                    n = last - first
+                    saved = optimizer.tensor_ranges(
+                        rec.chunk_capacity, has_master, rec.element_offset + into, n
+                    )
+                    width = end - at
+                    here = optimizer.tensor_ranges(width, has_master, first - at, n)
+                    whole = optimizer.tensor_ranges(width, has_master, 0, width)
+                    for part, (src, size), (offset, _n), (base, _w) in zip(
+                        parts, saved, here, whole, strict=True
+                    ):
+                        dst = part[offset - base : offset - base + size]
+                        _read_into(fo, rec.optim_offset + src, dst)
+            finally:
+                manager.close_host(copy, modified=True)
+    manager.drop_param(chunk)

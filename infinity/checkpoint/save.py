@@ -15,6 +15,7 @@ import errno
 import os
 import shutil
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ from infinity.checkpoint.format import (
 )
 from infinity.checkpoint.optimizer_groups import optimizer_groups
 from infinity.chunks.homes import Kind
+from infinity.chunks.span_access import each_span
+from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_ranges
 from infinity.io.errors import NVMeIOError
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
@@ -46,18 +49,36 @@ def _stream(
     position = 0
     with open(file, "wb") as f:
         for chunk in chunks:
-            region, copy = engine.manager.open_host((kind, chunk), writable=False)
-            try:
-                data = memoryview(region.numpy().data)
+            offsets[chunk] = position
+            for data in _chunk_bytes(engine, kind, chunk):
                 f.write(data)
                 crc = zlib.crc32(data, crc)
-            finally:
-                engine.manager.close_host(copy, modified=False)
-            offsets[chunk] = position
-            position += len(data)
+                position += len(data)
         f.flush()
         os.fsync(f.fileno())
     return offsets, {"bytes": position, "crc32": crc}
+
+
+def _chunk_bytes(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[memoryview]:
+    """The home bytes of ``(kind, chunk)`` in order, whole or (oversize) span by span."""
+    if not is_split(engine.plan, chunk):
+        region, copy = engine.manager.open_host((kind, chunk), writable=False)
+        try:
+            yield memoryview(region.numpy().data)
+        finally:
+            engine.manager.close_host(copy, modified=False)
+        return
+    # NOTE: the file holds the home's bytes in order: each piece of a unit (the
+    # master, each slot's values and int8 scales) whole, one after the other;
+    # a span holds a slice of every piece, so a unit's spans are read once per
+    # piece. Oversize capacities are multiples of the span granule, so the home
+    # has no padding between its pieces.
+    capacity = engine.layout.chunks[chunk].capacity
+    first = span_ranges(engine.plan, chunk)[0]
+    pieces = len(part_ranges(engine.plan, SpanKey(kind, chunk, *first)))
+    for piece in range(pieces):
+        for _at, views in each_span(engine.manager, kind, chunk, 0, capacity):
+            yield memoryview(views[piece].numpy().data)
 
 
 def write_checkpoint(

@@ -11,15 +11,17 @@ the start of an accumulation cycle and adding afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import cast
 
 import torch
 
 from infinity.chunks.accounting import Traffic
-from infinity.chunks.cache import Copy, TierCache
+from infinity.chunks.cache import Copy, Pending, TierCache
 from infinity.chunks.clock import Clock
 from infinity.chunks.grad_state import GradState, GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
+from infinity.chunks.spans import is_split, span_key, span_ranges
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import HOST
@@ -127,6 +129,9 @@ class GradientFlow:
         key: Key = (Kind.GRAD, i)
         nbytes = self.homes.nbytes(key)
         self.traffic.d2h_bytes += nbytes
+        if is_split(self.homes.plan, i):
+            self._flush_in_spans(copy, i)
+            return
         if self.grads[i] is GradState.RECEIVING:
             # First gradients of this accumulation cycle: a plain copy home, left
             # in flight (the device slot is reused only once it has landed).
@@ -170,6 +175,69 @@ class GradientFlow:
             home.dirty = False  # the sum is on its way home
         self.grads.flushed(i)
 
+    def _flush_in_spans(self, copy: Copy, i: int) -> None:
+        """:meth:`write_back_device` of an oversize gradient chunk, span by span through
+        staging slots of the normal size (``chunks/spans.py``); its gaps are zeroed.
+
+        NOTE: unlike a normal chunk, its staged bytes are written home even with
+        ``consume_grads``: spans are not kept for the step to consume.
+        """
+        key: Key = (Kind.GRAD, i)
+        size = self.homes.plan.element_size
+        receiving = self.grads[i] is GradState.RECEIVING
+        if self.homes.tier(key) == HOST:
+            if receiving:
+                d2h = self.backend.copy_async(self.homes.host(key), copy.tensor)
+                copy.pending.append(d2h)
+                self.staging.home_fill[key] = d2h
+            else:
+                self.staging.wait_home(key)
+                total = self.homes.host(key)
+                for start, end in span_ranges(self.homes.plan, i):
+                    device = copy.tensor[start * size : end * size]
+                    self._add_piece(total[start * size : end * size], device, ("span", i, start))
+            self.grads.flushed(i)
+            return
+        for start, end in span_ranges(self.homes.plan, i):
+            span = span_key(Kind.GRAD, i, start, end)
+            device = copy.tensor[start * size : end * size]
+            if receiving:
+                home = self.staging.staged(span, load=False)
+                assert home is not None
+                d2h = self.backend.copy_async(home.tensor, device)
+                copy.pending.append(d2h)
+                home.fill = d2h  # readers of the staging copy wait for it
+                home.pending.append(ChainedTransfer(d2h, self._writer(span, home.tensor)))
+                continue
+            home = self.staging.staged(span, load=True)
+            assert home is not None
+            home.pins += 1  # the transient slot of the sum must not take this one
+            try:
+                self._add_piece(home.tensor, device, span)
+            finally:
+                home.pins -= 1
+            home.pending.append(self.homes.write(span, home.tensor))
+        self.grads.flushed(i)
+
+    def _writer(self, key: Key, staged: torch.Tensor) -> Callable[[], Pending]:
+        return lambda: self.homes.write(key, staged)
+
+    def _add_piece(self, total: torch.Tensor, device: torch.Tensor, tag: Hashable) -> None:
+        """``total += `` device gradient bytes ``device`` (both uint8, as long), through
+        a transient staging slot of their size."""
+        cache = self.staging.caches[Kind.GRAD]
+        stage_key = ("incoming", tag)
+        stage = cache.insert(stage_key, device.numel(), self.clock.now)
+        try:
+            handle = self.backend.copy_async(stage.tensor, device)
+            with self.traffic.waiting("device"):
+                handle.wait()
+            summed = typed(total, self.dtype)
+            summed.add_(stage.typed(self.dtype))
+            self._check_finite(summed)  # NOTE: two finite fp16 gradients may sum to inf
+        finally:
+            cache.remove(stage_key)
+
     def consume_grad(self, copy: Copy | None) -> None:
         """The optimizer step is done with a gradient chunk's staging copy: if its
         bytes never went home (``consume_grads``), drop them instead of writing them."""
@@ -187,7 +255,7 @@ class GradientFlow:
 
     def check_grad_kept(self, key: Key) -> None:
         """Raise if ``key`` is a gradient chunk whose gradients a step consumed."""
-        kind, i = key
+        kind, i = key[0], key[1]
         if kind is Kind.GRAD and self.grads.dropped(i):
             raise RuntimeError(
                 f"the gradients of chunk {i} were used by the overlapped optimizer step and are "

@@ -15,6 +15,7 @@ from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.cache import Pending
 from infinity.chunks.io_failures import IOFailures
 from infinity.chunks.pools import Arena
+from infinity.chunks.spans import AllOf, SpanKey, part_ranges, span_nbytes
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import HOST, NVME, Key, Kind
 from infinity.core.plan import Plan
@@ -71,12 +72,24 @@ class HomeStore:
         return list(self._where)
 
     def tier(self, key: Key) -> str:
-        """``"host"`` or ``"nvme"``."""
+        """``"host"`` or ``"nvme"`` (a span's is its key's)."""
+        if isinstance(key, SpanKey):
+            return self._where[key.base]
         return self._where[key]
 
     def nbytes(self, key: Key) -> int:
-        """Bytes of the home copy."""
+        """Bytes of the home copy (of a span: its slice of every part)."""
+        if isinstance(key, SpanKey):
+            return span_nbytes(self.plan, key)
         return self._nbytes[key]
+
+    def _ranges(self, key: Key) -> list[tuple[int, int]]:
+        """(offset in the swap file, bytes) of each contiguous piece of ``key``'s home."""
+        if isinstance(key, SpanKey):
+            home = self._offset[key.base]
+            parts = part_ranges(self.plan, key)
+            return [(home + offset, nbytes) for offset, nbytes in parts]
+        return [(self._offset[key], self._nbytes[key])]
 
     def host(self, key: Key) -> torch.Tensor:
         """The host region (uint8) of a host-homed key."""
@@ -90,22 +103,22 @@ class HomeStore:
     def read(self, key: Key, dst: torch.Tensor) -> Pending:
         """Start reading an NVMe-homed key into ``dst`` (uint8, aligned); returns the
         transfer. It starts only once a write of the same key still in flight has landed."""
-        nbytes, offset = self._nbytes[key], self._offset[key]
-        self.traffic.nvme_read_bytes += nbytes
+        ranges = self._ranges(key)
+        self.traffic.nvme_read_bytes += sum(n for _o, n in ranges)
         swap = self._swap()
-        return self._after_write(key, lambda: swap.read(dst[:nbytes], offset))
+        return self._after_write(key, lambda: _each(swap.read, dst, ranges))
 
     def write(self, key: Key, src: torch.Tensor) -> Pending:
         """Start writing ``src`` to an NVMe-homed key; returns the transfer (issued
         after a write of the same key still in flight, so the last one wins)."""
-        nbytes, offset = self._nbytes[key], self._offset[key]
-        self.traffic.nvme_write_bytes += nbytes
+        ranges = self._ranges(key)
+        self.traffic.nvme_write_bytes += sum(n for _o, n in ranges)
         swap = self._swap()
-        transfer = self._after_write(key, lambda: swap.write(src[:nbytes], offset))
+        transfer = self._after_write(key, lambda: _each(swap.write, src, ranges))
         self._writing[key] = transfer
         return transfer
 
-    def _after_write(self, key: Key, submit: Callable[[], IORequest]) -> Pending:
+    def _after_write(self, key: Key, submit: Callable[[], list[IORequest]]) -> Pending:
         # NOTE: requests to one file region may complete in any order. Callers
         # mostly keep them apart (a staging copy stays cached while its write
         # lands), but a copy evicted mid-write frees its key at once: this is
@@ -113,7 +126,8 @@ class HomeStore:
         # A failed earlier write raises here (and in the chain): the home does
         # not hold what the caller expects to read or to overwrite.
         def start() -> Pending:
-            return self.failures.watch(submit(), key)
+            watched = [self.failures.watch(request, key) for request in submit()]
+            return watched[0] if len(watched) == 1 else AllOf(watched)
 
         previous = self._writing.get(key)
         if previous is None or previous.done():
@@ -122,3 +136,17 @@ class HomeStore:
             self._writing.pop(key, None)
             return start()
         return ChainedTransfer(previous, start)
+
+
+def _each(
+    transfer: Callable[[torch.Tensor, int], IORequest],
+    buffer: torch.Tensor,
+    ranges: list[tuple[int, int]],
+) -> list[IORequest]:
+    """One request per (file offset, bytes) range, over consecutive pieces of ``buffer``."""
+    requests = []
+    at = 0
+    for offset, nbytes in ranges:
+        requests.append(transfer(buffer[at : at + nbytes], offset))
+        at += nbytes
+    return requests

@@ -22,7 +22,7 @@ FIX = (
 
 
 def _describe(key: Key) -> str:
-    kind, index = key
+    kind, index = key[0], key[1]  # NOTE: a span key carries its element range after these
     return f"{getattr(kind, 'value', kind)} chunk {index}"
 
 

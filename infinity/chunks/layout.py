@@ -52,6 +52,7 @@ def build_layout(
     element_size: int,
     *,
     tensor_align: int = 1,
+    oversize_align: int = 1,
 ) -> ChunkLayout:
     """Pack ``tensors`` in order into chunks of ``chunk_elems`` elements.
 
@@ -59,7 +60,10 @@ def build_layout(
     given order); a tensor that does not fit an empty chunk gets an oversize
     chunk of its own. Tensors start on multiples of ``TENSOR_ALIGN_BYTES`` and of
     ``tensor_align`` elements (the optimizer's: int8 states start on a
-    quantisation block, so no block holds two tensors).
+    quantisation block, so no block holds two tensors). Oversize capacities are
+    multiples of ``oversize_align`` elements too when a normal chunk holds at least
+    that many (the optimizer's span granule: such a chunk may then be staged in
+    spans, see ``chunks/spans.py``; below it, the planner never splits).
     """
     granule = chunk_alignment_elems(element_size)
     if chunk_elems <= 0 or chunk_elems % granule:
@@ -68,6 +72,7 @@ def build_layout(
             f"({IO_ALIGNMENT} bytes of {element_size}-byte elements)"
         )
     align = math.lcm(tensor_alignment_elems(element_size), tensor_align)
+    oversize_granule = math.lcm(granule, oversize_align if chunk_elems >= oversize_align else 1)
     # Open chunk per stream: (trainable) -> list of (index, offset, numel, shape)
     open_chunk: dict[bool, list[tuple[int, int, int, tuple[int, ...]]]] = {True: [], False: []}
     open_fill: dict[bool, int] = {True: 0, False: 0}
@@ -97,7 +102,12 @@ def build_layout(
             continue
         if numel > chunk_elems:
             closed.append(
-                (info.trainable, True, align_up(numel, granule), [(i, 0, numel, info.shape)])
+                (
+                    info.trainable,
+                    True,
+                    align_up(numel, oversize_granule),
+                    [(i, 0, numel, info.shape)],
+                )
             )
             continue
         start = align_up(open_fill[info.trainable], align)

@@ -23,6 +23,8 @@ from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
 from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
+from infinity.chunks.span_access import SpanFill, write_initial_spans
+from infinity.chunks.spans import first_span, is_split
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.chunks.update_state import UpdateStates
@@ -150,7 +152,9 @@ class ChunkManager:
     def prefetch_host(self, key: Key, protect: Collection[Key] = ()) -> bool:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed);
         False if no staging slot was free without evicting a key of ``protect``
-        (try again later)."""
+        (try again later). An oversize key starts its first span."""
+        if self.homes.tier(key) != HOST:
+            key = first_span(self.plan, key)
         cache = self.staging[key[0]]
         if key in cache:  # NOTE: the common case: polls retry reads already started
             cache.touch(key, self.moment)
@@ -185,6 +189,8 @@ class ChunkManager:
             copy = self.device.insert(key, nbytes, self.moment)
         if self.homes.tier(key) == HOST:
             copy.pending.append(self.backend.copy_async(copy.tensor, self.homes.host(key)))
+        elif is_split(self.plan, i):
+            copy.pending.append(SpanFill(self, i, copy.tensor))
         else:
             staged = self.host.staged(key, load=True, wait=False, prefetch=prefetch)
             if staged is None:
@@ -291,6 +297,9 @@ class ChunkManager:
 
     def write_initial(self, i: int, values: torch.Tensor) -> None:
         """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``."""
+        if is_split(self.plan, i):
+            write_initial_spans(self, i, values)
+            return
         region, copy = self.open_host((Kind.PARAM, i), load=False)
         typed(region, self.dtype).copy_(values)
         self.close_host(copy, modified=True)

@@ -18,6 +18,7 @@ from infinity.chunks.cache import Copy, EvictionPolicy, Pending, TierCache
 from infinity.chunks.clock import Clock
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
+from infinity.chunks.spans import SpanKey, base_key, first_span, is_split
 from infinity.core.names import HOST
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
@@ -52,6 +53,7 @@ class HostStaging:
     ) -> None:
         """``device`` is read (never changed) to fill a parameter chunk from its
         device copy; ``policy()`` makes each kind's eviction policy."""
+        self.plan = plan
         self.backend = backend
         self.homes = homes
         self.device = device
@@ -110,6 +112,8 @@ class HostStaging:
         copy = cache.get(key)
         moment = self.clock.now
         if copy is None:
+            if not isinstance(key, SpanKey) and is_split(self.plan, key[1]):
+                raise AssertionError(f"{key} is oversize: stage it in spans (chunks/spans.py)")
             nbytes = self.homes.nbytes(key)
             if prefetch:
                 copy = cache.try_insert(key, nbytes, moment, lambda k: k not in protect)
@@ -139,12 +143,17 @@ class HostStaging:
         """Start filling a staging copy: from the device copy of a parameter chunk
         if allowed and landed (a device -> host copy instead of a disk read),
         else from NVMe."""
-        on_device = self.device.get(key) if from_device and key[0] is Kind.PARAM else None
+        device_key = base_key(key)
+        on_device = self.device.get(device_key) if from_device and key[0] is Kind.PARAM else None
         if on_device is None or on_device.in_flight():
             return self.homes.read(key, copy.tensor)
         # NOTE: device parameter copies are exact caches of their home (an
         # update discards them), so these are the bytes the disk would give.
-        d2h = self.backend.copy_async(copy.tensor, on_device.tensor)
+        source = on_device.tensor
+        if isinstance(key, SpanKey):
+            size = self.plan.element_size
+            source = source[key.start * size : key.end * size]
+        d2h = self.backend.copy_async(copy.tensor, source)
         on_device.pending.append(d2h)  # the device slot is read until the copy ends
         self.traffic.d2h_bytes += copy.nbytes
         return d2h
@@ -168,8 +177,10 @@ class HostStaging:
                 fill.wait()
 
     def host_ready(self, key: Key) -> bool:
-        """``key``'s bytes are in host memory now (its home, or a landed staging read)."""
+        """``key``'s bytes are in host memory now (its home, or a landed staging read;
+        for an oversize key, its first span)."""
         if self.homes.tier(key) == HOST:
             return landed(self.home_fill.get(key))
+        key = first_span(self.plan, key)
         copy = self.caches[key[0]].get(key)
         return copy is not None and landed(copy.fill)

@@ -119,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
                     "device_bytes": plan.device_bytes,
                     "host_bytes": plan.host_bytes,
                     "nvme_bytes": plan.nvme_bytes,
+                    "staging_bytes": plan.staging_bytes,
+                    "span_bytes": plan.span_elems * plan.element_size,
+                    "min_device_bytes": plan.min_device_bytes,
+                    "min_host_bytes": plan.min_host_bytes,
                     "homes": {
                         "param": list(plan.param_home),
                         "grad": list(plan.grad_home),

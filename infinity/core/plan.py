@@ -17,7 +17,12 @@ FP32_BYTES = 4
 
 
 class PlanError(ValueError):
-    """The budgets cannot hold the model; the message says what each tier needs."""
+    """The budgets cannot hold the model; the message says what each tier needs
+    (``needed``: the bytes the tier that failed would need, 0 if not known)."""
+
+    def __init__(self, message: str, *, needed: int = 0) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,18 @@ class Plan:
     # (``Config.optimizer_state_dtype``); empty: fp32 parts, ``len(state_slots) + has_master``.
     optim_unit_bytes: tuple[int, ...] = ()
     state_dtype: str = "fp32"  # how the state slots are stored
+    # Chunks larger than this many elements go through host staging in spans of
+    # it (chunks/spans.py); 0 means the layout's normal chunk capacity.
+    span_elems: int = 0
+    # The smallest budgets this layout plans with: the device's is set by the
+    # largest module (its tensors whole), the host's with every state on NVMe
+    # (0: no NVMe tier, or not computed).
+    min_device_bytes: int = 0
+    min_host_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.span_elems == 0:
+            object.__setattr__(self, "span_elems", self.layout.chunk_elems)
 
     # --- sizes -------------------------------------------------------------------
     def param_bytes(self, i: int) -> int:
@@ -89,6 +106,31 @@ class Plan:
         """Bytes of swap space."""
         return self.home_bytes(NVME)
 
+    def _minimum_lines(self) -> list[str]:
+        """What the budgets could shrink to, and why the device cannot go lower."""
+        largest = max((c.capacity for c in self.layout.chunks), default=0) * self.element_size
+        lines = [
+            f"host staging {format_size(self.staging_bytes)} (slots of at most "
+            f"{format_size(self.span_elems * self.element_size)} of parameters: oversize chunks "
+            + (
+                "move in spans of the chunk size)"
+                if self.span_elems < largest // self.element_size
+                else "staged whole)"
+            )
+        ]
+        if self.min_device_bytes:
+            lines.append(
+                f"device minimum {format_size(self.min_device_bytes)}: the largest module's "
+                f"chunks plus a gradient chunk; the largest tensor's chunk "
+                f"({format_size(largest)}) must be whole on the device while it computes"
+            )
+        if self.min_host_bytes:
+            lines.append(
+                f"host minimum {format_size(self.min_host_bytes)}: every state on NVMe, "
+                "staging in chunk-size spans (independent of the largest tensor)"
+            )
+        return lines
+
     def describe(self) -> str:
         """A human-readable table of the plan."""
         n = self.layout.num_chunks
@@ -119,6 +161,7 @@ class Plan:
         ):
             cap = "no tier" if budget is None else format_size(budget)
             lines.append(f"{tier:<8} uses {format_size(used):>12} of {cap}")
+        lines += self._minimum_lines()
         lines.append("bytes moved per step (estimate; host staging caches lower the NVMe reads):")
         for key, value in self.traffic.items():
             lines.append(f"  {key:<18}{format_size(value):>12}")

@@ -123,17 +123,29 @@ class ChunkOptimizer(ABC, Generic[H]):
         """Byte ranges ``(start, length)`` in a unit holding the state of the tensor at
         elements ``[offset, offset + numel)``: master, then each slot's values (and
         int8 scales). The same tensor has ranges of the same lengths in any layout."""
-        ranges, at = [], 0
-        for k, size in enumerate(self.unit_part_bytes(capacity, has_master)):
-            if has_master and k == 0:
-                ranges.append((offset * FP32_BYTES, numel * FP32_BYTES))
-            else:
-                ranges += [
-                    (at + start, n)
-                    for start, n in self.state_format.tensor_ranges(capacity, offset, numel)
-                ]
-            at += size
-        return ranges
+        return unit_ranges(
+            self.state_format, len(self.state_slots), capacity, has_master, offset, numel
+        )
+
+    @property
+    def span_granule(self) -> int:
+        """Elements the span boundaries of an oversize chunk are multiples of
+        (see :attr:`StateFormat.span_granule`)."""
+        return self.state_format.span_granule
+
+    def piece_views(self, pieces: list[torch.Tensor], has_master: bool) -> UnitViews:
+        """The unit views of elements ``[a, b)`` held as separate byte *pieces*, in the
+        order of :meth:`tensor_ranges` (the span of an oversize chunk, see
+        ``chunks/spans.py``)."""
+        pieces = [p.view(torch.uint8) for p in pieces]
+        master = pieces.pop(0).view(torch.float32) if has_master else None
+        per_slot = 2 if self.state_format.quantized else 1
+        slots = {}
+        for k, name in enumerate(self.state_slots):
+            data = pieces[k * per_slot].view(self.state_format.torch_dtype)
+            scale = pieces[k * per_slot + 1].view(torch.float32) if per_slot == 2 else None
+            slots[name] = StoredSlot(data, scale)
+        return UnitViews(master, slots)
 
     def read_state(self, unit: UnitViews, span: slice) -> dict[str, torch.Tensor]:
         """New fp32 copies of the state of elements ``span``, by slot name."""
@@ -192,6 +204,23 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
             exp_avg_sq_scale=views.scales.get("exp_avg_sq"),
             **hyper.kernel_kwargs(),
         )
+
+
+def unit_ranges(
+    state_format: StateFormat, slots: int, capacity: int, has_master: bool, offset: int, numel: int
+) -> list[tuple[int, int]]:
+    """Byte ranges ``(start, length)``, in a unit of ``slots`` state slots stored as
+    ``state_format`` for a chunk of ``capacity`` elements, of elements
+    ``[offset, offset + numel)``: the fp32 master (if any), then each slot's values
+    (and int8 block scales). See :meth:`ChunkOptimizer.tensor_ranges`."""
+    ranges = [(offset * FP32_BYTES, numel * FP32_BYTES)] if has_master else []
+    at = capacity * FP32_BYTES if has_master else 0
+    for _slot in range(slots):
+        ranges += [
+            (at + start, n) for start, n in state_format.tensor_ranges(capacity, offset, numel)
+        ]
+        at += state_format.slot_bytes(capacity)
+    return ranges
 
 
 ADAM = AdamChunks()

@@ -88,6 +88,20 @@ class StateFormat:
         see NOTE [int8 block size])."""
         return QBLOCK if self.quantized else 1
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of a slot's stored values (uint8 codes for int8)."""
+        return _TORCH_DTYPE[self.name]
+
+    @property
+    def span_granule(self) -> int:
+        """Elements every span boundary of an oversize chunk is a multiple of, so that
+        each part's byte range of a span (values, int8 block scales, and the fp32
+        master beside them) stays on the I/O alignment (NOTE [O_DIRECT alignment])."""
+        values = ALIGNMENT // STATE_ELEMENT_BYTES[self.name]
+        scales = QBLOCK * ALIGNMENT // FP32_BYTES if self.quantized else 1
+        return max(values, scales, ALIGNMENT // FP32_BYTES)
+
     def data_bytes(self, capacity: int) -> int:
         """Bytes of one slot's values for a chunk of ``capacity`` elements."""
         return capacity * STATE_ELEMENT_BYTES[self.name]
@@ -103,7 +117,7 @@ class StateFormat:
     def slot_view(self, raw: torch.Tensor, capacity: int) -> StoredSlot:
         """Cut the uint8 bytes of one slot (``slot_bytes(capacity)`` long) into its views."""
         data_end = self.data_bytes(capacity)
-        data = raw[:data_end].view(_TORCH_DTYPE[self.name])
+        data = raw[:data_end].view(self.torch_dtype)
         if not self.quantized:
             return StoredSlot(data, None)
         scale = raw[data_end : data_end + self.scale_bytes(capacity)].view(torch.float32)

@@ -68,6 +68,7 @@ def choose_plan(
     has_master = config.dtype != "fp32"
 
     align = optimizer.state_format.element_alignment
+    granule = optimizer.span_granule
 
     def attempt(layout: ChunkLayout) -> Plan:
         return make_plan(
@@ -83,7 +84,9 @@ def choose_plan(
 
     if config.chunk_size != AUTO:
         elems = int(config.chunk_size) // element_size
-        return attempt(build_layout(tensors, elems, element_size, tensor_align=align))
+        return attempt(
+            build_layout(tensors, elems, element_size, tensor_align=align, oversize_align=granule)
+        )
     # NOTE: a quarter of the device bounds even a raised cap, and a plan that
     # does not fit retries with smaller chunks.
     cap = chunk_cap(tensors, element_size, MAX_AUTO_CHUNK_BYTES)
@@ -97,12 +100,24 @@ def choose_plan(
             min_bytes=min(MIN_AUTO_CHUNK_BYTES, max_bytes),
         )
         try:
-            return attempt(build_layout(tensors, elems, element_size, tensor_align=align))
+            return attempt(
+                build_layout(
+                    tensors, elems, element_size, tensor_align=align, oversize_align=granule
+                )
+            )
         except PlanError as exc:
             last_error = exc
         max_bytes //= 2
     assert last_error is not None
-    raise last_error
+    # NOTE: the planner already tried every smaller chunk: "use a smaller
+    # chunk_size" would send the user after what was done for them.
+    raise PlanError(
+        str(last_error)
+        .replace(", or use a smaller chunk_size", "")
+        .replace(" or use a smaller chunk_size", "")
+        + f" (chunk_size='auto' tried chunks down to {MIN_SEARCH_CHUNK_BYTES >> 10} KiB)",
+        needed=last_error.needed,
+    ) from None
 
 
 def plan_for(

@@ -20,12 +20,14 @@ so a cache of norms keyed by it never serves stale values.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.chunks.span_access import each_span
+from infinity.chunks.spans import is_split
 from infinity.chunks.update_state import UpdateState
 from infinity.runtime.errors import ModelChangedError
 from infinity.runtime.model_chunks import ModelChunks
@@ -93,10 +95,22 @@ class GradientLedger:
         """Zero some tensors' gradients inside a chunk whose other gradients stay."""
         if not self.manager.grads.home_valid(chunk):
             return  # nothing kept to zero (a later read or addition raises)
+        if is_split(self.chunks.plan, chunk):
+            for entry in entries:
+                self._each_span(chunk, entry.index, lambda grads: grads.zero_())
+            return
         region, copy = self.manager.open_host((Kind.GRAD, chunk))
         for entry in entries:
             self.chunks.chunk_view(region, entry).zero_()
         self.manager.close_host(copy, modified=True)
+
+    def _each_span(self, chunk: int, index: int, change: Callable[[torch.Tensor], object]) -> None:
+        """Apply ``change`` in place to tensor ``index``'s gradient in oversize chunk
+        ``chunk``, span by span (it is never staged whole)."""
+        slot = self.chunks.layout.slots[index]
+        end = slot.offset + slot.numel
+        for _at, parts in each_span(self.manager, Kind.GRAD, chunk, slot.offset, end, modify=True):
+            change(parts[0].view(self.chunks.dtype))
 
     # --- pending factors -------------------------------------------------------------
     def scale(self, index: int, factor: float) -> None:
@@ -139,6 +153,11 @@ class GradientLedger:
             raise AssertionError("gradient factors applied while updates are queued")
         layout = self.chunks.layout
         for chunk, group in layout.group_by_chunk(pending, int).items():
+            if is_split(self.chunks.plan, chunk):
+                for i in group:
+                    factor = pending[i]
+                    self._each_span(chunk, i, lambda grads: grads.mul_(factor))  # noqa: B023
+                continue
             region, copy = self.manager.open_host((Kind.GRAD, chunk))
             try:
                 flat = typed(region, self.chunks.dtype)

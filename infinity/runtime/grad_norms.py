@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from infinity.chunks.homes import Kind
+from infinity.chunks.span_access import read_tensor
+from infinity.chunks.spans import is_split
 from infinity.optim.loss_scale import LossScaler
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.model_chunks import ModelChunks
@@ -70,6 +72,12 @@ class GradientNorms:
         has_grad = chunks.has_grad
         with_grad = (chunks.registry.entries[i] for i in indices if has_grad[i])
         for chunk, group in chunks.layout.group_by_chunk(with_grad, tensor_index).items():
+            if is_split(chunks.plan, chunk):
+                # NOTE: an oversize chunk is never staged whole: a copy of the tensor.
+                for entry in group:
+                    slot = chunks.layout.slots[entry.index]
+                    yield entry, read_tensor(chunks.manager, Kind.GRAD, slot, chunks.dtype)
+                continue
             region, copy = chunks.manager.open_host((Kind.GRAD, chunk), writable=False)
             try:
                 for entry in group:

@@ -16,54 +16,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.layout import ChunkLayout
-from infinity.chunks.manager import ChunkManager, typed
+from infinity.chunks.manager import typed
+from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
-from infinity.core.plan import Plan
-from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews
+from infinity.optim.chunk_optimizer import StepViews
 from infinity.optim.hyper import AdamHyperParams
-from infinity.runtime.params import ParamEntry
-
-
-class HeldGradients(Protocol):
-    """Per tensor: whether its gradient is in the chunks."""
-
-    def __getitem__(self, index: int) -> bool: ...
-
-
-class StepContext(Protocol):
-    """Exactly what the step over chunks uses of a model's chunks
-    (:class:`~infinity.runtime.model_chunks.ModelChunks` provides it)."""
-
-    manager: ChunkManager
-    layout: ChunkLayout
-    plan: Plan
-    dtype: torch.dtype
-    chunk_optimizer: ChunkOptimizer[Any]
-    chunk_members: list[list[ParamEntry]]  # per chunk, its parameters
-    tensor_steps: list[int]  # per tensor: optimizer steps taken (advanced here)
-
-    @property
-    def has_grad(self) -> HeldGradients:
-        """Per tensor: its gradient is in the chunks (read only here)."""
-
-    def sample(self, phase: Phase, chunk: int) -> None:
-        """Add the tiers' state after an access to the memory timeline."""
-
-
-@dataclass(frozen=True)
-class Run:
-    """Consecutive tensors of a chunk updated by one kernel call: elements ``[start, end)``."""
-
-    start: int
-    end: int
-    hyper: AdamHyperParams
-    step: int
+from infinity.runtime.oversize_step import step_chunk_in_spans
+from infinity.runtime.step_context import Run, StepContext
 
 
 def plan_runs(
@@ -111,6 +75,9 @@ def step_chunk(
     engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
 ) -> None:
     """Update one chunk in place in its homes (see module docstring)."""
+    if is_split(engine.plan, chunk):
+        step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
+        return
     manager = engine.manager
     capacity = engine.layout.chunks[chunk].capacity
     has_master = engine.plan.has_master

@@ -15,7 +15,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from infinity.chunks.cache import Copy
 from infinity.chunks.homes import Kind
+from infinity.chunks.span_access import open_span
+from infinity.chunks.spans import is_split, span_ranges
 from infinity.optim.chunk_optimizer import UnitViews
 from infinity.optim.offloaded import MomentState
 from infinity.runtime.model_chunks import ModelChunks
@@ -32,6 +35,9 @@ def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[
     (the caller has settled queued updates: a stale read raises ``StaleRead``)."""
     stepped = [i for i in indices if engine.tensor_steps[i] > 0]
     for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
+        if is_split(engine.plan, chunk):
+            yield from _read_split(engine, chunk, group)
+            continue
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk), writable=False)
         try:
             unit = _unit(engine, chunk, region)
@@ -71,6 +77,9 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
     """Set moments and step counts (by tensor index; ``None``: no state, as never
     stepped); check with :func:`check_moments` first. The caller has settled."""
     for chunk, group in engine.layout.group_by_chunk(values, int).items():
+        if is_split(engine.plan, chunk):
+            _write_split(engine, chunk, {i: values[i] for i in group})
+            continue
         region, copy = engine.manager.open_host((Kind.OPTIM, chunk))
         try:
             unit = _unit(engine, chunk, region)
@@ -89,3 +98,61 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
                 engine.tensor_steps[i] = step
         finally:
             engine.manager.close_host(copy, modified=True)
+
+
+def _each_span_unit(
+    engine: ModelChunks, chunk: int, first: int, last: int, *, load: bool = True
+) -> Iterator[tuple[slice, slice, UnitViews, Copy | None]]:
+    """For each span of oversize ``chunk`` overlapping elements ``[first, last)``:
+    (where in the range, where in the span, the span's unit views, its copy to close)."""
+    optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
+    for low, high in span_ranges(engine.plan, chunk):
+        a, b = max(low, first), min(high, last)
+        if a >= b:
+            continue
+        pieces, copy = open_span(engine.manager, Kind.OPTIM, chunk, low, high, load=load)
+        yield (
+            slice(a - first, b - first),
+            slice(a - low, b - low),
+            optimizer.piece_views(pieces, has_master),
+            copy,
+        )
+
+
+def _read_split(
+    engine: ModelChunks, chunk: int, group: list[int]
+) -> Iterator[tuple[int, MomentState]]:
+    """:func:`read_moments` of an oversize chunk, span by span (never staged whole)."""
+    optimizer = engine.chunk_optimizer
+    for i in group:
+        slot = engine.layout.slots[i]
+        states = {name: torch.empty(slot.numel) for name in optimizer.state_slots}
+        spans = _each_span_unit(engine, chunk, slot.offset, slot.offset + slot.numel)
+        for into, span, unit, copy in spans:
+            try:
+                for name, values in optimizer.read_state(unit, span).items():
+                    states[name][into].copy_(values)
+            finally:
+                engine.manager.close_host(copy, modified=False)
+        yield i, (engine.tensor_steps[i], {k: v.view(slot.shape) for k, v in states.items()})
+
+
+def _write_split(engine: ModelChunks, chunk: int, values: dict[int, MomentState | None]) -> None:
+    """:func:`write_moments` of an oversize chunk, span by span."""
+    optimizer = engine.chunk_optimizer
+    for i, value in values.items():
+        slot = engine.layout.slots[i]
+        step, states = value if value is not None else (0, None)
+        flat = {
+            name: torch.zeros(slot.numel)
+            if states is None
+            else states[name].reshape(-1).to(torch.float32)
+            for name in optimizer.state_slots
+        }
+        spans = _each_span_unit(engine, chunk, slot.offset, slot.offset + slot.numel)
+        for into, span, unit, copy in spans:
+            try:
+                optimizer.write_state(unit, span, {k: v[into] for k, v in flat.items()})
+            finally:
+                engine.manager.close_host(copy, modified=True)
+        engine.tensor_steps[i] = step

@@ -14,6 +14,8 @@ from torch import nn
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.chunks.span_access import read_tensor, write_elements
+from infinity.chunks.spans import is_split
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry, tensor_index
 
@@ -26,6 +28,14 @@ def read_params(
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
         key = (Kind.OPTIM, chunk) if use_master else (Kind.PARAM, chunk)
+        dtype = torch.float32 if use_master else engine.dtype
+        if is_split(engine.plan, chunk):
+            for entry in group:
+                yield (
+                    entry,
+                    read_tensor(engine.manager, key[0], engine.layout.slots[entry.index], dtype),
+                )
+            continue
         region, copy = engine.manager.open_host(key, writable=False)
         try:
             flat = typed(region, torch.float32 if use_master else engine.dtype)
@@ -46,21 +56,44 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
                 engine.plan.has_master and engine.layout.chunks[chunk].trainable
             ):
                 continue
+            if is_split(engine.plan, chunk):
+                _write_split(engine, key, dtype, chunk, group, values)
+                continue
             region, copy = engine.manager.open_host((key, chunk))
             try:
                 flat = typed(region, dtype)
                 for entry in group:
                     slot = engine.layout.slots[entry.index]
-                    value = values[entry.index]
-                    if tuple(value.shape) != slot.shape:
-                        raise ValueError(
-                            f"{entry.name}: value of shape {tuple(value.shape)} does not match the "
-                            f"parameter's shape {slot.shape}"
-                        )
+                    value = _checked(entry, values[entry.index], slot.shape)
                     flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
             finally:
                 engine.manager.close_host(copy, modified=True)
         engine.manager.drop_param(chunk)
+
+
+def _checked(entry: ParamEntry, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``value``, if it has the parameter's shape."""
+    if tuple(value.shape) != shape:
+        raise ValueError(
+            f"{entry.name}: value of shape {tuple(value.shape)} does not match the "
+            f"parameter's shape {shape}"
+        )
+    return value
+
+
+def _write_split(
+    engine: OffloadEngine,
+    kind: Kind,
+    dtype: torch.dtype,
+    chunk: int,
+    group: list[ParamEntry],
+    values: dict[int, torch.Tensor],
+) -> None:
+    """``write_params`` of an oversize chunk, span by span."""
+    for entry in group:
+        slot = engine.layout.slots[entry.index]
+        value = _checked(entry, values[entry.index], slot.shape)
+        write_elements(engine.manager, kind, chunk, 0, slot.offset, value.to(dtype))
 
 
 def _grad_views(
@@ -94,6 +127,18 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
     entries = [engine.registry.entries[i] for i in writers]
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         master = engine.plan.has_master and engine.layout.chunks[chunk].trainable
+        if is_split(engine.plan, chunk):
+            # NOTE: the writers fill whole tensors: one transient copy of the
+            # tensor, then written in spans (staging stays chunk-sized).
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                flats = [torch.empty(slot.numel, dtype=engine.dtype)]
+                flats += [torch.empty(slot.numel, dtype=torch.float32)] if master else []
+                writers[entry.index](flats)
+                for kind, flat in zip((Kind.PARAM, Kind.OPTIM), flats, strict=False):
+                    write_elements(engine.manager, kind, chunk, 0, slot.offset, flat)
+            engine.manager.drop_param(chunk)
+            continue
         opened = [(engine.manager.open_host((Kind.PARAM, chunk)), engine.dtype)]
         try:
             if master:
@@ -118,6 +163,12 @@ def param_bytes_by_chunk(
     engine.settle_step()
     size = engine.plan.element_size
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
+        if is_split(engine.plan, chunk):
+            for entry in group:
+                slot = engine.layout.slots[entry.index]
+                flat = read_tensor(engine.manager, Kind.PARAM, slot, engine.dtype).reshape(-1)
+                yield entry, flat.view(torch.uint8).numpy().data
+            continue
         region, copy = engine.manager.open_host((Kind.PARAM, chunk), writable=False)
         try:
             data = region.numpy().data

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 
 from infinity.chunks.layout import ChunkLayout
+from infinity.chunks.spans import is_split
 from infinity.core.names import HOST, NVME, Tier
 from infinity.core.plan import Budgets, Plan, PlanError
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
@@ -103,10 +104,80 @@ def make_plan(
 
     An optimizer unit holds ``optimizer.unit_bytes(capacity, has_master)`` bytes
     (an fp32 master if any, then the state slots in the optimizer's state format).
+    Oversize chunks are staged whole if the host budget allows it, else in
+    spans of the normal chunk size (``chunks/spans.py``): then host staging is
+    bounded by the chunk size whatever the largest tensor is.
 
     Raises :class:`PlanError` (before anything is allocated) when a budget is
     too small, naming the bytes each tier would need.
     """
+    kwargs = {
+        "element_size": element_size,
+        "has_master": has_master,
+        "budgets": budgets,
+        "working_sets": working_sets,
+        "prefetch_depth": prefetch_depth,
+        "consume_grads": consume_grads,
+        "optimizer": optimizer,
+    }
+    largest = max((c.capacity for c in layout.chunks), default=layout.chunk_elems)
+    plan: Plan | None = None
+    if largest > layout.chunk_elems:
+        try:
+            # NOTE: whole slots first: fewer, larger transfers, and what a roomy
+            # budget always got; spans only when the host cannot afford them.
+            plan = _place(layout, span_elems=largest, **kwargs)  # type: ignore[arg-type]
+        except PlanError:
+            plan = None
+    if plan is None:
+        plan = _place(layout, span_elems=span_of(layout, optimizer), **kwargs)  # type: ignore[arg-type]
+    if budgets.nvme is not None:
+        object.__setattr__(plan, "min_host_bytes", _minimum_host(layout, kwargs))
+    return plan
+
+
+def span_of(layout: ChunkLayout, optimizer: ChunkOptimizer) -> int:
+    """Elements of a span of an oversize chunk: the normal chunk size, rounded up to
+    the optimizer's span granule (so every piece of a span stays I/O-aligned, and
+    no normal chunk is ever split).
+
+    NOTE: a normal chunk smaller than the granule (int8 states: 262144 elements)
+    leaves oversize capacities unpadded (``build_layout``), so they cannot be cut
+    on aligned boundaries: they are staged whole.
+    """
+    granule = optimizer.span_granule
+    if layout.chunk_elems < granule:
+        return max(c.capacity for c in layout.chunks)
+    return -(-layout.chunk_elems // granule) * granule
+
+
+def _minimum_host(layout: ChunkLayout, kwargs: dict[str, object]) -> int:
+    """The smallest host budget this layout plans with: every state on NVMe, the
+    shallowest staging, oversize chunks in spans."""
+    budgets = kwargs["budgets"]
+    assert isinstance(budgets, Budgets)
+    bare = dict(kwargs, budgets=Budgets(device=budgets.device, host=0, nvme=1 << 62))
+    try:
+        span = span_of(layout, bare["optimizer"])  # type: ignore[arg-type]
+        _place(layout, span_elems=span, **bare)  # type: ignore[arg-type]
+    except PlanError as exc:
+        return exc.needed
+    return 0
+
+
+def _place(
+    layout: ChunkLayout,
+    *,
+    span_elems: int,
+    element_size: int,
+    has_master: bool,
+    budgets: Budgets,
+    working_sets: Sequence[frozenset[int]],
+    prefetch_depth: int,
+    consume_grads: bool,
+    optimizer: ChunkOptimizer,
+) -> Plan:
+    """:func:`make_plan` with staging slots of at most ``span_elems`` elements."""
     chunks = layout.chunks
     n = len(chunks)
     pbytes = [c.capacity * element_size for c in chunks]
@@ -116,11 +187,14 @@ def make_plan(
     device = min_device_slots(layout, element_size, working_sets)
     device_need = sum(s * c for s, c in device.items())
     if device_need > budgets.device:
+        largest = max(c.capacity for c in chunks) * element_size
         raise PlanError(
             f"device_memory={format_size(budgets.device)} is too small: one module needs "
             f"{format_size(device_need)} of chunk memory at once (its parameters' chunks plus a "
-            f"gradient chunk). Raise device_memory to at least {device_need} bytes or use a "
-            "smaller chunk_size."
+            f"gradient chunk; the largest tensor's chunk, {format_size(largest)}, must be whole "
+            f"on the device). Raise device_memory to at least {device_need} bytes or use a "
+            "smaller chunk_size.",
+            needed=device_need,
         )
     trainable = [c.trainable for c in chunks]
     device = add_device_slots(device, pbytes, trainable, budgets.device - device_need)
@@ -129,9 +203,16 @@ def make_plan(
     grad_home: list[Tier | None] = [HOST if t else None for t in trainable]
     optim_home: list[Tier | None] = [HOST if t else None for t in trainable]
     staging: dict[str, Counter[int]] = {"param": Counter(), "grad": Counter(), "optim": Counter()}
+    # NOTE: oversize chunks go through host staging in spans of the normal chunk
+    # size (chunks/spans.py), so no staging slot is ever larger than that.
+    normal = {
+        "param": span_elems * element_size,
+        "grad": span_elems * element_size,
+        "optim": optimizer.unit_bytes(span_elems, has_master),
+    }
     trainable_bytes = [pbytes[i] for i in range(n) if trainable[i]]
     if trainable_bytes:
-        staging["grad"][max(trainable_bytes)] = GRAD_STAGING_SLOTS
+        staging["grad"][min(max(trainable_bytes), normal["grad"])] = GRAD_STAGING_SLOTS
 
     def host_need() -> int:
         homes = sum(pbytes[i] for i in range(n) if param_home[i] == HOST)
@@ -141,9 +222,9 @@ def make_plan(
 
     def add_staging(kind: str, size: int, count: int) -> None:
         # NOTE: a chunk fits any larger slot, so one set of slots of the largest
-        # size a kind needs serves all its chunks (oversize ones included).
+        # size a kind needs serves all its chunks (oversize ones in spans).
         pool = staging[kind]
-        largest = max([size, *pool])
+        largest = max([min(size, normal[kind]), *pool])
         pool.clear()
         pool[largest] = count
 
@@ -200,7 +281,8 @@ def make_plan(
         raise PlanError(
             f"host_memory={format_size(budgets.host)} is too small even with every state on "
             f"NVMe: staging buffers alone need {format_size(need)}. Raise host_memory to at "
-            f"least {need} bytes, or use a smaller chunk_size."
+            f"least {need} bytes, or use a smaller chunk_size.",
+            needed=need,
         )
     plan = Plan(
         layout=layout,
@@ -215,6 +297,8 @@ def make_plan(
         device_slots={s: c for s, c in device.items() if c},
         host_staging={k: {s: c for s, c in v.items() if c} for k, v in staging.items()},
         budgets=budgets,
+        span_elems=span_elems,
+        min_device_bytes=device_need,
     )
     if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
         raise PlanError(
@@ -243,10 +327,11 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     refetched = min(params, max(0, params - cached))
     on_nvme = [i for i in range(n) if plan.param_home[i] == NVME]
     nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
-    nvme_grad = (
-        0
-        if consume_grads
-        else sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] == NVME)
+    # NOTE: an oversize chunk's gradients go home in spans even when consumed.
+    nvme_grad = sum(
+        plan.param_bytes(i)
+        for i in range(n)
+        if plan.grad_home[i] == NVME and (not consume_grads or is_split(plan, i))
     )
     nvme_optim = sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i] == NVME)
     updated = [i for i in on_nvme if plan.grad_home[i] is not None]

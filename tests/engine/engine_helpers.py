@@ -50,6 +50,21 @@ def tiny_llama(
     return transformers.LlamaForCausalLM(cfg)
 
 
+def llama_113m_config(vocab: int = 16384):
+    """The 16-layer Llama of issue 18 (hidden 768, tied ``vocab`` x 768 embedding):
+    its embedding is far larger than any chunk. Skips without transformers."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        tie_word_embeddings=True,
+    )
+
+
 def batches(n: int, seed: int = 1, batch: int = 2, seq: int = SEQ, vocab: int = VOCAB):
     """``n`` random (input, target) batches."""
     g = torch.Generator().manual_seed(seed)

@@ -1,0 +1,227 @@
+"""Moving an oversize chunk through host memory span by span (see ``chunks/spans.py``).
+
+Functions over a :class:`~infinity.chunks.manager.ChunkManager`: open one span
+of a key for the optimizer or a checkpoint, fill a device parameter slot from
+NVMe span by span, flush a device gradient chunk home span by span, and write
+a chunk's initial values. Each holds at most a couple of normal-size staging
+slots at a time, whatever the chunk's size.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from infinity.chunks.cache import Copy, Pending
+from infinity.chunks.homes import HomeStore
+from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
+from infinity.chunks.staging import HostStaging
+from infinity.chunks.transfers import ChainedTransfer
+from infinity.core.layout import TensorSlot
+from infinity.core.names import HOST, Key, Kind
+from infinity.core.plan import Plan
+from infinity.devices.base import DeviceBackend
+
+
+class ChunkManager(Protocol):
+    """What these functions use of :class:`~infinity.chunks.manager.ChunkManager`
+    (a protocol: the manager imports this module)."""
+
+    plan: Plan
+    dtype: torch.dtype
+    backend: DeviceBackend
+    homes: HomeStore
+    host: HostStaging
+
+    def nbytes(self, key: Key) -> int: ...
+    def open_host(
+        self, key: Key, *, load: bool = True, writable: bool = True
+    ) -> tuple[torch.Tensor, Copy | None]: ...
+    def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None: ...
+
+
+# Spans of one device fill in flight at once: one landing from NVMe while the
+# previous one is copied to the device.
+FILL_WINDOW = 2
+
+
+def open_span(
+    manager: ChunkManager,
+    kind: Kind,
+    chunk: int,
+    start: int,
+    end: int,
+    *,
+    load: bool = True,
+    writable: bool = True,
+) -> tuple[list[torch.Tensor], Copy | None]:
+    """Host bytes (uint8) of elements ``[start, end)`` of every part of ``(kind, chunk)``;
+    pair with ``manager.close_host(copy, ...)``.
+
+    A host-homed key gives slices of its home (no copy); an NVMe-homed one a
+    staging copy of the span, read first if ``load``.
+    """
+    key: Key = (kind, chunk)
+    span = SpanKey(kind, chunk, start, end)
+    capacity = manager.plan.layout.chunks[chunk].capacity
+    ranges = part_ranges(manager.plan, span)
+    if manager.homes.tier(key) == HOST:
+        region, _none = manager.open_host(key, load=load, writable=writable)
+        return [region[offset : offset + nbytes] for offset, nbytes in ranges], None
+    if not is_split(manager.plan, chunk) and (start, end) == (0, capacity):
+        region, copy = manager.open_host(key, load=load, writable=writable)
+    else:
+        region, copy = manager.open_host(
+            span_key(kind, chunk, start, end), load=load, writable=writable
+        )
+    parts, at = [], 0
+    for _offset, nbytes in ranges:
+        parts.append(region[at : at + nbytes])
+        at += nbytes
+    return parts, copy
+
+
+class SpanFill:
+    """Fill a device parameter slot of an NVMe-homed oversize chunk, span by span
+    through host staging; advances whenever polled (``done``) or waited on."""
+
+    def __init__(self, manager: ChunkManager, chunk: int, dst: torch.Tensor) -> None:
+        self._manager = manager
+        self._chunk = chunk
+        self._dst = dst
+        self._ranges = span_ranges(manager.plan, chunk)
+        self._next = 0
+        self._in_flight: deque[Pending] = deque()
+        self._advance(block=False)
+
+    def _start(self, block: bool) -> Pending | None:
+        start, end = self._ranges[self._next]
+        manager = self._manager
+        key = span_key(Kind.PARAM, self._chunk, start, end)
+        staged = manager.host.staged(key, load=True, wait=False, prefetch=not block)
+        if staged is None:
+            return None
+        size = manager.plan.element_size
+        dst, src = self._dst[start * size : end * size], staged.tensor
+        chain = ChainedTransfer(staged.fill, lambda: manager.backend.copy_async(dst, src))
+        staged.pending.append(chain)  # the staging slot is read until the copy ends
+        return chain
+
+    def _advance(self, *, block: bool) -> None:
+        while self._in_flight and self._in_flight[0].done():
+            self._in_flight.popleft().wait()  # NOTE: raises a failed read here
+        while self._next < len(self._ranges) and len(self._in_flight) < FILL_WINDOW:
+            pending = self._start(block)
+            if pending is None:
+                return
+            self._in_flight.append(pending)
+            self._next += 1
+
+    def done(self) -> bool:
+        """Every span has reached the device (starts the next spans that can start)."""
+        self._advance(block=False)
+        return self._next == len(self._ranges) and not self._in_flight
+
+    def wait(self) -> None:
+        """Bring every remaining span, waiting for staging slots and transfers."""
+        while self._next < len(self._ranges) or self._in_flight:
+            self._advance(block=True)
+            if self._in_flight:
+                self._in_flight.popleft().wait()
+
+    def wait_for_compute(self) -> None:
+        """Like :meth:`wait` (the spans' copies are waited for on the host)."""
+        self.wait()
+
+
+def write_initial_spans(manager: ChunkManager, chunk: int, values: torch.Tensor) -> None:
+    """``write_initial`` of an oversize chunk: parameters (and fp32 master, zero
+    moments) from fp32 ``values``, span by span."""
+    trainable = manager.plan.grad_home[chunk] is not None
+    for start, end in span_ranges(manager.plan, chunk):
+        parts, copy = open_span(manager, Kind.PARAM, chunk, start, end, load=False)
+        parts[0].view(manager.dtype).copy_(values[start:end])
+        manager.close_host(copy, modified=True)
+        if not trainable:
+            continue
+        parts, copy = open_span(manager, Kind.OPTIM, chunk, start, end, load=False)
+        for part in parts:
+            part.view(torch.float32).zero_()
+        if manager.plan.has_master:
+            parts[0].view(torch.float32).copy_(values[start:end])
+        manager.close_host(copy, modified=True)
+
+
+def each_span(
+    manager: ChunkManager,
+    kind: Kind,
+    chunk: int,
+    start: int,
+    end: int,
+    *,
+    load: bool = True,
+    modify: bool = False,
+) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """Elements ``[start, end)`` of ``(kind, chunk)``, one span at a time: yields the
+    position in the range and each part's bytes (uint8) of the span's overlap.
+    With ``modify`` the span is written back once the caller moves on."""
+    for low, high in span_ranges(manager.plan, chunk):
+        first, last = max(low, start), min(high, end)
+        if first >= last:
+            continue
+        parts, copy = open_span(manager, kind, chunk, low, high, load=load, writable=modify)
+        try:
+            if (first, last) == (low, high):
+                yield first - start, parts
+                continue
+            width = high - low
+            views = []
+            for part in parts:
+                size, rest = divmod(part.numel(), width)
+                if rest or not size:
+                    # NOTE: int8 block scales are not per element; callers cut a
+                    # partial span of an optimizer unit with ChunkOptimizer.piece_views.
+                    raise AssertionError(f"piece of {part.numel()} bytes is not per element")
+                views.append(part[(first - low) * size : (last - low) * size])
+            yield first - start, views
+        finally:
+            manager.close_host(copy, modified=modify)
+
+
+def read_elements(
+    manager: ChunkManager,
+    kind: Kind,
+    chunk: int,
+    part: int,
+    start: int,
+    end: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A new flat tensor of elements ``[start, end)`` of part ``part`` of ``(kind, chunk)``."""
+    out = torch.empty(end - start, dtype=dtype)
+    for at, parts in each_span(manager, kind, chunk, start, end):
+        piece = parts[part].view(dtype)
+        out[at : at + piece.numel()].copy_(piece)
+    return out
+
+
+def read_tensor(
+    manager: ChunkManager, kind: Kind, slot: TensorSlot, dtype: torch.dtype, part: int = 0
+) -> torch.Tensor:
+    """A copy of the tensor in ``slot`` (part ``part`` of its ``kind``), in its shape."""
+    end = slot.offset + slot.numel
+    return read_elements(manager, kind, slot.chunk, part, slot.offset, end, dtype).view(slot.shape)
+
+
+def write_elements(
+    manager: ChunkManager, kind: Kind, chunk: int, part: int, start: int, values: torch.Tensor
+) -> None:
+    """Set elements ``[start, start + len(values))`` of part ``part`` of ``(kind, chunk)``."""
+    flat = values.reshape(-1)
+    end = start + flat.numel()
+    for at, parts in each_span(manager, kind, chunk, start, end, modify=True):
+        piece = parts[part].view(flat.dtype)
+        piece.copy_(flat[at : at + piece.numel()])

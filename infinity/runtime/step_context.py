@@ -1,0 +1,56 @@
+"""What the optimizer step over chunks uses of an engine, and one kernel call's run.
+
+Shared by :mod:`~infinity.runtime.offloaded_step` (whole chunks) and
+:mod:`~infinity.runtime.oversize_step` (oversize chunks in spans).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from infinity.chunks.layout import ChunkLayout
+from infinity.chunks.manager import ChunkManager
+from infinity.core.names import Phase
+from infinity.core.plan import Plan
+from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.optim.hyper import AdamHyperParams
+from infinity.runtime.params import ParamEntry
+
+
+class HeldGradients(Protocol):
+    """Per tensor: whether its gradient is in the chunks."""
+
+    def __getitem__(self, index: int) -> bool: ...
+
+
+class StepContext(Protocol):
+    """Exactly what the step over chunks uses of a model's chunks
+    (:class:`~infinity.runtime.model_chunks.ModelChunks` provides it)."""
+
+    manager: ChunkManager
+    layout: ChunkLayout
+    plan: Plan
+    dtype: torch.dtype
+    chunk_optimizer: ChunkOptimizer[Any]
+    chunk_members: list[list[ParamEntry]]  # per chunk, its parameters
+    tensor_steps: list[int]  # per tensor: optimizer steps taken (advanced here)
+
+    @property
+    def has_grad(self) -> HeldGradients:
+        """Per tensor: its gradient is in the chunks (read only here)."""
+
+    def sample(self, phase: Phase, chunk: int) -> None:
+        """Add the tiers' state after an access to the memory timeline."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive tensors of a chunk updated by one kernel call: elements ``[start, end)``."""
+
+    start: int
+    end: int
+    hyper: AdamHyperParams
+    step: int
