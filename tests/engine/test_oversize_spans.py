@@ -195,3 +195,45 @@ def test_state_dicts_and_pretrained_weights_round_trip_in_spans(tmp_path):
         for name, value in got.items():
             assert torch.equal(value, want[name]), (source, name)
         engine_of(other).close()
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_stored_state_formats_in_spans_match_whole_staging(tmp_path, state_dtype):
+    """bf16 and int8 moments of an oversize chunk streamed in spans (their values and
+    int8 block scales cut per span): bit-identical to staging the chunk whole, and a
+    checkpoint written in spans loads into whole staging exactly."""
+    # NOTE: int8 spans start on multiples of 262144 elements (the I/O alignment of
+    # the block scales), so this twin's chunks hold that many bf16 elements and
+    # its 4096 x 128 embedding spans two of them.
+    chunk = 512 << 10
+
+    def offload(root, spans: bool):
+        model = tiny_llama(VOCAB, hidden=128, intermediate=256, tie=True, seed=0)
+        cfg = config(
+            dtype="bf16",
+            device_memory="16MiB",
+            host_memory="5MiB" if spans else "64MiB",
+            nvme_path=str(root),
+            chunk_size=chunk,
+            optimizer_state_dtype=state_dtype,
+        )
+        model = infinity.offload(model, cfg)
+        plan = engine_of(model).plan
+        assert (plan.span_elems < max(c.capacity for c in plan.layout.chunks)) is spans
+        return model, CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    results = {}
+    for spans in (True, False):
+        model, opt = offload(tmp_path / f"train-{spans}", spans)
+        train(model, opt, batches(STEPS, vocab=VOCAB, seq=16), loss_fn=_loss)
+        results[spans] = _states(model, opt)
+        if spans:
+            infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+        engine_of(model).close()
+    for name, value in results[False].items():
+        assert torch.equal(results[True][name], value), name
+    other, other_opt = offload(tmp_path / "load", spans=False)
+    infinity.load_checkpoint(tmp_path / "ckpt", other, other_opt)
+    for name, value in _states(other, other_opt).items():
+        assert torch.equal(value, results[True][name]), name
+    engine_of(other).close()
