@@ -139,7 +139,7 @@ class EngineProfile:
             finally:
                 profile._exit()
 
-        Traffic.waiting = waiting  # type: ignore[method-assign]
+        setattr(Traffic, "waiting", waiting)  # noqa: B010 (a patch, undone below)
         self._undo.append(lambda: setattr(Traffic, "waiting", original))
 
     def uninstall(self) -> None:

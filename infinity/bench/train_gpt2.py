@@ -67,8 +67,8 @@ def _build(case: str, settings: dict[str, Any], nvme_dir: str) -> tuple[Any, Any
         nvme_path=nvme_dir,
         overlap_optimizer=case == "overlap",
     )
-    model = infinity.offload(model, config)
-    return model, CPUAdam(model.parameters(), lr=1e-4), profile
+    offloaded = infinity.offload(model, config)
+    return offloaded, CPUAdam(offloaded.parameters(), lr=1e-4), profile
 
 
 def _block(model: Any, optimizer: Any, profile: Any, batches: list[torch.Tensor]) -> dict:
@@ -141,17 +141,15 @@ def _receive(conn: Connection, case: str) -> Any:
 def _median_breakdown(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-step medians of every number a case's steps recorded."""
 
-    def med(get: Callable[[dict], float]) -> float:
-        return statistics.median(get(s) for s in steps)
-
     out: dict[str, Any] = {
-        k: med(lambda s, k=k: s[k]) for k in ("seconds", "fwd_bwd_seconds", "step_seconds")
+        k: statistics.median(s[k] for s in steps)
+        for k in ("seconds", "fwd_bwd_seconds", "step_seconds")
     }
     for section in ("thread_cpu", "engine", "traffic"):
         keys = sorted({k for s in steps for k in s.get(section, {})})
         if keys:
             out[section] = {
-                k: med(lambda s, k=k, sec=section: s.get(sec, {}).get(k, 0.0)) for k in keys
+                k: statistics.median(s.get(section, {}).get(k, 0.0) for s in steps) for k in keys
             }
     return out
 
