@@ -67,6 +67,8 @@ def _build(case: str, settings: dict[str, Any], nvme_dir: str) -> tuple[Any, Any
         nvme_path=nvme_dir,
         overlap_optimizer=case == "overlap",
     )
+    if case.startswith("default@"):  # the default step with another aio.block_size
+        config = config.replace(aio={**vars(config.aio), "block_size": case.split("@")[1]})
     offloaded = infinity.offload(model, config)
     return offloaded, CPUAdam(offloaded.parameters(), lr=1e-4), profile
 
@@ -164,10 +166,15 @@ def run_gpt2(
     warmup_rounds: int = 1,
     block: int = 4,
     threads: int | None = None,
+    compare_block_size: str | None = None,
     nvme_dir: str,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the three cases interleaved, one process each; a JSON-ready report."""
+    """Run the three cases interleaved, one process each; a JSON-ready report.
+
+    ``compare_block_size`` (e.g. ``"1M"``) adds a fourth case, ``default@1M``:
+    the default step with that ``aio.block_size``.
+    """
     note = progress or (lambda _msg: None)
     if block < 2:
         raise ValueError(f"block={block} must be >= 2 (the first step of a block is not timed)")
@@ -179,10 +186,13 @@ def run_gpt2(
         "nvme_dir": nvme_dir,
         "threads": threads or torch.get_num_threads(),
     }
+    cases = dict(CASES)
+    if compare_block_size is not None:
+        cases[f"default@{compare_block_size}"] = f"as default, aio.block_size={compare_block_size}"
     ctx = mp.get_context("spawn")
     workers: dict[str, tuple[Any, Connection]] = {}
     try:
-        for case in CASES:
+        for case in cases:
             note(f"building case {case} in its own process")
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, args=(child, case, settings), daemon=True)
@@ -192,7 +202,7 @@ def run_gpt2(
             if not reply["ok"]:
                 raise RuntimeError(f"case {case} failed to build: {reply['error']}")
             workers[case] = (proc, parent)
-        names = list(CASES)
+        names = list(cases)
         per_round: dict[str, list[float]] = {c: [] for c in names}
         steps: dict[str, list[dict]] = {c: [] for c in names}
         load: list[float] = []
@@ -238,7 +248,7 @@ def run_gpt2(
         report["cases"].append(
             {
                 "case": case,
-                "description": CASES[case],
+                "description": cases[case],
                 "step_seconds": statistics.median(s["seconds"] for s in steps[case]),
                 "vs_plain": statistics.median(ratios),
                 "round_ratios": ratios,

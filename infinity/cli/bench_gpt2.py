@@ -57,6 +57,7 @@ def run_gpt2_cases(args: argparse.Namespace) -> int:
         rounds=-(-args.steps // (args.block - 1)),
         warmup_rounds=-(-args.warmup // args.block),
         block=args.block,
+        compare_block_size=args.compare_block_size,
         nvme_dir=args.nvme_path,
         progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True),
     )

@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device-memory", default="512MiB", help="--gpt2 only")
     parser.add_argument("--host-memory", default="1GiB", help="--gpt2 only")
+    parser.add_argument(
+        "--compare-block-size",
+        metavar="SIZE",
+        help="--gpt2 only: add a case default@SIZE, the default step with aio.block_size=SIZE",
+    )
 
 
 def _verdict(case: dict) -> str:
