@@ -65,19 +65,23 @@ def _build(case: str, settings: dict[str, Any], nvme_dir: str) -> tuple[Any, Any
         device_memory=settings["device_memory"],
         host_memory=settings["host_memory"],
         nvme_path=nvme_dir,
-        overlap_optimizer=case == "overlap",
+        overlap_optimizer=case.startswith("overlap"),
     )
-    if case.startswith("default@"):  # the default step with another aio.block_size
+    if "@" in case:  # the case with another aio.block_size
         config = config.replace(aio={**vars(config.aio), "block_size": case.split("@")[1]})
     offloaded = infinity.offload(model, config)
     return offloaded, CPUAdam(offloaded.parameters(), lr=1e-4), profile
 
 
-def _block(model: Any, optimizer: Any, profile: Any, batches: list[torch.Tensor]) -> dict:
+def _block(
+    model: Any, optimizer: Any, profile: Any, batches: list[torch.Tensor], batch: bool
+) -> dict:
     """Consecutive steps; every step but the first is recorded (see bench.train.Runner.block)."""
     import infinity
-    from infinity.bench.step_profile import cpu_delta, thread_cpu
+    from infinity.bench.step_profile import batch_native_threads, cpu_delta, thread_cpu
 
+    if batch:
+        batch_native_threads()  # again each block: the Adam pool starts at the first step
     steps: list[dict[str, Any]] = []
     for position, ids in enumerate(batches):
         cpu_before = thread_cpu()
@@ -126,7 +130,7 @@ def _worker(conn: Connection, case: str, settings: dict[str, Any]) -> None:
             batches = [
                 batch_of(round_index, i, settings["batch"], settings["seq_len"]) for i in range(n)
             ]
-            conn.send(_block(model, optimizer, profile, batches))
+            conn.send(_block(model, optimizer, profile, batches, case.endswith("+batch")))
         if profile is not None:
             from infinity.offload import engine_of
 
@@ -167,13 +171,16 @@ def run_gpt2(
     block: int = 4,
     threads: int | None = None,
     compare_block_size: str | None = None,
+    compare_sched_batch: bool = False,
     nvme_dir: str,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the three cases interleaved, one process each; a JSON-ready report.
 
     ``compare_block_size`` (e.g. ``"1M"``) adds a fourth case, ``default@1M``:
-    the default step with that ``aio.block_size``.
+    the default step with that ``aio.block_size``. ``compare_sched_batch`` adds
+    ``default+batch`` and ``overlap+batch``: the engine's native threads under
+    ``SCHED_BATCH`` (see :func:`~infinity.bench.step_profile.batch_native_threads`).
     """
     note = progress or (lambda _msg: None)
     if block < 2:
@@ -189,6 +196,9 @@ def run_gpt2(
     cases = dict(CASES)
     if compare_block_size is not None:
         cases[f"default@{compare_block_size}"] = f"as default, aio.block_size={compare_block_size}"
+    if compare_sched_batch:
+        cases["default+batch"] = "as default, native threads SCHED_BATCH"
+        cases["overlap+batch"] = "as overlap, native threads SCHED_BATCH"
     ctx = mp.get_context("spawn")
     workers: dict[str, tuple[Any, Connection]] = {}
     try:

@@ -58,6 +58,7 @@ def run_gpt2_cases(args: argparse.Namespace) -> int:
         warmup_rounds=-(-args.warmup // args.block),
         block=args.block,
         compare_block_size=args.compare_block_size,
+        compare_sched_batch=args.compare_sched_batch,
         nvme_dir=args.nvme_path,
         progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True),
     )

@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="--gpt2 only: add a case default@SIZE, the default step with aio.block_size=SIZE",
     )
+    parser.add_argument(
+        "--compare-sched-batch",
+        action="store_true",
+        help="--gpt2 only: add default+batch and overlap+batch, the engine's native threads "
+        "under SCHED_BATCH (no wake-up preemption of the compute thread)",
+    )
 
 
 def _verdict(case: dict) -> str:
