@@ -179,7 +179,7 @@ def run_gpt2(
 
     ``compare_block_size`` (e.g. ``"1M"``) adds a fourth case, ``default@1M``:
     the default step with that ``aio.block_size``. ``compare_sched_batch`` adds
-    ``default+batch`` and ``overlap+batch``: the engine's native threads under
+    ``default+batch``: the default case with the engine's native threads under
     ``SCHED_BATCH`` (see :func:`~infinity.bench.step_profile.batch_native_threads`).
     """
     note = progress or (lambda _msg: None)
@@ -198,7 +198,6 @@ def run_gpt2(
         cases[f"default@{compare_block_size}"] = f"as default, aio.block_size={compare_block_size}"
     if compare_sched_batch:
         cases["default+batch"] = "as default, native threads SCHED_BATCH"
-        cases["overlap+batch"] = "as overlap, native threads SCHED_BATCH"
     ctx = mp.get_context("spawn")
     workers: dict[str, tuple[Any, Connection]] = {}
     try:

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-sched-batch",
         action="store_true",
-        help="--gpt2 only: add default+batch and overlap+batch, the engine's native threads "
+        help="--gpt2 only: add default+batch, the default case with the engine's native threads "
         "under SCHED_BATCH (no wake-up preemption of the compute thread)",
     )
 
