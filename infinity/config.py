@@ -90,10 +90,16 @@ class AioConfig:
     ``block_size``: each request is split into pieces of this many bytes
     (a multiple of 4 KiB). ``queue_depth``: pieces in flight per worker.
     ``threads``: workers, each with its own submission queue.
+
+    NOTE: the defaults are what ``infinity bench nvme`` recommends (the least CPU
+    per GB within noise of the top throughput): io_uring with 4 MiB pieces at
+    queue depth 32 moved 2.76 GB/s read + write at 24 CPU ms/GB, the fastest
+    point measured and 2.8x cheaper in CPU than 1 MiB pieces (67 ms/GB at
+    2.13 GB/s); CPU spent on I/O is taken from compute on the same cores.
     """
 
     backend: str = AUTO
-    block_size: int | str = 1 << 20
+    block_size: int | str = 4 << 20
     queue_depth: int = 32
     threads: int = 1
 

@@ -233,10 +233,3 @@ async def _aiofiles_pass(
                 progress(len(chunk))
     read_s = time.perf_counter() - start
     return size / write_s / GB, size / read_s / GB
-
-
-def best_point(points: list[Point]) -> Point:
-    """The point with the highest read + write throughput (first one on a tie)."""
-    if not points:
-        raise ValueError("no points measured")
-    return max(points, key=lambda p: p.read_gbps + p.write_gbps)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from infinity.bench.nvme import Point, best_point
+from infinity.bench.nvme import Point
+from infinity.bench.nvme_pick import Recommendation
 from infinity.utils.sizes import format_size
 
-BEST_RULE = "highest read_gbps + write_gbps"
+BEST_RULE = (
+    "least cpu_ms_per_gb among the points whose read_gbps + write_gbps is within noise "
+    "of the highest"
+)
 UNITS = "GB/s = 1e9 bytes per second"
 
 
@@ -19,8 +23,17 @@ def _short_size(nbytes: int) -> str:
     return str(nbytes)
 
 
-def table(points: list[Point], baseline: dict[int, tuple[float, float]], size: int) -> str:
-    """A fixed-width table of every point, the baseline rows and the best configuration."""
+def table(
+    points: list[Point],
+    baseline: dict[int, tuple[float, float]],
+    size: int,
+    choice: Recommendation | None = None,
+    repeats: int = 1,
+) -> str:
+    """A fixed-width table of every point, the baseline rows and the recommended configuration.
+
+    ``points`` are medians over ``repeats`` measurements of each configuration.
+    """
     columns = (
         ("threads", 7),
         ("block", 6),
@@ -31,7 +44,8 @@ def table(points: list[Point], baseline: dict[int, tuple[float, float]], size: i
     )
     header = f"{'backend':<20} " + " ".join(f"{name:>{width}}" for name, width in columns)
     lines = [
-        f"sequential O_DIRECT write then read of {format_size(size)} per point ({UNITS})",
+        f"sequential O_DIRECT write then read of {format_size(size)} per point ({UNITS})"
+        + (f", median of {repeats} interleaved repeats" if repeats > 1 else ""),
         header,
         "-" * len(header),
     ]
@@ -45,13 +59,20 @@ def table(points: list[Point], baseline: dict[int, tuple[float, float]], size: i
             f"{'aiofiles (buffered)':<20} {'-':>7} {_short_size(bs):>6} {'-':>5} "
             f"{w:>11.3f} {r:>10.3f} {'-':>10}"
         )
-    if points:
-        best = best_point(points)
+    if choice is not None:
+        best, fast = choice.pick, choice.fastest
         lines.append(
             f"best ({BEST_RULE}): backend={best.backend} threads={best.threads} "
             f"block_size={_short_size(best.block_size)} queue_depth={best.queue_depth}: "
-            f"write {best.write_gbps:.3f} GB/s, read {best.read_gbps:.3f} GB/s"
+            f"write {best.write_gbps:.3f} GB/s, read {best.read_gbps:.3f} GB/s, "
+            f"{best.cpu_ms_per_gb:.1f} CPU ms/GB"
         )
+        if fast is not best:
+            lines.append(
+                f"fastest: backend={fast.backend} threads={fast.threads} "
+                f"block_size={_short_size(fast.block_size)} queue_depth={fast.queue_depth}"
+            )
+        lines.append(choice.explain())
     if baseline:
         lines.append(
             "note: the aiofiles baseline is buffered; its write includes fsync and its page "
@@ -66,14 +87,18 @@ def table(points: list[Point], baseline: dict[int, tuple[float, float]], size: i
 
 
 def summary(
-    points: list[Point], baseline: dict[int, tuple[float, float]], size: int
+    points: list[Point],
+    baseline: dict[int, tuple[float, float]],
+    size: int,
+    choice: Recommendation,
 ) -> dict[str, Any]:
     """The JSON object printed by ``--json``.
 
-    ``best["aio"]`` is the configuration with the highest read + write GB/s,
-    in the form ``infinity.Config(aio=...)`` loads unchanged.
+    ``best["aio"]`` is the recommended configuration (see
+    :mod:`infinity.bench.nvme_pick`), in the form ``infinity.Config(aio=...)``
+    loads unchanged; ``fastest`` is the one with the highest read + write GB/s.
     """
-    best = best_point(points)
+    best, fast = choice.pick, choice.fastest
     return {
         "units": UNITS,
         "size": size,
@@ -83,7 +108,20 @@ def summary(
             for bs, (w, r) in sorted(baseline.items())
         ],
         "best_rule": BEST_RULE,
-        "best": {"read_gbps": best.read_gbps, "write_gbps": best.write_gbps, "aio": best.aio()},
+        "noise": choice.noise,
+        "noise_measured": choice.noise_measured,
+        "best": {
+            "read_gbps": best.read_gbps,
+            "write_gbps": best.write_gbps,
+            "cpu_ms_per_gb": best.cpu_ms_per_gb,
+            "aio": best.aio(),
+        },
+        "fastest": {
+            "read_gbps": fast.read_gbps,
+            "write_gbps": fast.write_gbps,
+            "cpu_ms_per_gb": fast.cpu_ms_per_gb,
+            "aio": fast.aio(),
+        },
     }
 
 

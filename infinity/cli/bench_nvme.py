@@ -2,9 +2,11 @@
 
 For every combination of backend x threads x block size x queue depth it
 writes a fresh preallocated file of ``--size`` then reads it back, and also
-times a buffered ``aiofiles`` baseline per block size. Prints a table (and
-with ``--json`` one JSON line last, whose ``best.aio`` block loads into
-``infinity.Config(aio=...)`` unchanged), optionally a PNG plot. Files are
+times a buffered ``aiofiles`` baseline per block size, ``--repeats`` times in
+interleaved passes. Prints a table (and with ``--json`` one JSON line last,
+whose ``best.aio`` block loads into ``infinity.Config(aio=...)`` unchanged):
+the recommendation is the least CPU per GB within the measured noise of the
+top throughput (:mod:`infinity.bench.nvme_pick`); optionally a PNG plot. Files are
 created in a private sub-directory of ``--path`` and removed, also on Ctrl-C;
 after a kill, the next run removes them.
 """
@@ -43,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated: io_uring, aio, threads, or 'all' (every backend working here)",
     )
     parser.add_argument("--threads", default="1", help="comma-separated worker thread counts")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="measurements of each configuration, in interleaved passes: their spread is the "
+        "noise within which the cheapest configuration in CPU per GB is recommended",
+    )
     parser.add_argument(
         "--no-baseline", action="store_true", help="skip the buffered aiofiles baseline"
     )
@@ -139,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     block_sizes = _block_sizes(args.block_sizes)
     depths = _int_list("--queue-depths", args.queue_depths, 1, MAX_QUEUE_DEPTH)
     threads = _int_list("--threads", args.threads, 1, MAX_THREADS)
+    if not 1 <= args.repeats <= 20:
+        raise CommandError(f"--repeats {args.repeats} must be in 1..20 (e.g. --repeats 3)")
     backends = _backends(args.backends)
     path = Path(args.path).absolute()
     if args.plot:
@@ -181,29 +192,34 @@ def _sweep(
 
     from infinity.bench import nvme_report
     from infinity.bench.nvme import measure_aiofiles, measure_engine
+    from infinity.bench.nvme_pick import combine_repeats, recommend
 
     combos = list(itertools.product(backends, threads, block_sizes, depths))
-    passes = 2 * len(combos) + (0 if args.no_baseline else 2 * len(block_sizes))
-    points = []
+    passes = 2 * len(combos) * args.repeats + (0 if args.no_baseline else 2 * len(block_sizes))
+    samples = []
     baseline: dict[int, tuple[float, float]] = {}
     with tqdm(
         total=passes * size, unit="B", unit_scale=True, desc="bench nvme", file=sys.stderr
     ) as bar:
-        for backend, nthreads, bs, qd in combos:
-            bar.set_postfix_str(f"{backend} t={nthreads} bs={bs >> 10}K qd={qd}")
-            config = AioConfig(backend=backend, block_size=bs, queue_depth=qd, threads=nthreads)
-            try:
-                points.append(measure_engine(str(path), size, config, bar.update))
-            except OSError as exc:
-                raise CommandError(f"measuring {backend} in '{path}' failed: {exc}") from None
+        # NOTE: repeats in interleaved passes, so drift hits every configuration alike.
+        for _repeat in range(args.repeats):
+            for backend, nthreads, bs, qd in combos:
+                bar.set_postfix_str(f"{backend} t={nthreads} bs={bs >> 10}K qd={qd}")
+                config = AioConfig(backend=backend, block_size=bs, queue_depth=qd, threads=nthreads)
+                try:
+                    samples.append(measure_engine(str(path), size, config, bar.update))
+                except OSError as exc:
+                    raise CommandError(f"measuring {backend} in '{path}' failed: {exc}") from None
         if not args.no_baseline:
             for bs in block_sizes:
                 bar.set_postfix_str(f"aiofiles bs={bs >> 10}K")
                 baseline[bs] = measure_aiofiles(str(path), size, bs, bar.update)
-    print(nvme_report.table(points, baseline, size))
+    points, noise = combine_repeats(samples)
+    choice = recommend(points, noise)
+    print(nvme_report.table(points, baseline, size, choice, args.repeats))
     if args.plot:
         nvme_report.plot(points, baseline, args.plot)
         print(f"plot written to {args.plot}")
     if args.json:
-        print(nvme_report.json_line(nvme_report.summary(points, baseline, size)))
+        print(nvme_report.json_line(nvme_report.summary(points, baseline, size, choice)))
     return 0

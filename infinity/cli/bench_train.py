@@ -8,6 +8,7 @@ import os
 import sys
 
 from infinity.bench.train import run_all
+from infinity.cli.bench_gpt2 import run_gpt2_cases
 from infinity.cli.main import CommandError
 from infinity.models.gpt import GPTConfig
 from infinity.schedule.planner import PlanError
@@ -42,6 +43,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object on the last line"
     )
+    parser.add_argument(
+        "--gpt2",
+        action="store_true",
+        help="instead: transformers GPT2LMHeadModel 124M (fp32, batch 4 x --seq-len), plain "
+        "vs infinity default vs overlap_optimizer=True, one process per case; uses "
+        "--steps (rounded up to rounds of --block), --device-memory, --host-memory",
+    )
+    parser.add_argument("--device-memory", default="512MiB", help="--gpt2 only")
+    parser.add_argument("--host-memory", default="1GiB", help="--gpt2 only")
+    parser.add_argument(
+        "--compare-block-size",
+        metavar="SIZE",
+        help="--gpt2 only: add a case default@SIZE, the default step with aio.block_size=SIZE",
+    )
+    parser.add_argument(
+        "--compare-sched-batch",
+        action="store_true",
+        help="--gpt2 only: add default+batch, the default case with the engine's native threads "
+        "under SCHED_BATCH (no wake-up preemption of the compute thread)",
+    )
 
 
 def _verdict(case: dict) -> str:
@@ -67,6 +88,8 @@ def _verdict(case: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run every case and print the table (and JSON)."""
+    if args.gpt2:
+        return run_gpt2_cases(args)
     sizes = (args.layers, args.hidden, args.heads, args.seq_len, args.batch_size, args.steps)
     if min(sizes) < 1:
         raise CommandError(
