@@ -79,7 +79,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     llama = transformers.LlamaForCausalLM  # NOTE: a lazy import, kept out of the timing
     start = time.perf_counter()
     with infinity.init_empty():
-        model = llama(run.shape.llama_config(run.seq_len))
+        model: torch.nn.Module = llama(run.shape.llama_config(run.seq_len))
     construct_s = time.perf_counter() - start
     planner_s = _planner_seconds(model, config)
     note("offloading: initialising the chunks (and writing them to the disk)")
