@@ -113,6 +113,10 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     read_b = statistics.median(s.get("nvme_read_bytes", 0.0) for s in timed)
     write_b = statistics.median(s.get("nvme_write_bytes", 0.0) for s in timed)
     io_bound = read_b / (disk.read_gbps * GB) + write_b / (disk.write_gbps * GB)
+    # NOTE: the step timer splits each step into waiting on each tier and the
+    # rest; a step far above the I/O bound with little waiting is compute-bound.
+    wait_nvme = statistics.median(s.get("wait_nvme_seconds", 0.0) for s in timed)
+    compute = statistics.median(s.get("compute_seconds", 0.0) for s in timed)
     per = bytes_per_param(config.dtype)
     return {
         "model": run.shape.describe(),
@@ -144,6 +148,8 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
         "disk_read_gbps": disk.read_gbps,
         "disk_write_gbps": disk.write_gbps,
         "io_bound_seconds": io_bound,
+        "wait_nvme_seconds": wait_nvme,
+        "compute_seconds": compute,
         "vs_io_bound": step_s / io_bound if io_bound else None,
         "batch": run.batch,
         "seq_len": run.seq_len,

@@ -113,7 +113,11 @@ def table(report: dict[str, Any]) -> str:
         f" / {r['disk_write_gbps']:.2f} GB/s",
     ]
     if r["vs_io_bound"] is not None:
-        rows.append(f"step / bound {r['vs_io_bound']:8.2f}x")
+        rows.append(
+            f"step / bound {r['vs_io_bound']:8.2f}x; of the step, {r['wait_nvme_seconds']:.1f} s "
+            f"waiting on the disk and {r['compute_seconds']:.1f} s computing (forward, backward, "
+            "Adam)"
+        )
     rows.append("losses       " + " ".join(f"{x:.3f}" for x in r["losses"]))
     return "\n".join(rows)
 
