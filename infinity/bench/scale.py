@@ -74,7 +74,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     config = run.config
     base_rss = psutil.Process().memory_info().rss
     note(f"measuring the disk ({run.measure_bytes / GB:.1f} GB written and read)")
-    disk = measure_engine(str(config.nvme_path), run.measure_bytes, config.aio)
+    before = measure_engine(str(config.nvme_path), run.measure_bytes, config.aio)
     note(f"building {run.shape.describe()}")
     llama = transformers.LlamaForCausalLM  # NOTE: a lazy import, kept out of the timing
     start = time.perf_counter()
@@ -107,12 +107,18 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
         stats = infinity.stats(model)
     finally:
         engine.close()
+    note("measuring the disk again")
+    after = measure_engine(str(config.nvme_path), run.measure_bytes, config.aio)
+    # NOTE: on a shared disk the bandwidth drifts over minutes; the faster of the
+    # two measurements in each direction gives the lower (stricter) bound.
+    read_gbps = max(before.read_gbps, after.read_gbps)
+    write_gbps = max(before.write_gbps, after.write_gbps)
     # The first step records the warm-up trace; the steady state starts after it.
     timed = steps[1:] or steps
     step_s = statistics.median(s["wall_seconds"] for s in timed)
     read_b = statistics.median(s.get("nvme_read_bytes", 0.0) for s in timed)
     write_b = statistics.median(s.get("nvme_write_bytes", 0.0) for s in timed)
-    io_bound = read_b / (disk.read_gbps * GB) + write_b / (disk.write_gbps * GB)
+    io_bound = read_b / (read_gbps * GB) + write_b / (write_gbps * GB)
     # NOTE: the step timer splits each step into waiting on each tier and the
     # rest; a step far above the I/O bound with little waiting is compute-bound.
     wait_nvme = statistics.median(s.get("wait_nvme_seconds", 0.0) for s in timed)
@@ -145,8 +151,11 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
         "losses": losses,
         "nvme_read_bytes_per_step": read_b,
         "nvme_write_bytes_per_step": write_b,
-        "disk_read_gbps": disk.read_gbps,
-        "disk_write_gbps": disk.write_gbps,
+        "disk_read_gbps": read_gbps,
+        "disk_write_gbps": write_gbps,
+        "disk_gbps_measured": [
+            [m.read_gbps, m.write_gbps] for m in (before, after)
+        ],  # (read, write) before building the model and after training it
         "io_bound_seconds": io_bound,
         "wait_nvme_seconds": wait_nvme,
         "compute_seconds": compute,

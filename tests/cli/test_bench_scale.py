@@ -91,8 +91,11 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
     )  # fmt: skip
     assert report["params"] == params
     assert report["states_bytes"] == params * BF16_STATE_BYTES
-    usable = 24 * MiB - 4 * MiB
+    usable = 24 * MiB - 4 * MiB  # --max-disk less the measurement file, no margin
     assert report["states_bytes"] <= usable
+    members = list(family(256))
+    picked = [m.hidden for m in members].index(report["hidden"])
+    assert shape_params(members[picked + 1]) * BF16_STATE_BYTES > usable
     # The states exceed both budgets: most of them went to the disk and came back.
     assert report["states_bytes"] > report["device_budget_bytes"] + report["host_budget_bytes"]
     assert report["nvme_bytes"] > 0
@@ -108,6 +111,8 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
         "nvme_write_bytes_per_step"
     ] / (report["disk_write_gbps"] * 1e9)
     assert report["io_bound_seconds"] == pytest.approx(bound, rel=1e-12)
+    reads, writes = zip(*report["disk_gbps_measured"], strict=True)
+    assert (report["disk_read_gbps"], report["disk_write_gbps"]) == (max(reads), max(writes))
     assert all(x == x and 0 < x < 10 for x in report["losses"])  # finite, near ln(256)
     # The swap files are gone.
     assert [p for p in nvme.rglob("*") if p.is_file()] == []
