@@ -89,12 +89,14 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     engine = engine_of(model)
     params = sum(e.param.numel() for e in engine.registry.entries)
     try:
-        optimizer = CPUAdam(model.parameters(), lr=1e-5)
+        optimizer = CPUAdam(model.parameters(), lr=1e-4)
+        # NOTE: one batch, repeated: its loss must fall step after step, a check
+        # that the offloaded states round-trip through the disk intact.
         g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, run.shape.vocab, (run.batch, run.seq_len), generator=g)
         steps: list[dict[str, float]] = []
         losses: list[float] = []
         for _ in bar(run.steps):
-            tokens = torch.randint(0, run.shape.vocab, (run.batch, run.seq_len), generator=g)
             start = time.perf_counter()
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
