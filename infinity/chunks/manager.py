@@ -295,14 +295,19 @@ class ChunkManager:
             with self.traffic.waiting("nvme"):
                 self.staging[chunk_key(copy)[0]].remove(copy.key)
 
-    def write_initial(self, i: int, values: torch.Tensor) -> None:
-        """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``."""
+    def write_initial(self, i: int, values: torch.Tensor, *, background: bool = False) -> None:
+        """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``.
+
+        With ``background`` the NVMe writes are left in flight and their staging
+        copies cached (a slot waits for its write only when reused), so that
+        initialising a large model overlaps the disk with the next chunks' compute.
+        """
         if is_split(self.plan, i):
             write_initial_spans(self, i, values)
             return
         region, copy = self.open_host((Kind.PARAM, i), load=False)
         typed(region, self.dtype).copy_(values)
-        self.close_host(copy, modified=True)
+        self.close_host(copy, modified=True, keep=background)
         if self.plan.grad_home[i] is None:
             return
         region, copy = self.open_host((Kind.OPTIM, i), load=False)
@@ -310,7 +315,7 @@ class ChunkManager:
         state.zero_()
         if self.plan.has_master:
             state[: values.numel()].copy_(values)
-        self.close_host(copy, modified=True)
+        self.close_host(copy, modified=True, keep=background)
 
     def synchronize(self) -> None:
         """Wait for every transfer in flight in every tier."""

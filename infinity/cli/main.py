@@ -48,6 +48,12 @@ _COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
         "end-to-end step time vs plain PyTorch",
         "infinity bench train --layers 4 --hidden 256",
     ),
+    (
+        ("bench", "scale"),
+        "infinity.cli.bench_scale",
+        "train the largest Llama the free disk holds (states beyond RAM)",
+        "infinity bench scale --nvme-path /nvme --params 500M",
+    ),
 ]
 _GROUPS = {"bench": "measure the engine's parts against baselines"}
 

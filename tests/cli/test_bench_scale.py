@@ -1,0 +1,121 @@
+"""``infinity bench scale``: the size it picks fits the disk, and its report agrees with
+independent measurements (transformers' own parameter count, the kernel's peak RSS of
+the process, bytes per parameter from the dtypes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from infinity.bench.scale_shapes import Shape, family, pick_shape
+
+transformers = pytest.importorskip("transformers")
+
+# bf16 parameter + bf16 gradient + fp32 master, exp_avg and exp_avg_sq
+BF16_STATE_BYTES = 2 + 2 + 4 + 4 + 4
+MiB = 1 << 20
+
+
+def hf_params(hidden: int, layers: int, vocab: int, intermediate: int, heads: int) -> int:
+    """Parameters of the Llama ``transformers`` builds for this shape (on meta: no memory)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def shape_params(shape: Shape) -> int:
+    return hf_params(shape.hidden, shape.layers, shape.vocab, shape.intermediate, shape.heads)
+
+
+@pytest.mark.parametrize("disk", [41 * MiB, 300 * MiB, 5 << 30, 70 << 30])
+def test_picked_model_fits_and_the_next_one_does_not(disk):
+    shape = pick_shape(vocab=8192, dtype="bf16", max_states=disk)
+    members = list(family(8192))
+    bigger = members[members.index(shape) + 1]
+    assert shape_params(shape) * BF16_STATE_BYTES <= disk
+    assert shape_params(bigger) * BF16_STATE_BYTES > disk
+
+
+def test_nothing_fits_a_tiny_disk():
+    with pytest.raises(ValueError, match="smallest model"):
+        pick_shape(vocab=8192, dtype="bf16", max_states=MiB)
+
+
+def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
+    nvme = tmp_path / "nvme"
+    cmd = [
+        sys.executable, "-m", "infinity", "bench", "scale",
+        "--nvme-path", str(nvme), "--max-disk", "24MiB", "--margin", "0",
+        "--measure-size", "4MiB", "--vocab", "256", "--seq-len", "32", "--steps", "3",
+        "--device-memory", "2MiB", "--host-memory", "2MiB", "--json",
+    ]  # fmt: skip
+    # wait4 gives the kernel's own peak RSS of the child once it has exited.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watched = psutil.Process(proc.pid)
+    seen = 0
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        try:
+            seen = max(seen, watched.memory_info().rss)
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.01)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert proc.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+
+    # The model: what transformers builds for the reported shape, and it fits the disk.
+    params = hf_params(
+        report["hidden"], report["layers"], report["vocab"],
+        report["intermediate"], report["heads"],
+    )  # fmt: skip
+    assert report["params"] == params
+    assert report["states_bytes"] == params * BF16_STATE_BYTES
+    usable = 24 * MiB - 4 * MiB  # --max-disk less the measurement file, no margin
+    assert report["states_bytes"] <= usable
+    members = list(family(256))
+    picked = [m.hidden for m in members].index(report["hidden"])
+    assert shape_params(members[picked + 1]) * BF16_STATE_BYTES > usable
+    # The states exceed both budgets: most of them went to the disk and came back.
+    assert report["states_bytes"] > report["device_budget_bytes"] + report["host_budget_bytes"]
+    assert report["nvme_bytes"] > 0
+    assert report["nvme_read_bytes_per_step"] > 0 and report["nvme_write_bytes_per_step"] > 0
+    # Peak RSS: at most the kernel's peak of the whole run, at least what polling saw
+    # (NOTE: less the little the process grows after its report, printing and exiting).
+    assert seen - 4 * MiB <= report["peak_rss_bytes"] <= usage.ru_maxrss * 1024
+    assert report["ram_bytes"] == psutil.virtual_memory().total
+    # Step time and the I/O bound from the report's own parts.
+    assert len(report["steps"]) == 3 and len(report["losses"]) == 3
+    assert report["step_seconds"] == statistics.median(report["steps"][1:])
+    bound = report["nvme_read_bytes_per_step"] / (report["disk_read_gbps"] * 1e9) + report[
+        "nvme_write_bytes_per_step"
+    ] / (report["disk_write_gbps"] * 1e9)
+    assert report["io_bound_seconds"] == pytest.approx(bound, rel=1e-12)
+    reads, writes = zip(*report["disk_gbps_measured"], strict=True)
+    assert (report["disk_read_gbps"], report["disk_write_gbps"]) == (max(reads), max(writes))
+    # Training on one repeated batch: finite losses near ln(256) that fall.
+    losses = report["losses"]
+    assert all(x == x and 0 < x < 10 for x in losses)
+    assert losses[0] > losses[1] > losses[2]
+    # The swap files are gone.
+    assert [p for p in nvme.rglob("*") if p.is_file()] == []
