@@ -149,7 +149,7 @@ def write_initial_spans(manager: ChunkManager, chunk: int, values: torch.Tensor)
             continue
         parts, copy = open_span(manager, Kind.OPTIM, chunk, start, end, load=False)
         for part in parts:
-            part.view(torch.float32).zero_()
+            part.zero_()  # NOTE: zero moments in every format (int8: zero scales)
         if manager.plan.has_master:
             parts[0].view(torch.float32).copy_(values[start:end])
         manager.close_host(copy, modified=True)

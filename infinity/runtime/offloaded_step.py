@@ -24,10 +24,9 @@ from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
 from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
-from infinity.optim.chunk_optimizer import StepViews
 from infinity.optim.hyper import AdamHyperParams
 from infinity.runtime.oversize_step import step_chunk_in_spans
-from infinity.runtime.step_context import Run, StepContext
+from infinity.runtime.step_context import Run, StepContext, step_runs
 
 
 def plan_runs(
@@ -98,16 +97,8 @@ def step_chunk(
             # NOTE: the parameter chunk was not read (every tensor is rewritten
             # from its master): give the tail the zeros it had, not stale bytes.
             params[runs[-1].end : capacity].zero_()
-        for run in runs:
-            span = slice(run.start, run.end)
-            views = StepViews(
-                master[span],
-                grads[span],
-                unit.span(span),
-                params[span] if has_master else None,
-                unit.scale_span(span),
-            )
-            optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
+        out16 = params if has_master else None
+        step_runs(optimizer, unit, master, grads, out16, runs, (0, capacity), grad_scale)
     finally:
         # NOTE: write-backs finish in the background (keep=True): the slot is
         # reused only once its write has landed, so chunk i-1 is written while

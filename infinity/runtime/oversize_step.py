@@ -14,8 +14,7 @@ from __future__ import annotations
 from infinity.chunks.span_access import open_span
 from infinity.chunks.spans import span_key, span_ranges
 from infinity.core.names import Kind
-from infinity.optim.chunk_optimizer import StepViews
-from infinity.runtime.step_context import Run, StepContext
+from infinity.runtime.step_context import Run, StepContext, step_runs
 
 
 def step_chunk_in_spans(
@@ -51,19 +50,8 @@ def step_chunk_in_spans(
             if not load_params and last_end < end:
                 # NOTE: not read: give the chunk's tail its zeros, not stale bytes.
                 params[max(0, last_end - start) :].zero_()
-            for run in runs:
-                low, high = max(run.start, start), min(run.end, end)
-                if low >= high:
-                    continue
-                span = slice(low - start, high - start)
-                views = StepViews(
-                    master[span],
-                    grads[span],
-                    unit.span(span),
-                    params[span] if has_master else None,
-                    unit.scale_span(span),
-                )
-                optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
+            out16 = params if has_master else None
+            step_runs(optimizer, unit, master, grads, out16, runs, (start, end), grad_scale)
         finally:
             # NOTE: write-backs land in the background (keep=True), as for a whole chunk.
             manager.close_host(grad_copy, modified=False, keep=True)

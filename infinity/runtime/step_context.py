@@ -15,7 +15,7 @@ from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager
 from infinity.core.names import Phase
 from infinity.core.plan import Plan
-from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
 from infinity.optim.hyper import AdamHyperParams
 from infinity.runtime.params import ParamEntry
 
@@ -54,3 +54,32 @@ class Run:
     end: int
     hyper: AdamHyperParams
     step: int
+
+
+def step_runs(
+    optimizer: ChunkOptimizer[Any],
+    unit: UnitViews,
+    master: torch.Tensor,
+    grads: torch.Tensor,
+    out16: torch.Tensor | None,
+    runs: list[Run],
+    window: tuple[int, int],
+    grad_scale: float,
+) -> None:
+    """Run the optimizer over the parts of ``runs`` inside elements ``window`` of a
+    chunk, whose views (``unit``, ``master``, ``grads``, ``out16``) start at
+    ``window[0]``: a whole chunk is the window ``(0, capacity)``, a span its range."""
+    start, end = window
+    for run in runs:
+        low, high = max(run.start, start), min(run.end, end)
+        if low >= high:
+            continue
+        span = slice(low - start, high - start)
+        views = StepViews(
+            master[span],
+            grads[span],
+            unit.span(span),
+            out16[span] if out16 is not None else None,
+            unit.scale_span(span),
+        )
+        optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
