@@ -175,7 +175,12 @@ class ChunkManager:
         ``i`` is evicted (per the eviction policy's next-use estimate); then
         ``None`` means "not now".
         """
-        self.updates.check_readable(i)
+        # NOTE: the prefetcher never asks for a chunk whose update is queued; a
+        # needed one runs its update first (never on the prefetch path: it may wait).
+        if prefetch:
+            self.updates.check_readable(i)
+        else:
+            self.updates.ensure_readable(i)
         key = (Kind.PARAM, i)
         copy = self.device.get(key)
         if copy is not None:
@@ -260,14 +265,14 @@ class ChunkManager:
         copy (read first if ``load``). Its data has landed; with ``writable``
         every transfer still reading the buffer has finished as well.
 
-        NOTE: parameter and optimizer bytes of a chunk whose update trails the
-        step raise :class:`~infinity.chunks.update_state.StaleRead`. A chunk
-        queued during backward (overlap_optimizer) passes: reading state
+        NOTE: reading parameter or optimizer bytes of a chunk whose update
+        trails the step runs that update first (``UpdateStates.ensure_readable``).
+        A chunk queued during backward (overlap_optimizer) passes: reading state
         between backward and ``optimizer.step()`` shows each chunk as its
         update left it, updated or not yet.
         """
         if key[0] is not Kind.GRAD:
-            self.updates.check_readable(key[1], early=False)
+            self.updates.ensure_readable(key[1], early=False)
         if self.homes.tier(key) == HOST:
             self.host.wait_home(key)
             return self.homes.host(key), None

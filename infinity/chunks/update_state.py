@@ -14,15 +14,18 @@ moves a chunk through this machine::
     IDLE / EARLY --run by optimizer.step()------------------------> RUNNING --> IDLE
     STEPPED --optimizer.step()--> IDLE
 
-The chunk manager checks it on every read path (:meth:`UpdateStates.check_readable`):
-reading the bytes of a chunk whose update is queued raises
-:class:`StaleRead` instead of returning the values from before the step.
+Reading settles by construction: every read path of the chunk manager calls
+:meth:`UpdateStates.ensure_readable`, which runs the chunk's queued update
+through the ``runner`` the update pipeline registers, then checks; a read that
+still finds it queued (no runner) raises :class:`StaleRead` instead of
+returning the values from before the step.
 """
 
 from __future__ import annotations
 
 import builtins
 import enum
+from collections.abc import Callable
 
 from infinity.chunks.states import IllegalTransition, check_transition
 
@@ -72,12 +75,15 @@ class UpdateStates:
     :data:`LEGAL_UPDATE_TRANSITIONS`); the predicates are derived from the state.
     """
 
-    __slots__ = ("counts", "states")
+    __slots__ = ("counts", "runner", "states")
 
     def __init__(self, num_chunks: int) -> None:
         self.states = [UpdateState.IDLE] * num_chunks
         self.counts = [0] * len(UpdateState)
         self.counts[UpdateState.IDLE] = num_chunks
+        # Runs a chunk's queued update (set by the runtime's update pipeline, which
+        # owns the queue; this layer only knows that one is queued).
+        self.runner: Callable[[int], None] | None = None
 
     def __getitem__(self, chunk: int) -> UpdateState:
         return self.states[chunk]
@@ -115,6 +121,17 @@ class UpdateStates:
         """Some chunk was updated (or queued) during the current backward."""
         return self.counts[_U.EARLY] + self.counts[_U.STEPPED] > 0
 
+    def ensure_readable(self, chunk: int, *, early: bool = True) -> None:
+        """Run ``chunk``'s queued update first if it has one (through :attr:`runner`),
+        then :meth:`check_readable`: a read never sees the values from before a step."""
+        if self.runner is not None and self._blocks_read(chunk, early):
+            self.runner(chunk)
+        self.check_readable(chunk, early=early)
+
+    def _blocks_read(self, chunk: int, early: bool) -> bool:
+        state = self.states[chunk]
+        return state is _U.TRAILING or (early and state is _U.EARLY)
+
     def check_readable(self, chunk: int, *, early: bool = True) -> None:
         """Raise :class:`StaleRead` if ``chunk``'s update is queued (it must run first).
 
@@ -122,7 +139,7 @@ class UpdateStates:
         at :meth:`~infinity.chunks.manager.ChunkManager.open_host`).
         """
         state = self.states[chunk]
-        if state is _U.TRAILING or (early and state is _U.EARLY):
+        if self._blocks_read(chunk, early):
             raise StaleRead(
                 f"chunk {chunk} was read while its optimizer update is queued ({state.name}); "
                 "the engine must run the update first (an internal error of the engine)"

@@ -18,6 +18,7 @@ backward, as soon as its gradients are complete.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Iterable
 
@@ -66,6 +67,16 @@ class UpdateQueue:
         # The first error raised inside an update: some chunks may be updated and
         # others not, so the engine refuses to go on (see check_failed).
         self.failure: BaseException | None = None
+        # Reading settles by construction: a read of a queued chunk runs its update.
+        # NOTE: through a weak reference, so the manager keeps no cycle to the queue.
+        queue = weakref.ref(self)
+
+        def run_queued(chunk: int) -> None:
+            owner = queue()
+            if owner is not None:
+                owner.run_queued(chunk)
+
+        self.manager.updates.runner = run_queued
 
     def check_failed(self) -> None:
         """Raise if an update failed earlier, naming that first error and the fix."""
@@ -230,6 +241,15 @@ class UpdateQueue:
             # NOTE: a gradient arriving needs no parameter bytes; every other
             # access reads them, so the chunk's queued update runs first.
             self.poll_early(needed=None if phase == Phase.GRAD else chunk)
+
+    def run_queued(self, chunk: int) -> None:
+        """A read reached ``chunk`` while its update is queued: run it (and, for a
+        trailing update, those queued before it) so the read sees the step's values."""
+        self.check_failed()
+        if self.manager.updates.trailing(chunk):
+            self.poll_trailing(needed=chunk)
+        elif self.manager.updates[chunk] is _U.EARLY:
+            self.poll_early(needed=chunk)
 
     def settle(self) -> None:
         """Finish every queued update (before anything reads or changes chunk data).

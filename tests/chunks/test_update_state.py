@@ -99,3 +99,31 @@ def test_reading_a_queued_chunk_raises(state):
             u.check_readable(0, early=False)
     else:
         u.check_readable(0, early=False)
+
+
+@pytest.mark.parametrize("state", list(U), ids=lambda s: s.name)
+def test_ensure_readable_runs_the_queued_update_through_the_runner(state):
+    """Reading settles by construction: a queued chunk's update is run (by the
+    runner the update pipeline registers) before the read, and only then."""
+    u = _at(state)
+    ran: list[int] = []
+
+    def runner(chunk: int) -> None:
+        ran.append(chunk)
+        u.set(chunk, U.RUNNING)
+        u.set(chunk, U.IDLE if state is U.TRAILING else U.STEPPED)
+
+    u.runner = runner
+    u.ensure_readable(0)
+    assert ran == ([0] if state in (U.EARLY, U.TRAILING) else [])
+    assert not u.queued(0)
+
+
+def test_ensure_readable_raises_when_the_runner_leaves_the_update_queued():
+    u = _at(U.TRAILING)
+    u.runner = lambda chunk: None  # a runner that does not run it
+    with pytest.raises(StaleRead, match="chunk 0 .*TRAILING"):
+        u.ensure_readable(0)
+    u.runner = None  # no pipeline at all: the read is refused too
+    with pytest.raises(StaleRead):
+        u.ensure_readable(0, early=False)
