@@ -248,6 +248,8 @@ class TierCache:
         copy = self._copies[key]
         if copy.pins or copy.has_live_views():
             raise AssertionError(f"{self.tier}: {key} dropped while in use")
+        if copy.dirty:
+            raise AssertionError(f"{self.tier}: {key} dropped while dirty (its bytes are not home)")
         copy.wait()  # a failed transfer raises and the copy stays
         del self._copies[key]
         del self._by_ptr[copy.slot.tensor.data_ptr()]

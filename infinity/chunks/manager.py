@@ -296,7 +296,9 @@ class ChunkManager:
         copy.pins -= 1
         if modified:
             copy.pending.append(self.homes.write(chunk_key(copy), copy.tensor))
-        if not keep:
+        if not keep and not copy.dirty:
+            # NOTE: a dirty copy (gradients an overlapped step has yet to consume,
+            # never written home) stays cached: dropping it would lose them.
             with self.traffic.waiting("nvme"):
                 self.staging[chunk_key(copy)[0]].remove(copy.key)
 
