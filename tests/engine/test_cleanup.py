@@ -62,6 +62,16 @@ time.sleep(120)
 """
 
 
+def _default_signals() -> None:
+    """In the child: SIGINT and SIGHUP as a terminal would deliver them.
+
+    NOTE: a test run started in the background (``cmd &``, ``nohup``) inherits
+    them ignored, and Python then installs no Ctrl-C handler at all.
+    """
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def child(code: str, *args: str) -> Iterator[subprocess.Popen[str]]:
     """A Python subprocess running ``code`` that has printed 'ready'; killed at the end."""
@@ -74,6 +84,7 @@ def child(code: str, *args: str) -> Iterator[subprocess.Popen[str]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_signals,
     )
     try:
         line = proc.stdout.readline()

@@ -105,6 +105,16 @@ def test_uncreatable_path_exits_2(tmp_path):
     assert "is not an existing directory" in lines[0]
 
 
+def _default_signals() -> None:
+    """In the child: SIGINT and SIGHUP as a terminal would deliver them.
+
+    NOTE: a test run started in the background (``cmd &``, ``nohup``) inherits
+    them ignored, and Python then installs no Ctrl-C handler at all.
+    """
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def test_ctrl_c_removes_files(tmp_path):
     """SIGINT in the middle of a point exits 130 and leaves nothing behind."""
     out_dir = tmp_path / "bench"
@@ -116,7 +126,12 @@ def test_ctrl_c_removes_files(tmp_path):
     code = f"import sys; from infinity.cli.main import main; sys.exit(main({args!r}))"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_signals,
     )
     try:
         deadline = time.monotonic() + 20
