@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vocab",
         type=int,
         default=8192,
-        help="vocabulary size (a 128k vocabulary needs oversize units streamed in pieces)",
+        help="vocabulary size (e.g. 128256: the embedding must fit the device budget whole)",
     )
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device-memory", default="1GiB", help="device budget (default 1GiB)")
