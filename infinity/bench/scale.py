@@ -125,7 +125,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     # rest; a step far above the I/O bound with little waiting is compute-bound.
     wait_nvme = statistics.median(s.get("wait_nvme_seconds", 0.0) for s in timed)
     compute = statistics.median(s.get("compute_seconds", 0.0) for s in timed)
-    per = bytes_per_param(config.dtype)
+    per = bytes_per_param(config.dtype, config.optimizer_state_dtype)
     return {
         "model": run.shape.describe(),
         "hidden": run.shape.hidden,
@@ -134,9 +134,10 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
         "intermediate": run.shape.intermediate,
         "heads": run.shape.heads,
         "dtype": config.dtype,
+        "optimizer_state_dtype": config.optimizer_state_dtype,
         "params": params,
         "bytes_per_param": per,
-        "states_bytes": params * per,
+        "states_bytes": int(params * per),
         "ram_bytes": psutil.virtual_memory().total,
         "nvme_bytes": stats["nvme_bytes"],
         "device_budget_bytes": stats["device_budget_bytes"],

@@ -72,12 +72,19 @@ class Shape:
         return f"Llama {size} (hidden {self.hidden}, {self.layers} layers, vocab {self.vocab})"
 
 
-def bytes_per_param(dtype: str) -> int:
+def bytes_per_param(dtype: str, state_dtype: str = "fp32") -> float:
     """Bytes of training state per parameter: the parameter and its gradient in the
-    compute dtype, plus the optimizer unit in fp32 (a master copy unless the
-    compute dtype is fp32, and Adam's two moments)."""
+    compute dtype, plus the optimizer unit (an fp32 master copy unless the compute
+    dtype is fp32, and Adam's two moments stored as ``state_dtype``)."""
     element = ELEMENT_BYTES[dtype]
-    return 2 * element + FP32_BYTES * ADAM.unit_parts(has_master=dtype != "fp32")
+    unit = ADAM.with_state_dtype(state_dtype).unit_bytes(UNIT_SAMPLE, has_master=dtype != "fp32")
+    per = 2 * element + unit / UNIT_SAMPLE
+    return int(per) if per == int(per) else per
+
+
+# Elements of a large chunk, to read the per-element bytes of a unit off (int8's
+# block scales make them fractional).
+UNIT_SAMPLE = 1 << 20
 
 
 def family(vocab: int) -> Iterator[Shape]:

@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vocabulary size (e.g. 128256: the embedding must fit the device budget whole)",
     )
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument(
+        "--optimizer-state-dtype",
+        default="fp32",
+        choices=("fp32", "bf16", "int8"),
+        help="how Adam's moments are stored (Config.optimizer_state_dtype; default fp32)",
+    )
     parser.add_argument("--device-memory", default="1GiB", help="device budget (default 1GiB)")
     parser.add_argument("--host-memory", default="4GiB", help="host budget (default 4GiB)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (the first warms up)")
@@ -81,6 +87,7 @@ def _config(args: argparse.Namespace) -> Config:
     try:
         return Config(
             dtype=args.dtype,
+            optimizer_state_dtype=args.optimizer_state_dtype,
             device="cpu",
             device_memory=args.device_memory,
             host_memory=args.host_memory,
@@ -97,7 +104,8 @@ def table(report: dict[str, Any]) -> str:
     rss_over = r["peak_rss_bytes"] / (r["device_budget_bytes"] + r["host_budget_bytes"])
     rows = [
         f"{r['model']}, {r['dtype']}: {r['params']:,} parameters",
-        f"states       {format_size(r['states_bytes']):>10} ({r['bytes_per_param']} B/param) = "
+        f"states       {format_size(r['states_bytes']):>10} ({r['bytes_per_param']:.4g} B/param, "
+        f"moments {r['optimizer_state_dtype']}) = "
         f"{r['states_bytes'] / r['ram_bytes']:.2f}x the RAM ({format_size(r['ram_bytes'])}); "
         f"{format_size(r['nvme_bytes'])} on the disk",
         f"peak RSS     {format_size(r['peak_rss_bytes']):>10} = {rss_over:.2f}x the budgets "
@@ -149,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    states = shape.num_params * bytes_per_param(args.dtype)
+    states = shape.num_params * bytes_per_param(args.dtype, args.optimizer_state_dtype)
     print(
         f"{shape.describe()}: {format_size(states)} of states; disk {format_size(disk)}"
         f"{'' if args.max_disk else ' free'} under {args.nvme_path}, "
