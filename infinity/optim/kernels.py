@@ -17,9 +17,6 @@ bad tensor never reaches the native code as a bad pointer
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -30,6 +27,15 @@ from infinity._native.adam import GRAD_CODES as _GRAD_CODES
 from infinity._native.adam import OUT16_CODES as _OUT_CODES
 from infinity._native.adam import QBLOCK as _QBLOCK
 from infinity._native.adam import STATE_FORMATS as _STATE_CODES
+from infinity.optim.kernel_args import (
+    FP32,
+    GRAD_DTYPES,
+    check_disjoint,
+    check_four,
+    check_hyper,
+    check_step,
+    check_tensor,
+)
 
 __all__ = [
     "active_isa",
@@ -42,9 +48,6 @@ __all__ = [
     "set_num_threads",
 ]
 
-_F32 = torch.float32
-_STRIDED = torch.strided
-_FP32 = (torch.float32,)
 # The moments' storage dtype names the kernel's state format (int8 codes are bytes).
 _STATE_OF_DTYPE = {
     torch.float32: _STATE_CODES["fp32"],
@@ -52,7 +55,6 @@ _STATE_OF_DTYPE = {
     torch.uint8: _STATE_CODES["int8"],
 }
 _STATE_DTYPES = tuple(_STATE_OF_DTYPE)
-_GRAD_DTYPES = tuple(_GRAD_CODES)
 _OUT_DTYPES = tuple(_OUT_CODES)
 _module: ModuleType | None = None
 
@@ -63,80 +65,6 @@ def _adam() -> ModuleType:
     if _module is None:
         _module = native().adam
     return _module
-
-
-# NOTE: the checks below run on every call (the chunk engine calls once per
-# chunk), so they use the cheapest tensor attributes: `is_cpu` instead of
-# `device.type` (6x faster), identity tests, no allocations on the happy path.
-
-
-def _check_tensor(
-    name: str,
-    t: object,
-    dtypes: tuple[torch.dtype, ...],
-    numel: int | None,
-    reference: str = "master",
-) -> int:
-    """Check one buffer; return its numel (which must equal ``numel`` if given)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_cpu is not True:
-        raise ValueError(
-            f"{name} is on device '{t.device}'; adam_step updates CPU tensors only "
-            "(move the buffers to CPU memory first)"
-        )
-    if t.layout is not torch.strided:
-        raise ValueError(f"{name} has layout {t.layout}; adam_step needs dense (strided) tensors")
-    if t.dtype not in dtypes:
-        expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(
-            f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected {expected}"
-        )
-    if not t.is_contiguous():
-        raise ValueError(
-            f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
-            "adam_step treats buffers as flat memory, pass .contiguous() tensors"
-        )
-    n = t.numel()
-    if numel is not None and n != numel:
-        raise ValueError(
-            f"{name} has {n} elements but {reference} has {numel}; all buffers need the same numel"
-        )
-    return n
-
-
-def _check_disjoint(buffers: tuple[tuple[str, torch.Tensor], ...]) -> None:
-    end, previous = 0, ""
-    for start, size, name in sorted([(t.data_ptr(), t.nbytes, name) for name, t in buffers]):
-        if size:
-            if start < end:
-                raise ValueError(
-                    f"{previous} and {name} overlap in memory; adam_step needs separate "
-                    "buffers (it reads and writes them in one pass)"
-                )
-            end, previous = start + size, name
-
-
-def _finite(
-    name: str, value: object, *, low: float | None = None, high: float | None = None
-) -> float:
-    if type(value) is float:  # the common case, checked first
-        x = value
-    elif isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    elif isinstance(value, torch.Tensor) and value.numel() != 1:
-        raise TypeError(
-            f"{name} must be a float or a 1-element tensor, got shape {tuple(value.shape)}"
-        )
-    else:
-        x = float(value)
-    if not math.isfinite(x):
-        raise ValueError(f"{name}={x} must be finite")
-    if low is not None and x < low:
-        raise ValueError(f"{name}={x} must be >= {low}")
-    if high is not None and not x < high:
-        raise ValueError(f"{name}={x} must be < {high}")
-    return x
 
 
 def adam_step(
@@ -196,10 +124,10 @@ def adam_step(
         ValueError: wrong device, layout, contiguity or size, overlapping
             buffers, ``step < 1``, or a hyper-parameter out of range.
     """
-    n = _check_tensor("master", master, _FP32, None)
-    _check_tensor("grad", grad, _GRAD_DTYPES, n)
-    _check_tensor("exp_avg", exp_avg, _STATE_DTYPES, n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "exp_avg")
+    n = check_tensor("master", master, FP32, None)
+    check_tensor("grad", grad, GRAD_DTYPES, n)
+    check_tensor("exp_avg", exp_avg, _STATE_DTYPES, n)
+    check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "exp_avg")
     buffers = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     scale_ptrs = (0, 0)
     if exp_avg.dtype is torch.uint8:
@@ -210,16 +138,16 @@ def adam_step(
         ):
             if scale is None:
                 raise ValueError(f"{name} is required with int8 (uint8) moments")
-            _check_tensor(name, scale, _FP32, blocks, f"{n} elements in blocks of {_QBLOCK}")
+            check_tensor(name, scale, FP32, blocks, f"{n} elements in blocks of {_QBLOCK}")
             buffers.append((name, scale))
         scale_ptrs = (exp_avg_scale.data_ptr(), exp_avg_sq_scale.data_ptr())  # type: ignore[union-attr]
     if out16 is not None:
-        _check_tensor("out16", out16, _OUT_DTYPES, n)
+        check_tensor("out16", out16, _OUT_DTYPES, n)
         buffers.append(("out16", out16))
-    _check_disjoint(tuple(buffers))
+    check_disjoint(tuple(buffers))
 
-    step = _check_step("step", step)
-    hyper = _check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
+    step = check_step("step", step)
+    hyper = check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
     _adam().step(
         master.data_ptr(),
         grad.data_ptr(),
@@ -273,16 +201,16 @@ def adam_step_many(
     if out16s is not None and len(out16s) != count:
         raise ValueError(f"out16s has {len(out16s)} entries but masters has {count}")
     if not isinstance(steps, (list, tuple)):
-        step_list = [_check_step("steps", steps)] * count
+        step_list = [check_step("steps", steps)] * count
     else:
         if len(steps) != count:
             raise ValueError(f"steps has {len(steps)} entries but masters has {count}")
-        step_list = [_check_step(f"steps[{i}]", s) for i, s in enumerate(steps)]
-    hyper = _check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
+        step_list = [check_step(f"steps[{i}]", s) for i, s in enumerate(steps)]
+    hyper = check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
 
     numels, grad_codes, out_ptrs, out_codes = [], [], [], []
     for i in range(count):
-        n = _check_four(i, masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i])
+        n = check_four(i, masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i])
         numels.append(n)
         grad_codes.append(_GRAD_CODES[grads[i].dtype])
         out = None if out16s is None else out16s[i]
@@ -290,7 +218,7 @@ def adam_step_many(
             out_ptrs.append(0)
             out_codes.append(0)
         else:
-            _check_tensor(f"out16s[{i}]", out, _OUT_DTYPES, n, "masters")
+            check_tensor(f"out16s[{i}]", out, _OUT_DTYPES, n, "masters")
             out_ptrs.append(out.data_ptr())
             out_codes.append(_OUT_CODES[out.dtype])
     # NOTE: overlaps are checked natively (sorting every buffer's address
@@ -306,85 +234,6 @@ def adam_step_many(
         numels,
         step_list,
         *hyper,
-    )
-
-
-def _check_four(i: int, p: object, g: object, m: object, v: object) -> int:
-    """Check tensor i of adam_step_many; return its numel.
-
-    NOTE: one combined test on the happy path (this runs once per parameter
-    tensor per step); the detailed checks that name the culprit run only when
-    it fails.
-    """
-    try:
-        n = p.numel()  # type: ignore[attr-defined]
-        if (
-            p.is_cpu is True  # type: ignore[attr-defined]
-            and g.is_cpu is True  # type: ignore[attr-defined]
-            and m.is_cpu is True  # type: ignore[attr-defined]
-            and v.is_cpu is True  # type: ignore[attr-defined]
-            and p.dtype is _F32  # type: ignore[attr-defined]
-            and m.dtype is _F32  # type: ignore[attr-defined]
-            and v.dtype is _F32  # type: ignore[attr-defined]
-            and g.dtype in _GRAD_DTYPES  # type: ignore[attr-defined]
-            and p.layout is _STRIDED  # type: ignore[attr-defined]
-            and g.layout is _STRIDED  # type: ignore[attr-defined]
-            and m.layout is _STRIDED  # type: ignore[attr-defined]
-            and v.layout is _STRIDED  # type: ignore[attr-defined]
-            and p.is_contiguous()  # type: ignore[attr-defined]
-            and g.is_contiguous()  # type: ignore[attr-defined]
-            and m.is_contiguous()  # type: ignore[attr-defined]
-            and v.is_contiguous()  # type: ignore[attr-defined]
-            and g.numel() == n  # type: ignore[attr-defined]
-            and m.numel() == n  # type: ignore[attr-defined]
-            and v.numel() == n  # type: ignore[attr-defined]
-            and isinstance(p, torch.Tensor)
-            and isinstance(g, torch.Tensor)
-            and isinstance(m, torch.Tensor)
-            and isinstance(v, torch.Tensor)
-        ):
-            return n
-    except (AttributeError, TypeError):
-        pass  # not tensors: the detailed checks below say which
-    n = _check_tensor(f"masters[{i}]", p, _FP32, None)
-    _check_tensor(f"grads[{i}]", g, _GRAD_DTYPES, n, "masters")
-    _check_tensor(f"exp_avgs[{i}]", m, _FP32, n, "masters")
-    _check_tensor(f"exp_avg_sqs[{i}]", v, _FP32, n, "masters")
-    raise AssertionError("unreachable: the detailed checks must reject what the fast one did")
-
-
-def _check_step(name: str, step: object) -> int:
-    if isinstance(step, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        value = operator.index(step)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(step).__name__}") from None
-    if value < 1:
-        raise ValueError(f"{name}={value} must be >= 1 (the step count after the increment)")
-    return value
-
-
-def _check_hyper(
-    lr: object,
-    beta1: object,
-    beta2: object,
-    eps: object,
-    weight_decay: object,
-    adamw: object,
-    grad_scale: object,
-) -> tuple[float, float, float, float, float, bool, float]:
-    """Validated hyper-parameters in the order of the native signature."""
-    if not isinstance(adamw, bool):
-        raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
-    return (
-        _finite("lr", lr, low=0.0),
-        _finite("beta1", beta1, low=0.0, high=1.0),
-        _finite("beta2", beta2, low=0.0, high=1.0),
-        _finite("eps", eps, low=0.0),
-        _finite("weight_decay", weight_decay, low=0.0),
-        adamw,
-        _finite("grad_scale", grad_scale),
     )
 
 
