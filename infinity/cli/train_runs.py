@@ -50,6 +50,8 @@ def check_directory(directory: Path) -> list[Path]:
             continue
         try:
             parent.mkdir()
+        except FileExistsError:
+            continue  # NOTE: a run started at the same time made it first (not ours to remove)
         except OSError as exc:
             raise CommandError(f"{flag}: cannot create '{parent}': {exc.strerror}") from None
         created.append(parent)

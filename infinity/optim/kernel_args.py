@@ -1,8 +1,8 @@
 """Argument checks of the fused CPU-Adam entry points (:mod:`infinity.optim.kernels`).
 
 Every argument is validated in Python with an error that names it, so a bad
-tensor never reaches the native code as a bad pointer (see NOTE [raw pointers
-into native code] in docs/NOTES.md).
+tensor never reaches the native code as a bad pointer
+(see NOTE [raw pointers into native code] in docs/NOTES.md).
 """
 
 from __future__ import annotations
