@@ -167,6 +167,11 @@ class Config:
             even) or ``"int8"`` (about a quarter: 8-bit codes with one fp32 scale per
             256 elements, as in 8-bit Adam). The update runs in fp32 and master
             weights stay fp32 either way; checkpoints keep the stored format.
+        process_group: the ``torch.distributed`` group to shard chunks over.
+            ``None``: the default group if one is initialised (under ``torchrun``),
+            else a single process. Each rank keeps one equal shard of every chunk's
+            parameters, gradients and optimizer states; budgets are per process.
+            Not serialised (``to_dict`` leaves it out).
     """
 
     device_memory: int | str = AUTO
@@ -184,6 +189,7 @@ class Config:
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
     optimizer_state_dtype: str = "fp32"
+    process_group: Any = field(default=None, compare=False, repr=False)
 
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = (
         "device_memory",
@@ -244,8 +250,13 @@ class Config:
 
     # --- (de)serialisation ------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; ``Config(**d)`` (or ``from_dict``) rebuilds an equal config."""
-        return dataclasses.asdict(self)
+        """A JSON-ready dict; ``Config(**d)`` (or ``from_dict``) rebuilds an equal config
+        (``process_group`` is a live object: left out)."""
+        # NOTE: asdict deep-copies every value, and a process group cannot be copied.
+        bare = dataclasses.replace(self, process_group=None)
+        data = dataclasses.asdict(bare)
+        del data["process_group"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:

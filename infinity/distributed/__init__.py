@@ -1,0 +1,7 @@
+"""Data parallelism over ``torch.distributed``: who the ranks are and the collectives
+the chunk manager runs on chunk shards (see ``docs/ARCHITECTURE.md``, "Sharding")."""
+
+from infinity.distributed.collectives import Collectives, DistributedError
+from infinity.distributed.world import SINGLE, World, resolve_world
+
+__all__ = ["SINGLE", "Collectives", "DistributedError", "World", "resolve_world"]
