@@ -152,7 +152,7 @@ def _write_chunks(
         if is_split(engine.plan, chunk):
             _write_split(engine, meta, fp, fo, chunk)
             continue
-        region, copy = manager.open_host((Kind.PARAM, chunk), load=False)
+        region, copy = manager.open_whole((Kind.PARAM, chunk), load=False)
         try:
             region.zero_()
             for entry in members:
@@ -160,11 +160,11 @@ def _write_chunks(
                 dst = region[slot.offset * esize : (slot.offset + slot.numel) * esize]
                 _read_into(fp, meta.tensors[entry.name].param_offset, dst)
         finally:
-            manager.close_host(copy, modified=True)
+            manager.close_whole(copy, modified=True)
         manager.drop_param(chunk)
         if not spec.trainable:
             continue
-        region, copy = manager.open_host((Kind.OPTIM, chunk), load=False)
+        region, copy = manager.open_whole((Kind.OPTIM, chunk), load=False)
         try:
             region.zero_()
             for entry in members:
@@ -180,7 +180,7 @@ def _write_chunks(
                 for (src, size), (at, _size) in zip(saved, here, strict=True):
                     _read_into(fo, rec.optim_offset + src, region[at : at + size])
         finally:
-            manager.close_host(copy, modified=True)
+            manager.close_whole(copy, modified=True)
 
 
 def _write_split(

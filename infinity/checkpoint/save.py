@@ -62,11 +62,11 @@ def _stream(
 def _chunk_bytes(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[memoryview]:
     """The home bytes of ``(kind, chunk)`` in order, whole or (oversize) span by span."""
     if not is_split(engine.plan, chunk):
-        region, copy = engine.manager.open_host((kind, chunk), writable=False)
+        region, copy = engine.manager.open_whole((kind, chunk), writable=False)
         try:
             yield memoryview(region.numpy().data)
         finally:
-            engine.manager.close_host(copy, modified=False)
+            engine.manager.close_whole(copy, modified=False)
         return
     # NOTE: the file holds the home's bytes in order: each piece of a unit (the
     # master, each slot's values and int8 scales) whole, one after the other;

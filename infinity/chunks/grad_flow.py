@@ -21,11 +21,13 @@ from infinity.chunks.cache import Copy, Pending, TierCache
 from infinity.chunks.clock import Clock
 from infinity.chunks.grad_state import GradState, GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
+from infinity.chunks.shards import device_shard
 from infinity.chunks.spans import is_split, span_key, span_ranges
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import HOST
 from infinity.devices.base import DeviceBackend
+from infinity.distributed import Collectives
 
 
 def typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -55,8 +57,12 @@ class GradientFlow:
         staging: HostStaging,
         traffic: Traffic,
         clock: Clock,
+        collectives: Collectives | None = None,
     ) -> None:
+        """``collectives``: a sharded plan's ranks (each flush reduce-scatters the
+        whole device chunk and keeps this rank's shard of the mean)."""
         self.dtype = dtype
+        self.collectives = collectives
         self.backend = backend
         self.homes = homes
         self.device = device
@@ -81,8 +87,14 @@ class GradientFlow:
         if copy is None:
             # Adding to gradients a step dropped could only fail at the flush.
             self.check_grad_kept(key)
-            copy = self.device.insert(key, self.homes.nbytes(key), self.clock.now)
+            nbytes = self.homes.plan.device_param_bytes(i)
+            copy = self.device.insert(key, nbytes, self.clock.now)
             copy.dirty = True
+            if self.collectives is not None:
+                # NOTE: a flush is collective, so it must happen where every rank
+                # flushes (a chunk's gradients complete, the end of backward),
+                # never when one rank's cache runs short: pinned until then.
+                copy.pins += 1
             # NOTE: not zeroed now: most of a chunk is about to be overwritten by
             # its tensors' gradients, so only the gaps are zeroed, at the flush.
             self.grads.slot_taken(i)
@@ -109,14 +121,21 @@ class GradientFlow:
 
     def flush_grad(self, i: int) -> None:
         """Move gradient chunk ``i`` off the device, adding it to its home."""
-        if (Kind.GRAD, i) in self.device:
-            self.device.evict((Kind.GRAD, i))
+        copy = self.device.get((Kind.GRAD, i))
+        if copy is not None:
+            self._evict(copy)
 
     def flush_all_grads(self) -> None:
-        """Flush every gradient chunk on the device (end of backward)."""
-        for copy in self.device:
-            if chunk_key(copy)[0] is Kind.GRAD:
-                self.device.evict(copy.key)
+        """Flush every gradient chunk on the device (end of backward), in chunk order
+        (the order of a sharded plan's collectives)."""
+        grads = [c for c in self.device if chunk_key(c)[0] is Kind.GRAD]
+        for copy in sorted(grads, key=lambda c: chunk_key(c)[1]):
+            self._evict(copy)
+
+    def _evict(self, copy: Copy) -> None:
+        if self.collectives is not None:
+            copy.pins -= 1  # pinned since its slot was taken (_grad_on_device)
+        self.device.evict(copy.key)
 
     def write_back_device(self, copy: Copy) -> None:
         """Flush a dirty device gradient copy home (the device cache's write-back)."""
@@ -125,9 +144,12 @@ class GradientFlow:
             raise AssertionError(f"device copy {copy.key} is dirty but only gradients flow back")
         grads = copy.typed(self.dtype)
         self._zero_unwritten(i, grads)
-        self._check_finite(grads)
         key: Key = (Kind.GRAD, i)
         nbytes = self.homes.nbytes(key)
+        source = copy.tensor
+        if self.collectives is not None:
+            source = self._reduce_scatter(copy, i)
+        self._check_finite(source.view(self.dtype))
         self.traffic.d2h_bytes += nbytes
         if is_split(self.homes.plan, i):
             self._flush_in_spans(copy, i)
@@ -136,14 +158,14 @@ class GradientFlow:
             # First gradients of this accumulation cycle: a plain copy home, left
             # in flight (the device slot is reused only once it has landed).
             if self.homes.tier(key) == HOST:
-                d2h = self.backend.copy_async(self.homes.host(key), copy.tensor)
+                d2h = self.backend.copy_async(self.homes.host(key), source)
                 copy.pending.append(d2h)
                 self.staging.home_fill[key] = d2h
                 self.grads.flushed(i)
                 return
             home = self.staging.staged(key, load=False)
             assert home is not None
-            d2h = self.backend.copy_async(home.tensor, copy.tensor)
+            d2h = self.backend.copy_async(home.tensor, source)
             copy.pending.append(d2h)
             home.fill = d2h  # readers of the staging copy wait for it
             if self.consume_grads:
@@ -160,7 +182,7 @@ class GradientFlow:
             return
         if self.homes.tier(key) == HOST:
             self.staging.wait_home(key)
-            self._add_into(self.homes.host(key), copy, i, nbytes)
+            self._add_into(self.homes.host(key), source, i, nbytes)
         else:
             # NOTE: the home on NVMe is only ever changed through its staging
             # copy, so a cached staging copy can never be stale.
@@ -168,7 +190,7 @@ class GradientFlow:
             assert home is not None
             home.pins += 1  # the transient slot below must not take this one
             try:
-                self._add_into(home.tensor, copy, i, nbytes)
+                self._add_into(home.tensor, source, i, nbytes)
             finally:
                 home.pins -= 1
             home.pending.append(self.homes.write(key, home.tensor))
@@ -264,18 +286,29 @@ class GradientFlow:
                 "before the step with overlap_optimizer=False."
             )
 
-    def _copy_back(self, dst: torch.Tensor, copy: Copy) -> None:
-        handle = self.backend.copy_async(dst, copy.tensor)
-        with self.traffic.waiting("device"):
-            handle.wait()
+    def _reduce_scatter(self, copy: Copy, i: int) -> torch.Tensor:
+        """Sharded: the mean over the ranks of device gradient chunk ``i``, this rank's
+        shard of it, written at the shard's place in the slot (returned, uint8)."""
+        assert self.collectives is not None
+        plan = self.homes.plan
+        own = device_shard(plan, i, copy.tensor)
+        mean = torch.empty_like(own).view(self.dtype)
+        self.collectives.reduce_scatter_mean(
+            mean, copy.typed(self.dtype), f"reducing gradient chunk {i}"
+        )
+        own.view(self.dtype).copy_(mean)
+        return own
 
-    def _add_into(self, total: torch.Tensor, copy: Copy, i: int, nbytes: int) -> None:
-        """``total += `` the device gradient chunk, through a transient staging slot."""
+    def _add_into(self, total: torch.Tensor, source: torch.Tensor, i: int, nbytes: int) -> None:
+        """``total += `` the device gradient bytes ``source``, through a transient
+        staging slot."""
         cache = self.staging.caches[Kind.GRAD]
         stage_key = ("incoming", i)
         stage = cache.insert(stage_key, nbytes, self.clock.now)
         try:
-            self._copy_back(stage.tensor, copy)
+            handle = self.backend.copy_async(stage.tensor, source)
+            with self.traffic.waiting("device"):
+                handle.wait()
             summed = typed(total, self.dtype)
             summed.add_(stage.typed(self.dtype))
             # NOTE: adding two finite fp16 gradients can overflow, so accumulated
@@ -283,6 +316,13 @@ class GradientFlow:
             self._check_finite(summed)
         finally:
             cache.remove(stage_key)
+
+    def overflowed(self) -> bool:
+        """fp16: an inf/NaN gradient was seen in this accumulation cycle (by any rank:
+        every rank skips the same steps)."""
+        if self.collectives is None:
+            return self.found_inf
+        return self.collectives.any(self.found_inf, "checking fp16 gradients for overflow")
 
     def _check_finite(self, grads: torch.Tensor) -> None:
         """fp16: note an inf/NaN gradient (the step is then skipped)."""

@@ -54,7 +54,7 @@ def base_key(key: Key) -> Key:
 
 def is_split(plan: Plan, chunk: int) -> bool:
     """Chunk ``chunk`` is larger than the plan's span: its staged traffic goes in spans."""
-    return plan.layout.chunks[chunk].capacity > plan.span_elems
+    return plan.home_elems(chunk) > plan.span_elems
 
 
 def first_span(plan: Plan, key: Key) -> Key:

@@ -18,6 +18,7 @@ from infinity.chunks.cache import Copy, EvictionPolicy, Pending, TierCache
 from infinity.chunks.clock import Clock
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
+from infinity.chunks.shards import device_shard
 from infinity.chunks.spans import SpanKey, base_key, first_span, is_split
 from infinity.core.names import HOST
 from infinity.core.plan import Plan
@@ -150,7 +151,9 @@ class HostStaging:
         # NOTE: device parameter copies are exact caches of their home (an
         # update discards them), so these are the bytes the disk would give.
         source = on_device.tensor
-        if isinstance(key, SpanKey):
+        if self.plan.sharded:
+            source = device_shard(self.plan, key[1], source)  # the device holds whole chunks
+        elif isinstance(key, SpanKey):
             size = self.plan.element_size
             source = source[key.start * size : key.end * size]
         d2h = self.backend.copy_async(copy.tensor, source)

@@ -61,22 +61,47 @@ class Plan:
     # (0: no NVMe tier, or not computed).
     min_device_bytes: int = 0
     min_host_bytes: int = 0
+    # Data parallel (``infinity.distributed``): every chunk is split into
+    # ``shard_count`` equal shards and this process keeps shard ``shard_rank`` of
+    # each kind in its homes and staging; the device holds whole chunks.
+    shard_count: int = 1
+    shard_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.span_elems == 0:
             object.__setattr__(self, "span_elems", self.layout.chunk_elems)
 
     # --- sizes -------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        """Chunks are split over more than one process."""
+        return self.shard_count > 1
+
+    def home_elems(self, i: int) -> int:
+        """Elements of chunk ``i`` this process keeps (its shard; the whole chunk alone)."""
+        return self.layout.chunks[i].capacity // self.shard_count
+
+    def home_window(self, i: int) -> tuple[int, int]:
+        """Elements ``[start, end)`` of chunk ``i`` this process's shard holds."""
+        size = self.home_elems(i)
+        return self.shard_rank * size, (self.shard_rank + 1) * size
+
     def param_bytes(self, i: int) -> int:
-        """Bytes of parameter (and gradient) chunk ``i`` in the compute dtype."""
+        """Bytes of this process's home of parameter (and gradient) chunk ``i`` in the
+        compute dtype: the whole chunk, or its shard when sharded."""
+        return self.home_elems(i) * self.element_size
+
+    def device_param_bytes(self, i: int) -> int:
+        """Bytes of parameter (or gradient) chunk ``i`` whole, as the device holds it."""
         return self.layout.chunks[i].capacity * self.element_size
 
     def optim_bytes(self, i: int) -> int:
-        """Bytes of optimizer-state unit ``i`` (master if any, then each state slot)."""
+        """Bytes of optimizer-state unit ``i`` (master if any, then each state slot) of
+        this process's shard."""
         if self.optim_unit_bytes:
             return self.optim_unit_bytes[i]
         parts = len(self.state_slots) + int(self.has_master)
-        return self.layout.chunks[i].capacity * FP32_BYTES * parts
+        return self.home_elems(i) * FP32_BYTES * parts
 
     def home_bytes(self, tier: Tier) -> int:
         """Bytes of authoritative copies kept on ``tier``."""

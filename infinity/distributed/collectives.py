@@ -49,13 +49,13 @@ class Collectives:
         shard = full.numel() // world.size
         own = full[world.rank * shard : (world.rank + 1) * shard]
         with self._failing_as(what):
-            dist.all_gather_into_tensor(full, own, group=world.group)
+            dist.all_gather_single(full, own, group=world.group)
         self.bytes_sent += own.numel() * own.element_size()
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``out`` = this rank's shard of the mean of ``full`` over the ranks."""
         with self._failing_as(what):
-            dist.reduce_scatter_tensor(out, full, group=self.world.group)
+            dist.reduce_scatter_single(out, full, group=self.world.group)
         out.div_(self.world.size)
         self.bytes_sent += full.numel() * full.element_size()
 

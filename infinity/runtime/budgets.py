@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Callable, Sequence
 
@@ -13,12 +14,14 @@ from infinity.chunks.chunk_size import (
     chunk_cap,
     search_chunk_size,
 )
-from infinity.chunks.layout import ChunkLayout, TensorInfo, build_layout
+from infinity.chunks.layout import ChunkLayout, TensorInfo, build_layout, chunk_alignment_elems
 from infinity.config import AUTO, Config
+from infinity.distributed import SINGLE, World
 from infinity.io.filesystems import nearest_existing
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import Budgets, Plan, PlanError, make_plan
+from infinity.utils.sizes import align_up
 
 MAX_AUTO_CHUNK_BYTES = 256 << 20
 MIN_SEARCH_CHUNK_BYTES = 64 << 10
@@ -58,10 +61,14 @@ def choose_plan(
     config: Config,
     budgets: Budgets,
     optimizer: ChunkOptimizer = ADAM,
+    shard_count: int = 1,
+    shard_rank: int = 0,
 ) -> Plan:
     """Layout plus plan; with ``chunk_size="auto"`` try smaller chunks until the budgets fit.
 
     ``working_sets_of(layout)`` returns the chunk sets modules hold at once.
+    Sharded over ``shard_count`` processes, every capacity is a multiple of
+    ``shard_count`` shard granules (a chunk size is rounded up to one).
     """
     dtype = DTYPE_OF[config.dtype]
     element_size = torch.finfo(dtype).bits // 8
@@ -69,6 +76,14 @@ def choose_plan(
 
     align = optimizer.state_format.element_alignment
     granule = optimizer.span_granule
+    unit = 1
+    if shard_count > 1:
+        # NOTE: a shard's every part (parameters, gradients, the fp32 master, each
+        # moment's values and int8 scales) must start and end on the I/O
+        # alignment, exactly like a span's: one shard is a multiple of the span
+        # granule and of the compute dtype's chunk granule.
+        unit = shard_count * math.lcm(granule, chunk_alignment_elems(element_size))
+        granule = unit
 
     def attempt(layout: ChunkLayout) -> Plan:
         return make_plan(
@@ -80,10 +95,12 @@ def choose_plan(
             prefetch_depth=config.prefetch_depth,
             consume_grads=config.overlap_optimizer is True,
             optimizer=optimizer,
+            shard_count=shard_count,
+            shard_rank=shard_rank,
         )
 
     if config.chunk_size != AUTO:
-        elems = int(config.chunk_size) // element_size
+        elems = align_up(int(config.chunk_size) // element_size, unit)
         return attempt(
             build_layout(tensors, elems, element_size, tensor_align=align, oversize_align=granule)
         )
@@ -99,6 +116,7 @@ def choose_plan(
             max_bytes=max_bytes,
             min_bytes=min(MIN_AUTO_CHUNK_BYTES, max_bytes),
         )
+        elems = align_up(elems, unit)
         try:
             return attempt(
                 build_layout(
@@ -125,13 +143,17 @@ def plan_for(
     config: Config,
     device: torch.device,
     optimizer: ChunkOptimizer = ADAM,
+    world: World = SINGLE,
 ) -> Plan:
     """The plan for a model's parameter registry under ``config`` (nothing is allocated);
-    the optimizer's state slots are stored as ``config.optimizer_state_dtype``."""
+    the optimizer's state slots are stored as ``config.optimizer_state_dtype``; homes
+    hold ``world.rank``'s shard of every chunk."""
     return choose_plan(
         registry.tensor_infos(),
         registry.working_sets,
         config=config,
         budgets=resolve_budgets(config, device),
         optimizer=optimizer.with_state_dtype(config.optimizer_state_dtype),
+        shard_count=world.size,
+        shard_rank=world.rank,
     )

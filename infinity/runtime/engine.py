@@ -44,6 +44,7 @@ from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.stepper import MomentState
+from infinity.distributed import Collectives, resolve_world
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.errors import ModelChangedError
 from infinity.runtime.fetcher import ParamFetcher
@@ -79,7 +80,12 @@ class OffloadEngine:
         self.chunk_optimizer: ChunkOptimizer[Any] = ADAM.with_state_dtype(
             config.optimizer_state_dtype
         )
-        self.plan = plan_for(self.registry, config, self.device, self.chunk_optimizer)
+        # Data parallel: the processes every chunk is sharded over (one: unsharded).
+        self.world = resolve_world(config.process_group)
+        self.collectives = Collectives(self.world)
+        self.plan = plan_for(
+            self.registry, config, self.device, self.chunk_optimizer, world=self.world
+        )
         self.layout = self.plan.layout
         self.swap = open_swap(config, self.plan.nvme_bytes)
         # Frees the threads and the swap file when the model is collected (or at
@@ -94,6 +100,7 @@ class OffloadEngine:
                 self.swap,
                 device_policy=self.policy,
                 host_policy=LRUPolicy,
+                collectives=self.collectives,
             )
         except BaseException:
             self._release()  # the model lives on: its finalizer would not run soon

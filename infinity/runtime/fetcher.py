@@ -59,7 +59,7 @@ class ParamFetcher:
         ):
             if self.manager.updates.queued(chunk):
                 break  # its update has not run: the home still holds old values
-            if self.manager.fetch_param(chunk, prefetch=True) is None:
+            if not self.manager.prefetch_param(chunk):
                 break  # no room without evicting something needed sooner
 
     def start_iteration(self) -> None:
@@ -85,5 +85,5 @@ class ParamFetcher:
             budget = depth * self.chunks.layout.chunk_bytes
         plan = self.chunks.plan
         self.prefetcher = (
-            Prefetcher(trace, depth, int(budget), lambda c: plan.param_bytes(c)) if depth else None
+            Prefetcher(trace, depth, int(budget), lambda c: plan.device_param_bytes(c)) if depth else None
         )

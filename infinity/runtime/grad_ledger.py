@@ -99,10 +99,10 @@ class GradientLedger:
             for entry in entries:
                 self._each_span(chunk, entry.index, lambda grads: grads.zero_())
             return
-        region, copy = self.manager.open_host((Kind.GRAD, chunk))
+        region, copy = self.manager.open_whole((Kind.GRAD, chunk))
         for entry in entries:
             self.chunks.chunk_view(region, entry).zero_()
-        self.manager.close_host(copy, modified=True)
+        self.manager.close_whole(copy, modified=True)
 
     def _each_span(self, chunk: int, index: int, change: Callable[[torch.Tensor], object]) -> None:
         """Apply ``change`` in place to tensor ``index``'s gradient in oversize chunk
@@ -158,14 +158,14 @@ class GradientLedger:
                     factor = pending[i]
                     self._each_span(chunk, i, lambda grads: grads.mul_(factor))  # noqa: B023
                 continue
-            region, copy = self.manager.open_host((Kind.GRAD, chunk))
+            region, copy = self.manager.open_whole((Kind.GRAD, chunk))
             try:
                 flat = typed(region, self.chunks.dtype)
                 for i in group:
                     slot = layout.slots[i]
                     flat[slot.offset : slot.offset + slot.numel].mul_(pending[i])
             finally:
-                self.manager.close_host(copy, modified=True)
+                self.manager.close_whole(copy, modified=True)
         self.changed()
 
     def factor_of(self, index: int) -> float:

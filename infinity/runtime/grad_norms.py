@@ -78,12 +78,12 @@ class GradientNorms:
                     slot = chunks.layout.slots[entry.index]
                     yield entry, read_tensor(chunks.manager, Kind.GRAD, slot, chunks.dtype)
                 continue
-            region, copy = chunks.manager.open_host((Kind.GRAD, chunk), writable=False)
+            region, copy = chunks.manager.open_whole((Kind.GRAD, chunk), writable=False)
             try:
                 for entry in group:
                     yield entry, chunks.chunk_view(region, entry)
             finally:
-                chunks.manager.close_host(copy, modified=False, keep=keep)
+                chunks.manager.close_whole(copy, modified=False, keep=keep)
 
     def grad_norm(self, index: int, norm_type: float) -> torch.Tensor:
         """The norm of tensor ``index``'s gradient as torch would see it (fp32, 0-d).

@@ -78,7 +78,10 @@ def step_chunk(
         step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
         return
     manager = engine.manager
-    capacity = engine.layout.chunks[chunk].capacity
+    # NOTE: sharded (data parallel), this rank's homes hold elements [start, end)
+    # of the chunk, laid out as the unit of a chunk of that size: the update is a
+    # window of the chunk, like a span's.
+    start, end = engine.plan.home_window(chunk)
     has_master = engine.plan.has_master
     grad_bytes, grad_copy = manager.open_host((Kind.GRAD, chunk), writable=False)
     optim_bytes, optim_copy = manager.open_host((Kind.OPTIM, chunk))
@@ -91,14 +94,14 @@ def step_chunk(
         grads = typed(grad_bytes, engine.dtype)
         params = typed(param_bytes, engine.dtype)
         optimizer = engine.chunk_optimizer
-        unit = optimizer.unit_views(state, capacity, has_master)
+        unit = optimizer.unit_views(state, end - start, has_master)
         master = unit.master if unit.master is not None else params
         if has_master and covered:
             # NOTE: the parameter chunk was not read (every tensor is rewritten
             # from its master): give the tail the zeros it had, not stale bytes.
-            params[runs[-1].end : capacity].zero_()
+            params[max(runs[-1].end - start, 0) :].zero_()
         out16 = params if has_master else None
-        step_runs(optimizer, unit, master, grads, out16, runs, (0, capacity), grad_scale)
+        step_runs(optimizer, unit, master, grads, out16, runs, (start, end), grad_scale)
     finally:
         # NOTE: write-backs finish in the background (keep=True): the slot is
         # reused only once its write has landed, so chunk i-1 is written while

@@ -38,7 +38,7 @@ def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[
         if is_split(engine.plan, chunk):
             yield from _read_split(engine, chunk, group)
             continue
-        region, copy = engine.manager.open_host((Kind.OPTIM, chunk), writable=False)
+        region, copy = engine.manager.open_whole((Kind.OPTIM, chunk), writable=False)
         try:
             unit = _unit(engine, chunk, region)
             for i in group:
@@ -49,7 +49,7 @@ def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[
                 states = {k: v.view(slot.shape) for k, v in values.items()}
                 yield i, (engine.tensor_steps[i], states)
         finally:
-            engine.manager.close_host(copy, modified=False)
+            engine.manager.close_whole(copy, modified=False)
 
 
 def check_moments(engine: ModelChunks, values: dict[int, MomentState | None]) -> None:
@@ -80,7 +80,7 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
         if is_split(engine.plan, chunk):
             _write_split(engine, chunk, {i: values[i] for i in group})
             continue
-        region, copy = engine.manager.open_host((Kind.OPTIM, chunk))
+        region, copy = engine.manager.open_whole((Kind.OPTIM, chunk))
         try:
             unit = _unit(engine, chunk, region)
             optimizer = engine.chunk_optimizer
@@ -97,7 +97,7 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
                 optimizer.write_state(unit, span, states)
                 engine.tensor_steps[i] = step
         finally:
-            engine.manager.close_host(copy, modified=True)
+            engine.manager.close_whole(copy, modified=True)
 
 
 def _each_span_unit(

@@ -36,14 +36,14 @@ def read_params(
                     read_tensor(engine.manager, key[0], engine.layout.slots[entry.index], dtype),
                 )
             continue
-        region, copy = engine.manager.open_host(key, writable=False)
+        region, copy = engine.manager.open_whole(key, writable=False)
         try:
             flat = typed(region, torch.float32 if use_master else engine.dtype)
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 yield entry, flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         finally:
-            engine.manager.close_host(copy, modified=False)
+            engine.manager.close_whole(copy, modified=False)
 
 
 def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None:
@@ -59,7 +59,7 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
             if is_split(engine.plan, chunk):
                 _write_split(engine, key, dtype, chunk, group, values)
                 continue
-            region, copy = engine.manager.open_host((key, chunk))
+            region, copy = engine.manager.open_whole((key, chunk))
             try:
                 flat = typed(region, dtype)
                 for entry in group:
@@ -67,7 +67,7 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
                     value = _checked(entry, values[entry.index], slot.shape)
                     flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
             finally:
-                engine.manager.close_host(copy, modified=True)
+                engine.manager.close_whole(copy, modified=True)
         engine.manager.drop_param(chunk)
 
 
@@ -139,17 +139,17 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
                     write_elements(engine.manager, kind, chunk, 0, slot.offset, flat)
             engine.manager.drop_param(chunk)
             continue
-        opened = [(engine.manager.open_host((Kind.PARAM, chunk)), engine.dtype)]
+        opened = [(engine.manager.open_whole((Kind.PARAM, chunk)), engine.dtype)]
         try:
             if master:
-                opened.append((engine.manager.open_host((Kind.OPTIM, chunk)), torch.float32))
+                opened.append((engine.manager.open_whole((Kind.OPTIM, chunk)), torch.float32))
             flats = [typed(region, dtype) for (region, _copy), dtype in opened]
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 writers[entry.index]([f[slot.offset : slot.offset + slot.numel] for f in flats])
         finally:
             for (_region, copy), _dtype in opened:
-                engine.manager.close_host(copy, modified=True)
+                engine.manager.close_whole(copy, modified=True)
         engine.manager.drop_param(chunk)
 
 
@@ -169,11 +169,11 @@ def param_bytes_by_chunk(
                 flat = read_tensor(engine.manager, Kind.PARAM, slot, engine.dtype).reshape(-1)
                 yield entry, flat.view(torch.uint8).numpy().data
             continue
-        region, copy = engine.manager.open_host((Kind.PARAM, chunk), writable=False)
+        region, copy = engine.manager.open_whole((Kind.PARAM, chunk), writable=False)
         try:
             data = region.numpy().data
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 yield entry, data[slot.offset * size : (slot.offset + slot.numel) * size]
         finally:
-            engine.manager.close_host(copy, modified=False)
+            engine.manager.close_whole(copy, modified=False)

@@ -78,7 +78,7 @@ class UpdatePipeline:
                     "`optimizer.scale_loss(loss).backward()` instead of `loss.backward()` "
                     "(bf16 and fp32 need no scaling)"
                 )
-            found_inf = self.manager.grad_flow.found_inf
+            found_inf = self.manager.grad_flow.overflowed()
             grad_scale = 1.0 / self.scaler.scale
             self.scaler.update(found_inf)
             if scaled:

@@ -99,8 +99,15 @@ def make_plan(
     prefetch_depth: int,
     consume_grads: bool = False,
     optimizer: ChunkOptimizer = ADAM,
+    shard_count: int = 1,
+    shard_rank: int = 0,
 ) -> Plan:
     """Place every chunk's kinds on host or NVMe and size the slot pools.
+
+    Sharded (``shard_count > 1``, data parallel): homes and staging hold this
+    rank's shard of each chunk (capacities are multiples of ``shard_count``
+    span granules, see ``runtime/budgets.py``), the device whole chunks; shards
+    are staged whole (never in spans).
 
     An optimizer unit holds ``optimizer.unit_bytes(capacity, has_master)`` bytes
     (an fp32 master if any, then the state slots in the optimizer's state format).
@@ -119,8 +126,14 @@ def make_plan(
         "prefetch_depth": prefetch_depth,
         "consume_grads": consume_grads,
         "optimizer": optimizer,
+        "shard_count": shard_count,
+        "shard_rank": shard_rank,
     }
     largest = max((c.capacity for c in layout.chunks), default=layout.chunk_elems)
+    if shard_count > 1:
+        # NOTE: spans of a shard would need a second window inside the shard's;
+        # a shard is already 1/N of the chunk, so it is staged whole.
+        return _place(layout, span_elems=largest // shard_count, **kwargs)  # type: ignore[arg-type]
     plan: Plan | None = None
     if largest > layout.chunk_elems:
         try:
@@ -176,12 +189,15 @@ def _place(
     prefetch_depth: int,
     consume_grads: bool,
     optimizer: ChunkOptimizer,
+    shard_count: int = 1,
+    shard_rank: int = 0,
 ) -> Plan:
     """:func:`make_plan` with staging slots of at most ``span_elems`` elements."""
     chunks = layout.chunks
     n = len(chunks)
-    pbytes = [c.capacity * element_size for c in chunks]
-    obytes = [optimizer.unit_bytes(c.capacity, has_master) for c in chunks]
+    # Homes and staging hold this rank's shard; the device whole chunks.
+    pbytes = [c.capacity // shard_count * element_size for c in chunks]
+    obytes = [optimizer.unit_bytes(c.capacity // shard_count, has_master) for c in chunks]
 
     # Device: the minimum working set, then as many more slots as fit.
     device = min_device_slots(layout, element_size, working_sets)
@@ -197,7 +213,8 @@ def _place(
             needed=device_need,
         )
     trainable = [c.trainable for c in chunks]
-    device = add_device_slots(device, pbytes, trainable, budgets.device - device_need)
+    whole = [c.capacity * element_size for c in chunks]
+    device = add_device_slots(device, whole, trainable, budgets.device - device_need)
 
     param_home = [HOST] * n
     grad_home: list[Tier | None] = [HOST if t else None for t in trainable]
@@ -298,6 +315,8 @@ def _place(
         host_staging={k: {s: c for s, c in v.items() if c} for k, v in staging.items()},
         budgets=budgets,
         span_elems=span_elems,
+        shard_count=shard_count,
+        shard_rank=shard_rank,
         min_device_bytes=device_need,
     )
     if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
