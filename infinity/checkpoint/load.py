@@ -33,6 +33,7 @@ from infinity.checkpoint.format import (
 from infinity.checkpoint.optimizer_groups import hyper_updates
 from infinity.checkpoint.schema import CheckpointMeta, parse_meta
 from infinity.chunks.homes import Kind
+from infinity.chunks.shards import close_whole, open_whole
 from infinity.chunks.span_access import open_span
 from infinity.chunks.spans import is_split, span_ranges
 from infinity.offload import engine_of
@@ -115,9 +116,31 @@ def load_checkpoint(
     checks every data file's CRC-32 as part of that (one sequential read);
     without it only the metadata and file sizes are checked.
     """
-    target = Path(path)
-    raw = read_meta(target)
     engine = engine_of(model)
+    if not engine.world.sharded:
+        return _load(Path(path), engine, optimizer, verify)
+    # NOTE: sharded, every rank reads the checkpoint (on a filesystem they all
+    # see) and keeps its shard: no collective inside, so they agree at the end.
+    error: BaseException | None = None
+    try:
+        raw = _load(Path(path), engine, optimizer, verify)
+    except BaseException as exc:  # reported to every rank, then re-raised
+        error = exc
+    if engine.collectives.any(error is not None, f"loading checkpoint {path}"):
+        if error is not None:
+            raise error
+        raise CheckpointError(
+            f"another rank could not load checkpoint {path} (its error says why); load it "
+            "again on every rank before training on"
+        )
+    return raw
+
+
+def _load(
+    target: Path, engine: OffloadEngine, optimizer: torch.optim.Optimizer | None, verify: bool
+) -> dict:
+    """:func:`load_checkpoint` in one process (every rank of a sharded model alike)."""
+    raw = read_meta(target)
     meta = parse_meta(raw, engine.chunk_optimizer)
     _match(engine, meta)
     updates: list[tuple[dict[str, Any], dict[str, Any]]] = []
@@ -152,7 +175,7 @@ def _write_chunks(
         if is_split(engine.plan, chunk):
             _write_split(engine, meta, fp, fo, chunk)
             continue
-        region, copy = manager.open_whole((Kind.PARAM, chunk), load=False)
+        region, copy = open_whole(manager, (Kind.PARAM, chunk), load=False)
         try:
             region.zero_()
             for entry in members:
@@ -160,11 +183,11 @@ def _write_chunks(
                 dst = region[slot.offset * esize : (slot.offset + slot.numel) * esize]
                 _read_into(fp, meta.tensors[entry.name].param_offset, dst)
         finally:
-            manager.close_whole(copy, modified=True)
+            close_whole(manager, copy, modified=True)
         manager.drop_param(chunk)
         if not spec.trainable:
             continue
-        region, copy = manager.open_whole((Kind.OPTIM, chunk), load=False)
+        region, copy = open_whole(manager, (Kind.OPTIM, chunk), load=False)
         try:
             region.zero_()
             for entry in members:
@@ -180,7 +203,7 @@ def _write_chunks(
                 for (src, size), (at, _size) in zip(saved, here, strict=True):
                     _read_into(fo, rec.optim_offset + src, region[at : at + size])
         finally:
-            manager.close_whole(copy, modified=True)
+            close_whole(manager, copy, modified=True)
 
 
 def _write_split(

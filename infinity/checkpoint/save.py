@@ -33,6 +33,7 @@ from infinity.checkpoint.format import (
 )
 from infinity.checkpoint.optimizer_groups import optimizer_groups
 from infinity.chunks.homes import Kind
+from infinity.chunks.shards import close_whole, open_whole
 from infinity.chunks.span_access import each_span
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_ranges
 from infinity.io.errors import NVMeIOError
@@ -41,32 +42,62 @@ from infinity.runtime.engine import OffloadEngine
 
 
 def _stream(
-    engine: OffloadEngine, kind: Kind, chunks: list[int], file: Path
+    engine: OffloadEngine, kind: Kind, chunks: list[int], file: Path | None
 ) -> tuple[dict[int, int], dict[str, int]]:
-    """Write ``chunks`` of ``kind`` back to back; returns file offset per chunk and size/CRC."""
+    """Write ``chunks`` of ``kind`` back to back; returns file offset per chunk and size/CRC.
+
+    ``file=None``: a rank other than 0 of a sharded model, which only takes part
+    in gathering each whole chunk (rank 0 writes it).
+
+    NOTE: sharded, every rank must take part in every chunk's gather, so rank 0
+    keeps gathering after a failed write (a full disk) and raises at the end;
+    otherwise the other ranks would wait in a gather it never joins.
+    """
     offsets: dict[int, int] = {}
     crc = 0
     position = 0
-    with open(file, "wb") as f:
+    failed: OSError | None = None
+    f = None
+    try:
+        if file is not None:
+            try:
+                f = open(file, "wb")  # closed below, also after a failed write
+            except OSError as exc:
+                if not engine.world.sharded:
+                    raise
+                failed = exc
         for chunk in chunks:
             offsets[chunk] = position
             for data in _chunk_bytes(engine, kind, chunk):
-                f.write(data)
+                if f is None or failed is not None:
+                    continue
+                try:
+                    f.write(data)
+                except OSError as exc:
+                    if not engine.world.sharded:
+                        raise
+                    failed = exc
                 crc = zlib.crc32(data, crc)
                 position += len(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if failed is not None:
+            raise failed
+        if f is not None:
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        if f is not None:
+            f.close()
     return offsets, {"bytes": position, "crc32": crc}
 
 
 def _chunk_bytes(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[memoryview]:
     """The home bytes of ``(kind, chunk)`` in order, whole or (oversize) span by span."""
     if not is_split(engine.plan, chunk):
-        region, copy = engine.manager.open_whole((kind, chunk), writable=False)
+        region, copy = open_whole(engine.manager, (kind, chunk), writable=False)
         try:
             yield memoryview(region.numpy().data)
         finally:
-            engine.manager.close_whole(copy, modified=False)
+            close_whole(engine.manager, copy, modified=False)
         return
     # NOTE: the file holds the home's bytes in order: each piece of a unit (the
     # master, each slot's values and int8 scales) whole, one after the other;
@@ -96,6 +127,19 @@ def write_checkpoint(
     groups = optimizer_groups(engine, optimizer) if optimizer is not None else None
     param_at, param_info = _stream(engine, Kind.PARAM, all_chunks, directory / PARAM_FILE)
     optim_at, optim_info = _stream(engine, Kind.OPTIM, trainable, directory / OPTIM_FILE)
+    _write_meta(engine, directory, param_at, optim_at, param_info, optim_info, groups)
+
+
+def _write_meta(
+    engine: OffloadEngine,
+    directory: Path,
+    param_at: dict[int, int],
+    optim_at: dict[int, int],
+    param_info: dict[str, int],
+    optim_info: dict[str, int],
+    groups: object,
+) -> None:
+    layout = engine.layout
     tensors = []
     for entry in engine.registry.entries:
         slot = layout.slots[entry.index]
@@ -137,24 +181,91 @@ def save_checkpoint(
     previous checkpoint at ``path``, if any, is left as it was.
     """
     target = Path(path)
+    engine = engine_of(model)
+    if engine.world.sharded:
+        return _save_sharded(target, model, optimizer, engine)
+    return _save(target, model, optimizer)
+
+
+def _save_sharded(
+    target: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, engine: OffloadEngine
+) -> Path:
+    """Collective: every rank gathers each whole chunk, rank 0 writes the checkpoint, and
+    every rank returns only once it is complete, or raises if rank 0 failed.
+
+    NOTE: the checkpoint holds whole chunks, as a single process's does: it
+    loads at any world size (each rank keeps its shard of what it reads).
+    """
+    collectives = engine.collectives
+    what = f"saving checkpoint {target}"
+    error: BaseException | None = None
+    tmp: Path | None = None
+    if engine.world.rank == 0:
+        try:
+            tmp = _prepare(target)
+        except BaseException as exc:  # reported to every rank, then re-raised
+            error = exc
+    if not collectives.any(error is not None, what):
+        if tmp is not None:
+            try:
+                write_checkpoint(tmp, model, optimizer)
+                _replace(tmp, target)
+            except BaseException as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = _named(exc, target)
+                if error is not exc:
+                    error.__cause__ = exc
+        else:
+            engine.synchronize()
+            _stream(engine, Kind.PARAM, list(range(engine.layout.num_chunks)), None)
+            trainable = [i for i, c in enumerate(engine.layout.chunks) if c.trainable]
+            _stream(engine, Kind.OPTIM, trainable, None)
+        failed = collectives.any(error is not None, what)  # NOTE: waits for rank 0
+    else:
+        failed = True
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(
+            f"rank 0 could not save checkpoint {target} (its error says why); the previous "
+            "checkpoint there, if any, is unchanged"
+        )
+    return target
+
+
+def _prepare(target: Path) -> Path:
+    """The empty temporary directory a checkpoint at ``target`` is written into."""
     target.parent.mkdir(parents=True, exist_ok=True)
     temporaries.reclaim(target.parent)
     tmp = temporaries.temp_path(target.parent, target.name)
     tmp.mkdir()
+    return tmp
+
+
+def _save(target: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Path:
+    """:func:`save_checkpoint` by one process."""
+    tmp = _prepare(target)
     try:
         write_checkpoint(tmp, model, optimizer)
         _replace(tmp, target)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        # NOTE: an NVMeIOError from the engine already names chunk, file and offset, and
-        # callers catch it by type: it passes through unchanged.
-        if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, NVMeIOError):
-            # NOTE: same errno (so the same OSError subclass), with the checkpoint named.
-            raise OSError(
-                exc.errno, f"cannot save checkpoint {target}: {exc.strerror or exc}"
-            ) from exc
-        raise
+        named = _named(exc, target)
+        if named is exc:
+            raise
+        raise named from exc
     return target
+
+
+def _named(exc: BaseException, target: Path) -> BaseException:
+    """``exc``, or for an ``OSError`` the same errno with the checkpoint named.
+
+    NOTE: an NVMeIOError from the engine already names chunk, file and offset, and
+    callers catch it by type: it passes through unchanged.
+    """
+    if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, NVMeIOError):
+        return OSError(exc.errno, f"cannot save checkpoint {target}: {exc.strerror or exc}")
+    return exc
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h

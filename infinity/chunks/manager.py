@@ -23,7 +23,7 @@ from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
 from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
-from infinity.chunks.shards import WholeChunk, device_shard, gather_whole, take_shard, whole_bytes
+from infinity.chunks.shards import gather_param
 from infinity.chunks.span_access import SpanFill, write_initial_spans
 from infinity.chunks.spans import first_span, is_split
 from infinity.chunks.staging import HostStaging
@@ -200,7 +200,7 @@ class ChunkManager:
         if self.plan.sharded:
             if prefetch:
                 raise AssertionError("sharded chunks are gathered on demand only (prefetch_param)")
-            return self._gather_param(i)
+            return gather_param(self, i)
         copy = self.device.get(key)
         if copy is not None:
             return copy
@@ -239,36 +239,6 @@ class ChunkManager:
             return self.fetch_param(i, prefetch=True) is not None
         self.updates.check_readable(i)
         return self.prefetch_host((Kind.PARAM, i))
-
-    def _gather_param(self, i: int) -> Copy:
-        """Parameter chunk ``i`` whole on the device, from every rank's shard.
-
-        NOTE: whether a rank still has the chunk cached differs between ranks
-        (prefetch timing shapes eviction), so the ranks first agree whether any
-        of them needs it; then all take part in the gather.
-        """
-        key = (Kind.PARAM, i)
-        assert self.collectives is not None
-        copy = self.device.get(key)
-        if not self.collectives.any(copy is None, f"fetching parameter chunk {i}"):
-            assert copy is not None
-            return copy
-        # NOTE: the shard is read before the device slot is taken: a staging read
-        # may copy from a landed device copy, and a new one is still empty.
-        region, staged = self.open_host(key, writable=False)
-        try:
-            if copy is None:
-                copy = self.device.insert(key, self.plan.device_param_bytes(i), self.moment)
-            else:
-                copy.wait()
-            own = device_shard(self.plan, i, copy.tensor)
-            with self.traffic.waiting("device"):
-                self.backend.copy_async(own, region).wait()
-        finally:
-            self.close_host(staged, modified=False, keep=True)
-        self.collectives.all_gather_in_place(copy.tensor, f"gathering parameter chunk {i}")
-        self.traffic.h2d_bytes += region.numel()
-        return copy
 
     def _sooner_than(self, key: Key) -> Callable[[Hashable], bool]:
         """Eviction filter for prefetching ``key``: only copies needed after it."""
@@ -392,34 +362,6 @@ class ChunkManager:
         if self.plan.has_master:
             state[: values.numel()].copy_(values)
         self.close_host(copy, modified=True, keep=background)
-
-    # --- whole chunks of a sharded plan (chunks/shards.py) ----------------------------
-    def open_whole(
-        self, key: Key, *, load: bool = True, writable: bool = True
-    ) -> tuple[torch.Tensor, WholeChunk | Copy | None]:
-        """:meth:`open_host` of the whole chunk (every rank's shard): collective when
-        sharded, where ``load`` gathers it; pair with :meth:`close_whole`."""
-        region, copy = self.open_host(key, load=load, writable=writable)
-        if not self.plan.sharded:
-            return region, copy
-        assert self.collectives is not None
-        whole = torch.zeros(whole_bytes(self.plan, key), dtype=torch.uint8)
-        if load:
-            gather_whole(self.plan, self.collectives, key, region, whole)
-        return whole, WholeChunk(key, region, copy, whole)
-
-    def close_whole(
-        self, handle: WholeChunk | Copy | None, *, modified: bool, keep: bool = False
-    ) -> None:
-        """Finish with :meth:`open_whole` (``keep`` as :meth:`close_host`); if ``modified``
-        each rank stores its own shard of the whole chunk (every rank must have
-        written the same whole values)."""
-        if not isinstance(handle, WholeChunk):
-            self.close_host(handle, modified=modified, keep=keep)
-            return
-        if modified:
-            take_shard(self.plan, handle.key, handle.whole, handle.region)
-        self.close_host(handle.copy, modified=modified, keep=keep)
 
     def synchronize(self) -> None:
         """Wait for every transfer in flight in every tier."""

@@ -23,13 +23,16 @@ cache decision or an I/O completion, which differ between ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from infinity.chunks.cache import Copy
+from infinity.chunks.accounting import Traffic
+from infinity.chunks.cache import Copy, TierCache
 from infinity.chunks.spans import SpanKey, part_ranges
 from infinity.core.names import Key, Kind
 from infinity.core.plan import Plan
+from infinity.devices.base import DeviceBackend
 from infinity.distributed import Collectives
 
 
@@ -93,3 +96,87 @@ def device_shard(plan: Plan, chunk: int, slot: torch.Tensor) -> torch.Tensor:
     """This rank's shard inside a whole device parameter or gradient slot (uint8)."""
     nbytes = plan.param_bytes(chunk)
     return slot[plan.shard_rank * nbytes : (plan.shard_rank + 1) * nbytes]
+
+
+class HostAccess(Protocol):
+    """What :func:`open_whole` and :func:`gather_param` use of the chunk manager."""
+
+    plan: Plan
+    collectives: Collectives | None
+
+    def open_host(
+        self, key: Key, *, load: bool = True, writable: bool = True
+    ) -> tuple[torch.Tensor, Copy | None]: ...
+
+    def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None: ...
+
+
+class DeviceAccess(HostAccess, Protocol):
+    """What :func:`gather_param` uses of the chunk manager."""
+
+    device: TierCache
+    backend: DeviceBackend
+    traffic: Traffic
+    moment: int
+
+
+def gather_param(manager: DeviceAccess, i: int) -> Copy:
+    """Parameter chunk ``i`` whole on the device, from every rank's shard.
+
+    NOTE: whether a rank still has the chunk cached differs between ranks
+    (prefetch timing shapes eviction), so the ranks first agree whether any
+    of them needs it; then all take part in the gather.
+    """
+    key = (Kind.PARAM, i)
+    collectives = manager.collectives
+    assert collectives is not None
+    copy = manager.device.get(key)
+    if not collectives.any(copy is None, f"fetching parameter chunk {i}"):
+        assert copy is not None
+        return copy
+    # NOTE: the shard is read before the device slot is taken: a staging read
+    # may copy from a landed device copy, and a new one is still empty.
+    region, staged = manager.open_host(key, writable=False)
+    try:
+        if copy is None:
+            copy = manager.device.insert(key, manager.plan.device_param_bytes(i), manager.moment)
+        else:
+            copy.wait()
+        own = device_shard(manager.plan, i, copy.tensor)
+        with manager.traffic.waiting("device"):
+            manager.backend.copy_async(own, region).wait()
+    finally:
+        manager.close_host(staged, modified=False, keep=True)
+    collectives.all_gather_in_place(copy.tensor, f"gathering parameter chunk {i}")
+    manager.traffic.h2d_bytes += region.numel()
+    return copy
+
+
+def open_whole(
+    manager: HostAccess, key: Key, *, load: bool = True, writable: bool = True
+) -> tuple[torch.Tensor, WholeChunk | Copy | None]:
+    """``manager.open_host`` of the whole chunk (every rank's shard): collective when
+    sharded, where ``load`` gathers it; pair with :func:`close_whole`."""
+    region, copy = manager.open_host(key, load=load, writable=writable)
+    plan = manager.plan
+    if not plan.sharded:
+        return region, copy
+    assert manager.collectives is not None
+    whole = torch.zeros(whole_bytes(plan, key), dtype=torch.uint8)
+    if load:
+        gather_whole(plan, manager.collectives, key, region, whole)
+    return whole, WholeChunk(key, region, copy, whole)
+
+
+def close_whole(
+    manager: HostAccess, handle: WholeChunk | Copy | None, *, modified: bool, keep: bool = False
+) -> None:
+    """Finish with :func:`open_whole` (``keep`` as ``close_host``); if ``modified`` each
+    rank stores its own shard of the whole chunk (every rank must have written the
+    same whole values)."""
+    if not isinstance(handle, WholeChunk):
+        manager.close_host(handle, modified=modified, keep=keep)
+        return
+    if modified:
+        take_shard(manager.plan, handle.key, handle.whole, handle.region)
+    manager.close_host(handle.copy, modified=modified, keep=keep)

@@ -40,11 +40,11 @@ from infinity.chunks.states import TensorState
 from infinity.config import Config
 from infinity.core.names import Phase
 from infinity.devices.factory import make_backend
+from infinity.distributed import Collectives, resolve_world
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.stepper import MomentState
-from infinity.distributed import Collectives, resolve_world
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.errors import ModelChangedError
 from infinity.runtime.fetcher import ParamFetcher

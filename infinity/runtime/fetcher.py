@@ -85,5 +85,7 @@ class ParamFetcher:
             budget = depth * self.chunks.layout.chunk_bytes
         plan = self.chunks.plan
         self.prefetcher = (
-            Prefetcher(trace, depth, int(budget), lambda c: plan.device_param_bytes(c)) if depth else None
+            Prefetcher(trace, depth, int(budget), lambda c: plan.device_param_bytes(c))
+            if depth
+            else None
         )

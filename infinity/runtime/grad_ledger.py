@@ -26,6 +26,7 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.chunks.shards import close_whole, open_whole
 from infinity.chunks.span_access import each_span
 from infinity.chunks.spans import is_split
 from infinity.chunks.update_state import UpdateState
@@ -99,10 +100,10 @@ class GradientLedger:
             for entry in entries:
                 self._each_span(chunk, entry.index, lambda grads: grads.zero_())
             return
-        region, copy = self.manager.open_whole((Kind.GRAD, chunk))
+        region, copy = open_whole(self.manager, (Kind.GRAD, chunk))
         for entry in entries:
             self.chunks.chunk_view(region, entry).zero_()
-        self.manager.close_whole(copy, modified=True)
+        close_whole(self.manager, copy, modified=True)
 
     def _each_span(self, chunk: int, index: int, change: Callable[[torch.Tensor], object]) -> None:
         """Apply ``change`` in place to tensor ``index``'s gradient in oversize chunk
@@ -158,14 +159,14 @@ class GradientLedger:
                     factor = pending[i]
                     self._each_span(chunk, i, lambda grads: grads.mul_(factor))  # noqa: B023
                 continue
-            region, copy = self.manager.open_whole((Kind.GRAD, chunk))
+            region, copy = open_whole(self.manager, (Kind.GRAD, chunk))
             try:
                 flat = typed(region, self.chunks.dtype)
                 for i in group:
                     slot = layout.slots[i]
                     flat[slot.offset : slot.offset + slot.numel].mul_(pending[i])
             finally:
-                self.manager.close_whole(copy, modified=True)
+                close_whole(self.manager, copy, modified=True)
         self.changed()
 
     def factor_of(self, index: int) -> float:

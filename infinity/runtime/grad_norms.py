@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from infinity.chunks.homes import Kind
+from infinity.chunks.shards import close_whole, open_whole
 from infinity.chunks.span_access import read_tensor
 from infinity.chunks.spans import is_split
 from infinity.optim.loss_scale import LossScaler
@@ -78,12 +79,12 @@ class GradientNorms:
                     slot = chunks.layout.slots[entry.index]
                     yield entry, read_tensor(chunks.manager, Kind.GRAD, slot, chunks.dtype)
                 continue
-            region, copy = chunks.manager.open_whole((Kind.GRAD, chunk), writable=False)
+            region, copy = open_whole(chunks.manager, (Kind.GRAD, chunk), writable=False)
             try:
                 for entry in group:
                     yield entry, chunks.chunk_view(region, entry)
             finally:
-                chunks.manager.close_whole(copy, modified=False, keep=keep)
+                close_whole(chunks.manager, copy, modified=False, keep=keep)
 
     def grad_norm(self, index: int, norm_type: float) -> torch.Tensor:
         """The norm of tensor ``index``'s gradient as torch would see it (fp32, 0-d).

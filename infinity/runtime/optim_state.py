@@ -17,6 +17,7 @@ import torch
 
 from infinity.chunks.cache import Copy
 from infinity.chunks.homes import Kind
+from infinity.chunks.shards import close_whole, open_whole
 from infinity.chunks.span_access import open_span
 from infinity.chunks.spans import is_split, span_ranges
 from infinity.optim.chunk_optimizer import UnitViews
@@ -38,7 +39,7 @@ def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[
         if is_split(engine.plan, chunk):
             yield from _read_split(engine, chunk, group)
             continue
-        region, copy = engine.manager.open_whole((Kind.OPTIM, chunk), writable=False)
+        region, copy = open_whole(engine.manager, (Kind.OPTIM, chunk), writable=False)
         try:
             unit = _unit(engine, chunk, region)
             for i in group:
@@ -49,7 +50,7 @@ def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[
                 states = {k: v.view(slot.shape) for k, v in values.items()}
                 yield i, (engine.tensor_steps[i], states)
         finally:
-            engine.manager.close_whole(copy, modified=False)
+            close_whole(engine.manager, copy, modified=False)
 
 
 def check_moments(engine: ModelChunks, values: dict[int, MomentState | None]) -> None:
@@ -80,7 +81,7 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
         if is_split(engine.plan, chunk):
             _write_split(engine, chunk, {i: values[i] for i in group})
             continue
-        region, copy = engine.manager.open_whole((Kind.OPTIM, chunk))
+        region, copy = open_whole(engine.manager, (Kind.OPTIM, chunk))
         try:
             unit = _unit(engine, chunk, region)
             optimizer = engine.chunk_optimizer
@@ -97,7 +98,7 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
                 optimizer.write_state(unit, span, states)
                 engine.tensor_steps[i] = step
         finally:
-            engine.manager.close_whole(copy, modified=True)
+            close_whole(engine.manager, copy, modified=True)
 
 
 def _each_span_unit(

@@ -14,6 +14,7 @@ from torch import nn
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
+from infinity.chunks.shards import close_whole, open_whole
 from infinity.chunks.span_access import read_tensor, write_elements
 from infinity.chunks.spans import is_split
 from infinity.runtime.engine import OffloadEngine
@@ -36,14 +37,14 @@ def read_params(
                     read_tensor(engine.manager, key[0], engine.layout.slots[entry.index], dtype),
                 )
             continue
-        region, copy = engine.manager.open_whole(key, writable=False)
+        region, copy = open_whole(engine.manager, key, writable=False)
         try:
             flat = typed(region, torch.float32 if use_master else engine.dtype)
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 yield entry, flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         finally:
-            engine.manager.close_whole(copy, modified=False)
+            close_whole(engine.manager, copy, modified=False)
 
 
 def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None:
@@ -59,7 +60,7 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
             if is_split(engine.plan, chunk):
                 _write_split(engine, key, dtype, chunk, group, values)
                 continue
-            region, copy = engine.manager.open_whole((key, chunk))
+            region, copy = open_whole(engine.manager, (key, chunk))
             try:
                 flat = typed(region, dtype)
                 for entry in group:
@@ -67,7 +68,7 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
                     value = _checked(entry, values[entry.index], slot.shape)
                     flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
             finally:
-                engine.manager.close_whole(copy, modified=True)
+                close_whole(engine.manager, copy, modified=True)
         engine.manager.drop_param(chunk)
 
 
@@ -139,17 +140,17 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
                     write_elements(engine.manager, kind, chunk, 0, slot.offset, flat)
             engine.manager.drop_param(chunk)
             continue
-        opened = [(engine.manager.open_whole((Kind.PARAM, chunk)), engine.dtype)]
+        opened = [(open_whole(engine.manager, (Kind.PARAM, chunk)), engine.dtype)]
         try:
             if master:
-                opened.append((engine.manager.open_whole((Kind.OPTIM, chunk)), torch.float32))
+                opened.append((open_whole(engine.manager, (Kind.OPTIM, chunk)), torch.float32))
             flats = [typed(region, dtype) for (region, _copy), dtype in opened]
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 writers[entry.index]([f[slot.offset : slot.offset + slot.numel] for f in flats])
         finally:
             for (_region, copy), _dtype in opened:
-                engine.manager.close_whole(copy, modified=True)
+                close_whole(engine.manager, copy, modified=True)
         engine.manager.drop_param(chunk)
 
 
@@ -169,11 +170,11 @@ def param_bytes_by_chunk(
                 flat = read_tensor(engine.manager, Kind.PARAM, slot, engine.dtype).reshape(-1)
                 yield entry, flat.view(torch.uint8).numpy().data
             continue
-        region, copy = engine.manager.open_whole((Kind.PARAM, chunk), writable=False)
+        region, copy = open_whole(engine.manager, (Kind.PARAM, chunk), writable=False)
         try:
             data = region.numpy().data
             for entry in group:
                 slot = engine.layout.slots[entry.index]
                 yield entry, data[slot.offset * size : (slot.offset + slot.numel) * size]
         finally:
-            engine.manager.close_whole(copy, modified=False)
+            close_whole(engine.manager, copy, modified=False)
