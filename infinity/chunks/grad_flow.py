@@ -129,7 +129,9 @@ class GradientFlow:
         """Flush every gradient chunk on the device (end of backward), in chunk order
         (the order of a sharded plan's collectives)."""
         grads = [c for c in self.device if chunk_key(c)[0] is Kind.GRAD]
-        for copy in sorted(grads, key=lambda c: chunk_key(c)[1]):
+        if self.collectives is not None:
+            grads.sort(key=lambda c: chunk_key(c)[1])
+        for copy in grads:
             self._evict(copy)
 
     def _evict(self, copy: Copy) -> None:
