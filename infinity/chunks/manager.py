@@ -23,7 +23,7 @@ from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
 from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
-from infinity.chunks.shards import gather_param
+from infinity.chunks.shards import gather_param, start_gathers
 from infinity.chunks.span_access import SpanFill, write_initial_spans
 from infinity.chunks.spans import first_span, is_split
 from infinity.chunks.staging import HostStaging
@@ -206,7 +206,7 @@ class ChunkManager:
             return copy
         nbytes = self.nbytes(key)
         if prefetch:
-            copy = self.device.try_insert(key, nbytes, self.moment, self._sooner_than(key))
+            copy = self.device.try_insert(key, nbytes, self.moment, self.sooner_than(key))
             if copy is None:
                 return None
         else:
@@ -240,8 +240,14 @@ class ChunkManager:
         self.updates.check_readable(i)
         return self.prefetch_host((Kind.PARAM, i))
 
-    def _sooner_than(self, key: Key) -> Callable[[Hashable], bool]:
-        """Eviction filter for prefetching ``key``: only copies needed after it."""
+    def prefetch_gathers(self, chunks: list[int]) -> None:
+        """Sharded: start gathering the parameter chunks of ``chunks`` that some rank
+        lacks and every rank can take now (collective: see ``chunks/shards.py``)."""
+        start_gathers(self, chunks)
+
+    def sooner_than(self, key: Key) -> Callable[[Hashable], bool]:
+        """Eviction filter for prefetching ``key``: only copies needed after it (by the
+        device policy's forecast; any copy without one)."""
         policy = self.device.policy
         if not isinstance(policy, ForecastingPolicy):
             return lambda _victim: False

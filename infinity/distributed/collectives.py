@@ -11,7 +11,9 @@ what, and that the first error is in another rank's output.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import time
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,15 +25,41 @@ class DistributedError(RuntimeError):
     """A collective failed: a peer rank stopped, raised or timed out."""
 
 
+class InFlight:
+    """A collective started asynchronously (a transfer handle: ``done``, ``wait``)."""
+
+    __slots__ = ("_collectives", "_what", "_work")
+
+    def __init__(self, work: Any, collectives: Collectives, what: str) -> None:
+        self._work = work
+        self._collectives = collectives
+        self._what = what
+
+    def done(self) -> bool:
+        """The collective has completed (or failed: :meth:`wait` raises then)."""
+        return bool(self._work.is_completed())
+
+    def wait(self) -> None:
+        """Wait for it; a failure raises :class:`DistributedError` naming the rank."""
+        with self._collectives._failing_as(self._what):
+            self._work.wait()
+
+    def wait_for_compute(self) -> None:
+        """Device copies are waited for by compute: on the CPU, simply waited."""
+        self.wait()
+
+
 class Collectives:
     """Shard collectives over one :class:`World` (every call is collective)."""
 
     def __init__(self, world: World) -> None:
         self.world = world
         self.bytes_sent = 0  # payload bytes this rank put into collectives (a statistic)
+        self.seconds = 0.0  # time this rank spent in collectives and waiting for them
 
     @contextmanager
     def _failing_as(self, what: str) -> Iterator[None]:
+        started = time.perf_counter()
         try:
             yield
         except DistributedError:
@@ -41,16 +69,24 @@ class Collectives:
                 f"rank {self.world.rank} of {self.world.size}: {what} failed: {exc}. Another "
                 "rank has probably stopped or raised: its error comes first in its output"
             ) from exc
+        finally:
+            self.seconds += time.perf_counter() - started
 
     def all_gather_in_place(self, full: torch.Tensor, what: str) -> None:
         """Fill ``full`` (flat, ``size`` equal shards) from every rank's own shard,
         which each rank has already written at its place in ``full``."""
+        self.start_all_gather(full, what).wait()
+
+    def start_all_gather(self, full: torch.Tensor, what: str) -> InFlight:
+        """:meth:`all_gather_in_place`, started: ``full`` is complete once the
+        returned handle is done (and must not be read or reused before)."""
         world = self.world
         shard = full.numel() // world.size
         own = full[world.rank * shard : (world.rank + 1) * shard]
         with self._failing_as(what):
-            dist.all_gather_single(full, own, group=world.group)
+            work = dist.all_gather_single(full, own, group=world.group, async_op=True)
         self.bytes_sent += own.numel() * own.element_size()
+        return InFlight(work, self, what)
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``out`` = this rank's shard of the mean of ``full`` over the ranks."""
@@ -71,6 +107,15 @@ class Collectives:
         with self._failing_as(what):
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.world.group)
         return bool(value.item())
+
+    def any_each(self, flags: list[bool], what: str) -> list[bool]:
+        """Per position, True on every rank if it is true on any (one collective)."""
+        if not flags:
+            return []
+        values = torch.tensor(flags, dtype=torch.int32)
+        with self._failing_as(what):
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.world.group)
+        return [bool(v) for v in values.tolist()]
 
     def sum(self, value: float, what: str) -> float:
         """The sum of ``value`` over the ranks (fp64)."""

@@ -53,6 +53,11 @@ class ParamFetcher:
         """Start fetching the chunks the trace says come next (never blocks)."""
         if self.prefetcher is None or not self.trace.on_track:
             return
+        if self.chunks.plan.sharded:
+            # NOTE: gathers are collective, so the list must be the same on every
+            # rank: the next needs in the trace, whatever each rank has cached.
+            self.manager.prefetch_gathers(self.prefetcher.plan(self.manager.moment, _never))
+            return
         resident = self.manager.device
         for chunk in self.prefetcher.plan(
             self.manager.moment, lambda c: (Kind.PARAM, c) in resident
@@ -89,3 +94,7 @@ class ParamFetcher:
             if depth
             else None
         )
+
+
+def _never(_chunk: int) -> bool:
+    return False
