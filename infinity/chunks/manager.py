@@ -19,11 +19,11 @@ import torch
 from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.cache import Copy, EvictionPolicy, ForecastingPolicy, TierCache
 from infinity.chunks.clock import Clock
+from infinity.chunks.gathers import InUse, gather_param, start_gathers
 from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
 from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
-from infinity.chunks.shards import gather_param, start_gathers
 from infinity.chunks.span_access import SpanFill, write_initial_spans
 from infinity.chunks.spans import first_span, is_split
 from infinity.chunks.staging import HostStaging
@@ -116,6 +116,7 @@ class ChunkManager:
         # Where each chunk's optimizer update is: moved by the engine's update
         # pipeline only; checked here, on every read of parameter bytes.
         self.updates = UpdateStates(n)
+        self.in_use = InUse()  # sharded: the chunks every rank is known to hold
 
     @property
     def moment(self) -> int:

@@ -22,19 +22,15 @@ cache decision or an I/O completion, which differ between ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from infinity.chunks.accounting import Traffic
-from infinity.chunks.cache import Copy, TierCache
+from infinity.chunks.cache import Copy
 from infinity.chunks.spans import SpanKey, part_ranges
-from infinity.chunks.update_state import UpdateStates
 from infinity.core.names import Key, Kind
 from infinity.core.plan import Plan
-from infinity.devices.base import DeviceBackend
 from infinity.distributed import Collectives
 
 
@@ -101,7 +97,7 @@ def device_shard(plan: Plan, chunk: int, slot: torch.Tensor) -> torch.Tensor:
 
 
 class HostAccess(Protocol):
-    """What :func:`open_whole` and :func:`gather_param` use of the chunk manager."""
+    """What :func:`open_whole` uses of the chunk manager."""
 
     plan: Plan
     collectives: Collectives | None
@@ -111,111 +107,6 @@ class HostAccess(Protocol):
     ) -> tuple[torch.Tensor, Copy | None]: ...
 
     def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None: ...
-
-
-class DeviceAccess(HostAccess, Protocol):
-    """What :func:`gather_param` and :func:`start_gathers` use of the chunk manager."""
-
-    device: TierCache
-    backend: DeviceBackend
-    traffic: Traffic
-    moment: int
-    updates: UpdateStates
-
-    def host_ready(self, key: Key) -> bool: ...
-
-    def prefetch_host(self, key: Key, protect: Collection[Key] = ()) -> bool: ...
-
-    def sooner_than(self, key: Key) -> Callable[[Hashable], bool]: ...
-
-
-def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
-    """Start gathering, without blocking, the parameter chunks of ``chunks`` (the next
-    needs in the trace, the same list on every rank) that some rank lacks.
-
-    A chunk is gathered only if every rank can take part now: its update is not
-    queued, its shard is in host memory, and a device slot is free without
-    evicting anything needed sooner. The ranks agree on that in one collective;
-    a rank that has the chunk cached gathers into its copy (the same bytes).
-    Shards still on NVMe are read into host staging for a later call.
-    """
-    collectives = manager.collectives
-    assert collectives is not None
-    plan, device = manager.plan, manager.device
-    missing, unable = [], []
-    taken: dict[int, Copy] = {}
-    for i in chunks:
-        key = (Kind.PARAM, i)
-        cached = key in device
-        missing.append(not cached)
-        if manager.updates.queued(i):
-            unable.append(True)  # NOTE: its home shard is stale until the update runs
-            continue
-        if cached:
-            unable.append(False)
-            continue
-        if not manager.host_ready(key):
-            manager.prefetch_host(key)
-            unable.append(True)
-            continue
-        copy = device.try_insert(
-            key, plan.device_param_bytes(i), manager.moment, manager.sooner_than(key)
-        )
-        if copy is not None:
-            taken[i] = copy
-        unable.append(copy is None)
-    agreed = collectives.any_each(missing + unable, "agreeing on parameter prefetches")
-    n = len(chunks)
-    for k, i in enumerate(chunks):
-        key = (Kind.PARAM, i)
-        if not agreed[k] or agreed[n + k]:
-            if i in taken:
-                device.remove(key)
-            continue
-        copy = device.get(key)
-        assert copy is not None
-        region, staged = manager.open_host(key, writable=False)
-        try:
-            # NOTE: a cached copy already holds these bytes: rewritten in place.
-            device_shard(plan, i, copy.tensor).copy_(region)
-        finally:
-            manager.close_host(staged, modified=False, keep=True)
-        copy.pending.append(
-            collectives.start_all_gather(copy.tensor, f"gathering parameter chunk {i}")
-        )
-        manager.traffic.h2d_bytes += region.numel()
-
-
-def gather_param(manager: DeviceAccess, i: int) -> Copy:
-    """Parameter chunk ``i`` whole on the device, from every rank's shard.
-
-    NOTE: whether a rank still has the chunk cached differs between ranks
-    (prefetch timing shapes eviction), so the ranks first agree whether any
-    of them needs it; then all take part in the gather.
-    """
-    key = (Kind.PARAM, i)
-    collectives = manager.collectives
-    assert collectives is not None
-    copy = manager.device.get(key)
-    if not collectives.any(copy is None, f"fetching parameter chunk {i}"):
-        assert copy is not None
-        return copy
-    # NOTE: the shard is read before the device slot is taken: a staging read
-    # may copy from a landed device copy, and a new one is still empty.
-    region, staged = manager.open_host(key, writable=False)
-    try:
-        if copy is None:
-            copy = manager.device.insert(key, manager.plan.device_param_bytes(i), manager.moment)
-        else:
-            copy.wait()
-        own = device_shard(manager.plan, i, copy.tensor)
-        with manager.traffic.waiting("device"):
-            manager.backend.copy_async(own, region).wait()
-    finally:
-        manager.close_host(staged, modified=False, keep=True)
-    collectives.all_gather_in_place(copy.tensor, f"gathering parameter chunk {i}")
-    manager.traffic.h2d_bytes += region.numel()
-    return copy
 
 
 def open_whole(

@@ -10,8 +10,8 @@ what, and that the first error is in another rank's output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 

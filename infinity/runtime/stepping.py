@@ -65,6 +65,7 @@ class UpdatePipeline:
         :mod:`infinity.runtime.update_queue`).
         """
         self.queue.settle()  # a step still trailing (two steps without a forward between)
+        self.manager.in_use.release()  # sharded: the updates make the held copies stale
         self.ledger.collect_zeroed()
         # NOTE: no global synchronize here: every reader waits for exactly the
         # transfer it needs (a gradient's flush, a staging read), and writes
