@@ -12,6 +12,7 @@ the start of an accumulation cycle and adding afterwards.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from functools import partial
 from typing import cast
 
 import torch
@@ -149,9 +150,15 @@ class GradientFlow:
         key: Key = (Kind.GRAD, i)
         nbytes = self.homes.nbytes(key)
         source = copy.tensor
+        to_home: Callable[[torch.Tensor], Pending] | None = None
         if self.collectives is not None:
-            source = self._reduce_scatter(copy, i)
-        self._check_finite(source.view(self.dtype))
+            if self.grads[i] is GradState.RECEIVING and not self.check_overflow:
+                to_home = self._start_reduce_scatter(copy, i)
+            else:
+                source = self._reduce_scatter(copy, i)
+        if to_home is None:
+            self._check_finite(source.view(self.dtype))
+            to_home = partial(self._copy_to, source)
         self.traffic.d2h_bytes += nbytes
         if is_split(self.homes.plan, i):
             self._flush_in_spans(copy, i)
@@ -160,14 +167,14 @@ class GradientFlow:
             # First gradients of this accumulation cycle: a plain copy home, left
             # in flight (the device slot is reused only once it has landed).
             if self.homes.tier(key) == HOST:
-                d2h = self.backend.copy_async(self.homes.host(key), source)
+                d2h = to_home(self.homes.host(key))
                 copy.pending.append(d2h)
                 self.staging.home_fill[key] = d2h
                 self.grads.flushed(i)
                 return
             home = self.staging.staged(key, load=False)
             assert home is not None
-            d2h = self.backend.copy_async(home.tensor, source)
+            d2h = to_home(home.tensor)
             copy.pending.append(d2h)
             home.fill = d2h  # readers of the staging copy wait for it
             if self.consume_grads:
@@ -287,6 +294,30 @@ class GradientFlow:
                 "NVMe). Call optimizer.zero_grad() after optimizer.step(), and read gradients "
                 "before the step with overlap_optimizer=False."
             )
+
+    def _copy_to(self, source: torch.Tensor, dst: torch.Tensor) -> Pending:
+        return self.backend.copy_async(dst, source)
+
+    def _start_reduce_scatter(self, copy: Copy, i: int) -> Callable[[torch.Tensor], Pending]:
+        """Sharded, the first flush of an accumulation cycle: start reducing device
+        gradient chunk ``i``; returns how to bring this rank's mean shard to a home
+        buffer once it has landed (backward goes on meanwhile)."""
+        assert self.collectives is not None
+        size = self.collectives.world.size
+        own = device_shard(self.homes.plan, i, copy.tensor)
+        mean = torch.empty_like(own).view(self.dtype)
+        work = self.collectives.start_reduce_scatter(
+            mean, copy.typed(self.dtype), f"reducing gradient chunk {i}"
+        )
+
+        def to_home(dst: torch.Tensor) -> Pending:
+            def copy_mean() -> Pending:
+                mean.div_(size)
+                return self.backend.copy_async(dst, mean.view(torch.uint8))
+
+            return ChainedTransfer(work, copy_mean)
+
+        return to_home
 
     def _reduce_scatter(self, copy: Copy, i: int) -> torch.Tensor:
         """Sharded: the mean over the ranks of device gradient chunk ``i``, this rank's

@@ -90,10 +90,16 @@ class Collectives:
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``out`` = this rank's shard of the mean of ``full`` over the ranks."""
-        with self._failing_as(what):
-            dist.reduce_scatter_single(out, full, group=self.world.group)
+        self.start_reduce_scatter(out, full, what).wait()
         out.div_(self.world.size)
+
+    def start_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str) -> InFlight:
+        """``out`` = this rank's shard of the *sum* of ``full`` over the ranks, started
+        (``full`` must stay unchanged until the returned handle is done)."""
+        with self._failing_as(what):
+            work = dist.reduce_scatter_single(out, full, group=self.world.group, async_op=True)
         self.bytes_sent += full.numel() * full.element_size()
+        return InFlight(work, self, what)
 
     def broadcast(self, tensor: torch.Tensor, what: str, src: int = 0) -> None:
         """Every rank gets rank ``src``'s ``tensor`` (``src`` is a rank of the group)."""
