@@ -57,6 +57,11 @@ class Collectives:
         self.bytes_sent = 0  # payload bytes this rank put into collectives (a statistic)
         self.seconds = 0.0  # time this rank spent in collectives and waiting for them
 
+    def _group(self, tensor: torch.Tensor) -> Any:
+        """The group for ``tensor``: the world's own for device tensors, its gloo twin
+        for host memory."""
+        return self.world.host_group if tensor.device.type == "cpu" else self.world.group
+
     @contextmanager
     def _failing_as(self, what: str) -> Iterator[None]:
         started = time.perf_counter()
@@ -84,7 +89,7 @@ class Collectives:
         shard = full.numel() // world.size
         own = full[world.rank * shard : (world.rank + 1) * shard]
         with self._failing_as(what):
-            work = dist.all_gather_single(full, own, group=world.group, async_op=True)
+            work = dist.all_gather_single(full, own, group=self._group(full), async_op=True)
         self.bytes_sent += own.numel() * own.element_size()
         return InFlight(work, self, what)
 
@@ -97,21 +102,21 @@ class Collectives:
         """``out`` = this rank's shard of the *sum* of ``full`` over the ranks, started
         (``full`` must stay unchanged until the returned handle is done)."""
         with self._failing_as(what):
-            work = dist.reduce_scatter_single(out, full, group=self.world.group, async_op=True)
+            work = dist.reduce_scatter_single(out, full, group=self._group(full), async_op=True)
         self.bytes_sent += full.numel() * full.element_size()
         return InFlight(work, self, what)
 
     def broadcast(self, tensor: torch.Tensor, what: str, src: int = 0) -> None:
         """Every rank gets rank ``src``'s ``tensor`` (``src`` is a rank of the group)."""
-        root = dist.get_global_rank(self.world.group, src)
+        root = dist.get_global_rank(self._group(tensor), src)
         with self._failing_as(what):
-            dist.broadcast(tensor, root, group=self.world.group)
+            dist.broadcast(tensor, root, group=self._group(tensor))
 
     def any(self, flag: bool, what: str) -> bool:
         """True on every rank if ``flag`` is true on any."""
         value = torch.tensor([int(flag)], dtype=torch.int32)
         with self._failing_as(what):
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.world.group)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.world.host_group)
         return bool(value.item())
 
     def any_each(self, flags: list[bool], what: str) -> list[bool]:
@@ -120,20 +125,20 @@ class Collectives:
             return []
         values = torch.tensor(flags, dtype=torch.int32)
         with self._failing_as(what):
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.world.group)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.world.host_group)
         return [bool(v) for v in values.tolist()]
 
     def sum(self, value: float, what: str) -> float:
         """The sum of ``value`` over the ranks (fp64)."""
         total = torch.tensor([value], dtype=torch.float64)
         with self._failing_as(what):
-            dist.all_reduce(total, group=self.world.group)
+            dist.all_reduce(total, group=self.world.host_group)
         return float(total.item())
 
     def barrier(self, what: str) -> None:
         """Wait until every rank reaches this point."""
         with self._failing_as(what):
-            dist.barrier(group=self.world.group)
+            dist.barrier(group=self.world.host_group)
 
     def check_same(self, name: str, value: str, describe: Callable[[str], str] = str) -> None:
         """Raise on every rank unless ``value`` is the same on all (compared by rank 0's).
@@ -142,7 +147,7 @@ class Collectives:
         """
         values: list[str | None] = [None] * self.world.size
         with self._failing_as(f"comparing {name} across ranks"):
-            dist.all_gather_object(values, value, group=self.world.group)
+            dist.all_gather_object(values, value, group=self.world.host_group)
         differ = [r for r, v in enumerate(values) if v != values[0]]
         if differ:
             raise DistributedError(

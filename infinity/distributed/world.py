@@ -20,6 +20,10 @@ class World:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    # The same ranks over gloo, for tensors in host memory (agreements, whole
+    # chunks read by tensor): ``group`` itself when it is gloo; NCCL takes only
+    # GPU tensors.
+    host_group: Any = None
 
     @property
     def sharded(self) -> bool:
@@ -52,4 +56,8 @@ def resolve_world(process_group: Any = None) -> World:
     size = dist.get_world_size(group)
     if size == 1:
         return SINGLE
-    return World(rank=dist.get_rank(group), size=size, group=group)
+    host_group = group
+    if dist.get_backend(group) != "gloo":
+        # NOTE: collective (every rank of the group creates it, in the same order).
+        host_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    return World(rank=dist.get_rank(group), size=size, group=group, host_group=host_group)
