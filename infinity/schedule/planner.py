@@ -33,11 +33,19 @@ def _classes(sizes: Iterable[int]) -> Counter[int]:
 
 
 def min_device_slots(
-    layout: ChunkLayout, element_size: int, working_sets: Sequence[frozenset[int]]
+    layout: ChunkLayout,
+    element_size: int,
+    working_sets: Sequence[frozenset[int]],
+    grad_slots: int = 1,
 ) -> dict[int, int]:
     """Device slots each size class needs: the largest set of chunks one module
-    holds at once (its own and its ancestors' parameters), plus one slot of the
-    largest trainable size to receive gradients (a chunk fits any larger slot)."""
+    holds at once (its own and its ancestors' parameters), plus ``grad_slots``
+    slots of the largest trainable size to receive gradients (a chunk fits any
+    larger slot).
+
+    NOTE: sharded, a gradient chunk stays on the device until it is complete
+    (``GradientFlow``): a tied embedding's receives gradients the whole
+    backward, beside the chunk being filled, hence two slots there."""
     need: Counter[int] = Counter()
     for chunk_set in working_sets:
         per_class = _classes(layout.chunks[i].capacity * element_size for i in chunk_set)
@@ -45,7 +53,7 @@ def min_device_slots(
             need[size] = max(need[size], count)
     trainable_sizes = [c.capacity * element_size for c in layout.chunks if c.trainable]
     if trainable_sizes:
-        need[max(trainable_sizes)] += 1
+        need[max(trainable_sizes)] += grad_slots
     if not need and layout.chunks:
         need[layout.chunks[0].capacity * element_size] = 1
     return dict(need)
@@ -200,7 +208,7 @@ def _place(
     obytes = [optimizer.unit_bytes(c.capacity // shard_count, has_master) for c in chunks]
 
     # Device: the minimum working set, then as many more slots as fit.
-    device = min_device_slots(layout, element_size, working_sets)
+    device = min_device_slots(layout, element_size, working_sets, 2 if shard_count > 1 else 1)
     device_need = sum(s * c for s, c in device.items())
     if device_need > budgets.device:
         largest = max(c.capacity for c in chunks) * element_size
