@@ -16,7 +16,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
     Peaks are exact (the manager's accounting of occupied slots, homes
     included); traffic counters are totals since ``offload``; ``last_step``
     splits the wall time of the latest optimizer step interval into waiting on
-    each tier and everything else (computing).
+    each tier and everything else (computing). ``world``: this process's rank
+    among the processes its chunks are sharded over, and what it communicated.
     """
     engine = engine_of(model)
     manager = engine.manager
@@ -50,6 +51,14 @@ def stats(model: nn.Module) -> dict[str, Any]:
     if manager.fixed_buffers is not None and manager.fixed_buffers.startswith("io_uring"):
         out["nvme_registration_error"] = manager.fixed_buffers  # the kernel refused
     out.update(manager.traffic.snapshot())
+    out["world"] = {
+        "rank": engine.world.rank,
+        "size": engine.world.size,
+        # payload this rank sent to collectives, and the time it spent in them
+        # (waiting for the other ranks included)
+        "sent_bytes": engine.collectives.bytes_sent,
+        "collective_seconds": engine.collectives.seconds,
+    }
     if engine.scaler is not None:
         out["loss_scale"] = engine.scaler.scale
         out["skipped_steps"] = engine.scaler.skipped_steps
