@@ -29,22 +29,34 @@ IN_USE_CHUNKS = 2  # a module's parameters span at most two chunks (chunks/layou
 
 
 class InUse:
-    """The last parameter chunks demanded, pinned on every rank's device.
+    """Parameter chunks every rank is known to hold on its device, pinned there.
 
-    Changed only where every rank demands a chunk (and emptied by the optimizer
-    step, whose updates make the copies stale), so its contents are the same on
-    every rank: a chunk it holds is demanded again with no agreement. This is
-    what a module's consecutive uses of one chunk, forward and backward, need.
+    Two sets: the last chunks demanded, and the chunks a prefetch agreement
+    gathered (or found on every rank), *promised* until their first demand. Both
+    change only where every rank demands a chunk or agrees on a prefetch, and
+    are emptied by the optimizer step (whose updates make the copies stale) and
+    by a new iteration, so they are the same on every rank: a chunk they hold
+    is demanded with no agreement. That covers a module's repeated uses of its
+    chunk and, on track, the first use of every prefetched one.
     """
 
     def __init__(self, size: int = IN_USE_CHUNKS) -> None:
         self.size = size
         self._copies: OrderedDict[int, Copy] = OrderedDict()
+        self._promised: dict[int, tuple[Copy, int]] = {}  # chunk -> (copy, iteration)
+        self._iteration = 0
         # The prefetch list last agreed on (every rank's): see start_gathers.
         self.prefetched: list[int] = []
 
     def holds(self, chunk: int, copy: Copy) -> bool:
-        """``copy`` is chunk ``chunk``'s device copy held here (then it is kept longest)."""
+        """``copy`` is chunk ``chunk``'s device copy held here: a demand of it needs no
+        agreement (it is then held as the latest demanded)."""
+        promised = self._promised.pop(chunk, None)
+        if promised is not None:
+            promised[0].pins -= 1
+            if promised[0] is copy:
+                self.hold(chunk, copy)
+                return True
         if self._copies.get(chunk) is not copy:
             return False
         self._copies.move_to_end(chunk)
@@ -61,11 +73,31 @@ class InUse:
             _chunk, released = self._copies.popitem(last=False)
             released.pins -= 1
 
+    def promise(self, chunk: int, copy: Copy) -> None:
+        """Every rank agreed it has ``copy`` (or is gathering it): pinned until demanded."""
+        if chunk not in self._promised:
+            copy.pins += 1
+            self._promised[chunk] = (copy, self._iteration)
+
+    def next_iteration(self) -> None:
+        """A forward starts: promises not demanded for a whole iteration are dropped
+        (the model went another way than the trace; an evaluation loop never steps).
+
+        NOTE: the prefetch after a step promises the next forward's first chunks
+        in the iteration that ends: those are kept.
+        """
+        self._iteration += 1
+        for chunk, (copy, made) in list(self._promised.items()):
+            if made < self._iteration - 1:
+                copy.pins -= 1
+                del self._promised[chunk]
+
     def release(self) -> None:
-        """Unpin every held copy (the optimizer step makes them stale)."""
-        for copy in self._copies.values():
+        """Unpin every copy (the step makes them stale; a new iteration may go another way)."""
+        for copy in [*self._copies.values(), *(c for c, _ in self._promised.values())]:
             copy.pins -= 1
         self._copies.clear()
+        self._promised.clear()
         self.prefetched = []
 
 
@@ -133,12 +165,15 @@ def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
     n = len(chunks)
     for k, i in enumerate(chunks):
         key = (Kind.PARAM, i)
-        if not agreed[k] or agreed[n + k]:
+        if agreed[n + k]:  # some rank cannot take part now
             if i in taken:
                 device.remove(key)
             continue
         copy = device.get(key)
         assert copy is not None
+        manager.in_use.promise(i, copy)
+        if not agreed[k]:
+            continue  # every rank has it already
         region, staged = manager.open_host(key, writable=False)
         try:
             # NOTE: a cached copy already holds these bytes: rewritten in place.

@@ -70,6 +70,7 @@ class ParamFetcher:
     def start_iteration(self) -> None:
         """A forward starts a new iteration: the last one may have become the trace."""
         previous = self.trace.trace
+        self.manager.in_use.next_iteration()
         self.trace.start_iteration()
         if self.trace.trace is not previous:
             self._new_trace()
