@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from infinity.config import Config
+from infinity.distributed import Collectives, resolve_world
+from infinity.distributed.agreement import check_agreement
 from infinity.optim import registry
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.hooks import HookSet
@@ -45,6 +47,9 @@ def offload(
     if not isinstance(config, Config):
         raise TypeError(f"config must be an infinity.Config, got {type(config).__name__}")
     check_initialisable(model, init)
+    world = resolve_world(config.process_group)
+    if world.sharded:
+        check_agreement(Collectives(world), config, model)
     engine = OffloadEngine(model, config)
     try:
         pending = materialize_buffers(model, engine.device)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from infinity.distributed.failures import failure_message
 from infinity.distributed.world import World
 
 
@@ -70,10 +71,7 @@ class Collectives:
         except DistributedError:
             raise
         except (RuntimeError, ValueError) as exc:
-            raise DistributedError(
-                f"rank {self.world.rank} of {self.world.size}: {what} failed: {exc}. Another "
-                "rank has probably stopped or raised: its error comes first in its output"
-            ) from exc
+            raise DistributedError(failure_message(self.world, what, exc)) from exc
         finally:
             self.seconds += time.perf_counter() - started
 
@@ -139,6 +137,13 @@ class Collectives:
         """Wait until every rank reaches this point."""
         with self._failing_as(what):
             dist.barrier(group=self.world.host_group)
+
+    def gather_object(self, value: object, what: str) -> list[object]:
+        """Every rank's picklable ``value``, in rank order (on every rank)."""
+        values: list[object] = [None] * self.world.size
+        with self._failing_as(what):
+            dist.all_gather_object(values, value, group=self.world.group)
+        return values
 
     def check_same(self, name: str, value: str, describe: Callable[[str], str] = str) -> None:
         """Raise on every rank unless ``value`` is the same on all (compared by rank 0's).

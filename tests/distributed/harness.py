@@ -178,7 +178,8 @@ def spawn_ranks(
     elif running:
         raise RanksFailed(
             f"ranks {running} of {nprocs} were still running after {timeout:.0f} s and were "
-            "killed" + "".join(f"\n{o.describe()}" for o in outcomes if o.rank not in running)
+            "killed"
+            + "".join(f"\n{o.describe()}" for o in outcomes if not o.finished and o.killed is None)
         )
     return outcomes
 

@@ -1,0 +1,82 @@
+"""Every rank must offload the same model with the same Config: checked at ``offload``.
+
+A rank with another chunk layout would send shards of another size or meaning
+into every collective: gloo errors at best, silently mixed parameters at worst.
+So before the engine is built the ranks compare a fingerprint of the Config and
+of the model's parameters, and every rank raises naming the first difference.
+
+What may differ per rank: ``nvme_path`` (each machine has its own disks; only
+whether the NVMe tier is on must agree) and the device index (``cuda:0`` on one
+rank, ``cuda:1`` on the next: only the device type must agree). Budgets must be
+equal as written (``"auto"`` agrees with ``"auto"``): they are per process, and
+the chunk size searched from them must come out the same on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, cast
+
+from torch import nn
+
+from infinity.config import AUTO, Config
+from infinity.distributed.collectives import Collectives, DistributedError
+
+_SAME_EVERYWHERE = "Every rank must offload the same model with the same Config"
+
+
+def config_fingerprint(config: Config) -> dict[str, str]:
+    """The Config fields that must agree across ranks, as comparable strings."""
+    data: dict[str, Any] = config.to_dict()
+    data["nvme_path"] = "a path (NVMe on)" if config.nvme_path is not None else None
+    if config.device != AUTO:
+        data["device"] = str(config.device).split(":")[0]
+    return {name: json.dumps(value, sort_keys=True) for name, value in data.items()}
+
+
+def model_fingerprint(model: nn.Module) -> dict[str, str]:
+    """Each parameter name -> its shape, dtype, requires_grad (and what it is tied to)."""
+    seen: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = seen.setdefault(id(param), name)
+        tied = f", tied to {first}" if first != name else ""
+        out[name] = (
+            f"shape {tuple(param.shape)}, {param.dtype}, requires_grad={param.requires_grad}{tied}"
+        )
+    return out
+
+
+def check_agreement(collectives: Collectives, config: Config, model: nn.Module) -> None:
+    """Raise :class:`DistributedError` on every rank unless all ranks offload the same
+    model with the same Config (see the module docstring for what may differ).
+
+    One small all-gather of digests; the full fingerprints only travel when they differ.
+    """
+    parts = {"Config field": config_fingerprint(config), "parameter": model_fingerprint(model)}
+    blob = json.dumps(parts, sort_keys=True)
+    digest = hashlib.sha256(blob.encode()).hexdigest()
+    digests = collectives.gather_object(digest, "comparing the Config and model across ranks")
+    if all(d == digests[0] for d in digests):
+        return
+    gathered = collectives.gather_object(parts, "gathering the differing Config/model fingerprints")
+    everyone = cast(list[dict[str, dict[str, str]]], gathered)
+    rank = next(r for r, d in enumerate(digests) if d != digests[0])
+    raise DistributedError(_first_difference(everyone[0], everyone[rank], rank))
+
+
+def _first_difference(
+    mine: dict[str, dict[str, str]], theirs: dict[str, dict[str, str]], rank: int
+) -> str:
+    for kind in mine:
+        ours, other = mine[kind], theirs[kind]
+        for name in [*ours, *(n for n in other if n not in ours)]:
+            a, b = ours.get(name, "missing"), other.get(name, "missing")
+            if a != b:
+                return (
+                    f"the model or Config differs across ranks: {kind} {name!r} is {a} on "
+                    f"rank 0 and {b} on rank {rank}. {_SAME_EVERYWHERE} (only the nvme_path "
+                    "folder and the device index may differ)"
+                )
+    return f"the model or Config differs across ranks 0 and {rank}. {_SAME_EVERYWHERE}"
