@@ -3,8 +3,14 @@ their release, which must not need the model (see :func:`release`)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
+import torch.distributed as dist
+
 from infinity.config import Config, ConfigError
 from infinity.devices.base import DeviceBackend
+from infinity.distributed import resolve_world
 from infinity.io import IOEngine, SwapFile
 from infinity.io.filesystems import pseudo_filesystem
 from infinity.io.owned_dirs import reclaim_stale
@@ -28,15 +34,38 @@ def prepare_nvme(config: Config) -> None:
             "(ideally an NVMe SSD), or no nvme_path to keep every state in memory"
         )
     reclaim_stale(path)
+    own = swap_directory(config)
+    if own != path:
+        reclaim_stale(own)
+
+
+def swap_directory(config: Config) -> str:
+    """Where this process's swap directory goes: ``nvme_path``, or with chunks sharded
+    over several ranks ``nvme_path/rank-<global rank>``.
+
+    NOTE: one ``nvme_path`` then serves every local rank, and nodes sharing it (a
+    network file system): each rank reclaims stale directories only in its own
+    folder, where no other rank of the job ever writes. The empty ``rank-<r>``
+    folders stay, as ``nvme_path`` itself does, for the next run.
+    """
+    path = config.nvme_path
+    assert path is not None
+    if not resolve_world(config.process_group).sharded:
+        return path
+    # Only the last component of nvme_path is created, as for one process; a missing
+    # parent is reported by SwapFile with the path.
+    with contextlib.suppress(FileExistsError, FileNotFoundError):
+        os.mkdir(path)
+    return os.path.join(path, f"rank-{dist.get_rank()}")
 
 
 def open_swap(config: Config, nbytes: int) -> SwapFile | None:
-    """A preallocated swap file of ``nbytes`` under ``config.nvme_path``, or ``None``."""
+    """A preallocated swap file of ``nbytes`` under :func:`swap_directory`, or ``None``."""
     if nbytes == 0 or config.nvme_path is None:
         return None
     engine = IOEngine(config.aio)
     try:
-        swap = SwapFile(config.nvme_path, nbytes, engine, name="chunks")
+        swap = SwapFile(swap_directory(config), nbytes, engine, name="chunks")
     except BaseException:
         engine.close()
         raise
