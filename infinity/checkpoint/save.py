@@ -113,17 +113,23 @@ def _chunk_bytes(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[memo
 
 
 def write_checkpoint(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    directory: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """Write the checkpoint files into the existing empty ``directory`` and fsync them.
 
     No rename: the caller makes the directory visible once it is complete.
+    Sharded, this is collective: rank 0 writes and passes the ``directory``, the
+    other ranks pass ``None`` and only take part in gathering each chunk.
     """
     engine = engine_of(model)
     engine.synchronize()
     layout = engine.layout
     all_chunks = list(range(layout.num_chunks))
     trainable = [i for i in all_chunks if layout.chunks[i].trainable]
+    if directory is None:
+        _stream(engine, Kind.PARAM, all_chunks, None)
+        _stream(engine, Kind.OPTIM, trainable, None)
+        return
     groups = optimizer_groups(engine, optimizer) if optimizer is not None else None
     param_at, param_info = _stream(engine, Kind.PARAM, all_chunks, directory / PARAM_FILE)
     optim_at, optim_info = _stream(engine, Kind.OPTIM, trainable, directory / OPTIM_FILE)
@@ -216,10 +222,7 @@ def _save_sharded(
                 if error is not exc:
                     error.__cause__ = exc
         else:
-            engine.synchronize()
-            _stream(engine, Kind.PARAM, list(range(engine.layout.num_chunks)), None)
-            trainable = [i for i, c in enumerate(engine.layout.chunks) if c.trainable]
-            _stream(engine, Kind.OPTIM, trainable, None)
+            write_checkpoint(None, model, optimizer)
         failed = collectives.any(error is not None, what)  # NOTE: waits for rank 0
     else:
         failed = True

@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         (groups[argv[0]] if argv else parser).print_help()
         return 2
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # NOTE: `train --nproc N` re-runs the command line as N processes
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)

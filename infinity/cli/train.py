@@ -23,6 +23,7 @@ from pathlib import Path
 
 import infinity
 from infinity.cli import train_checkpoints as ckpt
+from infinity.cli import train_ranks
 from infinity.cli.main import CommandError
 from infinity.cli.train_args import DEFAULT_CHECKPOINT_DIR, add_arguments
 from infinity.cli.train_loop import Session, StopSignals
@@ -44,6 +45,7 @@ from infinity.models.gpt import describe as describe_gpt
 from infinity.offload import engine_of
 
 DEMO_BUDGET_ATTEMPTS = 6
+_Budgets = tuple[infinity.Config, tuple[str, ...]]  # the config, and which budgets are derived
 
 __all__ = ["add_arguments", "run"]
 
@@ -118,6 +120,7 @@ class _Run:
     resume_from: Path | None
     resumed: ckpt.TrainerState | None
     started: float
+    ranks: train_ranks.Ranks
     run_dir: RunDirectory | None = None  # this run's own directory in ckpt_dir
     forked: str | None = None  # why a resumed run continues as a new run, if it does
     last_saved: Path | None = None  # the newest complete checkpoint of this run
@@ -143,6 +146,7 @@ def _header(run: _Run, session: Session) -> list[str]:
         f"{s.lr * s.min_lr_ratio:g}), {s.optimizer_state_dtype} moments, clip {s.clip_grad:g}, "
         f"seed {s.seed}",
         *budget_lines(s.state_bytes(), stats, bool(run.derived)),
+        *train_ranks.header_line(run.ranks, s.batch_size * s.grad_accum),
         "plan:",
         *("  " + line for line in engine_of(session.model).plan.describe().splitlines()),
     ]
@@ -158,6 +162,8 @@ def _prepare_nvme(path: str | None) -> list[Path]:
         if not directory.exists():
             try:
                 directory.mkdir()
+            except FileExistsError:
+                continue  # NOTE: another rank of this run made it first (not ours to remove)
             except OSError as exc:
                 raise CommandError(
                     f"--nvme-path: cannot create '{directory}': {exc.strerror}"
@@ -180,7 +186,7 @@ def _open_session(run: _Run) -> Session:
     """Offload the model; derived (demo) budgets grow until the planner accepts them."""
     for attempt in range(DEMO_BUDGET_ATTEMPTS):
         try:
-            return Session(run.settings, run.config, run.corpus)
+            return Session(run.settings, run.config, run.corpus, run.ranks)
         except infinity.PlanError as exc:
             if not run.derived or attempt == DEMO_BUDGET_ATTEMPTS - 1:
                 raise CommandError(as_flags(str(exc))) from None
@@ -196,8 +202,18 @@ def _open_session(run: _Run) -> Session:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``infinity train``; returns the exit code."""
-    started = time.perf_counter()
-    report = JsonReport() if args.json else HumanReport(quiet=args.quiet)
+    if train_ranks.wants_launch(args):
+        _decide(args)  # NOTE: a bad flag fails here, once, before any process starts
+        return train_ranks.launch(args)
+    with train_ranks.joined(args) as ranks:
+        return _run(args, ranks)
+
+
+def _decide(
+    args: argparse.Namespace,
+) -> tuple[Path | None, Path | None, ckpt.TrainerState | None, RunSettings, _Budgets]:
+    """Check the flags and derive the run: (resume_from, ckpt_dir, resumed state,
+    settings, (config, derived budgets)); touches nothing."""
     if args.checkpoint_every < 0 or args.eval_batches < 0:
         raise CommandError("--checkpoint-every and --eval-batches must be >= 0")
     if args.stop_after is not None and args.stop_after < 1:
@@ -215,7 +231,14 @@ def run(args: argparse.Namespace) -> int:
             f"--resume: {resume_from} is at step {resumed.step}, the end of a "
             f"{settings.steps}-step run; pass --steps N with N > {resumed.step} to train further"
         )
-    config, derived = build_config(args, settings)
+    return resume_from, ckpt_dir, resumed, settings, build_config(args, settings)
+
+
+def _run(args: argparse.Namespace, ranks: train_ranks.Ranks) -> int:
+    """The run of this process (one of ``ranks``)."""
+    started = time.perf_counter()
+    report = train_ranks.report_for(args, ranks)
+    resume_from, ckpt_dir, resumed, settings, (config, derived) = _decide(args)
     try:
         corpus = (
             load_pretrained_corpus(settings.model)
@@ -226,21 +249,24 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     plan = _Run(
         args, settings, config, derived, corpus, report, ckpt_dir, resume_from, resumed, started,
-        last_saved=resume_from,
+        ranks, last_saved=resume_from,
     )  # fmt: skip
     created = _prepare_nvme(config.nvme_path)
     try:
         if ckpt_dir is not None:
-            plan.run_dir, plan.forked = _open_run_dir(ckpt_dir, resume_from, resumed)
+            opened = _open_run_dir(ckpt_dir, resume_from, resumed) if ranks.main else None
+            plan.run_dir, plan.forked = train_ranks.share_run_dir(ranks, opened)
         # NOTE: the handlers cover everything from offload to cleanup, so a second
         # Ctrl-C anywhere abandons the run with the message below, not a traceback.
         with StopSignals(report.note) as stop:
             try:
                 session = _open_session(plan)
                 try:
-                    return _train(plan, session, stop)
+                    code = _train(plan, session, stop)
                 finally:
                     session.close()
+                train_ranks.leave_nvme(ranks, plan.config)
+                return code
             except KeyboardInterrupt:
                 report.alert(f"interrupted: the current step was abandoned; {_where(plan)}")
                 return 128 + (stop.abandon_signum or signal.SIGINT)
@@ -302,17 +328,21 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
                 f"saves into {run.run_dir.path.name} (pass --resume to continue the newest)"
             )
     summary = RunSummary(status="finished", first_step=session.step + 1, last_step=session.step)
-    if args.eval_batches and not stop.requested:
+
+    def stopping() -> bool:  # NOTE: agreed, so every rank stops after the same step
+        return run.ranks.any(stop.requested, "agreeing whether to stop")
+
+    if args.eval_batches and not stopping():
         summary.eval_before = session.evaluate(args.eval_batches)
         report.event("eval", step=session.step, loss=summary.eval_before)
     train_started = time.perf_counter()
     report.begin_steps(session.step + 1, settings.steps)
-    while session.step < settings.steps and not stop.requested:
+    while session.step < settings.steps and not stopping():
         record = session.train_step()
         report.step(record)
         summary.losses[record.step] = record.loss
         summary.last_step = record.step
-        summary.tokens += settings.tokens_per_step
+        summary.tokens += session.tokens_per_step
         for key, value in (record.traffic | record.waits).items():
             summary.step_totals[key] = summary.step_totals.get(key, 0.0) + value
         if args.checkpoint_every and record.step % args.checkpoint_every == 0:
@@ -322,7 +352,7 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
             break
     summary.train_seconds = time.perf_counter() - train_started
     report.end_steps()
-    if stop.requested:
+    if stopping():
         summary.status = "interrupted"
     # NOTE: the timeline is taken before evaluating: every eval forward starts a new
     # iteration, and the picture must show a training step.
@@ -336,8 +366,9 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
         report.event("model", path=summary.model_dir)
     summary.stats = infinity.stats(session.model)
     summary.checkpoint = str(run.last_saved) if run.last_saved else None
+    summary.ranks = train_ranks.per_rank(run.ranks, summary, summary.stats)
     plot = _none(args.plot)
-    if plot and timeline is not None:
+    if plot and timeline is not None and run.ranks.main:
         from infinity.cli.timeline_plot import plot_timeline
 
         title = f"{describe(settings.model)}, {settings.dtype}: memory over one training step"

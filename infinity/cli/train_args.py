@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from infinity.cli import train_ranks
 from infinity.cli.train_settings import DEFAULT_PLOT, PRESETS
 from infinity.optim.state_formats import STATE_DTYPES
 
@@ -26,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "  infinity train --device-memory 2MiB --host-memory 16MiB --plot tight.png",
             "  infinity train --preset medium --checkpoint-every 100   # Ctrl-C, then --resume",
             "  infinity train --model ./my-llama --data notes.txt --steps 200   # fine-tune",
+            "  infinity train --nproc 2          # 2 processes (torchrun -m infinity train: same)",
         ]
     )
     model = parser.add_argument_group("model")
@@ -142,6 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="STEP",
         help="stop after this step with a checkpoint, to --resume later",
     )
+    train_ranks.add_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument(
         "--plot",

@@ -31,6 +31,7 @@ from infinity.checkpoint.format import fsync_dir
 from infinity.checkpoint.save import write_checkpoint
 from infinity.cli.train_runs import RUN_PREFIX, RunDirectory
 from infinity.cli.train_settings import RunSettings
+from infinity.offload import engine_of
 
 TRAINER_FILE = "trainer.json"
 FORMAT = "infinity-train"
@@ -157,13 +158,66 @@ def save(
 ) -> Path:
     """Write the checkpoint after ``state.step`` into this run's directory; keep its newest
     :data:`KEEP`; return its path. Never overwrites a checkpoint and never touches another
-    run's: an error (a full disk included) leaves no partial checkpoint behind."""
+    run's: an error (a full disk included) leaves no partial checkpoint behind.
+
+    With the model sharded over several ranks this is collective: every rank
+    gathers each chunk, rank 0 alone writes, and every rank raises if it failed.
+    """
     final = checkpoint_path(run.path, state.step)
+    engine = engine_of(model)
+    if not engine.world.sharded:
+        _fill(_stage(run, final), final, run, model, optimizer, state)
+        _prune(run)
+        return final
+    collectives, what = engine.collectives, f"saving checkpoint {final}"
+    error: BaseException | None = None
+    staging: Path | None = None
+    if engine.world.rank == 0:
+        try:
+            staging = _stage(run, final)
+        except BaseException as exc:  # reported to every rank, then re-raised
+            error = exc
+    failed = collectives.any(error is not None, what)
+    if not failed:
+        try:
+            if staging is None:
+                write_checkpoint(None, model, optimizer)  # this rank only gathers
+            else:
+                _fill(staging, final, run, model, optimizer, state)
+        except BaseException as exc:
+            error = exc
+        failed = collectives.any(error is not None, what)  # NOTE: waits for rank 0
+    if error is not None:
+        raise error
+    if failed:
+        raise infinity.CheckpointError(
+            f"rank 0 could not save checkpoint {final} (its error says why); nothing was "
+            "saved for this step"
+        )
+    if staging is not None:
+        _prune(run)
+    return final
+
+
+def _stage(run: RunDirectory, final: Path) -> Path:
+    """The empty staging directory the checkpoint at ``final`` is written into."""
     if os.path.lexists(final):
         raise infinity.CheckpointError(f"{final} exists already; it is not overwritten")
     temporaries.reclaim(run.path)
     staging = temporaries.temp_path(run.path, final.name)
     staging.mkdir()
+    return staging
+
+
+def _fill(
+    staging: Path,
+    final: Path,
+    run: RunDirectory,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+) -> None:
+    """Write the checkpoint into ``staging`` and rename it to ``final``, or remove it."""
     try:
         write_checkpoint(staging, model, optimizer)
         with open(staging / TRAINER_FILE, "w") as f:
@@ -176,9 +230,11 @@ def save(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _prune(run: RunDirectory) -> None:
     for _step, old in complete_checkpoints(run.path)[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def read_state(path: Path) -> TrainerState:

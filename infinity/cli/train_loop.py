@@ -20,10 +20,11 @@ import torch
 
 import infinity
 from infinity.cli import train_checkpoints as ckpt
+from infinity.cli import train_ranks
 from infinity.cli.train_pretrained import PretrainedModel, build_model, causal_lm_loss
 from infinity.cli.train_report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
 from infinity.cli.train_settings import RunSettings
-from infinity.data import Batches, Corpus
+from infinity.data import Corpus
 from infinity.models.gpt import GPT, init_weights
 from infinity.offload import find_engine
 
@@ -84,8 +85,16 @@ class Session:
     """An offloaded model (the built-in GPT, or a pretrained one with ``--model``) with
     its optimizer, LR schedule and data streams."""
 
-    def __init__(self, settings: RunSettings, config: infinity.Config, corpus: Corpus) -> None:
+    def __init__(
+        self,
+        settings: RunSettings,
+        config: infinity.Config,
+        corpus: Corpus,
+        ranks: train_ranks.Ranks = train_ranks.SINGLE,
+    ) -> None:
         self.settings = settings
+        self.ranks = ranks
+        self.tokens_per_step = settings.tokens_per_step * ranks.size  # over all ranks
         self.run_id = uuid.uuid4().hex[:12]
         self.step = 0  # optimizer steps done
         self.tokens = 0
@@ -116,8 +125,8 @@ class Session:
             self.close()
             raise
         m = settings.model
-        self.batches = Batches(corpus.train, m.seq_len, settings.batch_size, settings.seed)
-        self.eval_batches = Batches(
+        self.batches = ranks.batches(corpus.train, m.seq_len, settings.batch_size, settings.seed)
+        self.eval_batches = ranks.batches(
             corpus.eval, m.seq_len, settings.batch_size, settings.seed + EVAL_SEED_OFFSET
         )
         self._traffic = self._snapshot()
@@ -159,7 +168,7 @@ class Session:
 
     # --- work -----------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, float]:
-        stats = infinity.stats(self.model)
+        stats = {**infinity.stats(self.model), "sent_bytes": train_ranks.bytes_sent(self.model)}
         return {k: stats[k] for k in COUNTER_KEYS}
 
     def train_step(self) -> StepRecord:
@@ -183,8 +192,8 @@ class Session:
         self.scheduler.step()
         skipped = infinity.stats(self.model).get("skipped_steps", 0) > before
         self.step = step
-        self.tokens += s.tokens_per_step
-        self.last_loss = total / s.grad_accum
+        self.tokens += self.tokens_per_step
+        self.last_loss = self.ranks.mean(total / s.grad_accum, "averaging the loss")
         seconds = time.perf_counter() - started
         counters = self._snapshot()
         delta = {k: counters[k] - self._traffic[k] for k in COUNTER_KEYS}
@@ -194,7 +203,7 @@ class Session:
             loss=self.last_loss,
             lr=lr,
             seconds=seconds,
-            tokens_per_second=s.tokens_per_step / max(seconds, 1e-9),
+            tokens_per_second=self.tokens_per_step / max(seconds, 1e-9),
             traffic={k: int(delta[k]) for k in TRAFFIC_KEYS},
             waits={k: delta[k] for k in WAIT_KEYS},
             grad_norm=None if norm is None or not math.isfinite(norm) else norm,
@@ -212,7 +221,7 @@ class Session:
         finally:
             self.model.train()
         self._traffic = self._snapshot()  # evaluation traffic is not a training step's
-        return sum(losses) / len(losses)
+        return self.ranks.mean(sum(losses) / len(losses), "averaging the held-out loss")
 
     def close(self) -> None:
         """Release the engine: threads stop and the swap files are removed."""

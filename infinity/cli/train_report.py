@@ -14,7 +14,8 @@ from typing import Any, TextIO
 
 from infinity.utils.sizes import format_size
 
-TRAFFIC_KEYS = ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes")
+# sent_bytes: payload this process sent to the others in collectives (0 for one process)
+TRAFFIC_KEYS = ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes", "sent_bytes")
 WAIT_KEYS = ("wait_nvme_seconds", "wait_device_seconds")
 
 
@@ -51,6 +52,7 @@ class RunSummary:
     plot: str | None = None
     model_dir: str | None = None  # --model runs: the fine-tuned model (transformers layout)
     stats: dict[str, Any] = field(default_factory=dict)
+    ranks: list[dict[str, float]] = field(default_factory=list)  # per process, with several
 
 
 def _mb(nbytes: float) -> str:
@@ -64,6 +66,7 @@ def postfix(record: StepRecord) -> str:
         f"loss {record.loss:.3f} | {record.tokens_per_second / 1000:.1f}k tok/s | "
         f"host→dev {_mb(t['h2d_bytes'])} dev→host {_mb(t['d2h_bytes'])} "
         f"nvme r {_mb(t['nvme_read_bytes'])} w {_mb(t['nvme_write_bytes'])} /step"
+        + (f" | sent {_mb(t['sent_bytes'])}/step" if t.get("sent_bytes") else "")
         + (" | skipped (fp16 overflow)" if record.skipped else "")
     )
 
@@ -115,6 +118,7 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
         f"waiting on NVMe {wait_nvme / train:.1%}, on device copies {wait_dev / train:.1%}, "
         f"the rest computing"
     )
+    rows.extend(rank_rows(summary.ranks))
     if summary.train_seconds > 0:
         rows.append(f"throughput: {summary.tokens / summary.train_seconds / 1000:.1f}k tokens/s")
     if stats.get("skipped_steps"):
@@ -126,6 +130,20 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
             "per byte); a higher locked-memory limit (ulimit -l) lets them register"
         )
     return "\n".join(rows)
+
+
+def rank_rows(ranks: list[dict[str, float]]) -> list[str]:
+    """Per process: peak memory and bytes sent to the others per step (none for one)."""
+    if len(ranks) < 2:
+        return []
+    rows = [f"{'process':<8}{'device peak':>12}{'host peak':>12}{'nvme':>12}{'sent/step':>12}"]
+    for r, row in enumerate(ranks):
+        rows.append(
+            f"{f'rank {r}':<8}{format_size(row['device_peak_bytes']):>12}"
+            f"{format_size(row['host_peak_bytes']):>12}{format_size(row['nvme_bytes']):>12}"
+            f"{format_size(row['sent_bytes_per_step']):>12}"
+        )
+    return rows
 
 
 def loss_line(summary: RunSummary) -> str:
