@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from engine_helpers import batches, nvme_pair, train
 from harness import spawn_ranks
 
 from infinity.distributed import Collectives, DistributedError, resolve_world
@@ -67,3 +68,30 @@ def test_a_hung_peer_is_reported_at_the_group_timeout() -> None:
     assert message is not None, "rank 0's gather succeeded without its peer"
     assert message.startswith("rank 0 of 2: gathering chunk 3 failed: ")
     assert "rank 1 did not join within the process group's timeout" in message
+
+
+def _train_until_rank_1_dies(rank: int, nvme_root: str) -> str | None:
+    """Both ranks train a sharded tiny GPT (states on NVMe); in the second step rank 1
+    exits in the middle of the forward pass. Rank 0 returns its error."""
+    model, optimizer, _ref, _ref_opt = nvme_pair(nvme_root, host_factor=1.0)
+    data = batches(2)
+    train(model, optimizer, data[:1])
+    if rank == 1:
+        model.blocks[2].register_forward_hook(lambda *_: os._exit(3))
+    try:
+        train(model, optimizer, data[1:])
+    except DistributedError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_rank_killed_mid_step_fails_the_other_naming_it(tmp_path) -> None:
+    rank0, rank1 = spawn_ranks(
+        _train_until_rank_1_dies, str(tmp_path), timeout=90.0, group_timeout=GROUP_TIMEOUT
+    )
+    assert rank1.exitcode == 3 and not rank1.finished
+    assert rank0.finished, rank0.describe()  # returned: it neither hung nor crashed
+    message = rank0.result
+    assert message is not None, "rank 0 finished its step without rank 1"
+    assert message.startswith("rank 0 of 2: ")
+    assert "the connection to rank 1 closed: that process exited or crashed" in message
