@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from collections.abc import Callable, Sequence
 
@@ -28,9 +29,13 @@ MIN_SEARCH_CHUNK_BYTES = 64 << 10
 DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_budgets(config: Config, device: torch.device) -> Budgets:
-    """Budgets in bytes, with ``"auto"`` replaced by what this machine offers."""
-    available = psutil.virtual_memory().available
+def resolve_budgets(config: Config, device: torch.device, local_ranks: int = 1) -> Budgets:
+    """Budgets in bytes, with ``"auto"`` replaced by what this machine offers.
+
+    ``local_ranks`` processes of one model share this machine: an ``"auto"``
+    share of RAM or disk is divided among them (a GPU is each rank's own).
+    """
+    available = psutil.virtual_memory().available // local_ranks
     host = available // 2 if config.host_memory == AUTO else int(config.host_memory)
     if config.device_memory != AUTO:
         dev = int(config.device_memory)
@@ -42,11 +47,21 @@ def resolve_budgets(config: Config, device: torch.device) -> Budgets:
     nvme: int | None = None
     if config.nvme_path is not None:
         nvme = (
-            nvme_capacity(config.nvme_path)
+            nvme_capacity(config.nvme_path) // local_ranks
             if config.nvme_memory == AUTO
             else int(config.nvme_memory)
         )
     return Budgets(device=dev, host=host, nvme=nvme)
+
+
+def local_ranks(world: World) -> int:
+    """Ranks of ``world`` on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else all of
+    them (processes started some other way, e.g. ``torch.multiprocessing``, are
+    taken to share one machine: the safe guess for ``"auto"`` budgets)."""
+    if not world.sharded:
+        return 1
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else world.size
 
 
 def nvme_capacity(path: str) -> int:
@@ -152,7 +167,7 @@ def plan_for(
         registry.tensor_infos(),
         registry.working_sets,
         config=config,
-        budgets=resolve_budgets(config, device),
+        budgets=resolve_budgets(config, device, local_ranks(world)),
         optimizer=optimizer.with_state_dtype(config.optimizer_state_dtype),
         shard_count=world.size,
         shard_rank=world.rank,
