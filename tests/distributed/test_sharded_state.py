@@ -22,6 +22,7 @@ from engine_helpers import tiny_llama
 from harness import run_ranks
 
 import infinity
+from infinity.chunks.spans import is_split
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.pretrained.safetensors_io import ShardWriter
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ, B, STEPS, LR = 128, 16, 2, 3, 1e-2
 NOISE_MULTIPLE = 4
+CLIP = 0.1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CASES = {"fp32-host": ("fp32", False), "bf16-nvme": ("bf16", True)}
 
@@ -78,7 +80,8 @@ def _rank_checks(rank: int, root: str, hf_dir: str, plain: dict, optim_1p: dict)
         cfg = _config(dtype, f"{root}/{case}-nvme" if nvme else None)
         got: dict = {}
         model = infinity.offload(_model(), cfg)
-        assert engine_of(model).plan.sharded
+        plan = engine_of(model).plan
+        assert plan.sharded and not any(is_split(plan, c) for c in range(plan.layout.num_chunks))
         optimizer = CPUAdam(model.parameters(), lr=LR, weight_decay=0.1)
         _train(model, optimizer, rank)
         got["trained"] = _cloned(model.state_dict())
@@ -99,6 +102,10 @@ def _rank_checks(rank: int, root: str, hf_dir: str, plain: dict, optim_1p: dict)
         ids = _half(_batches()[0], rank)
         model(input_ids=ids, labels=ids).loss.backward()
         got["gradients"] = infinity.gradients(model)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        ids = _half(_batches()[1], rank)
+        model(input_ids=ids, labels=ids).loss.backward()  # onto the clipped gradients
+        got["accumulated"] = infinity.gradients(model)
         engine_of(model).close()
 
         model = infinity.from_pretrained(hf_dir, cfg)
@@ -261,28 +268,46 @@ def test_loading_at_two_ranks_gives_the_files_values_on_every_rank(run, case):
             _equal(r[case][how], want)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_gradients_at_two_ranks_are_the_mean_of_the_ranks_plain_gradients(run, case):
-    dtype = DTYPES[CASES[case][0]]
-    plain = copy.deepcopy(run["plain"]).to(dtype)
-    ids = _batches()[0]
+def _mean_gradients(plain: torch.nn.Module, ids: torch.Tensor) -> list[dict]:
+    """Plain PyTorch: each rank's half-batch gradients (fp32 copies), then their mean."""
     grads = []
     for rank in range(2):
         plain.zero_grad()
         part = _half(ids, rank)
         plain(input_ids=part, labels=part).loss.backward()
         grads.append({n: p.grad.float() for n, p in plain.named_parameters()})
-    mean = {n: ((grads[0][n] + grads[1][n]) / 2).to(dtype) for n in grads[0]}
+    return [*grads, {n: (grads[0][n] + grads[1][n]) / 2 for n in grads[0]}]
+
+
+def _close_per_tensor(ours: dict, want: dict, bound: float) -> None:
+    assert ours.keys() == want.keys()
+    for n, value in want.items():
+        error = _rel({n: ours[n]}, {n: value.to(ours[n].dtype)})
+        assert error <= bound, (n, error)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_at_two_ranks_are_the_mean_of_the_ranks_plain_gradients(run, case):
+    dtype = DTYPES[CASES[case][0]]
+    plain = copy.deepcopy(run["plain"]).to(dtype)
+    first, _second, mean = _mean_gradients(plain, _batches()[0])
+    next_mean = _mean_gradients(plain, _batches()[1])[2]
+    norm = sum(float(g.double().pow(2).sum()) for g in mean.values()) ** 0.5
+    factor = min(1.0, CLIP / (norm + 1e-6))
+    assert factor < 0.5  # the clip changes the sum
+    accumulated = {n: mean[n] * factor + next_mean[n] for n in mean}
     g0, g1 = (r[case]["gradients"] for r in run["ranks"])
     _equal(g0, g1)
-    assert g0.keys() == mean.keys()
+    a0, a1 = (r[case]["accumulated"] for r in run["ranks"])
+    _equal(a0, a1)
     # NOTE: per tensor, relative to its norm: the two accumulate a tied gradient and
     # the rank mean in a different order, which bf16 rounds differently.
     bound = 1e-5 if dtype is torch.float32 else 2e-2
-    for n, want in mean.items():
-        assert _rel({n: g0[n]}, {n: want}) <= bound, (n, _rel({n: g0[n]}, {n: want}))
+    _close_per_tensor(g0, mean, bound)
+    _close_per_tensor(a0, accumulated, bound)
     # NOTE: the bound must be able to fail: a rank's own gradient is far off the mean.
-    assert _rel({n: g.to(dtype) for n, g in grads[0].items()}, mean) > 10 * bound
+    with pytest.raises(AssertionError):
+        _close_per_tensor(g0, first, 10 * bound)
 
 
 @pytest.mark.parametrize("case", list(CASES))
