@@ -147,27 +147,29 @@ def _load_matched(engine: OffloadEngine, matched: Matched) -> None:
         _load_buffers(reader, matched)
 
 
-def offload_pretrained(
-    model: nn.Module,
-    path: str | os.PathLike[str],
-    config: Config | None,
-    *,
-    strict: bool = True,
-    init: InitFn | None = None,
-) -> tuple[nn.Module, LoadResult]:
-    """``offload`` a model built under ``init_empty`` with the checkpoint as its
-    initialisation: each chunk is written once, straight from the file (its fp32
-    masters from the file's values), instead of initialised and then overwritten.
+# Builds the model under ``init_empty`` and says how to initialise what the checkpoint lacks.
+Builder = Callable[[], tuple[nn.Module, InitFn | None]]
 
-    ``init(module)``, if given, runs first on each module, for parameters the
-    checkpoint lacks (``strict=False``); otherwise those are zeros. Sharded, as
-    :func:`load_pretrained` (every rank calls it; a failure makes all raise).
+
+def offload_pretrained(
+    build: Builder, path: str | os.PathLike[str], config: Config | None, *, strict: bool = True
+) -> tuple[nn.Module, LoadResult]:
+    """``offload`` the model ``build()`` returns (built under ``init_empty``) with the
+    checkpoint as its initialisation: each chunk is written once, straight from
+    the file (its fp32 masters from the file's values), instead of initialised and
+    then overwritten.
+
+    ``init(module)`` (``build``'s second value), if given, runs first on each
+    module, for parameters the checkpoint lacks (``strict=False``); otherwise
+    those are zeros. Sharded, as :func:`load_pretrained` (every rank calls it;
+    a failure, building the model included, makes all raise).
     """
     world = resolve_world((config or Config()).process_group)
     collectives = Collectives(world) if world.sharded else None
     what = f"load '{path}'"
     failures: list[BaseException] = []
     try:
+        model, init = build()
         matched = match_checkpoint(model, path, strict)
     except BaseException as exc:
         if collectives is None:

@@ -126,7 +126,10 @@ def _error(fn, *args, **kwargs) -> str:
 
 def _failures(rank: int, model: torch.nn.Module, root: str, hf_dir: str) -> dict[str, str]:
     """One rank fails in each collective load or save: every rank's error."""
-    out = {"load": _error(infinity.load_pretrained, model, f"{root}/none" if rank else hf_dir)}
+    missing = f"{root}/none"
+    out = {"load": _error(infinity.load_pretrained, model, missing if rank else hf_dir)}
+    cfg = _config("fp32", None)
+    out["from"] = _error(infinity.from_pretrained, hf_dir if rank else missing, cfg)
     if rank == 0:
         os.makedirs(f"{root}/foreign", exist_ok=True)
         open(f"{root}/foreign/notes.txt", "w").close()
@@ -333,6 +336,10 @@ def test_a_rank_that_fails_makes_every_rank_raise_naming_it(run):
     assert r0["load"].startswith("PretrainedError: rank 1 could not load"), r0["load"]
     assert "nothing was loaded" in r0["load"] and "no checkpoint at" in r0["load"]
     assert r1["load"].startswith("PretrainedError: no checkpoint at"), r1["load"]
+    # rank 0 cannot build the model from a missing directory: neither offloads
+    assert r1["from"].startswith("PretrainedError: rank 0 could not load"), r1["from"]
+    assert "nothing was offloaded" in r1["from"]
+    assert r0["from"].startswith("OSError"), r0["from"]
     # rank 0 refuses to replace a directory with other files: rank 1 learns why
     assert "already holds notes.txt" in r0["refused"], r0["refused"]
     assert r1["refused"].startswith("PretrainedError: rank 0 could not save"), r1["refused"]
