@@ -192,7 +192,7 @@ def offload_pretrained(
                 filled.add(id(param))
                 # NOTE: sharded, every rank starts from rank 0's initial values
                 # (offload broadcasts them): only rank 0 reads. After a failed read
-                # it keeps initialising (zeros), so that no rank waits in a
+                # it keeps initialising without the file, so that no rank waits in a
                 # broadcast it never joins, and every rank raises at the end.
                 if world.rank != 0 or failures:
                     continue
