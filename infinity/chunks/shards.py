@@ -80,6 +80,14 @@ def take_shard(plan: Plan, key: Key, whole: torch.Tensor, shard: torch.Tensor) -
         at += size
 
 
+def place_shard(plan: Plan, key: Key, shard: torch.Tensor, whole: torch.Tensor) -> None:
+    """This rank's part of ``whole`` = ``shard`` (the inverse of :func:`take_shard`)."""
+    at = 0
+    for offset, size in shard_ranges(plan, key, plan.shard_rank):
+        whole[offset : offset + size].copy_(shard[at : at + size])
+        at += size
+
+
 @dataclass
 class WholeChunk:
     """A whole host copy of a chunk opened by :func:`open_whole` (sharded plans)."""
@@ -110,18 +118,30 @@ class HostAccess(Protocol):
 
 
 def open_whole(
-    manager: HostAccess, key: Key, *, load: bool = True, writable: bool = True
+    manager: HostAccess,
+    key: Key,
+    *,
+    load: bool = True,
+    writable: bool = True,
+    gather: bool = True,
 ) -> tuple[torch.Tensor, WholeChunk | Copy | None]:
     """``manager.open_host`` of the whole chunk (every rank's shard): collective when
-    sharded, where ``load`` gathers it; pair with :func:`close_whole`."""
+    sharded, where ``load`` gathers it; pair with :func:`close_whole`.
+
+    ``gather=False`` (not collective) loads only this rank's part of the whole
+    chunk, the rest being zeros: enough for writes every rank makes alike, of
+    which each keeps only its own shard (loading state it was given whole).
+    """
     region, copy = manager.open_host(key, load=load, writable=writable)
     plan = manager.plan
     if not plan.sharded:
         return region, copy
     assert manager.collectives is not None
     whole = torch.zeros(whole_bytes(plan, key), dtype=torch.uint8)
-    if load:
+    if load and gather:
         gather_whole(plan, manager.collectives, key, region, whole)
+    elif load:
+        place_shard(plan, key, region, whole)
     return whole, WholeChunk(key, region, copy, whole)
 
 

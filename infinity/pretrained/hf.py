@@ -16,6 +16,7 @@ from torch import nn
 from infinity.config import Config
 from infinity.pretrained.empty_init import init_empty
 from infinity.pretrained.load import offload_pretrained
+from infinity.runtime.materialize import InitFn
 
 log = logging.getLogger("infinity")
 
@@ -51,15 +52,19 @@ def from_pretrained(
     parameters absent from the checkpoint get the model's own initialisation
     (``model._init_weights``). Nothing is fetched from the network. As with
     ``transformers``, the model comes back in eval mode: call ``model.train()``
-    before fine-tuning (dropout).
+    before fine-tuning (dropout). Under a process group (data parallel) every
+    rank calls it with the same ``path``, on a filesystem every rank sees.
     """
     transformers = require_transformers()
     model_class = model_class or transformers.AutoModelForCausalLM
-    hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    with init_empty():
-        model = model_class.from_config(hf_config, **model_kwargs)
-    init = None if strict else getattr(model, "_init_weights", None)
-    model, result = offload_pretrained(model, path, config, strict=strict, init=init)
+
+    def build() -> tuple[nn.Module, InitFn | None]:
+        hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        with init_empty():
+            model = model_class.from_config(hf_config, **model_kwargs)
+        return model, None if strict else getattr(model, "_init_weights", None)
+
+    model, result = offload_pretrained(build, path, config, strict=strict)
     if any(result):
         log.warning("infinity.from_pretrained(%s, strict=False): %s", path, result)
     return model.eval()

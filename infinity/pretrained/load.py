@@ -6,6 +6,11 @@ by chunk straight into the chunks' homes — host memory, or NVMe through a
 staging slot — in pieces of one read block, converted to the compute dtype
 (and to the fp32 master for 16-bit training), so peak memory is the budgets
 plus one block, whatever the checkpoint's size.
+
+Sharded over several ranks (data parallel), every rank reads the files itself
+(they must be on a filesystem every rank sees) and keeps its shard of each
+chunk, reading only the tensors that overlap it; nothing is exchanged but the
+outcome, agreed after the checks and at the end (``agreement.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 from torch import nn
 
 from infinity.config import Config
+from infinity.distributed import Collectives, resolve_world
 from infinity.offload import engine_of, offload
+from infinity.pretrained.agreement import agree
 from infinity.pretrained.names import StateNames, ignore_patterns, match_prefix, state_names
 from infinity.pretrained.safetensors_io import (
     PretrainedError,
@@ -108,31 +115,68 @@ def load_pretrained(
     may carry or lack the model's ``base_model_prefix``, and keys the model
     declares ignorable (``_keys_to_ignore_on_load_unexpected`` / ``_missing``)
     are not reported.
+
+    Sharded (data parallel), every rank must call it with the same ``path``
+    (a filesystem every rank sees); a rank that fails makes every rank raise,
+    naming it.
     """
     engine = engine_of(model)
-    matched = match_checkpoint(model, path, strict)
-    with RangeReader() as reader:
-        _stream_params(engine, reader, matched.params)
-        _load_buffers(reader, matched)
+    if not engine.world.sharded:
+        matched = match_checkpoint(model, path, strict)
+        _load_matched(engine, matched)
+        return matched.result
+    collectives, what = engine.collectives, f"load '{path}'"
+    error: BaseException | None = None
+    try:
+        matched = match_checkpoint(model, path, strict)
+    except BaseException as exc:  # reported to every rank, then re-raised
+        error = exc
+    agree(collectives, error, what, "nothing was loaded on any rank")
+    try:
+        _load_matched(engine, matched)
+    except BaseException as exc:
+        error = exc
+    agree(collectives, error, what, "the model is partly loaded: load it again on every rank")
     return matched.result
 
 
-def offload_pretrained(
-    model: nn.Module,
-    path: str | os.PathLike[str],
-    config: Config | None,
-    *,
-    strict: bool = True,
-    init: InitFn | None = None,
-) -> tuple[nn.Module, LoadResult]:
-    """``offload`` a model built under ``init_empty`` with the checkpoint as its
-    initialisation: each chunk is written once, straight from the file (its fp32
-    masters from the file's values), instead of initialised and then overwritten.
+def _load_matched(engine: OffloadEngine, matched: Matched) -> None:
+    """Stream the matched parameters into the chunks and copy the buffers."""
+    with RangeReader() as reader:
+        _stream_params(engine, reader, matched.params)
+        _load_buffers(reader, matched)
 
-    ``init(module)``, if given, runs first on each module, for parameters the
-    checkpoint lacks (``strict=False``); otherwise those are zeros.
+
+# Builds the model under ``init_empty`` and says how to initialise what the checkpoint lacks.
+Builder = Callable[[], tuple[nn.Module, InitFn | None]]
+
+
+def offload_pretrained(
+    build: Builder, path: str | os.PathLike[str], config: Config | None, *, strict: bool = True
+) -> tuple[nn.Module, LoadResult]:
+    """``offload`` the model ``build()`` returns (built under ``init_empty``) with the
+    checkpoint as its initialisation: each chunk is written once, straight from
+    the file (its fp32 masters from the file's values), instead of initialised and
+    then overwritten.
+
+    ``init(module)`` (``build``'s second value), if given, runs first on each
+    module, for parameters the checkpoint lacks (``strict=False``); otherwise
+    those are zeros. Sharded, as :func:`load_pretrained` (every rank calls it;
+    a failure, building the model included, makes all raise).
     """
-    matched = match_checkpoint(model, path, strict)
+    world = resolve_world((config or Config()).process_group)
+    collectives = Collectives(world) if world.sharded else None
+    what = f"load '{path}'"
+    failures: list[BaseException] = []
+    try:
+        model, init = build()
+        matched = match_checkpoint(model, path, strict)
+    except BaseException as exc:
+        if collectives is None:
+            raise
+        failures.append(exc)
+    if collectives is not None:
+        agree(collectives, failures[0] if failures else None, what, "nothing was offloaded")
     filled: set[int] = set()
     with RangeReader() as reader:
 
@@ -143,25 +187,50 @@ def offload_pretrained(
                 record = matched.params.get(id(param))
                 # NOTE: only parameters being initialised right now hold memory here;
                 # others are placeholders (filled, or copied in from real values).
-                if record is not None and id(param) not in filled and not is_placeholder(param):
+                if record is None or id(param) in filled or is_placeholder(param):
+                    continue
+                filled.add(id(param))
+                # NOTE: sharded, every rank starts from rank 0's initial values
+                # (offload broadcasts them): only rank 0 reads. After a failed read
+                # it keeps initialising without the file, so that no rank waits in a
+                # broadcast it never joins, and every rank raises at the end.
+                if world.rank != 0 or failures:
+                    continue
+                try:
                     reader.copy_into(record, [param.data.view(-1)])
-                    filled.add(id(param))
+                except BaseException as exc:
+                    if collectives is None:
+                        raise
+                    failures.append(exc)
 
         model = offload(model, config, init=fill)
         # NOTE: parameters that had values already were copied in, not initialised.
         rest = {k: r for k, r in matched.params.items() if k not in filled}
-        _stream_params(engine_of(model), reader, rest)
-        _load_buffers(reader, matched)
+        try:
+            _stream_params(engine_of(model), reader, rest)
+            _load_buffers(reader, matched)
+        except BaseException as exc:
+            if collectives is None:
+                raise
+            failures.append(exc)
+    if collectives is not None:
+        after = "the offloaded model is not usable: call it again on every rank"
+        agree(collectives, failures[0] if failures else None, what, after)
     return model, matched.result
 
 
 def _stream_params(
     engine: OffloadEngine, reader: RangeReader, params: dict[int, TensorRecord]
 ) -> None:
-    def writer(record: TensorRecord) -> Callable[[list[torch.Tensor]], None]:
+    def writer(index: int, record: TensorRecord) -> Callable[[list[torch.Tensor]], None]:
+        slot = engine.layout.slots[index]
+        start, end = engine.plan.home_window(slot.chunk)
+        if slot.offset >= end or slot.offset + slot.numel <= start:
+            return lambda destinations: None  # NOTE: all in other ranks' shards
         return lambda destinations: reader.copy_into(record, destinations)
 
-    writers = {engine.registry.by_id[key].index: writer(r) for key, r in params.items()}
+    indices = {key: engine.registry.by_id[key].index for key in params}
+    writers = {indices[key]: writer(indices[key], r) for key, r in params.items()}
     if writers:
         stream_params_in(engine, writers)
 

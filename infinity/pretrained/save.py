@@ -6,6 +6,11 @@ persistent buffers are streamed chunk by chunk into safetensors shards —
 ``model.safetensors.index.json`` — in a temporary directory next to the
 target, fsync'ed, and swapped in by rename: an interrupted save leaves what
 was there before. No more than one chunk is held in memory.
+
+Sharded over several ranks (data parallel), the save is collective: every rank
+takes part in gathering each chunk and rank 0 alone writes; a failed write
+keeps gathering (no rank waits in a gather rank 0 never joins), and every rank
+returns once the files are in place, or raises if rank 0 failed.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,7 @@ from torch import nn
 from infinity.checkpoint.format import fsync_dir
 from infinity.checkpoint.save import _replace as replace_dir
 from infinity.offload import engine_of
+from infinity.pretrained.agreement import agree
 from infinity.pretrained.names import saved_names, state_names
 from infinity.pretrained.safetensors_io import (
     INDEX_FILE,
@@ -72,12 +80,38 @@ def save_pretrained(
     (``tokenizer.save_pretrained``). An existing ``path`` is replaced
     atomically, but only if it holds nothing this save would not write again
     (an earlier save of the same kind): other files are never deleted.
+    Sharded (data parallel), every rank must call it; rank 0 writes.
     """
     engine = engine_of(model)
-    limit = parse_size(max_shard_size, name="max_shard_size")
+    files = _plan_files(model, engine, parse_size(max_shard_size, name="max_shard_size"))
     target = Path(path)
-    if tokenizer is None:  # NOTE: fail before writing anything when the outcome is known
-        _refuse_foreign(target, {"config.json", "generation_config.json"})
+    if engine.world.sharded:
+        return _save_sharded(model, engine, target, files, tokenizer)
+    tmp = _prepare(target, tokenizer)
+    values = param_bytes_by_chunk(engine, files.entries)
+    try:
+        _write(model, engine, tmp, target, files, values, tokenizer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        values.close()
+    return target
+
+
+@dataclass
+class _Files:
+    """What a save writes: the parameters in chunk order, their names, the buffers,
+    and the tensors of each file."""
+
+    entries: list[ParamEntry]
+    chosen: dict[int, str]  # tensor index -> saved name
+    buffers: dict[str, torch.Tensor]
+    names: list[str]
+    shards: list[list[TensorSpec]]
+
+
+def _plan_files(model: nn.Module, engine: OffloadEngine, limit: int) -> _Files:
     names = state_names(model)
     chosen = {
         engine.registry.by_id[key].index: name for key, name in saved_names(model, names).items()
@@ -99,28 +133,70 @@ def save_pretrained(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
+    return _Files(entries, chosen, buffers, files, shards)
+
+
+def _prepare(target: Path, tokenizer: Any) -> Path:
+    """The temporary directory next to ``target`` the save is written into."""
+    if tokenizer is None:  # NOTE: fail before writing anything when the outcome is known
+        _refuse_foreign(target, {"config.json", "generation_config.json"})
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        _write_shards(tmp, files, shards, engine, entries, chosen, buffers)
-        if len(shards) > 1:
-            placed = zip(files, shards, strict=True)
-            index = {
-                "metadata": {"total_size": sum(s.nbytes for s in specs)},
-                "weight_map": {s.name: f for f, shard in placed for s in shard},
-            }
-            _write_json(tmp / INDEX_FILE, index)
-        _save_configs(model, tmp, engine.dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _refuse_foreign(target, {p.name for p in tmp.iterdir()})
-        for file in tmp.iterdir():
-            _fsync_file(file)
-        fsync_dir(tmp)
-        replace_dir(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def _write(
+    model: nn.Module,
+    engine: OffloadEngine,
+    tmp: Path,
+    target: Path,
+    files: _Files,
+    values: Iterator[tuple[ParamEntry, memoryview]],
+    tokenizer: Any,
+) -> None:
+    """Write everything into ``tmp``, fsync it and swap it in at ``target``."""
+    _write_shards(tmp, files, values)
+    if len(files.shards) > 1:
+        placed = zip(files.names, files.shards, strict=True)
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for shard in files.shards for s in shard)},
+            "weight_map": {s.name: f for f, shard in placed for s in shard},
+        }
+        _write_json(tmp / INDEX_FILE, index)
+    _save_configs(model, tmp, engine.dtype)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    _refuse_foreign(target, {p.name for p in tmp.iterdir()})
+    for file in tmp.iterdir():
+        _fsync_file(file)
+    fsync_dir(tmp)
+    replace_dir(tmp, target)
+
+
+def _save_sharded(
+    model: nn.Module, engine: OffloadEngine, target: Path, files: _Files, tokenizer: Any
+) -> Path:
+    """:func:`save_pretrained` of a sharded model: collective, rank 0 writes."""
+    collectives, what = engine.collectives, f"save '{target}'"
+    error: BaseException | None = None
+    tmp: Path | None = None
+    if engine.world.rank == 0:
+        try:
+            tmp = _prepare(target, tokenizer)
+        except BaseException as exc:  # reported to every rank, then re-raised
+            error = exc
+    agree(collectives, error, what, "nothing was written")
+    values = param_bytes_by_chunk(engine, files.entries)
+    if tmp is not None:
+        try:
+            _write(model, engine, tmp, target, files, values, tokenizer)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = exc
+    # NOTE: every rank takes part in every chunk's gather, whatever rank 0's
+    # writes did (a generator that raised is finished: nothing left to drain).
+    for _item in values:
+        pass
+    agree(collectives, error, what, f"what was at '{target}' before, if anything, is unchanged")
     return target
 
 
@@ -161,34 +237,25 @@ def _split(specs: list[TensorSpec], limit: int) -> list[list[TensorSpec]]:
 
 
 def _write_shards(
-    tmp: Path,
-    files: list[str],
-    shards: list[list[TensorSpec]],
-    engine: OffloadEngine,
-    entries: list[ParamEntry],
-    chosen: dict[int, str],
-    buffers: dict[str, torch.Tensor],
+    tmp: Path, files: _Files, values: Iterator[tuple[ParamEntry, memoryview]]
 ) -> None:
-    """Stream every shard's tensors in order: parameters from the chunks, then buffers."""
-    values = param_bytes_by_chunk(engine, entries)
-    try:
-        for file, shard in zip(files, shards, strict=True):
-            writer = ShardWriter(tmp / file, shard)
-            try:
-                for spec in shard:
-                    if spec.name in buffers:
-                        tensor = buffers[spec.name].detach().cpu().contiguous().view(-1)
-                        writer.write(spec.name, tensor.view(torch.uint8).numpy().data)
-                        continue
-                    entry, data = next(values)
-                    assert chosen[entry.index] == spec.name
-                    writer.write(spec.name, data)
-            except BaseException:
-                writer.abort()
-                raise
-            writer.close()
-    finally:
-        values.close()
+    """Stream every shard's tensors in order: parameters from the chunks (``values``,
+    in chunk order), then buffers."""
+    for file, shard in zip(files.names, files.shards, strict=True):
+        writer = ShardWriter(tmp / file, shard)
+        try:
+            for spec in shard:
+                if spec.name in files.buffers:
+                    tensor = files.buffers[spec.name].detach().cpu().contiguous().view(-1)
+                    writer.write(spec.name, tensor.view(torch.uint8).numpy().data)
+                    continue
+                entry, data = next(values)
+                assert files.chosen[entry.index] == spec.name
+                writer.write(spec.name, data)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
 
 
 def _write_json(file: Path, data: dict) -> None:

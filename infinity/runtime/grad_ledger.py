@@ -100,7 +100,8 @@ class GradientLedger:
             for entry in entries:
                 self._each_span(chunk, entry.index, lambda grads: grads.zero_())
             return
-        region, copy = open_whole(self.manager, (Kind.GRAD, chunk))
+        # NOTE: elementwise, so each rank changes its own shard alone (no gather).
+        region, copy = open_whole(self.manager, (Kind.GRAD, chunk), gather=False)
         for entry in entries:
             self.chunks.chunk_view(region, entry).zero_()
         close_whole(self.manager, copy, modified=True)
@@ -159,7 +160,7 @@ class GradientLedger:
                     factor = pending[i]
                     self._each_span(chunk, i, lambda grads: grads.mul_(factor))  # noqa: B023
                 continue
-            region, copy = open_whole(self.manager, (Kind.GRAD, chunk))
+            region, copy = open_whole(self.manager, (Kind.GRAD, chunk), gather=False)
             try:
                 flat = typed(region, self.chunks.dtype)
                 for i in group:

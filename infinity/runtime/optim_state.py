@@ -81,7 +81,9 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
         if is_split(engine.plan, chunk):
             _write_split(engine, chunk, {i: values[i] for i in group})
             continue
-        region, copy = open_whole(engine.manager, (Kind.OPTIM, chunk))
+        # NOTE: every rank writes the same states and keeps its shard: no gather
+        # (an int8 block never straddles two shards).
+        region, copy = open_whole(engine.manager, (Kind.OPTIM, chunk), gather=False)
         try:
             unit = _unit(engine, chunk, region)
             optimizer = engine.chunk_optimizer

@@ -60,7 +60,8 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
             if is_split(engine.plan, chunk):
                 _write_split(engine, key, dtype, chunk, group, values)
                 continue
-            region, copy = open_whole(engine.manager, (key, chunk))
+            # NOTE: every rank writes the same values and keeps its shard: no gather.
+            region, copy = open_whole(engine.manager, (key, chunk), gather=False)
             try:
                 flat = typed(region, dtype)
                 for entry in group:
@@ -140,10 +141,12 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
                     write_elements(engine.manager, kind, chunk, 0, slot.offset, flat)
             engine.manager.drop_param(chunk)
             continue
-        opened = [(open_whole(engine.manager, (Kind.PARAM, chunk)), engine.dtype)]
+        # NOTE: sharded, each rank keeps its shard of what it writes: no gather.
+        opened = [(open_whole(engine.manager, (Kind.PARAM, chunk), gather=False), engine.dtype)]
         try:
             if master:
-                opened.append((open_whole(engine.manager, (Kind.OPTIM, chunk)), torch.float32))
+                optim = open_whole(engine.manager, (Kind.OPTIM, chunk), gather=False)
+                opened.append((optim, torch.float32))
             flats = [typed(region, dtype) for (region, _copy), dtype in opened]
             for entry in group:
                 slot = engine.layout.slots[entry.index]

@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(
         result = infinity.load_pretrained(model, sys.argv[1])
     else:  # the file is the initialisation (what infinity.from_pretrained does)
         from infinity.pretrained.load import offload_pretrained
-        model, result = offload_pretrained(model, sys.argv[1], config)
+        model, result = offload_pretrained(lambda: (model, None), sys.argv[1], config)
     peak = status_mib("VmHWM")
     stats = infinity.stats(model)
     wrong = []
