@@ -142,14 +142,7 @@ class Collectives:
         """Every rank's picklable ``value``, in rank order (on every rank)."""
         values: list[object] = [None] * self.world.size
         with self._failing_as(what):
-            dist.all_gather_object(values, value, group=self.world.group)
-        return values
-
-    def gather_object(self, value: object, what: str) -> list[object]:
-        """Every rank's picklable ``value``, in rank order (on every rank)."""
-        values: list[object] = [None] * self.world.size
-        with self._failing_as(what):
-            dist.all_gather_object(values, value, group=self.world.group)
+            dist.all_gather_object(values, value, group=self.world.host_group)
         return values
 
     def check_same(self, name: str, value: str, describe: Callable[[str], str] = str) -> None:
