@@ -327,7 +327,7 @@ def main() -> int:
         "--threads",
         type=int,
         default=1,
-        help="torch threads per rank (the same at 1 and 2 ranks; see the NOTE above)",
+        help="torch threads per rank (the same at 1 and 2 ranks; see this file's docstring)",
     )
     parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
