@@ -15,6 +15,7 @@ from infinity.cli.main import CommandError
 from infinity.config import Config, ConfigError
 from infinity.core.names import HOST, NVME
 from infinity.devices.base import resolve_device
+from infinity.distributed import World
 from infinity.models.gpt import GPT, describe
 from infinity.models.presets import PRESETS, preset
 from infinity.optim.state_formats import STATE_DTYPES
@@ -51,7 +52,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=STATE_DTYPES,
         help="how Adam's moments are stored (Config.optimizer_state_dtype)",
     )
+    parser.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=1,
+        help="plan for one rank of N data-parallel processes (per-rank bytes and communication)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _positive_int(text: str) -> int:
+    """``--nproc``: a whole number of processes, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive whole number of processes, got {text!r} (e.g. --nproc 2)"
+        )
+    return value
 
 
 def _build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
@@ -105,14 +125,18 @@ def run(args: argparse.Namespace) -> int:
     model, title = _build_model(args)
     device = torch.device(resolve_device(config.device))
     try:
-        plan = plan_for(ParamRegistry.from_model(model), config, device)
+        # NOTE: planning needs no process group: every rank's shard has the same size.
+        world = World(rank=0, size=args.nproc)
+        plan = plan_for(ParamRegistry.from_model(model), config, device, world=world)
     except PlanError as exc:
         raise CommandError(str(exc)) from None
     if args.json:
         n = plan.layout.num_chunks
+        per_rank = {"nproc": plan.shard_count} if plan.sharded else {}
         print(
             json.dumps(
                 {
+                    **per_rank,
                     "model": title,
                     "chunk_size": plan.layout.chunk_bytes,
                     "num_chunks": n,
@@ -136,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     print(title)
-    print(f"model states: {format_size(plan.home_bytes(HOST) + plan.home_bytes(NVME))}")
+    states = format_size(plan.home_bytes(HOST) + plan.home_bytes(NVME))
+    print(f"model states: {states}" + (" per rank" if plan.sharded else ""))
     print(plan.describe())
     return 0

@@ -139,7 +139,7 @@ class Plan:
             f"{format_size(self.span_elems * self.element_size)} of parameters: oversize chunks "
             + (
                 "move in spans of the chunk size)"
-                if self.span_elems < largest // self.element_size
+                if self.span_elems < largest // self.element_size and not self.sharded
                 else "staged whole)"
             )
         ]
@@ -188,6 +188,21 @@ class Plan:
             lines.append(f"{tier:<8} uses {format_size(used):>12} of {cap}")
         lines += self._minimum_lines()
         lines.append("bytes moved per step (estimate; host staging caches lower the NVMe reads):")
+        sent = ("allgather_bytes", "reduce_scatter_bytes")
         for key, value in self.traffic.items():
-            lines.append(f"  {key:<18}{format_size(value):>12}")
+            if key not in sent:
+                lines.append(f"  {key:<18}{format_size(value):>12}")
+        if self.sharded:
+            lines.insert(
+                0,
+                f"per rank (1 of {self.shard_count} processes): homes, staging and budgets hold "
+                f"this rank's 1/{self.shard_count} shard of every chunk; the device holds whole "
+                "chunks",
+            )
+            lines.append(
+                "sent per step by each rank (estimate; gradients are reduce-scattered once per "
+                "micro-batch):"
+            )
+            for key in sent:
+                lines.append(f"  {key:<22}{format_size(self.traffic.get(key, 0)):>12}")
         return "\n".join(lines)

@@ -338,7 +338,9 @@ def _place(
 
 
 def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, int]:
-    """Bytes each link moves in one step (one micro-batch, no accumulation).
+    """Bytes each link moves in one step (one micro-batch, no accumulation); sharded,
+    also the bytes this rank sends to collectives (``allgather_bytes``,
+    ``reduce_scatter_bytes``: what ``Collectives.bytes_sent`` counts).
 
     ``consume_grads`` (``overlap_optimizer=True``): gradients homed on NVMe are
     used from host staging by their step and never go to disk.
@@ -349,8 +351,12 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     # NOTE: backward runs the chunks in reverse, so what forward left on the
     # device (all but a gradient slot's worth) is used again at once, and only
     # the rest, forward's first chunks, is fetched a second time.
-    trainable_sizes = [plan.param_bytes(i) for i in range(n) if plan.grad_home[i] is not None]
-    cached = plan.device_bytes - max(trainable_sizes, default=0)
+    # NOTE: the device caches whole chunks while a sharded rank moves (and counts)
+    # its shard of each: the cache is worth ``1/shard_count`` of its bytes here.
+    trainable = [i for i in range(n) if plan.grad_home[i] is not None]
+    whole_grads = sum(plan.device_param_bytes(i) for i in trainable)
+    largest_grad = max((plan.device_param_bytes(i) for i in trainable), default=0)
+    cached = (plan.device_bytes - largest_grad) // plan.shard_count
     refetched = min(params, max(0, params - cached))
     on_nvme = [i for i in range(n) if plan.param_home[i] == NVME]
     nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
@@ -373,12 +379,18 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     fp32_params_read = 0 if plan.has_master else updated_nvme_params - from_device
     # Re-fetched chunks are forward's first ones; parameters spill from the back.
     nvme_refetched = _leading(plan, refetched, on_nvme)
-    return {
+    traffic = {
         "h2d_bytes": params + refetched,
         "d2h_bytes": grads + from_device,
         "nvme_read_bytes": nvme_param + nvme_refetched + nvme_grad + nvme_optim + fp32_params_read,
         "nvme_write_bytes": nvme_grad + nvme_optim + updated_nvme_params,
     }
+    if plan.sharded:
+        # Sent by this rank: its shard once per gather of a parameter chunk (each
+        # fetch above is one), and every whole gradient chunk once per micro-batch.
+        traffic["allgather_bytes"] = params + refetched
+        traffic["reduce_scatter_bytes"] = whole_grads
+    return traffic
 
 
 def _leading(plan: Plan, nbytes: int, chunks: Collection[int]) -> int:
