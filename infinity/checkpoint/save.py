@@ -28,6 +28,7 @@ from infinity.checkpoint.format import (
     OPTIM_FILE,
     PARAM_FILE,
     VERSION,
+    CheckpointError,
     dump_meta,
     fsync_dir,
 )
@@ -36,6 +37,7 @@ from infinity.chunks.homes import Kind
 from infinity.chunks.shards import close_whole, open_whole
 from infinity.chunks.span_access import each_span
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_ranges
+from infinity.distributed.outcomes import rank_zero_writes
 from infinity.io.errors import NVMeIOError
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
@@ -197,42 +199,27 @@ def _save_sharded(
     target: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, engine: OffloadEngine
 ) -> Path:
     """Collective: every rank gathers each whole chunk, rank 0 writes the checkpoint, and
-    every rank returns only once it is complete, or raises if rank 0 failed.
+    every rank returns only once it is complete, or raises if a rank failed.
 
     NOTE: the checkpoint holds whole chunks, as a single process's does: it
     loads at any world size (each rank keeps its shard of what it reads).
     """
-    collectives = engine.collectives
-    what = f"saving checkpoint {target}"
-    error: BaseException | None = None
-    tmp: Path | None = None
-    if engine.world.rank == 0:
-        try:
-            tmp = _prepare(target)
-        except BaseException as exc:  # reported to every rank, then re-raised
-            error = exc
-    if not collectives.any(error is not None, what):
-        if tmp is not None:
-            try:
-                write_checkpoint(tmp, model, optimizer)
-                _replace(tmp, target)
-            except BaseException as exc:
-                shutil.rmtree(tmp, ignore_errors=True)
-                error = _named(exc, target)
-                if error is not exc:
-                    error.__cause__ = exc
+
+    def write(tmp: Path | None) -> None:
+        if tmp is None:
+            write_checkpoint(None, model, optimizer)  # this rank only gathers
         else:
-            write_checkpoint(None, model, optimizer)
-        failed = collectives.any(error is not None, what)  # NOTE: waits for rank 0
-    else:
-        failed = True
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(
-            f"rank 0 could not save checkpoint {target} (its error says why); the previous "
-            "checkpoint there, if any, is unchanged"
-        )
+            _write_or_remove(tmp, target, model, optimizer)
+
+    rank_zero_writes(
+        engine.collectives,
+        f"save checkpoint {target}",
+        lambda: _prepare(target),
+        write,
+        before="nothing was written",
+        after="the previous checkpoint there, if any, is unchanged",
+        error_type=CheckpointError,
+    )
     return target
 
 
@@ -247,7 +234,14 @@ def _prepare(target: Path) -> Path:
 
 def _save(target: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Path:
     """:func:`save_checkpoint` by one process."""
-    tmp = _prepare(target)
+    _write_or_remove(_prepare(target), target, model, optimizer)
+    return target
+
+
+def _write_or_remove(
+    tmp: Path, target: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """Write the checkpoint into ``tmp`` and swap it in at ``target``, or remove ``tmp``."""
     try:
         write_checkpoint(tmp, model, optimizer)
         _replace(tmp, target)
@@ -257,7 +251,6 @@ def _save(target: Path, model: nn.Module, optimizer: torch.optim.Optimizer | Non
         if named is exc:
             raise
         raise named from exc
-    return target
 
 
 def _named(exc: BaseException, target: Path) -> BaseException:

@@ -23,9 +23,8 @@ from infinity.chunks.cache import Copy, TierCache
 from infinity.chunks.shards import HostAccess, device_shard
 from infinity.chunks.update_state import UpdateStates
 from infinity.core.names import Key, Kind
+from infinity.core.plan import IN_USE_CHUNKS
 from infinity.devices.base import DeviceBackend
-
-IN_USE_CHUNKS = 2  # a module's parameters span at most two chunks (chunks/layout.py)
 
 
 class InUse:
@@ -73,9 +72,11 @@ class InUse:
             _chunk, released = self._copies.popitem(last=False)
             released.pins -= 1
 
-    def promise(self, chunk: int, copy: Copy) -> None:
-        """Every rank agreed it has ``copy`` (or is gathering it): pinned until demanded."""
-        if chunk not in self._promised:
+    def promise(self, chunk: int, copy: Copy, limit: int) -> None:
+        """Every rank agreed it has ``copy`` (or is gathering it): pinned until demanded,
+        unless ``limit`` copies are promised already (the plan's spare device slots:
+        more would leave no room for what comes before them)."""
+        if chunk not in self._promised and len(self._promised) < limit:
             copy.pins += 1
             self._promised[chunk] = (copy, self._iteration)
 
@@ -171,7 +172,7 @@ def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
             continue
         copy = device.get(key)
         assert copy is not None
-        manager.in_use.promise(i, copy)
+        manager.in_use.promise(i, copy, plan.spare_device_slots)
         if not agreed[k]:
             continue  # every rank has it already
         region, staged = manager.open_host(key, writable=False)

@@ -31,6 +31,7 @@ from infinity.checkpoint.format import fsync_dir
 from infinity.checkpoint.save import write_checkpoint
 from infinity.cli.train_runs import RUN_PREFIX, RunDirectory
 from infinity.cli.train_settings import RunSettings
+from infinity.distributed.outcomes import rank_zero_writes
 from infinity.offload import engine_of
 
 TRAINER_FILE = "trainer.json"
@@ -169,32 +170,23 @@ def save(
         _fill(_stage(run, final), final, run, model, optimizer, state)
         _prune(run)
         return final
-    collectives, what = engine.collectives, f"saving checkpoint {final}"
-    error: BaseException | None = None
-    staging: Path | None = None
-    if engine.world.rank == 0:
-        try:
-            staging = _stage(run, final)
-        except BaseException as exc:  # reported to every rank, then re-raised
-            error = exc
-    failed = collectives.any(error is not None, what)
-    if not failed:
-        try:
-            if staging is None:
-                write_checkpoint(None, model, optimizer)  # this rank only gathers
-            else:
-                _fill(staging, final, run, model, optimizer, state)
-        except BaseException as exc:
-            error = exc
-        failed = collectives.any(error is not None, what)  # NOTE: waits for rank 0
-    if error is not None:
-        raise error
-    if failed:
-        raise infinity.CheckpointError(
-            f"rank 0 could not save checkpoint {final} (its error says why); nothing was "
-            "saved for this step"
-        )
-    if staging is not None:
+
+    def write(staging: Path | None) -> None:
+        if staging is None:
+            write_checkpoint(None, model, optimizer)  # this rank only gathers
+        else:
+            _fill(staging, final, run, model, optimizer, state)
+
+    staged = rank_zero_writes(
+        engine.collectives,
+        f"save checkpoint {final}",
+        lambda: _stage(run, final),
+        write,
+        before="nothing was saved for this step",
+        after="nothing was saved for this step",
+        error_type=infinity.CheckpointError,
+    )
+    if staged is not None:
         _prune(run)
     return final
 

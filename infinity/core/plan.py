@@ -14,6 +14,9 @@ from infinity.core.names import HOST, NVME, Tier
 from infinity.utils.sizes import format_size
 
 FP32_BYTES = 4
+# Sharded: the last parameter chunks demanded stay pinned on every rank's device
+# (``InUse`` in chunks/gathers.py); the planner reserves their slots.
+IN_USE_CHUNKS = 2
 
 
 class PlanError(ValueError):
@@ -66,6 +69,9 @@ class Plan:
     # each kind in its homes and staging; the device holds whole chunks.
     shard_count: int = 1
     shard_rank: int = 0
+    # Device slots beyond the minimum: how many prefetched chunks a sharded plan
+    # may keep pinned until their use (chunks/gathers.py).
+    spare_device_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.span_elems == 0:

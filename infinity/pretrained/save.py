@@ -30,8 +30,8 @@ from torch import nn
 
 from infinity.checkpoint.format import fsync_dir
 from infinity.checkpoint.save import _replace as replace_dir
+from infinity.distributed.outcomes import rank_zero_writes
 from infinity.offload import engine_of
-from infinity.pretrained.agreement import agree
 from infinity.pretrained.names import saved_names, state_names
 from infinity.pretrained.safetensors_io import (
     INDEX_FILE,
@@ -176,27 +176,31 @@ def _save_sharded(
     model: nn.Module, engine: OffloadEngine, target: Path, files: _Files, tokenizer: Any
 ) -> Path:
     """:func:`save_pretrained` of a sharded model: collective, rank 0 writes."""
-    collectives, what = engine.collectives, f"save '{target}'"
-    error: BaseException | None = None
-    tmp: Path | None = None
-    if engine.world.rank == 0:
+
+    def write(tmp: Path | None) -> None:
+        values = param_bytes_by_chunk(engine, files.entries)
         try:
-            tmp = _prepare(target, tokenizer)
-        except BaseException as exc:  # reported to every rank, then re-raised
-            error = exc
-    agree(collectives, error, what, "nothing was written")
-    values = param_bytes_by_chunk(engine, files.entries)
-    if tmp is not None:
-        try:
-            _write(model, engine, tmp, target, files, values, tokenizer)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = exc
-    # NOTE: every rank takes part in every chunk's gather, whatever rank 0's
-    # writes did (a generator that raised is finished: nothing left to drain).
-    for _item in values:
-        pass
-    agree(collectives, error, what, f"what was at '{target}' before, if anything, is unchanged")
+            if tmp is not None:
+                try:
+                    _write(model, engine, tmp, target, files, values, tokenizer)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+        finally:
+            # NOTE: every rank takes part in every chunk's gather, whatever rank 0's
+            # writes did (a generator that raised is finished: nothing left to drain).
+            for _item in values:
+                pass
+
+    rank_zero_writes(
+        engine.collectives,
+        f"save '{target}'",
+        lambda: _prepare(target, tokenizer),
+        write,
+        before="nothing was written",
+        after=f"what was at '{target}' before, if anything, is unchanged",
+        error_type=PretrainedError,
+    )
     return target
 
 

@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterable, Sequence
 from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.spans import is_split
 from infinity.core.names import HOST, NVME, Tier
-from infinity.core.plan import Budgets, Plan, PlanError
+from infinity.core.plan import IN_USE_CHUNKS, Budgets, Plan, PlanError
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.utils.sizes import format_size
 
@@ -37,15 +37,17 @@ def min_device_slots(
     element_size: int,
     working_sets: Sequence[frozenset[int]],
     grad_slots: int = 1,
+    held_slots: int = 0,
 ) -> dict[int, int]:
     """Device slots each size class needs: the largest set of chunks one module
     holds at once (its own and its ancestors' parameters), plus ``grad_slots``
     slots of the largest trainable size to receive gradients (a chunk fits any
-    larger slot).
+    larger slot), plus ``held_slots`` of the largest size.
 
     NOTE: sharded, a gradient chunk stays on the device until it is complete
     (``GradientFlow``): a tied embedding's receives gradients the whole
-    backward, beside the chunk being filled, hence two slots there."""
+    backward, beside the chunk being filled, hence two slots there; and the
+    last chunks demanded stay pinned (``IN_USE_CHUNKS``, ``chunks/gathers.py``)."""
     need: Counter[int] = Counter()
     for chunk_set in working_sets:
         per_class = _classes(layout.chunks[i].capacity * element_size for i in chunk_set)
@@ -56,6 +58,8 @@ def min_device_slots(
         need[max(trainable_sizes)] += grad_slots
     if not need and layout.chunks:
         need[layout.chunks[0].capacity * element_size] = 1
+    if held_slots and layout.chunks:
+        need[max(c.capacity for c in layout.chunks) * element_size] += held_slots
     return dict(need)
 
 
@@ -208,14 +212,24 @@ def _place(
     obytes = [optimizer.unit_bytes(c.capacity // shard_count, has_master) for c in chunks]
 
     # Device: the minimum working set, then as many more slots as fit.
-    device = min_device_slots(layout, element_size, working_sets, 2 if shard_count > 1 else 1)
+    sharded = shard_count > 1
+    device = min_device_slots(
+        layout, element_size, working_sets, 2 if sharded else 1, IN_USE_CHUNKS if sharded else 0
+    )
     device_need = sum(s * c for s, c in device.items())
+    minimum_slots = sum(device.values())
     if device_need > budgets.device:
         largest = max(c.capacity for c in chunks) * element_size
         raise PlanError(
             f"device_memory={format_size(budgets.device)} is too small: one module needs "
-            f"{format_size(device_need)} of chunk memory at once (its parameters' chunks plus a "
-            f"gradient chunk; the largest tensor's chunk, {format_size(largest)}, must be whole "
+            f"{format_size(device_need)} of chunk memory at once (its parameters' chunks plus "
+            + (
+                "two gradient chunks and the two chunks used last, which a sharded model "
+                "keeps on the device"
+                if sharded
+                else "a gradient chunk"
+            )
+            + f"; the largest tensor's chunk, {format_size(largest)}, must be whole "
             f"on the device). Raise device_memory to at least {device_need} bytes or use a "
             "smaller chunk_size.",
             needed=device_need,
@@ -325,6 +339,7 @@ def _place(
         span_elems=span_elems,
         shard_count=shard_count,
         shard_rank=shard_rank,
+        spare_device_slots=sum(device.values()) - minimum_slots,
         min_device_bytes=device_need,
     )
     if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
@@ -356,7 +371,9 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     trainable = [i for i in range(n) if plan.grad_home[i] is not None]
     whole_grads = sum(plan.device_param_bytes(i) for i in trainable)
     largest_grad = max((plan.device_param_bytes(i) for i in trainable), default=0)
-    cached = (plan.device_bytes - largest_grad) // plan.shard_count
+    # NOTE: sharded, two gradient chunks stay on the device until complete.
+    grad_slots = 2 if plan.sharded else 1
+    cached = (plan.device_bytes - grad_slots * largest_grad) // plan.shard_count
     refetched = min(params, max(0, params - cached))
     on_nvme = [i for i in range(n) if plan.param_home[i] == NVME]
     nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
