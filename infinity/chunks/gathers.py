@@ -39,8 +39,12 @@ class InUse:
     chunk and, on track, the first use of every prefetched one.
     """
 
-    def __init__(self, size: int = IN_USE_CHUNKS) -> None:
-        self.size = size
+    def __init__(self, spare_slots: int) -> None:
+        """``spare_slots``: device slots the plan leaves beyond its minimum; the last
+        chunks demanded take up to :data:`IN_USE_CHUNKS` of them, promises the rest
+        (pinned beyond them, copies could leave no room for what must come first)."""
+        self.size = min(IN_USE_CHUNKS, spare_slots)
+        self.promise_limit = spare_slots - self.size
         self._copies: OrderedDict[int, Copy] = OrderedDict()
         self._promised: dict[int, tuple[Copy, int]] = {}  # chunk -> (copy, iteration)
         self._iteration = 0
@@ -72,11 +76,10 @@ class InUse:
             _chunk, released = self._copies.popitem(last=False)
             released.pins -= 1
 
-    def promise(self, chunk: int, copy: Copy, limit: int) -> None:
+    def promise(self, chunk: int, copy: Copy) -> None:
         """Every rank agreed it has ``copy`` (or is gathering it): pinned until demanded,
-        unless ``limit`` copies are promised already (the plan's spare device slots:
-        more would leave no room for what comes before them)."""
-        if chunk not in self._promised and len(self._promised) < limit:
+        room permitting."""
+        if chunk not in self._promised and len(self._promised) < self.promise_limit:
             copy.pins += 1
             self._promised[chunk] = (copy, self._iteration)
 
@@ -172,7 +175,7 @@ def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
             continue
         copy = device.get(key)
         assert copy is not None
-        manager.in_use.promise(i, copy, plan.spare_device_slots)
+        manager.in_use.promise(i, copy)
         if not agreed[k]:
             continue  # every rank has it already
         region, staged = manager.open_host(key, writable=False)

@@ -116,7 +116,7 @@ class ChunkManager:
         # Where each chunk's optimizer update is: moved by the engine's update
         # pipeline only; checked here, on every read of parameter bytes.
         self.updates = UpdateStates(n)
-        self.in_use = InUse()  # sharded: the chunks every rank is known to hold
+        self.in_use = InUse(plan.spare_device_slots)  # sharded: what every rank holds
 
     @property
     def moment(self) -> int:

@@ -14,8 +14,8 @@ from infinity.core.names import HOST, NVME, Tier
 from infinity.utils.sizes import format_size
 
 FP32_BYTES = 4
-# Sharded: the last parameter chunks demanded stay pinned on every rank's device
-# (``InUse`` in chunks/gathers.py); the planner reserves their slots.
+# Sharded: at most this many of the last parameter chunks demanded stay pinned on
+# every rank's device (``InUse`` in chunks/gathers.py), room permitting.
 IN_USE_CHUNKS = 2
 
 
@@ -69,8 +69,8 @@ class Plan:
     # each kind in its homes and staging; the device holds whole chunks.
     shard_count: int = 1
     shard_rank: int = 0
-    # Device slots beyond the minimum: how many prefetched chunks a sharded plan
-    # may keep pinned until their use (chunks/gathers.py).
+    # Slots of the largest device size beyond the minimum: what a sharded plan may
+    # keep pinned for the chunks used last and prefetched ones (chunks/gathers.py).
     spare_device_slots: int = 0
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 from infinity.chunks.layout import ChunkLayout
 from infinity.core.names import HOST, NVME, Tier
-from infinity.core.plan import IN_USE_CHUNKS, Budgets, Plan, PlanError
+from infinity.core.plan import Budgets, Plan, PlanError
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.schedule.traffic import estimate_traffic
 from infinity.utils.sizes import format_size
@@ -37,17 +37,15 @@ def min_device_slots(
     element_size: int,
     working_sets: Sequence[frozenset[int]],
     grad_slots: int = 1,
-    held_slots: int = 0,
 ) -> dict[int, int]:
     """Device slots each size class needs: the largest set of chunks one module
     holds at once (its own and its ancestors' parameters), plus ``grad_slots``
     slots of the largest trainable size to receive gradients (a chunk fits any
-    larger slot), plus ``held_slots`` of the largest size.
+    larger slot).
 
     NOTE: sharded, a gradient chunk stays on the device until it is complete
     (``GradientFlow``): a tied embedding's receives gradients the whole
-    backward, beside the chunk being filled, hence two slots there; and the
-    last chunks demanded stay pinned (``IN_USE_CHUNKS``, ``chunks/gathers.py``)."""
+    backward, beside the chunk being filled, hence two slots there."""
     need: Counter[int] = Counter()
     for chunk_set in working_sets:
         per_class = _classes(layout.chunks[i].capacity * element_size for i in chunk_set)
@@ -58,8 +56,6 @@ def min_device_slots(
         need[max(trainable_sizes)] += grad_slots
     if not need and layout.chunks:
         need[layout.chunks[0].capacity * element_size] = 1
-    if held_slots and layout.chunks:
-        need[max(c.capacity for c in layout.chunks) * element_size] += held_slots
     return dict(need)
 
 
@@ -213,19 +209,17 @@ def _place(
 
     # Device: the minimum working set, then as many more slots as fit.
     sharded = shard_count > 1
-    device = min_device_slots(
-        layout, element_size, working_sets, 2 if sharded else 1, IN_USE_CHUNKS if sharded else 0
-    )
+    device = min_device_slots(layout, element_size, working_sets, 2 if sharded else 1)
     device_need = sum(s * c for s, c in device.items())
-    minimum_slots = sum(device.values())
+    largest_slot = max(device, default=0)
+    minimum_large = device.get(largest_slot, 0)
     if device_need > budgets.device:
         largest = max(c.capacity for c in chunks) * element_size
         raise PlanError(
             f"device_memory={format_size(budgets.device)} is too small: one module needs "
             f"{format_size(device_need)} of chunk memory at once (its parameters' chunks plus "
             + (
-                "two gradient chunks and the two chunks used last, which a sharded model "
-                "keeps on the device"
+                "two gradient chunks, which a sharded model keeps on the device until complete"
                 if sharded
                 else "a gradient chunk"
             )
@@ -339,7 +333,7 @@ def _place(
         span_elems=span_elems,
         shard_count=shard_count,
         shard_rank=shard_rank,
-        spare_device_slots=sum(device.values()) - minimum_slots,
+        spare_device_slots=device.get(largest_slot, 0) - minimum_large,
         min_device_bytes=device_need,
     )
     if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
