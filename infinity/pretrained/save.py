@@ -90,13 +90,27 @@ def save_pretrained(
     tmp = _prepare(target, tokenizer)
     values = param_bytes_by_chunk(engine, files.entries)
     try:
+        _write_or_remove(model, engine, tmp, target, files, values, tokenizer)
+    finally:
+        values.close()
+    return target
+
+
+def _write_or_remove(
+    model: nn.Module,
+    engine: OffloadEngine,
+    tmp: Path,
+    target: Path,
+    files: _Files,
+    values: Iterator[tuple[ParamEntry, memoryview]],
+    tokenizer: Any,
+) -> None:
+    """:func:`_write`, or remove ``tmp`` if it fails."""
+    try:
         _write(model, engine, tmp, target, files, values, tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        values.close()
-    return target
 
 
 @dataclass
@@ -181,11 +195,7 @@ def _save_sharded(
         values = param_bytes_by_chunk(engine, files.entries)
         try:
             if tmp is not None:
-                try:
-                    _write(model, engine, tmp, target, files, values, tokenizer)
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
+                _write_or_remove(model, engine, tmp, target, files, values, tokenizer)
         finally:
             # NOTE: every rank takes part in every chunk's gather, whatever rank 0's
             # writes did (a generator that raised is finished: nothing left to drain).
