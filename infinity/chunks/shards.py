@@ -2,22 +2,20 @@
 
 With ``Plan.shard_count`` ranks, each rank's homes and staging hold one equal
 shard of every chunk (elements ``Plan.home_window``); the device holds whole
-chunks. This module is the only place where shards and whole chunks meet:
-
-- a parameter chunk is *gathered* into its device slot: each rank copies its
-  shard to its place in the slot, then one in-place all-gather fills the rest;
-- state reads and writes by tensor (``state_dict``, checkpoints, gradients,
-  norms) open a *whole* host copy of a chunk (:func:`open_whole`): gathered for
-  reading, and written back by each rank taking its own shard out of it.
+chunks. This module maps shards to whole chunks in host memory (the device
+side, gathering parameter chunks into their slots, is ``chunks/gathers.py``):
+state reads and writes by tensor (``state_dict``, checkpoints, gradients,
+norms) open a *whole* host copy of a chunk (:func:`open_whole`): gathered for
+reading, and written back by each rank taking its own shard out of it.
 
 An optimizer unit's shard is laid out like the unit of a chunk of the shard's
 size (master, then each state slot's values and int8 scales): exactly a span
 of the whole unit (``chunks/spans.py``), whose byte ranges say where each
 piece goes.
 
-NOTE: every function here is collective: all ranks call it for the same chunks
-in the same order (module hooks, the step, state reads), never because of a
-cache decision or an I/O completion, which differ between ranks.
+NOTE: a gather is collective: all ranks call it for the same chunks in the
+same order (state reads), never because of a cache decision or an I/O
+completion, which differ between ranks.
 """
 
 from __future__ import annotations
