@@ -2,12 +2,15 @@
 
 python bench/state_dtype.py [--steps 18 --loss-steps 300 --json]
 
-1. The NVMe-bound case of ``bench/train_overhead.py`` (case c0: GPT 8x512, fp32,
+1. The NVMe case of ``bench/train_overhead.py`` (case c0: GPT 8x512, fp32,
    batch 4 x 256, optimizer states on NVMe, parameters and gradients in RAM,
    the default step) with fp32, bf16 and int8 moments, each at the smallest host
    budget that keeps parameters and gradients in RAM (so every optimizer unit
    is on NVMe). The three run in interleaved blocks; the ratios to fp32 are
    medians over rounds of paired ratios (see ``infinity.bench.train``).
+   It runs twice: at batch 4 x 256, where this machine's 2 cores make the step
+   bound by compute (fewer disk bytes cannot show as time), and at batch 1 x 32
+   (``--small-batch``), where the same model's step is bound by the disk.
 2. The demo (``infinity train``, the "small" preset: 300 steps) once per state
    dtype, each in its own process: the loss curve against fp32's.
 """
@@ -15,6 +18,7 @@ python bench/state_dtype.py [--steps 18 --loss-steps 300 --json]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -33,15 +37,21 @@ from infinity.utils.sizes import format_size
 DTYPES = ("fp32", "bf16", "int8")
 
 
-def nvme_case(args: argparse.Namespace) -> dict:
+def nvme_case(args: argparse.Namespace, batch: int, tokens: int) -> dict:
     """Step time and NVMe bytes per step of case c0 for each state dtype."""
     cfg = GPTConfig(vocab_size=256, seq_len=256, layers=8, hidden=512, heads=8)
     block = 4
     rounds = -(-args.steps // (block - 1))
     warm_rounds = 1
-    data = _batches(cfg, 4, (rounds + warm_rounds) * block)
+    # NOTE: shorter sequences than the model's context: same model, same
+    # bytes per step, a fraction of the compute.
+    data = _batches(dataclasses.replace(cfg, seq_len=tokens), batch, (rounds + warm_rounds) * block)
     os.makedirs(args.nvme_path, exist_ok=True)
-    out: dict = {"model": "GPT 8x512 fp32, batch 4 x 256", "params": cfg.num_params, "cases": {}}
+    out: dict = {
+        "model": f"GPT 8x512 fp32, batch {batch} x {tokens}",
+        "params": cfg.num_params,
+        "cases": {},
+    }
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
         runners = []
         for name in DTYPES:
@@ -110,23 +120,13 @@ def _tail(losses: list[float], n: int = 20) -> float:
     return sum(losses[-n:]) / len(losses[-n:])
 
 
-def main() -> int:
-    """Run both parts and print the tables (and JSON)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=18, help="timed steps per dtype (part 1)")
-    parser.add_argument("--loss-steps", type=int, default=300, help="demo steps (part 2; 0 skips)")
-    parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
-    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    report: dict = {"nvme": nvme_case(args)}
-    print(f"{report['nvme']['model']} ({report['nvme']['params'] / 1e6:.1f}M parameters), "
-          "optimizer states on NVMe")  # fmt: skip
+def _print_case(case: dict) -> None:
+    print(f"{case['model']} ({case['params'] / 1e6:.1f}M parameters), optimizer states on NVMe")
     print(
         f"{'moments':<9}{'step s':>8}{'x fp32':>8}{'rounds':>12}{'NVMe wait':>10}"
         f"{'NVMe/step':>12}{'x fp32':>8}{'host':>11}"
     )
-    for name, c in report["nvme"]["cases"].items():
+    for name, c in case["cases"].items():
         spread = f"{min(c['round_ratios']):.2f}-{max(c['round_ratios']):.2f}"
         print(
             f"{name:<9}{c['step_seconds']:>8.3f}{c['time_vs_fp32']:>8.2f}{spread:>12}"
@@ -134,6 +134,30 @@ def main() -> int:
             f"{format_size(c['nvme_bytes_per_step']):>12}{c['bytes_vs_fp32']:>8.2f}"
             f"{format_size(c['host_memory']):>11}"
         )
+
+
+def main() -> int:
+    """Run both parts and print the tables (and JSON)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=18, help="timed steps per dtype (part 1)")
+    parser.add_argument("--loss-steps", type=int, default=300, help="demo steps (part 2; 0 skips)")
+    parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
+    parser.add_argument(
+        "--small-batch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the disk-bound shape (batch 1 x 32)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    report: dict = {}
+    shapes = {"nvme": (4, 256), "nvme_small_batch": (1, 32)}
+    if not args.small_batch:
+        shapes.pop("nvme_small_batch")
+    for key, (batch, tokens) in shapes.items():
+        report[key] = nvme_case(args, batch, tokens)
+        _print_case(report[key])
     if args.loss_steps:
         curves = demo_losses(args)
         report["demo_losses"] = curves
