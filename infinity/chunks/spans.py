@@ -8,9 +8,9 @@ host staging as *spans*, consecutive element ranges ``[start, end)`` of at most
 part of its key (an optimizer unit's master and state slots), laid out part
 after part in its staging slot, so a span of a unit looks exactly like the unit
 of a chunk of ``end - start`` elements. Host staging is thus bounded by the
-normal chunk size whatever the largest tensor is. The planner splits only when
-it must (``Plan.span_elems``): with room for whole staging slots, an oversize
-chunk is staged whole as before.
+normal chunk size whatever the largest tensor is. The planner stages an
+oversize chunk whole (``Plan.span_elems``) only when whole slots cost no extra
+NVMe bytes per step.
 
 NOTE: span boundaries and oversize capacities are multiples of the chunk
 optimizer's ``span_granule`` (the I/O granule of every part, int8 block scales

@@ -95,3 +95,16 @@ def test_tight_host_budget_gets_smaller_chunks(tmp_path):
 def test_too_small_device_names_the_largest_tensor(tmp_path):
     with pytest.raises(PlanError, match=r"largest tensor's chunk, 48\.00 MiB, must be whole"):
         _plan(_llama(), tmp_path, device_memory="64MiB", host_memory="256MiB", chunk_size="8MiB")
+
+
+def test_more_host_never_means_more_disk_bytes(tmp_path):
+    """GPT-2's 147 MiB embedding staged whole fits from ~900 MiB of host, but its
+    slots then crowd every state out to NVMe: spans (or whole slots only where
+    they cost nothing) keep the estimated disk bytes falling as the host grows."""
+    model = _gpt2()
+    disk = []
+    for host in ("768MiB", "900MiB", "1GiB", "1536MiB"):
+        plan = _plan(model, tmp_path, device_memory="512MiB", host_memory=host)
+        disk.append(plan.traffic["nvme_read_bytes"] + plan.traffic["nvme_write_bytes"])
+    assert disk == sorted(disk, reverse=True), disk
+    assert disk[-1] < disk[0]
