@@ -4,6 +4,7 @@ the process, bytes per parameter from the dtypes)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -107,10 +108,10 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
     # Step time and the I/O bound from the report's own parts.
     assert len(report["steps"]) == 3 and len(report["losses"]) == 3
     assert report["step_seconds"] == statistics.median(report["steps"][1:])
-    bound = report["nvme_read_bytes_per_step"] / (report["disk_read_gbps"] * 1e9) + report[
-        "nvme_write_bytes_per_step"
-    ] / (report["disk_write_gbps"] * 1e9)
-    assert report["io_bound_seconds"] == pytest.approx(bound, rel=1e-12)
+    read_s = report["nvme_read_bytes_per_step"] / (report["disk_read_gbps"] * 1e9)
+    write_s = report["nvme_write_bytes_per_step"] / (report["disk_write_gbps"] * 1e9)
+    assert report["io_bound_seconds"] == pytest.approx(max(read_s, write_s), rel=1e-12)
+    assert report["io_serial_seconds"] == pytest.approx(read_s + write_s, rel=1e-12)
     reads, writes = zip(*report["disk_gbps_measured"], strict=True)
     assert (report["disk_read_gbps"], report["disk_write_gbps"]) == (max(reads), max(writes))
     # Training on one repeated batch: finite losses near ln(256) that fall.
@@ -119,3 +120,13 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
     assert losses[0] > losses[1] > losses[2]
     # The swap files are gone.
     assert [p for p in nvme.rglob("*") if p.is_file()] == []
+
+
+def test_overlap_flag_reaches_the_config(tmp_path):
+    from infinity.cli.bench_scale import _config, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flags, overlap in (([], False), (["--overlap-optimizer"], True)):
+        args = parser.parse_args(["--nvme-path", str(tmp_path), *flags])
+        assert _config(args).overlap_optimizer is overlap
