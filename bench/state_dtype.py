@@ -1,6 +1,6 @@
 """Optimizer-state storage (``Config(optimizer_state_dtype=...)``): NVMe bytes, step time, loss.
 
-python bench/state_dtype.py [--steps 18 --loss-steps 300 --json]
+python bench/state_dtype.py [--steps 18 --loss-steps 300 --scale-params 2B --json]
 
 1. The NVMe case of ``bench/train_overhead.py`` (case c0: GPT 8x512, fp32,
    batch 4 x 256, optimizer states on NVMe, parameters and gradients in RAM,
@@ -11,7 +11,11 @@ python bench/state_dtype.py [--steps 18 --loss-steps 300 --json]
    It runs twice: at batch 4 x 256, where this machine's 2 cores make the step
    bound by compute (fewer disk bytes cannot show as time), and at batch 1 x 32
    (``--small-batch``), where the same model's step is bound by the disk.
-2. The demo (``infinity train``, the "small" preset: 300 steps) once per state
+2. With ``--scale-params`` (e.g. ``2B --scale-vocab 128256``, minutes per run):
+   a model beyond RAM whose step is bound by the disk, ``infinity bench scale``
+   once per state dtype and round, each in its own process, the dtypes in a
+   rotating order; ratios to fp32 are medians over rounds of paired ratios.
+3. The demo (``infinity train``, the "small" preset: 300 steps) once per state
    dtype, each in its own process: the loss curve against fp32's.
 """
 
@@ -98,6 +102,45 @@ def nvme_case(args: argparse.Namespace, batch: int, tokens: int) -> dict:
     return out
 
 
+def disk(report: dict) -> float:
+    """NVMe bytes per step of one ``infinity bench scale`` report."""
+    return report["nvme_read_bytes_per_step"] + report["nvme_write_bytes_per_step"]
+
+
+def scale_case(args: argparse.Namespace) -> dict:
+    """Step time and NVMe bytes of ``infinity bench scale`` for each state dtype."""
+    runs: dict[str, list[dict]] = {name: [] for name in DTYPES}
+    for r in range(args.scale_rounds):
+        for name in DTYPES[r % len(DTYPES) :] + DTYPES[: r % len(DTYPES)]:
+            print(f"... scale, round {r + 1}, {name} moments", file=sys.stderr, flush=True)
+            with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
+                cmd = [
+                    sys.executable, "-m", "infinity", "bench", "scale", "--json",
+                    "--nvme-path", tmp, "--params", args.scale_params,
+                    "--vocab", str(args.scale_vocab), "--optimizer-state-dtype", name,
+                    "--device-memory", "2GiB", "--host-memory", "4GiB", "--steps", "4",
+                ]  # fmt: skip
+                if args.scale_overlap:
+                    cmd.append("--overlap-optimizer")
+                done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first = runs["fp32"][0]
+    out: dict = {"model": first["model"], "overlap_optimizer": args.scale_overlap, "cases": {}}
+    for name, reports in runs.items():
+        pairs = list(zip(reports, runs["fp32"], strict=True))
+        out["cases"][name] = {
+            "step_seconds": [rep["step_seconds"] for rep in reports],
+            "nvme_bytes_per_step": statistics.median(disk(rep) for rep in reports),
+            "wait_nvme_seconds": statistics.median(rep["wait_nvme_seconds"] for rep in reports),
+            "vs_io_bound": statistics.median(rep["vs_io_bound"] for rep in reports),
+            "time_vs_fp32": statistics.median(
+                a["step_seconds"] / b["step_seconds"] for a, b in pairs
+            ),
+            "bytes_vs_fp32": statistics.median(disk(a) / disk(b) for a, b in pairs),
+        }
+    return out
+
+
 def demo_losses(args: argparse.Namespace) -> dict:
     """The demo's loss per step for each state dtype (each run in its own process)."""
     curves = {}
@@ -148,6 +191,12 @@ def main() -> int:
         default=True,
         help="also run the disk-bound shape (batch 1 x 32)",
     )
+    parser.add_argument("--scale-params", help="also part 2 at this size (e.g. 2B; minutes)")
+    parser.add_argument("--scale-vocab", type=int, default=8192, help="part 2's vocabulary")
+    parser.add_argument("--scale-rounds", type=int, default=2, help="part 2's rounds")
+    parser.add_argument(
+        "--scale-overlap", action="store_true", help="part 2 with overlap_optimizer=True"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -158,6 +207,17 @@ def main() -> int:
     for key, (batch, tokens) in shapes.items():
         report[key] = nvme_case(args, batch, tokens)
         _print_case(report[key])
+    if args.scale_params:
+        report["scale"] = scale_case(args)
+        print(report["scale"]["model"] + ", bf16, optimizer states beyond RAM on NVMe"
+              + (", overlapped step" if args.scale_overlap else ""))  # fmt: skip
+        print(f"{'moments':<9}{'steps s':>22}{'x fp32':>8}{'NVMe wait':>10}{'NVMe/step':>12}"
+              f"{'x fp32':>8}{'x I/O bound':>12}")  # fmt: skip
+        for name, c in report["scale"]["cases"].items():
+            steps = " ".join(f"{x:.1f}" for x in c["step_seconds"])
+            print(f"{name:<9}{steps:>22}{c['time_vs_fp32']:>8.2f}{c['wait_nvme_seconds']:>10.1f}"
+                  f"{c['nvme_bytes_per_step'] / 1e9:>9.1f} GB{c['bytes_vs_fp32']:>8.2f}"
+                  f"{c['vs_io_bound']:>12.2f}")  # fmt: skip
     if args.loss_steps:
         curves = demo_losses(args)
         report["demo_losses"] = curves
