@@ -119,13 +119,18 @@ def scale_case(args: argparse.Namespace) -> dict:
                     "--nvme-path", tmp, "--params", args.scale_params,
                     "--vocab", str(args.scale_vocab), "--optimizer-state-dtype", name,
                     "--device-memory", "2GiB", "--host-memory", "4GiB", "--steps", "4",
+                    "--seq-len", str(args.scale_seq_len),
                 ]  # fmt: skip
                 if args.scale_overlap:
                     cmd.append("--overlap-optimizer")
                 done = subprocess.run(cmd, capture_output=True, text=True, check=True)
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     first = runs["fp32"][0]
-    out: dict = {"model": first["model"], "overlap_optimizer": args.scale_overlap, "cases": {}}
+    out: dict = {
+        "model": f"{first['model']}, batch 1 x {args.scale_seq_len}",
+        "overlap_optimizer": args.scale_overlap,
+        "cases": {},
+    }
     for name, reports in runs.items():
         pairs = list(zip(reports, runs["fp32"], strict=True))
         out["cases"][name] = {
@@ -194,6 +199,9 @@ def main() -> int:
     parser.add_argument("--scale-params", help="also part 2 at this size (e.g. 2B; minutes)")
     parser.add_argument("--scale-vocab", type=int, default=8192, help="part 2's vocabulary")
     parser.add_argument("--scale-rounds", type=int, default=2, help="part 2's rounds")
+    parser.add_argument(
+        "--scale-seq-len", type=int, default=256, help="part 2's tokens per step (batch 1)"
+    )
     parser.add_argument(
         "--scale-overlap", action="store_true", help="part 2 with overlap_optimizer=True"
     )

@@ -6,7 +6,9 @@ Cases (same model, same batches):
   c. offloaded, optimizer states on NVMe (parameters and gradients on the host);
   d. offloaded, everything beyond a small host budget (15% of the states) on NVMe.
 c and d run with ``overlap_optimizer=True`` (this loop steps after every
-backward, without clipping); c0 and d0 are the same without it (the default:
+backward, without clipping; at c's budget the planner then sends gradients to
+NVMe instead, used from staging, and keeps optimizer states home); c0 and d0
+are the same without it (the default:
 the step's NVMe-bound updates trail into the next forward).
 Each offloaded step time is reported as a ratio to (a) and, for the NVMe
 cases, against ``max(compute time of (a), I/O lower bound)``, the lower bound
@@ -208,7 +210,7 @@ def run_all(
             offloaded_runner("b", "offloaded, device = 1/2 params, rest in RAM", cfg, base),
             offloaded_runner(
                 "c",
-                "optimizer states on NVMe, optimizer overlapped with backward",
+                "c0's host budget, optimizer overlapped with backward (gradients leave first)",
                 cfg,
                 nvme.replace(host_memory=optim_only, **overlap),
             ),

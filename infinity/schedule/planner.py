@@ -6,9 +6,11 @@ saying how many bytes each tier needs.
 
 Policy (coldest state leaves first): everything starts on the host; while the
 host budget is exceeded, optimizer-state units (fp32 master + moments, touched
-once per step) move to NVMe chunk by chunk, then gradients (written once per
-micro-batch, read once per step), then parameters (read in forward and
-backward). The device tier is a cache of parameter and gradient chunks.
+once per step) move to NVMe chunk by chunk from the back, then gradients
+(written once per micro-batch, read once per step), then parameters (read in
+forward and backward). With ``overlap_optimizer`` gradient chunks leave first:
+they are used from host staging and never written, so spilling them costs no
+disk bytes. The device tier is a cache of parameter and gradient chunks.
 """
 
 from __future__ import annotations
@@ -272,8 +274,18 @@ def _place(
 
     # Move the coldest state to NVMe, chunk by chunk from the back, until it fits.
     # Order: optimizer units, then gradients, then parameters.
-    moves: list[tuple[str, int]] = [("optim", i) for i in reversed(range(n)) if trainable[i]]
-    moves += [("grad", i) for i in reversed(range(n)) if trainable[i]]
+    grads = [("grad", i) for i in reversed(range(n)) if trainable[i]]
+    free: list[tuple[str, int]] = []
+    if consume_grads:
+        # NOTE: overlapped, a gradient chunk homed on NVMe is used from host
+        # staging by its update and never goes to disk (unless it moves in
+        # spans): spilling it costs no bytes, an optimizer unit costs a read
+        # and a write per step. So those gradients leave first, and the host
+        # keeps optimizer units instead.
+        free = [m for m in grads if chunks[m[1]].capacity // shard_count <= span_elems]
+    moves: list[tuple[str, int]] = list(free)
+    moves += [("optim", i) for i in reversed(range(n)) if trainable[i]]
+    moves += [m for m in grads if m not in free]
     moves += [("param", i) for i in reversed(range(n))]
     param_slots = max(prefetch_depth + 2, OPTIM_PIPELINE_SLOTS)
     for kind, i in moves:

@@ -31,14 +31,17 @@ def test_plan_puts_optimizer_state_on_nvme_first(tmp_path):
     assert plan["host_bytes"] <= 512 << 20 and plan["device_bytes"] <= 512 << 20
     assert plan["traffic_per_step"]["nvme_write_bytes"] > 0
     assert "nvme" in homes["grad"]
-    # Overlapped, the gradients homed on NVMe are neither written nor read back.
+    # Overlapped, the gradients homed on NVMe are neither written nor read back:
+    # they leave the host first, and optimizer units stay home instead.
     out = _plan(*small, "--nvme-path", str(tmp_path), "--overlap-optimizer", "--json")
     assert out.returncode == 0, out.stderr
     overlapped = json.loads(out.stdout.strip().splitlines()[-1])
-    assert overlapped["homes"] == homes
+    moved = overlapped["homes"]
+    assert moved["grad"].count("nvme") > homes["grad"].count("nvme")
+    assert moved["optim"].count("nvme") < homes["optim"].count("nvme")
     before, after = plan["traffic_per_step"], overlapped["traffic_per_step"]
-    saved = before["nvme_write_bytes"] - after["nvme_write_bytes"]
-    assert saved > 0 and before["nvme_read_bytes"] - after["nvme_read_bytes"] == saved
+    for direction in ("nvme_read_bytes", "nvme_write_bytes"):
+        assert after[direction] < before[direction]
     assert after["h2d_bytes"] == before["h2d_bytes"]
     assert list(tmp_path.iterdir()) == []  # planning creates no files
 

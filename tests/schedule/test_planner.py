@@ -113,3 +113,28 @@ def test_spare_device_room_buys_slots_for_oversize_chunks_too():
     # more room than copies: one slot per copy, none idle
     roomy = _plan(layout, device=4 * copies, host=1 << 30, nvme=None)
     assert roomy.device_bytes == copies
+
+
+def test_overlapped_gradients_spill_before_optimizer_units():
+    """Overlapped, a gradient chunk on NVMe is used from staging and never written:
+    spilling it first keeps optimizer units (a read and a write each per step) home."""
+    layout = _layout()
+    full = _plan(layout, device=1 << 20, host=1 << 30, nvme=1 << 30).host_bytes
+    sets = [frozenset({i}) for i in range(layout.num_chunks)]
+    plans = [
+        make_plan(
+            layout,
+            element_size=E,
+            has_master=True,
+            budgets=Budgets(1 << 20, full - 40 * 1024, 1 << 30),  # 2.5 gradient chunks short
+            working_sets=sets,
+            prefetch_depth=2,
+            consume_grads=overlap,
+        )
+        for overlap in (False, True)
+    ]
+    default, overlapped = plans
+    assert NVME in overlapped.grad_home and NVME not in overlapped.optim_home
+    assert NVME in default.optim_home
+    disk = [p.traffic["nvme_read_bytes"] + p.traffic["nvme_write_bytes"] for p in plans]
+    assert disk[1] < disk[0]
