@@ -274,18 +274,18 @@ def _place(
 
     # Move the coldest state to NVMe, chunk by chunk from the back, until it fits.
     # Order: optimizer units, then gradients, then parameters.
-    grads = [("grad", i) for i in reversed(range(n)) if trainable[i]]
+    # NOTE: overlapped, a gradient chunk homed on NVMe is used from host staging
+    # by its update and never goes to disk (unless it moves in spans, see
+    # chunks/spans.is_split): spilling it costs no bytes, an optimizer unit
+    # costs a read and a write per step. So those gradients leave first, and
+    # the host keeps optimizer units instead.
     free: list[tuple[str, int]] = []
-    if consume_grads:
-        # NOTE: overlapped, a gradient chunk homed on NVMe is used from host
-        # staging by its update and never goes to disk (unless it moves in
-        # spans): spilling it costs no bytes, an optimizer unit costs a read
-        # and a write per step. So those gradients leave first, and the host
-        # keeps optimizer units instead.
-        free = [m for m in grads if chunks[m[1]].capacity // shard_count <= span_elems]
-    moves: list[tuple[str, int]] = list(free)
-    moves += [("optim", i) for i in reversed(range(n)) if trainable[i]]
-    moves += [m for m in grads if m not in free]
+    paid: list[tuple[str, int]] = []
+    for i in reversed(range(n)):
+        if trainable[i]:
+            consumed = consume_grads and pbytes[i] <= span_elems * element_size
+            (free if consumed else paid).append(("grad", i))
+    moves = free + [("optim", i) for i in reversed(range(n)) if trainable[i]] + paid
     moves += [("param", i) for i in reversed(range(n))]
     param_slots = max(prefetch_depth + 2, OPTIM_PIPELINE_SLOTS)
     for kind, i in moves:
