@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -24,7 +24,9 @@ class EvictionPolicy(Protocol):
 
     Declared here, where caches use it; the strategies live in
     :mod:`infinity.schedule.eviction`. *Whether* a copy may go is the cache's
-    rule, never the policy's.
+    rule, never the policy's. A policy may also define ``next_use(key, moment)
+    -> float`` (moments until ``key`` is needed, as Belady's does): prefetching
+    then evicts only copies needed later than what it fetches.
     """
 
     name: str
@@ -38,15 +40,6 @@ class EvictionPolicy(Protocol):
 
     def forget(self, key: Hashable) -> None:
         """``key`` left the cache."""
-
-
-@runtime_checkable
-class ForecastingPolicy(EvictionPolicy, Protocol):
-    """A policy that can also say how soon a key is needed (Belady's estimate)."""
-
-    def next_use(self, key: Hashable, moment: int) -> float:
-        """Moments until ``key`` is needed."""
-        ...
 
 
 class Pending(Protocol):
