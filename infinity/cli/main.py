@@ -145,13 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(argv)  # NOTE: `train --nproc N` re-runs the command line as N processes
     module = importlib.import_module(args._module)
-    code = _run(module, args)
-    # NOTE: reference cycles a failed command left behind (a half-built engine
-    # holding a rank's process group) are freed now, while the interpreter is
-    # whole. Left to the collection at shutdown, gloo's threads were torn down
-    # during finalisation and aborted the rank (SIGABRT) about once in eight runs.
-    gc.collect()
-    return code
+    return _run(module, args)
 
 
 def _run(module: ModuleType, args: argparse.Namespace) -> int:
@@ -185,6 +179,13 @@ def entry() -> None:
         code = 130
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # NOTE: reference cycles a failed command left behind (a half-built engine
+    # holding a rank's process group) are freed now, while the interpreter is
+    # whole. Left to the collection at shutdown, gloo's threads were torn down
+    # during finalisation and aborted the rank (SIGABRT) about once in eight runs.
+    # After SIG_IGN: a Ctrl-C landing in a weakref callback run by the
+    # collection printed an "Exception ignored ... KeyboardInterrupt" traceback.
+    gc.collect()
     _forget_caught_interrupt()
     sys.exit(code)
 
