@@ -185,10 +185,10 @@ def _print_case(case: dict) -> None:
 
 
 def main() -> int:
-    """Run both parts and print the tables (and JSON)."""
+    """Run the parts asked for and print the tables (and JSON)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=18, help="timed steps per dtype (part 1)")
-    parser.add_argument("--loss-steps", type=int, default=300, help="demo steps (part 2; 0 skips)")
+    parser.add_argument("--loss-steps", type=int, default=300, help="demo steps (part 3; 0 skips)")
     parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
     parser.add_argument(
         "--small-batch",

@@ -283,7 +283,7 @@ def _place(
     paid: list[tuple[str, int]] = []
     for i in reversed(range(n)):
         if trainable[i]:
-            consumed = consume_grads and pbytes[i] <= span_elems * element_size
+            consumed = consume_grads and pbytes[i] <= normal["grad"]
             (free if consumed else paid).append(("grad", i))
     moves = free + [("optim", i) for i in reversed(range(n)) if trainable[i]] + paid
     moves += [("param", i) for i in reversed(range(n))]
