@@ -11,6 +11,8 @@ python bench/state_dtype.py [--steps 18 --loss-steps 300 --scale-params 2B --jso
    It runs twice: at batch 4 x 256, where this machine's 2 cores make the step
    bound by compute (fewer disk bytes cannot show as time), and at batch 1 x 32
    (``--small-batch``), where the same model's step is bound by the disk.
+   A fourth case, int8 with every state in RAM, measures the floor of int8's
+   time ratio in the same run: what is left once the disk costs nothing.
 2. With ``--scale-params`` (e.g. ``2B --scale-vocab 128256``, minutes per run):
    a model beyond RAM whose step is bound by the disk, ``infinity bench scale``
    once per state dtype and round, each in its own process, the dtypes in a
@@ -39,6 +41,7 @@ from infinity.schedule.planner import NVME
 from infinity.utils.sizes import format_size
 
 DTYPES = ("fp32", "bf16", "int8")
+RAM_FLOOR = "int8 RAM"
 
 
 def nvme_case(args: argparse.Namespace, batch: int, tokens: int) -> dict:
@@ -74,6 +77,17 @@ def nvme_case(args: argparse.Namespace, batch: int, tokens: int) -> dict:
                     name, f"c0 with {name} moments", cfg, base.replace(host_memory=host)
                 )
             )
+        # NOTE: the floor of int8's time ratio: the same step with every state in
+        # RAM (no disk at all). Once int8's step no longer waits for the disk, its
+        # ratio to fp32 cannot go below this one's: the rest is compute and the
+        # engine's own work on the same cores.
+        base = Config(
+            device="cpu", dtype="fp32", device_memory=cfg.num_params * 2, nvme_path=tmp,
+            optimizer_state_dtype="int8",
+        )  # fmt: skip
+        host = host_budget_for(cfg, base, lambda p: NVME not in p.optim_home)
+        floor = "c0 with int8 moments, every state in RAM"
+        runners.append(offloaded_runner(RAM_FLOOR, floor, cfg, base.replace(host_memory=host)))
         for r in range(rounds + warm_rounds):
             print(f"... round {r + 1} of {rounds + warm_rounds}", file=sys.stderr, flush=True)
             turn = r % len(runners)
@@ -182,6 +196,8 @@ def _print_case(case: dict) -> None:
             f"{format_size(c['nvme_bytes_per_step']):>12}{c['bytes_vs_fp32']:>8.2f}"
             f"{format_size(c['host_memory']):>11}"
         )
+    if RAM_FLOOR in case["cases"]:
+        print(f"({RAM_FLOOR}: int8 with every state in RAM, no disk: the floor of int8's x fp32)")
 
 
 def main() -> int:
