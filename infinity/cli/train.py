@@ -268,7 +268,7 @@ def _run(args: argparse.Namespace, ranks: train_ranks.Ranks) -> int:
                 train_ranks.leave_nvme(ranks, plan.config)
                 return code
             except KeyboardInterrupt:
-                report.alert(f"interrupted: the current step was abandoned; {_where(plan)}")
+                report.alert(f"interrupted: {stop.interruption}; {_where(plan)}")
                 return 128 + (stop.abandon_signum or signal.SIGINT)
     finally:
         if plan.run_dir is not None:
@@ -369,10 +369,11 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     summary.ranks = train_ranks.per_rank(run.ranks, summary, summary.stats)
     plot = _none(args.plot)
     if plot and timeline is not None and run.ranks.main:
-        from infinity.cli.timeline_plot import plot_timeline
-
         title = f"{describe(settings.model)}, {settings.dtype}: memory over one training step"
-        summary.plot = str(plot_timeline(timeline, summary.stats, Path(plot), title))
+        with stop.deferred("the plot"):  # NOTE: it imports matplotlib's native modules
+            from infinity.cli.timeline_plot import plot_timeline
+
+            summary.plot = str(plot_timeline(timeline, summary.stats, Path(plot), title))
     summary.wall_seconds = time.perf_counter() - run.started
     report.finish(summary)
     if summary.status == "stopped":

@@ -12,7 +12,8 @@ import math
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType, TracebackType
 
@@ -50,15 +51,38 @@ class StopSignals:
         self.abandon_signum: int | None = None  # the second signal: 128 + it is the exit code
         self._on_first = on_first
         self._previous: dict[int, object] = {}
+        self._deferring = ""  # what deferred() protects now, if anything
+        self.interruption = "the current step was abandoned"  # what the second signal did
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.abandon_signum is not None:
             return  # NOTE: a third signal must not interrupt the clean-up of the second
         if self.signum is not None:
             self.abandon_signum = signum
-            raise KeyboardInterrupt  # second signal: abandon the step
+            if not self._deferring:
+                raise KeyboardInterrupt  # second signal: abandon the step
+            self.interruption = f"stopped after {self._deferring}"
+            return
         self.signum = signum
         self._on_first("stopping after this step (press Ctrl-C again to abandon it)")
+
+    @contextmanager
+    def deferred(self, what: str) -> Iterator[None]:
+        """A region (doing ``what``) a second signal must not interrupt midway: it
+        abandons the run when the region ends instead (raising ``KeyboardInterrupt``).
+
+        NOTE: for lazy imports of native extension modules (matplotlib's, for the
+        plot). A ``KeyboardInterrupt`` raised inside a module's initialisation
+        came out as "ImportError: initialization failed", and the half-built
+        module then aborted the interpreter at exit (SIGABRT instead of exit 130).
+        """
+        self._deferring = what
+        try:
+            yield
+        finally:
+            self._deferring = ""
+        if self.abandon_signum is not None:
+            raise KeyboardInterrupt
 
     @property
     def requested(self) -> bool:
