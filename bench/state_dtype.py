@@ -60,34 +60,27 @@ def nvme_case(args: argparse.Namespace, batch: int, tokens: int) -> dict:
         "cases": {},
     }
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
+        # c0 for each dtype: the smallest host budget keeping parameters and
+        # gradients in RAM, so every optimizer unit is on NVMe.
+        c0 = lambda p: NVME not in p.param_home + p.grad_home  # noqa: E731
+        cases = [(name, f"c0 with {name} moments", name, c0) for name in DTYPES]
+        # NOTE: the floor of int8's time ratio: the same step with every state in
+        # RAM (no disk at all). Once int8's step no longer waits for the disk, its
+        # ratio to fp32 cannot go below this one's: the rest is compute and the
+        # engine's own work on the same cores.
+        floor = "c0 with int8 moments, every state in RAM"
+        cases.append((RAM_FLOOR, floor, "int8", lambda p: NVME not in p.optim_home))
         runners = []
-        for name in DTYPES:
+        for name, description, dtype, wanted in cases:
             base = Config(
                 device="cpu",
                 dtype="fp32",
                 device_memory=cfg.num_params * 2,
                 nvme_path=tmp,
-                optimizer_state_dtype=name,
+                optimizer_state_dtype=dtype,
             )
-            host = host_budget_for(
-                cfg, base, lambda p: NVME not in p.param_home and NVME not in p.grad_home
-            )
-            runners.append(
-                offloaded_runner(
-                    name, f"c0 with {name} moments", cfg, base.replace(host_memory=host)
-                )
-            )
-        # NOTE: the floor of int8's time ratio: the same step with every state in
-        # RAM (no disk at all). Once int8's step no longer waits for the disk, its
-        # ratio to fp32 cannot go below this one's: the rest is compute and the
-        # engine's own work on the same cores.
-        base = Config(
-            device="cpu", dtype="fp32", device_memory=cfg.num_params * 2, nvme_path=tmp,
-            optimizer_state_dtype="int8",
-        )  # fmt: skip
-        host = host_budget_for(cfg, base, lambda p: NVME not in p.optim_home)
-        floor = "c0 with int8 moments, every state in RAM"
-        runners.append(offloaded_runner(RAM_FLOOR, floor, cfg, base.replace(host_memory=host)))
+            host = host_budget_for(cfg, base, wanted)
+            runners.append(offloaded_runner(name, description, cfg, base.replace(host_memory=host)))
         for r in range(rounds + warm_rounds):
             print(f"... round {r + 1} of {rounds + warm_rounds}", file=sys.stderr, flush=True)
             turn = r % len(runners)
