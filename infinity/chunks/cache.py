@@ -57,6 +57,11 @@ class Copy:
     slot: Slot
     nbytes: int = 0  # bytes of the chunk (the slot may be larger)
     fill: Pending | None = None  # the transfer that brings the data in (staging reads)
+    # NOTE: a device copy is inserted before its bytes are sent (a gather first
+    # agrees, then fills): until then its slot holds whatever it last held, so
+    # nothing may read it as the chunk's bytes (``HostStaging`` copies from
+    # landed device copies). Set once a transfer into the slot has started.
+    filled: bool = False
     pending: list[Pending] = field(default_factory=list)
     dirty: bool = False  # must be written back before the slot is reused
     pins: int = 0

@@ -145,6 +145,7 @@ def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
     manager.in_use.prefetched = list(chunks)
     missing, unable = [], []
     taken: dict[int, Copy] = {}
+    ready: list[Key] = []  # shards in host memory that this list will gather
     for i in chunks:
         key = (Kind.PARAM, i)
         cached = key in device
@@ -156,9 +157,12 @@ def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
             unable.append(False)
             continue
         if not manager.host_ready(key):
-            manager.prefetch_host(key)
+            # NOTE: reading ahead must not evict a shard this list is about to
+            # gather: it would be read again from disk, blocking, below.
+            manager.prefetch_host(key, protect=ready)
             unable.append(True)
             continue
+        ready.append(key)
         copy = device.try_insert(
             key, plan.device_param_bytes(i), manager.moment, manager.sooner_than(key)
         )
@@ -187,6 +191,7 @@ def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
         copy.pending.append(
             collectives.start_all_gather(copy.tensor, f"gathering parameter chunk {i}")
         )
+        copy.filled = True
         manager.traffic.h2d_bytes += region.numel()
 
 
@@ -221,6 +226,7 @@ def gather_param(manager: DeviceAccess, i: int) -> Copy:
     finally:
         manager.close_host(staged, modified=False, keep=True)
     collectives.all_gather_in_place(copy.tensor, f"gathering parameter chunk {i}")
+    copy.filled = True
     manager.traffic.h2d_bytes += region.numel()
     manager.in_use.hold(i, copy)
     return copy

@@ -225,6 +225,7 @@ class ChunkManager:
             chain = ChainedTransfer(staged.fill, lambda: self.backend.copy_async(dst, src))
             copy.pending.append(chain)
             staged.pending.append(chain)  # the staging slot is read until the copy ends
+        copy.filled = True
         self.traffic.h2d_bytes += nbytes
         return copy
 

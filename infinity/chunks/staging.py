@@ -146,7 +146,7 @@ class HostStaging:
         else from NVMe."""
         device_key = base_key(key)
         on_device = self.device.get(device_key) if from_device and key[0] is Kind.PARAM else None
-        if on_device is None or on_device.in_flight():
+        if on_device is None or not on_device.filled or on_device.in_flight():
             return self.homes.read(key, copy.tensor)
         # NOTE: device parameter copies are exact caches of their home (an
         # update discards them), so these are the bytes the disk would give.
