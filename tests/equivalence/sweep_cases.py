@@ -1,0 +1,158 @@
+"""The cases of the generated equivalence sweep: what is drawn, and the examples kept.
+
+A :class:`Case` combines the features that interact: world size, the device
+and host budgets (as fractions of what the model needs, so that every kind of
+chunk lands on each tier across cases), tied or untied embeddings, compute
+dtype, gradient accumulation, clipping, the overlapped step, the optimizer
+state dtype and the chunk size. :func:`draw` makes cases from a seed;
+:data:`EXAMPLES` are cases that once failed (each says which bug), kept
+verbatim so that they run in every ``make test``.
+
+NOTE: budgets are fractions, not bytes, so a case means the same thing for
+any model size. ``host`` is a fraction of the model's host bytes (parameters,
+gradients and optimizer units in their stored dtypes): 1.0 or more keeps
+everything on the host, smaller values spill optimizer units, then gradients,
+then parameters to NVMe (the planner's order). ``device`` is a fraction of
+the parameter bytes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+WORLDS = (1, 2)
+DTYPES = ("fp32", "bf16")
+STATE_DTYPES = ("fp32", "bf16", "int8")
+CHUNK_SIZES = ("auto", "16KiB", "40KiB")
+HOST_FRACTIONS = (1.5, 0.75, 0.45, 0.25, 0.12)
+DEVICE_FRACTIONS = (1.2, 0.6, 0.35)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One combination of features, trained against plain PyTorch."""
+
+    world: int = 1
+    dtype: str = "fp32"
+    state_dtype: str = "fp32"
+    tied: bool = True
+    accumulation: int = 1
+    clip: float = 0.0
+    overlap: bool = False
+    chunk_size: str = "auto"
+    host: float = 1.5  # fraction of the model's host bytes (see the module's NOTE)
+    device: float = 1.2  # fraction of the parameter bytes
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    steps: int = 3
+    # The model: a transformers Llama of `layers` blocks (see sweep_train.llama).
+    vocab: int = 128
+    hidden: int = 64
+    intermediate: int = 128
+    layers: int = 2
+    batch: int = 4  # whole batch (each of `world` ranks takes batch / world)
+    seq: int = 16
+    why: str = ""  # for kept examples: the bug it caught
+
+    @property
+    def nvme(self) -> bool:
+        """Whether the case has an NVMe tier (host budget below the model's host bytes)."""
+        return self.host < 1.0
+
+    def name(self) -> str:
+        """A short, unique-enough id for test names and tables."""
+        parts = [f"w{self.world}", self.dtype, f"st-{self.state_dtype}"]
+        parts.append("tied" if self.tied else "untied")
+        if self.accumulation > 1:
+            parts.append(f"acc{self.accumulation}")
+        if self.clip:
+            parts.append(f"clip{self.clip:g}")
+        if self.overlap:
+            parts.append("overlap")
+        parts += [f"chunk-{self.chunk_size}", f"host{self.host:g}", f"dev{self.device:g}"]
+        if self.layers != 2 or self.hidden != 64:
+            parts.append(f"llama{self.layers}x{self.hidden}")
+        return "-".join(parts)
+
+    def as_dict(self) -> dict:
+        """Plain fields (for JSON reports)."""
+        return asdict(self)
+
+
+def draw(rng: random.Random) -> Case:
+    """One case drawn uniformly over the features, respecting what combines.
+
+    NOTE: the overlapped step promises a step after every backward with no
+    clipping or accumulation in between (the engine checks and raises), so an
+    overlapped case draws neither.
+    """
+    overlap = rng.random() < 0.3
+    return Case(
+        world=rng.choice(WORLDS),
+        dtype=rng.choice(DTYPES),
+        state_dtype=rng.choice(STATE_DTYPES),
+        tied=rng.random() < 0.6,
+        accumulation=1 if overlap else rng.choice((1, 1, 2)),
+        clip=0.0 if overlap else rng.choice((0.0, 0.0, 0.5)),
+        overlap=overlap,
+        chunk_size=rng.choice(CHUNK_SIZES),
+        host=rng.choice(HOST_FRACTIONS),
+        device=rng.choice(DEVICE_FRACTIONS),
+        betas=(0.9, rng.choice((0.95, 0.999))),
+    )
+
+
+def draw_cases(seed: int, count: int) -> list[Case]:
+    """``count`` distinct cases from ``seed`` (the same list on every machine)."""
+    rng = random.Random(seed)
+    cases: dict[Case, None] = {}
+    for _ in range(count * 20):
+        if len(cases) == count:
+            break
+        cases.setdefault(draw(rng), None)
+    return list(cases)
+
+
+# Hand-picked so that, with the examples, every kind lands on each tier at each
+# world size in every `make test` (the drawn cases vary the rest).
+PINNED: tuple[Case, ...] = (
+    Case(host=0.12, device=0.6, chunk_size="16KiB"),
+    Case(
+        dtype="bf16",
+        state_dtype="int8",
+        host=0.25,
+        chunk_size="16KiB",
+        accumulation=2,
+        clip=0.5,
+        betas=(0.9, 0.999),
+    ),
+    Case(overlap=True, state_dtype="bf16", host=0.45, chunk_size="16KiB", tied=False),
+    Case(dtype="bf16", tied=False, clip=0.5, chunk_size="40KiB"),
+    Case(world=2, dtype="bf16", host=0.25, chunk_size="16KiB", accumulation=2, clip=0.5),
+    Case(world=2, host=0.12, chunk_size="16KiB", overlap=True, device=0.6),
+    Case(world=2, host=0.2, chunk_size="16KiB", state_dtype="bf16", tied=False, device=0.6),
+    Case(world=2, dtype="bf16", state_dtype="int8", accumulation=2),
+)
+
+# Cases that failed once. Each stays in the suite as it was found.
+EXAMPLES: tuple[Case, ...] = (
+    Case(
+        world=2,
+        host=0.15,
+        device=0.4,
+        tied=True,
+        vocab=512,
+        hidden=128,
+        intermediate=344,
+        layers=4,
+        batch=4,
+        seq=64,
+        steps=3,
+        why=(
+            "issue 26 part 1: sharded parameters on NVMe; a prefetch gather re-read an "
+            "evicted shard from the empty device slot it was about to fill (error 4.8 "
+            "after two steps)"
+        ),
+    ),
+)

@@ -1,0 +1,203 @@
+"""Run sweep cases (one process, or ranks of a gloo group) and judge them.
+
+:func:`run_case` trains one case offloaded. A budget the planner refuses (the
+fractions are of the model's bytes, and staging or a module's working set has
+a floor) is raised to what the :class:`~infinity.PlanError` names and tried
+again; the budgets actually used and the resulting placement are reported, so
+a table of many cases shows what was covered, not what was asked for.
+
+:func:`judge` trains the plain-PyTorch references and compares: the error of
+the offloaded parameters against the reference must stay within a multiple
+of the noise measured in the same call (sources of difference that have
+nothing to do with infinity: torch's fused against its single-tensor AdamW, or
+float64 against float32 update arithmetic for quantised moments, and
+data-parallel gradient averaging), and that bound must itself be far below
+what one optimizer step moves the parameters, so a stale or skipped update
+cannot hide in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from sweep_cases import Case
+from sweep_train import (
+    Trained,
+    host_bytes_per_param,
+    rel_error,
+    train_offloaded,
+    train_reference,
+)
+
+import infinity
+
+NOISE_MULTIPLE = 4.0
+# Below this the noise measure is rounding-level in fp32; a bound there would
+# flag FMA contraction differences of the fused kernel.
+FLOOR = {"fp32": 1e-6, "bf16": 1e-4}
+# The bound must be at most this fraction of one step's movement (a skipped or
+# stale update then fails; bf16 data parallel measures noise near a quarter of it).
+MEANINGFUL = 0.5
+PLAN_RETRIES = 4
+
+
+# Quantised moments: the relative gap between neighbouring stored values (int8:
+# 3 fraction bits; bf16: 7), and how many values rounded the other way the bound
+# allows (see _rounding_floor).
+RESOLUTION = {"bf16": 2.0**-7, "int8": 2.0**-3}
+FLIPS = 4
+
+
+def _rounding_floor(case: Case, ref: dict[str, torch.Tensor]) -> float:
+    """The error of ``FLIPS`` moment values rounded to the neighbouring code.
+
+    NOTE: a moment that lands within an ulp of a rounding boundary is rounded
+    either way by arithmetic that differs only in FMA contraction (the kernel
+    against torch ops), and each such value moves one parameter's later
+    updates by about lr x the format's resolution. That happens to a handful of
+    elements or none, so the noise measured from one other arithmetic is a
+    lottery; this floor is what a few of them cost, far below one step.
+    """
+    if case.state_dtype not in RESOLUTION:
+        return 0.0
+    norm = sum(float(v.double().pow(2).sum()) for v in ref.values()) ** 0.5
+    per_value = case.lr * RESOLUTION[case.state_dtype] * case.steps
+    return FLIPS**0.5 * per_value / norm
+
+
+@dataclass
+class Outcome:
+    """How one offloaded run ended (on one rank)."""
+
+    case: Case
+    trained: Trained | None = None
+    error: str | None = None  # traceback text of a failure
+    device_bytes: int = 0
+    host_bytes: int = 0
+    raised: list[str] = field(default_factory=list)  # budgets raised after PlanErrors
+
+
+@dataclass
+class Verdict:
+    """A case judged against plain PyTorch."""
+
+    case: Case
+    ok: bool
+    message: str
+    error: float = float("nan")
+    bound: float = float("nan")
+    one_step: float = float("nan")
+    placement: dict[str, dict[str, int]] = field(default_factory=dict)
+    raised: list[str] = field(default_factory=list)
+
+
+def _raise_budget(case: Case, exc: infinity.PlanError, params: int) -> tuple[Case, str]:
+    """The case with the budget ``exc`` names raised to what it says is needed (as a
+    fraction again, so the case stays a Case); re-raises errors of other kinds."""
+    text = str(exc)
+    if text.startswith("host_memory"):
+        base = params * host_bytes_per_param(case)
+        field_name, old = "host", case.host
+    elif text.startswith("device_memory"):
+        base = params * (4 if case.dtype == "fp32" else 2)
+        field_name, old = "device", case.device
+    else:
+        raise exc
+    new = max(old * 1.25, 1.02 * exc.needed / base) if exc.needed else old * 1.6
+    what = f"{field_name} {old:g} -> {new:.3g}"
+    return dataclasses.replace(case, **{field_name: round(new, 4)}), what
+
+
+def run_case(case: Case, nvme_dir: str, rank: int = 0) -> Outcome:
+    """Train ``case`` offloaded on this process; never raises (see :class:`Outcome`)."""
+    from sweep_train import config, llama
+
+    raised: list[str] = []
+    tried = case
+    os.makedirs(nvme_dir, exist_ok=True)  # NOTE: infinity creates its folder inside, not above
+    for _ in range(PLAN_RETRIES + 1):
+        try:
+            model = llama(tried)
+            cfg = config(tried, model, nvme_dir)
+            trained = train_offloaded(tried, nvme_dir, rank)
+        except infinity.PlanError as exc:
+            try:
+                tried, what = _raise_budget(tried, exc, sum(p.numel() for p in model.parameters()))
+            except infinity.PlanError:
+                return Outcome(case, error=traceback.format_exc(), raised=raised)
+            raised.append(what)
+            continue
+        except Exception:
+            return Outcome(case, error=traceback.format_exc(), raised=raised)
+        return Outcome(
+            case,
+            trained,
+            device_bytes=int(cfg.device_memory),
+            host_bytes=int(cfg.host_memory) if tried.nvme else 0,
+            raised=raised,
+        )
+    return Outcome(case, error=f"no plan after raising budgets {raised}", raised=raised)
+
+
+def rank_cases(rank: int, cases: list[Case], nvme_root: str) -> list[Outcome]:
+    """Every case on this rank of a group (for ``harness.run_ranks``); rank 0 keeps states."""
+    torch.set_num_threads(1)
+    out = []
+    for k, case in enumerate(cases):
+        outcome = run_case(case, os.path.join(nvme_root, f"case-{k}"), rank)
+        if rank != 0 and outcome.trained is not None:
+            outcome.trained.state = {}
+        out.append(outcome)
+    return out
+
+
+def judge(outcome: Outcome) -> Verdict:
+    """Compare one offloaded run with plain PyTorch (see the module docstring)."""
+    case = outcome.case
+    if outcome.trained is None:
+        return Verdict(case, False, f"training failed:\n{outcome.error}", raised=outcome.raised)
+    ref = train_reference(case)
+    noise = rel_error(train_reference(case, variant="fused").state, ref.state)
+    if case.world > 1:
+        noise = max(noise, rel_error(train_reference(case, variant="halves").state, ref.state))
+    one_step = rel_error(train_reference(case, steps=case.steps - 1).state, ref.state)
+    bound = max(NOISE_MULTIPLE * noise, FLOOR[case.dtype], _rounding_floor(case, ref.state))
+    error = rel_error(outcome.trained.state, ref.state)
+    verdict = Verdict(
+        case,
+        False,
+        "",
+        error=error,
+        bound=bound,
+        one_step=one_step,
+        placement=outcome.trained.placement,
+        raised=outcome.raised,
+    )
+    if bound > MEANINGFUL * one_step:
+        verdict.message = (
+            f"the tolerance {bound:.2e} (noise {noise:.2e}) is not below {MEANINGFUL} of one "
+            f"step's movement {one_step:.2e}: this case cannot tell a missed update"
+        )
+    elif not error <= bound:
+        verdict.message = (
+            f"parameters off plain PyTorch by {error:.2e} (relative), bound {bound:.2e} "
+            f"(noise {noise:.2e}); losses {outcome.trained.losses} vs {ref.losses}"
+        )
+    else:
+        verdict.ok = True
+        verdict.message = f"error {error:.2e} <= {bound:.2e}"
+    return verdict
+
+
+def placement_label(placement: dict[str, dict[str, int]]) -> str:
+    """Where each kind's chunks lived, e.g. ``param:host grad:mixed optim:nvme``."""
+    parts = []
+    for kind, tiers in placement.items():
+        host, nvme = tiers.get("host", 0), tiers.get("nvme", 0)
+        where = "host" if not nvme else "nvme" if not host else "mixed"
+        parts.append(f"{kind}:{where}")
+    return " ".join(parts)

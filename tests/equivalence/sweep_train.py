@@ -1,0 +1,197 @@
+"""Train one sweep case offloaded, and the plain-PyTorch references it is judged against.
+
+The offloaded side is what a user writes: ``infinity.offload`` + ``CPUAdam``
+and the ordinary loop (each of ``world`` ranks feeding its slice of every
+batch). The references never touch infinity: the same ``transformers`` model
+in RAM, ``torch.optim.AdamW`` (or, for quantised moments, the AdamW written in
+:mod:`sweep_reference`), the whole batch in one process. With a 16-bit compute
+dtype the reference keeps fp32 master weights and a 16-bit copy to compute
+with, which is what mixed precision means in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from sweep_cases import Case
+from sweep_reference import QuantisedAdamW
+
+import infinity
+from infinity.optim import CPUAdam
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Bytes per parameter kept in host homes, by (compute dtype, state dtype):
+# parameter + gradient (compute dtype), fp32 master for 16-bit compute, and the
+# two moments (int8: one byte each plus one fp32 scale per 256).
+_STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / 256}
+
+
+def llama(case: Case) -> torch.nn.Module:
+    """The case's ``transformers`` Llama (grouped-query attention), seeded."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=case.vocab,
+        hidden_size=case.hidden,
+        intermediate_size=case.intermediate,
+        num_hidden_layers=case.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(64, case.seq),
+        tie_word_embeddings=case.tied,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def batches(case: Case) -> list[torch.Tensor]:
+    """Token ids of every micro-batch, whole (``steps * accumulation`` of them)."""
+    g = torch.Generator().manual_seed(1)
+    shape = (case.batch, case.seq)
+    return [
+        torch.randint(0, case.vocab, shape, generator=g)
+        for _ in range(case.steps * case.accumulation)
+    ]
+
+
+def host_bytes_per_param(case: Case) -> float:
+    """Host bytes one parameter needs with everything in host homes."""
+    size = 4 if case.dtype == "fp32" else 2
+    master = 0 if case.dtype == "fp32" else 4
+    return 2 * size + master + _STATE_BYTES[case.state_dtype]
+
+
+def config(case: Case, model: torch.nn.Module, nvme_dir: str | None) -> infinity.Config:
+    """The case's budgets in bytes (see ``sweep_cases``' NOTE)."""
+    n = sum(p.numel() for p in model.parameters())
+    size = 4 if case.dtype == "fp32" else 2
+    return infinity.Config(
+        device="cpu",
+        dtype=case.dtype,
+        device_memory=int(case.device * n * size),
+        host_memory=int(case.host * n * host_bytes_per_param(case)) if case.nvme else "1GiB",
+        nvme_path=nvme_dir if case.nvme else None,
+        chunk_size=case.chunk_size,
+        overlap_optimizer=case.overlap,
+        optimizer_state_dtype=case.state_dtype,
+    )
+
+
+@dataclass
+class Trained:
+    """What one training run left: fp32 parameters (masters) by name, per-step losses,
+    where chunks lived."""
+
+    state: dict[str, torch.Tensor]
+    losses: list[float]
+    placement: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def _parts(case: Case, ids: torch.Tensor, world: int) -> Iterator[torch.Tensor]:
+    size = ids.shape[0] // world
+    for r in range(world):
+        yield ids[r * size : (r + 1) * size]
+
+
+def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
+    """The case through infinity on this process (rank ``rank`` of ``case.world``)."""
+    from infinity.offload import engine_of
+    from infinity.runtime.state_access import read_params
+
+    model = llama(case)
+    model = infinity.offload(model, config(case, model, nvme_dir))
+    engine = engine_of(model)
+    try:
+        opt = CPUAdam(model.parameters(), lr=case.lr, betas=case.betas, weight_decay=0.1)
+        data = batches(case)
+        losses = []
+        for step in range(case.steps):
+            total = 0.0
+            for micro in range(case.accumulation):
+                ids = list(_parts(case, data[step * case.accumulation + micro], case.world))[rank]
+                loss = model(input_ids=ids, labels=ids).loss / case.accumulation
+                loss.backward()
+                total += float(loss.detach())
+            if case.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+        # NOTE: the fp32 masters (the parameters themselves in fp32): 16-bit copies
+        # round every difference to a whole ulp, which would drown small errors.
+        entries = engine.registry.entries
+        state = {entry.name: value for entry, value in read_params(engine, entries, master=True)}
+        stats = infinity.stats(model)
+        return Trained(state, losses, stats["placement"])
+    finally:
+        engine.close()
+
+
+def train_reference(case: Case, *, variant: str = "single", steps: int | None = None) -> Trained:
+    """Plain PyTorch on the whole batch.
+
+    ``variant``: ``"single"`` (the reference), or a source of noise that has
+    nothing to do with infinity, to size the tolerance: ``"fused"`` (torch's
+    fused AdamW; for quantised moments, the reference's update in float64),
+    ``"halves"`` (the gradient as ``world`` data-parallel ranks compute it:
+    the mean of the slices' gradients).
+    """
+    steps = case.steps if steps is None else steps
+    model = llama(case)
+    compute = model
+    if case.dtype != "fp32":
+        # NOTE: parameters only: offload leaves buffers (rotary frequencies) as built.
+        compute = copy.deepcopy(model)
+        for p in compute.parameters():
+            p.data = p.data.to(TORCH_DTYPES[case.dtype])
+    masters = list(model.parameters())
+    params = list(compute.parameters())
+    if case.state_dtype == "fp32":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(
+            masters,
+            lr=case.lr,
+            betas=case.betas,
+            weight_decay=0.1,
+            foreach=False,
+            fused=True if variant == "fused" else None,
+        )
+    else:
+        math = torch.float64 if variant == "fused" else torch.float32
+        opt = QuantisedAdamW(
+            masters, case.state_dtype, lr=case.lr, betas=case.betas, weight_decay=0.1, math=math
+        )
+    data = batches(case)
+    split = case.world if variant == "halves" else 1
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(case.accumulation):
+            for ids in _parts(case, data[step * case.accumulation + micro], split):
+                loss = compute(input_ids=ids, labels=ids).loss / case.accumulation / split
+                loss.backward()
+                total += float(loss.detach())
+        if compute is not model:
+            for master, p in zip(masters, params, strict=True):
+                master.grad = None if p.grad is None else p.grad.float()
+        if case.clip:
+            torch.nn.utils.clip_grad_norm_(masters, case.clip)
+        opt.step()
+        opt.zero_grad()
+        compute.zero_grad()
+        if compute is not model:
+            with torch.no_grad():
+                for master, p in zip(masters, params, strict=True):
+                    p.copy_(master)
+        losses.append(total)
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}  # fp32 masters
+    return Trained(state, losses)
+
+
+def rel_error(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """||ours - ref|| / ||ref|| over every tensor of ``ref`` (float64 sums)."""
+    num = sum(float((ours[k].double() - v.double()).pow(2).sum()) for k, v in ref.items())
+    den = sum(float(v.double().pow(2).sum()) for v in ref.values())
+    return (num / den) ** 0.5
