@@ -57,7 +57,9 @@ class QuantisedAdamW(torch.optim.Optimizer):
     ) -> None:
         if state_dtype not in ("bf16", "int8"):
             raise ValueError(f"state_dtype={state_dtype!r}: the reference quantises bf16 or int8")
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps})
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps}
+        )
         self.state_dtype = state_dtype
         self.math = math
 

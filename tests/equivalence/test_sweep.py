@@ -69,9 +69,10 @@ EVERY = {(k, t) for k in ("param", "grad", "optim") for t in ("host", "nvme")}
 
 def test_pinned_cases_put_every_kind_on_each_tier_in_one_process(tmp_path) -> None:
     """The coverage the pinned cases promise, from the plans alone."""
+    from sweep_train import config, llama
+
     import infinity
     from infinity.offload import engine_of
-    from sweep_train import config, llama
 
     placements = []
     for case in [c for c in PINNED if c.world == 1]:
