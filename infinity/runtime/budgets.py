@@ -22,7 +22,7 @@ from infinity.io.filesystems import nearest_existing
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import Budgets, Plan, PlanError, make_plan
-from infinity.utils.sizes import align_up
+from infinity.utils.sizes import align_up, format_size
 
 MAX_AUTO_CHUNK_BYTES = 256 << 20
 MIN_SEARCH_CHUNK_BYTES = 64 << 10
@@ -115,10 +115,18 @@ def choose_plan(
         )
 
     if config.chunk_size != AUTO:
-        elems = align_up(int(config.chunk_size) // element_size, unit)
-        return attempt(
-            build_layout(tensors, elems, element_size, tensor_align=align, oversize_align=granule)
-        )
+        asked = int(config.chunk_size) // element_size
+        elems = align_up(asked, unit)
+        try:
+            return attempt(
+                build_layout(
+                    tensors, elems, element_size, tensor_align=align, oversize_align=granule
+                )
+            )
+        except PlanError as exc:
+            if elems <= asked:
+                raise
+            raise _shard_rounding_error(exc, elems * element_size, shard_count, config) from None
     # NOTE: a quarter of the device bounds even a raised cap, and a plan that
     # does not fit retries with smaller chunks.
     cap = chunk_cap(tensors, element_size, MAX_AUTO_CHUNK_BYTES)
@@ -142,6 +150,8 @@ def choose_plan(
             last_error = exc
         max_bytes //= 2
     assert last_error is not None
+    if unit * element_size > MIN_SEARCH_CHUNK_BYTES:
+        raise _shard_rounding_error(last_error, unit * element_size, shard_count, config) from None
     # NOTE: the planner already tried every smaller chunk: "use a smaller
     # chunk_size" would send the user after what was done for them.
     raise PlanError(
@@ -151,6 +161,26 @@ def choose_plan(
         + f" (chunk_size='auto' tried chunks down to {MIN_SEARCH_CHUNK_BYTES >> 10} KiB)",
         needed=last_error.needed,
     ) from None
+
+
+def _shard_rounding_error(
+    exc: PlanError, chunk_bytes: int, shard_count: int, config: Config
+) -> PlanError:
+    """``exc`` for a sharded plan whose chunks were rounded up to whole shard granules:
+    "a smaller chunk_size" cannot help there, so the message says what sets the size."""
+    text = (
+        str(exc)
+        .replace(", or use a smaller chunk_size", "")
+        .replace(" or use a smaller chunk_size", "")
+    )
+    return PlanError(
+        f"{text} (sharded over {shard_count} processes with optimizer_state_dtype="
+        f"{config.optimizer_state_dtype!r}, every chunk holds a whole aligned shard per process, "
+        f"so chunks are at least {format_size(chunk_bytes)} of parameters: a smaller "
+        "chunk_size cannot go below that; raise the budget, or use fewer processes or "
+        "another optimizer_state_dtype)",
+        needed=exc.needed,
+    )
 
 
 def plan_for(

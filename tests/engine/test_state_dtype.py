@@ -222,3 +222,26 @@ def test_state_dict_carries_fp32_moments_across_formats(tmp_path) -> None:
             floor = want.abs().max() * 2.0**-13
             assert torch.all((got - want).abs() <= want.abs() / 16 + floor), (key, slot)
     engine_of(quant).close()
+
+
+@pytest.mark.parametrize("chunk_size", ["16KiB", "auto"])
+def test_sharded_int8_plan_error_names_the_shard_rounding_not_a_smaller_chunk(chunk_size) -> None:
+    """Sharded int8 moments round every chunk up to whole 262144-element shards per
+    process: a budget error must say so, not advise a smaller chunk_size."""
+    from infinity.runtime.budgets import choose_plan
+
+    tensors = [TensorInfo(f"w{i}", (64, 64), True) for i in range(8)]
+    cfg = config(dtype="bf16", chunk_size=chunk_size, optimizer_state_dtype="int8")
+    with pytest.raises(infinity.PlanError) as caught:
+        choose_plan(
+            tensors,
+            lambda layout: [frozenset({i}) for i in range(layout.num_chunks)],
+            config=cfg,
+            budgets=Budgets(256 << 10, 1 << 30, None),
+            optimizer=ADAM.with_state_dtype("int8"),
+            shard_count=2,
+        )
+    message = str(caught.value)
+    assert "smaller chunk_size cannot go below that" in message, message
+    assert "chunks are at least 1.00 MiB" in message, message  # 2 x 262144 bf16 elements
+    assert "or use a smaller chunk_size" not in message
