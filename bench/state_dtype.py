@@ -19,6 +19,11 @@ python bench/state_dtype.py [--steps 18 --loss-steps 300 --scale-params 2B --jso
    rotating order; ratios to fp32 are medians over rounds of paired ratios.
 3. The demo (``infinity train``, the "small" preset: 300 steps) once per state
    dtype, each in its own process: the loss curve against fp32's.
+4. With ``--anchors`` (only this part runs): the loss grid of
+   ``bench/state_dtype_anchors.py`` — torch AdamW, torchao's and bitsandbytes'
+   AdamW8bit, and infinity with fp32 / bf16 / int8 moments, on a GPT and a
+   ``transformers`` Llama, over beta2 x learning rate; one process per cell,
+   ``--jobs`` at a time (one torch thread each).
 """
 
 from __future__ import annotations
@@ -193,6 +198,46 @@ def _print_case(case: dict) -> None:
         print(f"({RAM_FLOOR}: int8 with every state in RAM, no disk: the floor of int8's x fp32)")
 
 
+def anchors_grid(args: argparse.Namespace) -> dict:
+    """Part 4: every cell in its own process, ``args.jobs`` at a time; prints the table."""
+    import state_dtype_anchors as grid  # bench/ is the script's directory
+
+    missing = grid.missing_anchors()
+    for name, package in missing.items():
+        print(f"anchor {name} skipped: `pip install {package}` (bench only; not a dependency)")
+    cells = [
+        grid.Cell(model, opt, lr, beta2, args.anchor_steps)
+        for model in args.anchor_models.split(",")
+        for beta2 in (0.95, 0.999)
+        for lr in (float(x) for x in args.anchor_lrs.split(","))
+        for opt in grid.OPTIMIZERS
+        if opt not in missing
+    ]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "state_dtype_anchors.py")
+    results: dict[str, dict] = {}
+    pending = list(cells)
+    running: list[tuple[subprocess.Popen, str]] = []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            cell = pending.pop(0)
+            cmd = [sys.executable, script, cell.key()]
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+            running.append((proc, cell.key()))
+        proc, key = running.pop(0)
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"cell {key} failed (exit {proc.returncode})")
+        results[key] = json.loads(out.strip().splitlines()[-1])
+        done = f"{grid.tail(results[key]['losses']):.4f}, {results[key]['step_seconds']:.2f} s/step"
+        print(f"... {key}: {done}", file=sys.stderr, flush=True)
+    print(f"mean loss of the last {grid.TAIL} of {args.anchor_steps} steps, batch 8 x 128 bytes")
+    for line in grid.table(results, cells):
+        print(line)
+    return results
+
+
 def main() -> int:
     """Run the parts asked for and print the tables (and JSON)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -215,9 +260,19 @@ def main() -> int:
         "--scale-overlap", action="store_true", help="part 2 with overlap_optimizer=True"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.add_argument("--anchors", action="store_true", help="only part 4: the loss grid")
+    parser.add_argument("--anchor-steps", type=int, default=150, help="part 4: steps per cell")
+    parser.add_argument("--anchor-lrs", default="2e-3,6e-4", help="part 4: learning rates")
+    parser.add_argument("--anchor-models", default="gpt,llama", help="part 4: gpt and/or llama")
+    parser.add_argument("--jobs", type=int, default=2, help="part 4: cells run at once")
     args = parser.parse_args()
     torch.manual_seed(0)
     report: dict = {}
+    if args.anchors:
+        report["anchors"] = anchors_grid(args)
+        if args.json:
+            print(json.dumps(report))
+        return 0
     shapes = {"nvme": (4, 256), "nvme_small_batch": (1, 32)}
     if not args.small_batch:
         shapes.pop("nvme_small_batch")

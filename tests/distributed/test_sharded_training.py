@@ -93,15 +93,17 @@ def _rank_cases(rank: int, nvme_root: str) -> dict[str, dict]:
     return out
 
 
-def _plain(accumulation: int, clip: float, *, fused: bool = False, halves: bool = False):
+def _plain(
+    accumulation: int, clip: float, *, fused: bool = False, halves: bool = False, steps=STEPS
+):
     """Plain PyTorch on the whole batch (``halves``: the mean of the half batches'
-    gradients, as two data-parallel ranks compute it)."""
+    gradients, as two data-parallel ranks compute it) for ``steps`` steps."""
     model = _model()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=LR, weight_decay=0.1, fused=fused or None, foreach=False
     )
     batches = _batches(accumulation)
-    for step in range(STEPS):
+    for step in range(steps):
         for micro in range(accumulation):
             ids = batches[step * accumulation + micro]
             parts = [ids[:B], ids[B:]] if halves else [ids]
@@ -137,9 +139,12 @@ def test_two_ranks_train_like_one_process_with_twice_the_batch(trained, name):
     )
     error = _rel(trained[0][name]["state"], ref)
     assert error <= NOISE_MULTIPLE * gap, (name, error, gap)
-    # NOTE: the bound must be able to fail: an update off by one learning-rate
-    # step lands far outside it.
-    assert NOISE_MULTIPLE * gap < 1e-3 * LR, gap
+    # NOTE: the bound must be able to fail: a skipped or stale update (what one
+    # step moves the parameters) lands far outside it. Measured, not a fixed
+    # fraction of LR: the noise depends on the CPU's kernels (AVX2 machines
+    # measure about 2.7e-6, above the 1e-3 x LR this once used).
+    one_step = _rel(_plain(accumulation, clip, steps=STEPS - 1), ref)
+    assert NOISE_MULTIPLE * gap < 0.01 * one_step, (gap, one_step)
 
 
 def test_each_rank_keeps_half_the_states_and_writes_half_the_bytes(trained, tmp_path):
