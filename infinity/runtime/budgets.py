@@ -100,7 +100,10 @@ def choose_plan(
         unit = shard_count * math.lcm(granule, chunk_alignment_elems(element_size))
         granule = unit
 
-    def attempt(layout: ChunkLayout) -> Plan:
+    def attempt(elems: int) -> Plan:
+        layout = build_layout(
+            tensors, elems, element_size, tensor_align=align, oversize_align=granule
+        )
         return make_plan(
             layout,
             element_size=element_size,
@@ -118,11 +121,7 @@ def choose_plan(
         asked = int(config.chunk_size) // element_size
         elems = align_up(asked, unit)
         try:
-            return attempt(
-                build_layout(
-                    tensors, elems, element_size, tensor_align=align, oversize_align=granule
-                )
-            )
+            return attempt(elems)
         except PlanError as exc:
             if elems <= asked:
                 raise
@@ -141,11 +140,7 @@ def choose_plan(
         )
         elems = align_up(elems, unit)
         try:
-            return attempt(
-                build_layout(
-                    tensors, elems, element_size, tensor_align=align, oversize_align=granule
-                )
-            )
+            return attempt(elems)
         except PlanError as exc:
             last_error = exc
         max_bytes //= 2
@@ -155,12 +150,20 @@ def choose_plan(
     # NOTE: the planner already tried every smaller chunk: "use a smaller
     # chunk_size" would send the user after what was done for them.
     raise PlanError(
-        str(last_error)
-        .replace(", or use a smaller chunk_size", "")
-        .replace(" or use a smaller chunk_size", "")
+        _without_smaller_chunk_advice(last_error)
         + f" (chunk_size='auto' tried chunks down to {MIN_SEARCH_CHUNK_BYTES >> 10} KiB)",
         needed=last_error.needed,
     ) from None
+
+
+def _without_smaller_chunk_advice(exc: PlanError) -> str:
+    """``exc``'s message without its "use a smaller chunk_size" advice (for plans where
+    a smaller chunk was tried already, or cannot exist)."""
+    return (
+        str(exc)
+        .replace(", or use a smaller chunk_size", "")
+        .replace(" or use a smaller chunk_size", "")
+    )
 
 
 def _shard_rounding_error(
@@ -168,13 +171,9 @@ def _shard_rounding_error(
 ) -> PlanError:
     """``exc`` for a sharded plan whose chunks were rounded up to whole shard granules:
     "a smaller chunk_size" cannot help there, so the message says what sets the size."""
-    text = (
-        str(exc)
-        .replace(", or use a smaller chunk_size", "")
-        .replace(" or use a smaller chunk_size", "")
-    )
     return PlanError(
-        f"{text} (sharded over {shard_count} processes with optimizer_state_dtype="
+        f"{_without_smaller_chunk_advice(exc)} (sharded over {shard_count} processes with "
+        f"optimizer_state_dtype="
         f"{config.optimizer_state_dtype!r}, every chunk holds a whole aligned shard per process, "
         f"so chunks are at least {format_size(chunk_bytes)} of parameters: a smaller "
         "chunk_size cannot go below that; raise the budget, or use fewer processes or "

@@ -27,7 +27,9 @@ import torch
 from sweep_cases import Case
 from sweep_train import (
     Trained,
+    element_size,
     host_bytes_per_param,
+    llama,
     rel_error,
     train_offloaded,
     train_reference,
@@ -76,8 +78,6 @@ class Outcome:
     case: Case
     trained: Trained | None = None
     error: str | None = None  # traceback text of a failure
-    device_bytes: int = 0
-    host_bytes: int = 0
     raised: list[str] = field(default_factory=list)  # budgets raised after PlanErrors
 
 
@@ -103,7 +103,7 @@ def _raise_budget(case: Case, exc: infinity.PlanError, params: int) -> tuple[Cas
         base = params * host_bytes_per_param(case)
         field_name, old = "host", case.host
     elif text.startswith("device_memory"):
-        base = params * (4 if case.dtype == "fp32" else 2)
+        base = params * element_size(case)
         field_name, old = "device", case.device
     else:
         raise exc
@@ -114,32 +114,21 @@ def _raise_budget(case: Case, exc: infinity.PlanError, params: int) -> tuple[Cas
 
 def run_case(case: Case, nvme_dir: str, rank: int = 0) -> Outcome:
     """Train ``case`` offloaded on this process; never raises (see :class:`Outcome`)."""
-    from sweep_train import config, llama
-
     raised: list[str] = []
     tried = case
+    params = sum(p.numel() for p in llama(case).parameters())
     os.makedirs(nvme_dir, exist_ok=True)  # NOTE: infinity creates its folder inside, not above
     for _ in range(PLAN_RETRIES + 1):
         try:
-            model = llama(tried)
-            cfg = config(tried, model, nvme_dir)
-            trained = train_offloaded(tried, nvme_dir, rank)
+            return Outcome(case, train_offloaded(tried, nvme_dir, rank), raised=raised)
         except infinity.PlanError as exc:
             try:
-                tried, what = _raise_budget(tried, exc, sum(p.numel() for p in model.parameters()))
+                tried, what = _raise_budget(tried, exc, params)
             except infinity.PlanError:
                 return Outcome(case, error=traceback.format_exc(), raised=raised)
             raised.append(what)
-            continue
         except Exception:
             return Outcome(case, error=traceback.format_exc(), raised=raised)
-        return Outcome(
-            case,
-            trained,
-            device_bytes=int(cfg.device_memory),
-            host_bytes=int(cfg.host_memory) if tried.nvme else 0,
-            raised=raised,
-        )
     return Outcome(case, error=f"no plan after raising budgets {raised}", raised=raised)
 
 

@@ -57,21 +57,24 @@ def batches(case: Case) -> list[torch.Tensor]:
     ]
 
 
+def element_size(case: Case) -> int:
+    """Bytes of one parameter in the compute dtype."""
+    return TORCH_DTYPES[case.dtype].itemsize
+
+
 def host_bytes_per_param(case: Case) -> float:
     """Host bytes one parameter needs with everything in host homes."""
-    size = 4 if case.dtype == "fp32" else 2
     master = 0 if case.dtype == "fp32" else 4
-    return 2 * size + master + _STATE_BYTES[case.state_dtype]
+    return 2 * element_size(case) + master + _STATE_BYTES[case.state_dtype]
 
 
 def config(case: Case, model: torch.nn.Module, nvme_dir: str | None) -> infinity.Config:
     """The case's budgets in bytes (see ``sweep_cases``' NOTE)."""
     n = sum(p.numel() for p in model.parameters())
-    size = 4 if case.dtype == "fp32" else 2
     return infinity.Config(
         device="cpu",
         dtype=case.dtype,
-        device_memory=int(case.device * n * size),
+        device_memory=int(case.device * n * element_size(case)),
         host_memory=int(case.host * n * host_bytes_per_param(case)) if case.nvme else "1GiB",
         nvme_path=nvme_dir if case.nvme else None,
         chunk_size=case.chunk_size,
