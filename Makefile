@@ -10,7 +10,7 @@ STAMP      := $(VENV)/.infinity-installed
 SOURCES    := setup.py pyproject.toml $(shell find cpp -name '*.cpp' -o -name '*.hpp' 2>/dev/null)
 DEMO_ARGS  ?=
 
-.PHONY: setup demo test check-install lint bench clean
+.PHONY: setup demo test test-gpu check-install lint bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,13 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# On a machine with a GPU and a CUDA torch already installed (no venv, no
+# download): build the native module against that torch, run the tests
+# marked `cuda` (on a machine without a GPU they are reported as skipped).
+test-gpu:
+	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
+	$(PYTHON) -m pytest -q -m cuda -rs tests/cuda
 
 # A fresh venv, `pip install .` without extras, the command run outside the tree.
 check-install:

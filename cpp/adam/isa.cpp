@@ -1,7 +1,9 @@
 #include "adam/isa.hpp"
 
 #include <atomic>
+#include <cstdlib>
 #include <stdexcept>
+#include <string>
 
 namespace infinity::adam {
 namespace {
@@ -49,10 +51,32 @@ std::vector<Isa> available_isas() {
     return out;
 }
 
+namespace {
+
+/// The automatic choice: the widest ISA, unless INFINITY_CPU_ISA names another
+/// (an escape hatch for a CPU or hypervisor on which a kernel misbehaves; every
+/// ISA stores the same bits, only speed differs).
+Isa automatic_isa() {
+    const std::vector<Isa> available = available_isas();
+    const char* wanted = std::getenv("INFINITY_CPU_ISA");
+    if (wanted == nullptr || *wanted == '\0') return available.front();
+    std::string names;
+    for (Isa isa : available) {
+        if (std::string(wanted) == isa_name(isa)) return isa;
+        names += names.empty() ? "" : ", ";
+        names += isa_name(isa);
+    }
+    throw std::invalid_argument("INFINITY_CPU_ISA='" + std::string(wanted) +
+                                "' is not available on this CPU; use one of: " + names +
+                                " (or unset it for the widest)");
+}
+
+}  // namespace
+
 Isa active_isa() {
     const int forced = g_forced.load(std::memory_order_relaxed);
     if (forced >= 0) return static_cast<Isa>(forced);
-    static const Isa best = available_isas().front();
+    static const Isa best = automatic_isa();
     return best;
 }
 

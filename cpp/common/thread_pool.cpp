@@ -1,11 +1,15 @@
 #include "common/thread_pool.hpp"
 
+#include "common/unique_fd.hpp"
+
 #include <algorithm>
-#include <fstream>
+#include <cerrno>
+#include <cstdlib>
 #include <set>
 #include <string>
 #include <utility>
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <unistd.h>
 
@@ -100,11 +104,21 @@ void ThreadPool::run(int64_t num_tasks, const std::function<void(int64_t)>& task
 
 namespace {
 
+// A small non-negative integer from a sysfs file, or -1.
+// NOTE: plain read(2) and strtol, no iostreams: an ifstream's locale facets
+// crashed (SIGSEGV in codecvt) in a process whose libstdc++ was older than the
+// one this module was compiled against (torch 2.11's CUDA image, GCC 13).
 int read_int(const std::string& path) {
-    std::ifstream in(path);
-    int value = -1;
-    if (!(in >> value)) return -1;
-    return value;
+    const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) return -1;
+    char text[32] = {};
+    const ssize_t got = ::read(fd.get(), text, sizeof text - 1);
+    if (got <= 0) return -1;
+    char* end = nullptr;
+    errno = 0;
+    const long value = std::strtol(text, &end, 10);
+    if (end == text || errno != 0 || value < 0 || value > 1'000'000) return -1;
+    return static_cast<int>(value);
 }
 
 }  // namespace

@@ -21,6 +21,13 @@ import torch.distributed as dist
 from infinity.distributed.failures import failure_message
 from infinity.distributed.world import World
 
+# NOTE: torch 2.13 names the flat collectives all_gather_single and
+# reduce_scatter_single; older releases (2.4 onwards, which we support: the
+# CUDA builds users have) only have the *_tensor names, with the same
+# positional arguments and the same work handles.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class DistributedError(RuntimeError):
     """A collective failed: a peer rank stopped, raised or timed out."""
@@ -87,7 +94,7 @@ class Collectives:
         shard = full.numel() // world.size
         own = full[world.rank * shard : (world.rank + 1) * shard]
         with self._failing_as(what):
-            work = dist.all_gather_single(full, own, group=self._group(full), async_op=True)
+            work = _all_gather_flat(full, own, group=self._group(full), async_op=True)
         self.bytes_sent += own.numel() * own.element_size()
         return InFlight(work, self, what)
 
@@ -100,7 +107,7 @@ class Collectives:
         """``out`` = this rank's shard of the *sum* of ``full`` over the ranks, started
         (``full`` must stay unchanged until the returned handle is done)."""
         with self._failing_as(what):
-            work = dist.reduce_scatter_single(out, full, group=self._group(full), async_op=True)
+            work = _reduce_scatter_flat(out, full, group=self._group(full), async_op=True)
         self.bytes_sent += full.numel() * full.element_size()
         return InFlight(work, self, what)
 

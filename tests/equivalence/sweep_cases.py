@@ -53,6 +53,8 @@ class Case:
     layers: int = 2
     batch: int = 4  # whole batch (each of `world` ranks takes batch / world)
     seq: int = 16
+    # Where compute runs: "cpu" (the CPU backend) or "cuda" (tests/cuda, on a GPU).
+    backend: str = "cpu"
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -73,6 +75,8 @@ class Case:
         parts += [f"chunk-{self.chunk_size}", f"host{self.host:g}", f"dev{self.device:g}"]
         if self.layers != 2 or self.hidden != 64:
             parts.append(f"llama{self.layers}x{self.hidden}")
+        if self.backend != "cpu":
+            parts.append(self.backend)
         return "-".join(parts)
 
     def as_dict(self) -> dict:

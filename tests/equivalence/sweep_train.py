@@ -6,7 +6,9 @@ batch). The references never touch infinity: the same ``transformers`` model
 in RAM, ``torch.optim.AdamW`` (or, for quantised moments, the AdamW written in
 :mod:`sweep_reference`), the whole batch in one process. With a 16-bit compute
 dtype the reference keeps fp32 master weights and a 16-bit copy to compute
-with, which is what mixed precision means in plain PyTorch.
+with, which is what mixed precision means in plain PyTorch. With
+``case.backend="cuda"`` both sides compute on the GPU; the reference still
+steps its fp32 masters with torch's AdamW on the CPU, as infinity does.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def config(case: Case, model: torch.nn.Module, nvme_dir: str | None) -> infinity
     """The case's budgets in bytes (see ``sweep_cases``' NOTE)."""
     n = sum(p.numel() for p in model.parameters())
     return infinity.Config(
-        device="cpu",
+        device=case.backend,
         dtype=case.dtype,
         device_memory=int(case.device * n * element_size(case)),
         host_memory=int(case.host * n * host_bytes_per_param(case)) if case.nvme else "1GiB",
@@ -115,6 +117,7 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
             total = 0.0
             for micro in range(case.accumulation):
                 ids = list(_parts(case, data[step * case.accumulation + micro], case.world))[rank]
+                ids = ids.to(case.backend)
                 loss = model(input_ids=ids, labels=ids).loss / case.accumulation
                 loss.backward()
                 total += float(loss.detach())
@@ -143,11 +146,11 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
     the mean of the slices' gradients).
     """
     steps = case.steps if steps is None else steps
-    model = llama(case)
+    model = llama(case)  # its parameters are the fp32 masters, stepped on the CPU
     compute = model
-    if case.dtype != "fp32":
+    if case.dtype != "fp32" or case.backend != "cpu":
         # NOTE: parameters only: offload leaves buffers (rotary frequencies) as built.
-        compute = copy.deepcopy(model)
+        compute = copy.deepcopy(model).to(case.backend)
         for p in compute.parameters():
             p.data = p.data.to(TORCH_DTYPES[case.dtype])
     masters = list(model.parameters())
@@ -173,12 +176,13 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
         total = 0.0
         for micro in range(case.accumulation):
             for ids in _parts(case, data[step * case.accumulation + micro], split):
+                ids = ids.to(case.backend)
                 loss = compute(input_ids=ids, labels=ids).loss / case.accumulation / split
                 loss.backward()
                 total += float(loss.detach())
         if compute is not model:
             for master, p in zip(masters, params, strict=True):
-                master.grad = None if p.grad is None else p.grad.float()
+                master.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
         if case.clip:
             torch.nn.utils.clip_grad_norm_(masters, case.clip)
         opt.step()

@@ -8,6 +8,9 @@ any NaN: payloads may differ between instruction sets).
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -140,3 +143,30 @@ def test_misaligned_output_gives_the_same_bits(out_dtype: torch.dtype) -> None:
         assert_same_bits(out, p.to(out_dtype))
         results.append(p)
     assert_same_bits(results[0], results[1])
+
+
+def _isa_in_fresh_process(value: str) -> subprocess.CompletedProcess:
+    code = (
+        "import torch\n"
+        "from infinity.optim import kernels as k\n"
+        "p, g, m, v = (torch.ones(300) for _ in range(4))\n"
+        "k.adam_step(p, g, m, v, step=1, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8,\n"
+        "            weight_decay=0.0, adamw=True)\n"
+        "k.force_isa(None)\n"  # automatic again: still the environment's choice
+        "print(k.active_isa(), float(p[0]))\n"
+    )
+    env = {**os.environ, "INFINITY_CPU_ISA": value}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_environment_chooses_the_isa_and_names_a_bad_choice() -> None:
+    """INFINITY_CPU_ISA: the escape hatch for a CPU whose widest kernel misbehaves."""
+    done = _isa_in_fresh_process("scalar")
+    assert done.returncode == 0, done.stderr
+    isa, value = done.stdout.split()
+    assert isa == "scalar" and float(value) == pytest.approx(1 - 0.1, abs=1e-6)
+    bad = _isa_in_fresh_process("avx1024")
+    assert bad.returncode != 0
+    assert "INFINITY_CPU_ISA='avx1024'" in bad.stderr and "scalar" in bad.stderr
