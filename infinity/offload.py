@@ -16,6 +16,7 @@ from infinity.runtime.materialize import (
     check_initialisable,
     fill_chunks,
     materialize_buffers,
+    native_init,
 )
 from infinity.runtime.state_dict import install_state_dict_hooks
 
@@ -29,8 +30,9 @@ def offload(
     :class:`infinity.optim.CPUAdam`. If the budgets cannot hold the model this
     raises :class:`infinity.PlanError` before anything is allocated, with the
     bytes each tier needs. Parameters on the ``meta`` device are materialised
-    chunk by chunk and initialised with ``init(module)`` (default
-    ``module.reset_parameters()``). Build large models under
+    chunk by chunk and initialised with ``init(module)`` (default: a
+    ``transformers`` model's own ``_init_weights``, any other module's
+    ``reset_parameters()``). Build large models under
     :func:`infinity.init_empty` so buffers the constructor computes are real;
     a buffer left on ``meta`` that ``init`` does not fill is an error, never
     uninitialised memory.
@@ -46,6 +48,7 @@ def offload(
     config = config if config is not None else Config()
     if not isinstance(config, Config):
         raise TypeError(f"config must be an infinity.Config, got {type(config).__name__}")
+    init = init if init is not None else native_init(model)
     check_initialisable(model, init)
     world = resolve_world(config.process_group)
     if world.sharded:
@@ -64,7 +67,22 @@ def offload(
     # See NOTE [weak registry]: the hooks, not the registry, keep the engine alive.
     engine.hooks = hooks
     registry.register(model, engine, ((e.param, e.index) for e in engine.registry.entries))
+    if world.sharded:
+        _decline_data_parallel_wrappers(model)
     return model
+
+
+def _decline_data_parallel_wrappers(model: nn.Module) -> None:
+    """Keep Accelerate (and so ``transformers.Trainer``) from wrapping a sharded model in DDP.
+
+    NOTE: an offloaded model is already data parallel: its chunks are sharded
+    over the ranks and its gradients averaged by the engine. DDP on top would
+    broadcast into the parameter placeholders and average every gradient a
+    second time. ``Accelerator.prepare_model`` returns a model it has prepared
+    before unchanged (no DDP, no device move); this marks ours so. Nothing of
+    Accelerate is patched; without Accelerate the attribute is inert.
+    """
+    model._is_accelerate_prepared = True  # type: ignore[assignment]
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

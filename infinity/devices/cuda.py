@@ -49,7 +49,10 @@ class CudaBackend(DeviceBackend):
     name = "cuda"
 
     def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device.type, device.index or 0)
+        # NOTE: "cuda" means the current GPU (what torch.cuda.set_device(local_rank)
+        # chose on each rank under torchrun), not GPU 0.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device(device.type, index)
         self._stream = torch.cuda.Stream(self.device)
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:

@@ -80,6 +80,8 @@ class CPUAdam(Optimizer):
         weight_decay: with ``adamw=True``, decoupled decay ``p -= lr * wd * p``
             applied before the Adam update (AdamW, Loshchilov & Hutter); with
             ``adamw=False``, L2 regularisation ``grad += wd * p`` (classic Adam).
+            Default: torch's for the chosen optimizer, 0.01 for AdamW and 0
+            for Adam, so swapping either for this one changes nothing.
         adamw: choose between the two meanings of ``weight_decay`` above.
         amsgrad, maximize, capturable, differentiable: accepted for signature
             compatibility with torch; ``True`` raises ``ValueError``.
@@ -102,7 +104,7 @@ class CPUAdam(Optimizer):
         lr: float | torch.Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float | None = None,
         adamw: bool = True,
         *,
         amsgrad: bool = False,
@@ -115,7 +117,7 @@ class CPUAdam(Optimizer):
             "lr": lr,
             "betas": tuple(betas),
             "eps": eps,
-            "weight_decay": weight_decay,
+            "weight_decay": (0.01 if adamw else 0.0) if weight_decay is None else weight_decay,
             "adamw": adamw,
             "amsgrad": amsgrad,
             "maximize": maximize,

@@ -25,6 +25,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
 from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.move_guard import MoveGuard
 
 _opaque = torch.compiler.disable
 
@@ -72,6 +73,7 @@ class HookSet:
             self.handles.append(module.register_forward_pre_hook(self._pre(module)))
             self.handles.append(module.register_forward_hook(self._post(module), always_call=True))
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
+        self._move_guard = MoveGuard(model, engine.device, engine.dtype)
         before_grad = _opaque(_weak(engine.before_grad))
         on_grad = _opaque(_weak(engine.on_grad))
         for entry in engine.registry.entries:
@@ -103,3 +105,4 @@ class HookSet:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self._move_guard.remove()

@@ -2,7 +2,8 @@
 
 Parameters that already have values are copied in and their memory is released
 at once. Parameters on the ``meta`` device get memory inside a chunk-sized fp32
-scratch buffer, then ``init(module)`` runs on each module that owns one (default
+scratch buffer, then ``init(module)`` runs on each module that owns one (default:
+the model's own ``_init_weights`` for a ``transformers`` model, else
 ``module.reset_parameters()``), so a model larger than host memory never exists
 whole in RAM: at most the chunks one module spans are open at a time.
 """
@@ -10,6 +11,7 @@ whole in RAM: at most the chunks one module spans are open at a time.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,20 @@ log = logging.getLogger("infinity")
 def default_init(module: nn.Module) -> None:
     """``module.reset_parameters()``."""
     module.reset_parameters()  # type: ignore[operator]
+
+
+def native_init(model: nn.Module) -> InitFn | None:
+    """The model's own initialisation, where its library defines one: a ``transformers``
+    ``PreTrainedModel``'s ``_init_weights(module)`` (what ``from_config`` would run,
+    module by module); ``None`` otherwise (then ``reset_parameters()``)."""
+    # NOTE: looked up in sys.modules, never imported: a model can only be a
+    # PreTrainedModel if transformers is already loaded.
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    if pretrained is None or not isinstance(model, pretrained):
+        return None
+    init = getattr(model, "_init_weights", None)
+    return init if callable(init) else None
 
 
 def modules_needing_init(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -164,7 +164,27 @@ def test_closure_is_called_with_grad_enabled_and_its_loss_returned() -> None:
     loss = opt.step(closure)
     assert loss.item() == pytest.approx(5.0)
     ref = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
-    ref_opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0, foreach=False)
+    ref_opt = torch.optim.AdamW([ref], lr=0.1, foreach=False)  # both at their defaults
     ref.grad = 2 * ref.detach()
     ref_opt.step()
     assert_rel_close(p.detach(), ref.detach())
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["AdamW", "Adam"])
+def test_defaults_are_torchs_so_a_swap_changes_nothing(adamw: bool) -> None:
+    """Constructed with nothing but the parameters (issue 28: weight_decay was 0.0
+    where AdamW's is 0.01), CPUAdam trains exactly like torch's optimizer."""
+    g = torch.Generator().manual_seed(3)
+    ours = torch.nn.Parameter(torch.randn(4096, generator=g) * 3)
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    opt = CPUAdam([ours]) if adamw else CPUAdam([ours], adamw=False)
+    ref_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref = ref_cls([theirs], foreach=False)
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        assert opt.defaults[key] == ref.defaults[key], key
+    for _ in range(5):
+        grad = torch.randn(4096, generator=g)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+    assert_rel_close(ours.detach(), theirs.detach(), 1e-5)

@@ -97,3 +97,27 @@ def test_init_empty_restores_module_registration_after_an_error():
         raise RuntimeError("boom")
     assert nn.Module.register_parameter is original
     assert not nn.Linear(2, 2).weight.is_meta
+
+
+def test_a_transformers_model_gets_its_own_initialisation_by_default(offload_config, llama_config):
+    """Issue 28: no init= needed for a PreTrainedModel built under init_empty; the
+    reference is what transformers' own construction gives (same distributions:
+    normal(0, initializer_range) matrices, ones in the RMSNorms)."""
+    cfg = llama_config(tied=False)
+    reference = transformers.LlamaForCausalLM(cfg)
+    with infinity.init_empty():
+        model = transformers.LlamaForCausalLM(cfg)
+    model = infinity.offload(model, offload_config())
+    ours = model.state_dict()
+    theirs = reference.state_dict()
+    assert set(ours) == set(theirs)
+    for name, ref in theirs.items():
+        value = ours[name]
+        assert value.isfinite().all(), name
+        if "norm" in name:
+            assert torch.equal(value, ref), name  # deterministic: ones
+        elif ref.dim() == 2:
+            assert abs(value.std().item() - ref.std().item()) < 0.25 * ref.std().item(), name
+            assert not torch.equal(value, torch.zeros_like(value)), name
+    for name in ROTARY:
+        assert torch.equal(model.get_buffer(name), reference.get_buffer(name)), name

@@ -1,0 +1,55 @@
+"""``model.to(...)`` on an offloaded model: a no-op to where it is, an error elsewhere.
+
+``transformers.Trainer`` under ``torchrun`` moves the model to
+``device(type='cpu', index=0)``; plain ``Tensor.to`` would copy every parameter
+placeholder into a full tensor. The reference for "unchanged" is the model's
+own state before the call, read back through ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import batches, config, gpt_loss, tiny_gpt
+
+import infinity
+from infinity.offload import engine_of
+from infinity.runtime.params import is_placeholder
+
+
+def test_moves_to_its_own_device_leave_the_model_as_it_is():
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    try:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        ptrs = [p.untyped_storage().data_ptr() for p in model.parameters()]
+        for target in ("cpu", torch.device("cpu", 0), torch.float32):
+            assert model.to(target) is model
+        assert model.to(device="cpu", dtype=torch.float32) is model
+        assert all(is_placeholder(p.data) for p in model.parameters())
+        assert ptrs == [p.untyped_storage().data_ptr() for p in model.parameters()]
+        after = model.state_dict()
+        assert all(torch.equal(v, after[k]) for k, v in before.items())
+        gpt_loss(model, batches(1)[0]).backward()  # still trains: nothing was changed
+    finally:
+        engine_of(model).close()
+
+
+@pytest.mark.parametrize("target", [torch.float16, "meta"])
+def test_other_moves_are_refused_with_the_way_to_choose_them(target):
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    try:
+        expected = r"model\.to\(.*infinity\.Config\(device=\.\.\., dtype"
+        with pytest.raises(ValueError, match=expected):
+            model.to(target)
+        assert all(is_placeholder(p.data) for p in model.parameters())
+    finally:
+        engine_of(model).close()
+
+
+def test_removing_the_hooks_gives_the_model_its_own_to_back():
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    engine = engine_of(model)
+    assert "to" in model.__dict__
+    engine.hooks.remove()
+    engine.close()
+    assert "to" not in model.__dict__  # the class's Module.to again
