@@ -24,6 +24,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
+from infinity.runtime.direct_reads import head_read_directly
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.move_guard import MoveGuard
 
@@ -65,13 +66,29 @@ class HookSet:
         @_opaque
         def root_post(module: nn.Module, args: tuple, output: object) -> None:
             # always_call=True: runs on exceptions too, so the scope never leaks.
+            while self._direct_open:
+                self._leave(self._direct_open.pop())
             if self._scopes:
                 self._scopes.pop().__exit__(None, None, None)
 
+        # Nesting depth of each owner's binding: a module bound by a direct read
+        # (direct_reads.py) may also run its own forward inside it.
+        self._depth: dict[nn.Module, int] = {}
+        direct = head_read_directly(model, engine.registry)
+
+        @_opaque
+        def backbone_post(module: nn.Module, args: tuple, output: object) -> None:
+            assert direct is not None
+            self._enter(direct.owner)
+            self._direct_open.append(direct.owner)
+
+        self._direct_open: list[nn.Module] = []
         self.handles.append(model.register_forward_pre_hook(root_pre, prepend=True))
         for module in engine.registry.owners:
             self.handles.append(module.register_forward_pre_hook(self._pre(module)))
             self.handles.append(module.register_forward_hook(self._post(module), always_call=True))
+        if direct is not None:
+            self.handles.append(direct.backbone.register_forward_hook(backbone_post))
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
         self._move_guard = MoveGuard(model, engine.device, engine.dtype)
         before_grad = _opaque(_weak(engine.before_grad))
@@ -82,21 +99,31 @@ class HookSet:
                 self.handles.append(param.register_hook(before_grad))
                 self.handles.append(param.register_post_accumulate_grad_hook(on_grad))
 
-    def _pre(self, module: nn.Module) -> Callable[..., None]:
-        engine = self._engine
+    def _enter(self, module: nn.Module) -> None:
+        depth = self._depth.get(module, 0)
+        if depth == 0:
+            self._engine.begin_module(module)
+        self._depth[module] = depth + 1
 
+    def _leave(self, module: nn.Module) -> None:
+        depth = self._depth.get(module, 0)
+        if depth <= 1:
+            self._depth.pop(module, None)
+            self._engine.end_module(module)
+        else:
+            self._depth[module] = depth - 1
+
+    def _pre(self, module: nn.Module) -> Callable[..., None]:
         @_opaque
         def hook(mod: nn.Module, args: tuple) -> None:
-            engine.begin_module(module)
+            self._enter(module)
 
         return hook
 
     def _post(self, module: nn.Module) -> Callable[..., None]:
-        engine = self._engine
-
         @_opaque
         def hook(mod: nn.Module, args: tuple, output: object) -> None:
-            engine.end_module(module)
+            self._leave(module)
 
         return hook
 
