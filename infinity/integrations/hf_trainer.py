@@ -1,0 +1,134 @@
+"""``transformers.Trainer`` checkpoints of an offloaded model that stream, atomically.
+
+The Trainer's own checkpoint copies ``model.state_dict()`` and
+``optimizer.state_dict()`` into RAM, which a model larger than host memory
+cannot afford. With :class:`StreamedCheckpoints` mixed in (or the ready-made
+:class:`Trainer`), ``save_strategy="steps"`` writes, into each
+``checkpoint-N`` folder, the model's weights with :func:`infinity.save_pretrained`
+(``transformers`` loads them) and an ``infinity/`` folder holding
+:func:`infinity.save_checkpoint` (fp32 masters, moments, step counts), both
+streamed chunk by chunk; the scheduler, RNG and trainer state are the
+Trainer's own (small) files. ``trainer.train(resume_from_checkpoint=...)``
+restores the model and optimizer from ``infinity/`` and resumes exactly.
+
+::
+
+    from infinity.integrations.hf_trainer import Trainer      # or StreamedCheckpoints
+    trainer = Trainer(model=offloaded, args=args, optimizers=(CPUAdam(...), scheduler), ...)
+
+For a model that is not offloaded, everything is the Trainer's own behaviour.
+NOTE: a mixin over documented Trainer methods (``save_model`` and the
+optimizer/scheduler save and load hooks); nothing of transformers is patched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from infinity.checkpoint import load_checkpoint, save_checkpoint
+from infinity.offload import find_engine
+from infinity.pretrained import save_pretrained
+
+# The folder inside each checkpoint-N that holds infinity's checkpoint.
+STATE_DIR = "infinity"
+SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
+
+
+def _offloaded(model: Any) -> nn.Module | None:
+    """The offloaded model behind ``model`` (unwrapped), or ``None``."""
+    inner = getattr(model, "module", model)  # DDP-style wrappers
+    return inner if isinstance(inner, nn.Module) and find_engine(inner) is not None else None
+
+
+class StreamedCheckpoints:
+    """Mix into a ``transformers.Trainer`` subclass (first in the bases) for streamed
+    checkpoints of an offloaded model; see the module docstring."""
+
+    model: Any
+    optimizer: Any
+    lr_scheduler: Any
+    args: Any
+    processing_class: Any
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model's weights, streamed with :func:`infinity.save_pretrained`."""
+        model = _offloaded(self.model)
+        if model is None:
+            super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            return
+        output_dir = output_dir or self.args.output_dir
+        _save_weights_into(model, output_dir, self.args.should_save)
+        if self.processing_class is not None and self.args.should_save:
+            self.processing_class.save_pretrained(output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        model = _offloaded(self.model)
+        if model is None:
+            super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+            return
+        # Collective under data parallel: every rank calls it, rank 0 writes.
+        save_checkpoint(os.path.join(output_dir, STATE_DIR), model, _inner(self.optimizer))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if _offloaded(model if model is not None else self.model) is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        # Offloaded: weights come back with the optimizer, from the streamed state.
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        model = _offloaded(self.model)
+        if model is None or checkpoint is None:
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return
+        state = os.path.join(checkpoint, STATE_DIR)
+        if not os.path.isdir(state):
+            raise FileNotFoundError(
+                f"{checkpoint} has no {STATE_DIR}/ folder: it was not written by "
+                "infinity.integrations.hf_trainer (resume from one of its checkpoints, or "
+                "load the weights with infinity.load_pretrained and start a new run)"
+            )
+        load_checkpoint(state, model, _inner(self.optimizer))
+        scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _save_weights_into(model: nn.Module, output_dir: str, writer: bool) -> None:
+    """:func:`infinity.save_pretrained` into a folder that holds other files too.
+
+    NOTE: ``save_pretrained`` replaces a whole directory atomically and refuses one
+    with files it would not write (the Trainer's output folder holds its
+    checkpoints), so the weights are saved into a fresh folder beside it and
+    each file is then renamed into place: every file is replaced atomically,
+    and nothing else in the folder is touched.
+    """
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    # The same path on every rank (a sharded save checks that they agree).
+    staging = os.path.join(parent, f".{os.path.basename(os.path.abspath(output_dir))}.weights")
+    if writer:
+        shutil.rmtree(staging, ignore_errors=True)  # a save that died before its renames
+    try:
+        save_pretrained(model, staging)  # collective under data parallel; rank 0 writes
+        if writer:
+            os.makedirs(output_dir, exist_ok=True)
+            for name in os.listdir(staging):
+                os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+    finally:
+        if writer:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    """The user's optimizer inside Accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+class Trainer(StreamedCheckpoints, transformers.Trainer):
+    """``transformers.Trainer`` with :class:`StreamedCheckpoints`."""
