@@ -166,6 +166,9 @@ class IOEngine:
         Optional and only once per engine: returns ``None`` when registered,
         else the reason it was not (another backend, ``RLIMIT_MEMLOCK``, ...);
         every transfer works either way. The engine keeps the tensors alive.
+        Buffers from :func:`aligned_empty` of 16 MiB or more are huge-page backed,
+        which the kernel needs to keep large transfers in one request: see
+        NOTE [huge I/O buffers] (docs/NOTES.md).
         """
         self._check_open()
         spans = []

@@ -211,6 +211,11 @@ class SwapFile:
 
     @staticmethod
     def _preallocate(fd: int, size: int, path: str, private_dir: str) -> None:
+        # NOTE: fallocate leaves unwritten extents, which ext4 converts on the
+        # first write of each (measured: 1.7 GB/s against 3.9 GB/s overwriting a
+        # written file). fio lays out its file the same way (fallocate(fd, 0, 0,
+        # size)), and writing the file here would cost one full write of it at
+        # offload, which the first write of each region pays anyway (issue 30).
         try:
             native().io.preallocate(fd, size, path)
         except OSError as exc:

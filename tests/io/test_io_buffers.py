@@ -64,3 +64,51 @@ def test_sizes_round_to_pages_not_powers_of_two():
     t = aligned_empty(PAGE + 4, torch.int32)
     assert t.numel() == (PAGE + 4) // 4
     assert t.untyped_storage().nbytes() == PAGE + 4
+
+
+def _huge_advised(addr: int, nbytes: int) -> bool:
+    """True if the mapping holding ``addr`` has ``hg`` (MADV_HUGEPAGE) in /proc/self/smaps."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= addr and addr + nbytes <= end
+            elif inside and line.startswith("VmFlags:"):
+                return "hg" in line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_large_buffers_start_on_a_huge_page_and_ask_for_huge_pages(monkeypatch):
+    # See NOTE [huge I/O buffers]: from MIN_HUGE_BYTES up, the buffer starts
+    # on a 2 MiB boundary and its mapping is advised MADV_HUGEPAGE; smaller
+    # ones stay exact-size small-page mappings.
+    nbytes = buffers.MIN_HUGE_BYTES + 5 * PAGE  # not a whole number of huge pages
+    t = aligned_empty(nbytes)
+    assert t.data_ptr() % buffers.HUGE_PAGE == 0
+    assert t.numel() == nbytes and t.untyped_storage().nbytes() == nbytes
+    t.fill_(3)
+    assert int(t[-1]) == 3 and _mapped(t.data_ptr(), nbytes)
+    assert _huge_advised(t.data_ptr(), nbytes)
+    small = aligned_empty(buffers.MIN_HUGE_BYTES - PAGE)
+    assert small.data_ptr() % PAGE == 0
+    assert not _huge_advised(small.data_ptr(), small.numel())
+
+
+def test_large_buffers_round_trip_through_the_engine(tmp_path):
+    from infinity.config import AioConfig
+    from infinity.io import IOEngine, SwapFile
+
+    nbytes = buffers.MIN_HUGE_BYTES + 3 * PAGE
+    src = aligned_empty(nbytes)
+    src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    dst = aligned_empty(nbytes)
+    with IOEngine(AioConfig(block_size="4MiB")) as engine, SwapFile(tmp_path, nbytes, engine) as sf:
+        assert engine.register_buffers([src, dst]) in (
+            None,
+            f"the {engine.backend} backend has no registered buffers",
+        )
+        sf.write(src, 0).wait()
+        sf.read(dst, 0).wait()
+    assert torch.equal(src, dst)
