@@ -28,7 +28,7 @@ from infinity.pretrained import (
     load_pretrained,
     save_pretrained,
 )
-from infinity.runtime.errors import ModelChangedError
+from infinity.runtime.errors import ModelChangedError, UnsetParameterError
 from infinity.schedule.planner import PlanError
 from infinity.stats import stats
 
@@ -70,6 +70,7 @@ __all__ = [
     "NVMeIOError",
     "PlanError",
     "PretrainedError",
+    "UnsetParameterError",
     "from_pretrained",
     "gradients",
     "init_empty",

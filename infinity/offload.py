@@ -12,7 +12,7 @@ from infinity.optim import registry
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.hooks import HookSet
 from infinity.runtime.materialize import (
-    InitFn,
+    Init,
     check_initialisable,
     fill_chunks,
     materialize_buffers,
@@ -21,9 +21,7 @@ from infinity.runtime.materialize import (
 from infinity.runtime.state_dict import install_state_dict_hooks
 
 
-def offload(
-    model: nn.Module, config: Config | None = None, init: InitFn | None = None
-) -> nn.Module:
+def offload(model: nn.Module, config: Config | None = None, init: Init | None = None) -> nn.Module:
     """Lay ``model``'s parameters out in chunks across the tiers and hook the model.
 
     Returns the same module, ready for a plain training loop with
@@ -32,7 +30,11 @@ def offload(
     bytes each tier needs. Parameters on the ``meta`` device are materialised
     chunk by chunk and initialised with ``init(module)`` (default: a
     ``transformers`` model's own ``_init_weights``, any other module's
-    ``reset_parameters()``). Build large models under
+    ``reset_parameters()``). ``init="load"`` initialises nothing: the
+    parameters stay *unset* until :func:`infinity.load_pretrained`,
+    :func:`infinity.load_checkpoint` or ``model.load_state_dict`` writes them,
+    and a forward or read of one still unset raises
+    :class:`~infinity.runtime.errors.UnsetParameterError` naming it. Build large models under
     :func:`infinity.init_empty` so buffers the constructor computes are real;
     a buffer left on ``meta`` that ``init`` does not fill is an error, never
     uninitialised memory.

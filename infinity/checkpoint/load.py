@@ -151,6 +151,7 @@ def _load(
         # --- everything is checked: from here on the model changes ---
         engine.synchronize()
         _write_chunks(engine, meta, files[PARAM_FILE], files[OPTIM_FILE])
+    engine.chunks.mark_set(e.index for e in engine.registry.entries)
     for entry in engine.registry.entries:
         if entry.trainable:
             engine.tensor_steps[entry.index] = meta.tensors[entry.name].step

@@ -190,6 +190,7 @@ def save_checkpoint(
     """
     target = Path(path)
     engine = engine_of(model)
+    engine.chunks.require_set(engine.registry.entries, "saving a checkpoint")
     if engine.world.sharded:
         return _save_sharded(target, model, optimizer, engine)
     return _save(target, model, optimizer)

@@ -237,8 +237,9 @@ class OffloadEngine:
     # --- forward -----------------------------------------------------------------------
     def begin_module(self, module: nn.Module) -> None:
         """A module's forward starts: make its parameters' chunks resident and bind views."""
-        by_chunk = self.layout.group_by_chunk(self.registry.owners[module], tensor_index)
         chunks = self.chunks
+        chunks.require_set(self.registry.owners[module], "forward")
+        by_chunk = self.layout.group_by_chunk(self.registry.owners[module], tensor_index)
         for chunk, entries in by_chunk.items():
             self.fetcher.access(Phase.FORWARD, chunk)
             alias = self.manager.param_alias(chunk)

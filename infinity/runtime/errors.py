@@ -3,3 +3,7 @@
 
 class ModelChangedError(RuntimeError):
     """The model's parameters were replaced, added or converted after ``offload``."""
+
+
+class UnsetParameterError(RuntimeError):
+    """A parameter offloaded with ``init="load"`` was used before anything loaded it."""

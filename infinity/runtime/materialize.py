@@ -24,6 +24,10 @@ from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry
 
 InitFn = Callable[[nn.Module], None]
+# ``offload(model, cfg, init=LOAD)``: meta parameters stay unset (their chunks hold
+# zeros) until a load writes them; using one before raises UnsetParameterError.
+LOAD = "load"
+Init = InitFn | str
 log = logging.getLogger("infinity")
 
 
@@ -55,9 +59,22 @@ def modules_needing_init(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def check_initialisable(model: nn.Module, init: InitFn | None) -> None:
+def check_initialisable(model: nn.Module, init: Init | None) -> None:
     """With the default init, every module with meta parameters needs ``reset_parameters``,
-    and every meta buffer needs a module that can fill it."""
+    and every meta buffer needs a module that can fill it; ``init`` is a callable,
+    ``None`` or :data:`LOAD`."""
+    if isinstance(init, str):
+        if init != LOAD:
+            raise ValueError(f"init={init!r}: pass a callable init(module), None, or {LOAD!r}")
+        unfillable = [
+            f"{prefix}.{name}" if prefix else name
+            for prefix, m in model.named_modules()
+            for name, buf in m.named_buffers(recurse=False)
+            if buf is not None and buf.is_meta
+        ]
+        if unfillable:
+            raise ValueError(unfilled_buffers_message(unfillable))
+        return
     if init is not None:
         return
     missing = [
@@ -189,14 +206,16 @@ class _ScratchPool:
 def fill_chunks(
     engine: OffloadEngine,
     model: nn.Module,
-    init: InitFn | None,
+    init: Init | None,
     pending: list[PendingBuffer] = (),  # type: ignore[assignment]
 ) -> None:
     """Write every chunk's initial values and release the model's own parameter memory.
 
     ``init`` also runs on each module owning a ``pending`` buffer that it did
-    not run on already; a pending buffer it leaves untouched is an error."""
-    init_fn = init or default_init
+    not run on already; a pending buffer it leaves untouched is an error. With
+    :data:`LOAD`, meta parameters are left unset (zeros) for a load to fill."""
+    lazy = init == LOAD
+    init_fn: InitFn = (lambda module: None) if lazy else (init or default_init)  # type: ignore[assignment]
     layout = engine.layout
     open_chunks: dict[int, _OpenChunk] = {}
     scratch = _ScratchPool()
@@ -252,13 +271,15 @@ def fill_chunks(
         with torch.no_grad():
             init_fn(module)
         initialised.add(module)
+        if lazy:
+            engine.chunks.unset.update(e.index for e in meta)
         for entry in meta:
             finish(entry)
     if open_chunks:
         raise AssertionError(f"chunks {sorted(open_chunks)} were never completed")
     # The last writes land (or their error raises) before offload returns.
     engine.manager.synchronize()
-    _fill_buffers(pending, init, initialised)
+    _fill_buffers(pending, None if lazy else init, initialised)  # type: ignore[arg-type]
     for entry in engine.registry.entries:
         engine.set_state(entry, TensorState.HOLD)
 

@@ -14,6 +14,7 @@ update queue moves the manager's update states.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -26,6 +27,7 @@ from infinity.chunks.states import StateCounters, TensorState
 from infinity.core.names import Phase
 from infinity.core.plan import Plan
 from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.runtime.errors import UnsetParameterError
 from infinity.runtime.lifecycles import TensorGrads
 from infinity.runtime.params import ParamEntry, ParamRegistry, placeholder
 from infinity.runtime.timeline import Moment, Timeline
@@ -54,6 +56,10 @@ class ModelChunks:
         self.chunk_members: list[list[ParamEntry]] = [[] for _ in range(self.layout.num_chunks)]
         for entry in registry.entries:
             self.chunk_members[self.layout.slots[entry.index].chunk].append(entry)
+        # Tensor indices offloaded with init="load" that no load has set yet: any
+        # forward or read of them raises (require_set) instead of computing with
+        # the zeros their chunks hold.
+        self.unset: set[int] = set()
         # Position of each tensor inside its chunk's state counters.
         self.local_index = {
             e.index: pos for members in self.chunk_members for pos, e in enumerate(members)
@@ -90,6 +96,25 @@ class ModelChunks:
             entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
         fresh = nn.Parameter(entry.placeholder, requires_grad=entry.trainable)
         torch.utils.swap_tensors(entry.param, fresh)
+
+    def require_set(self, entries: Iterable[ParamEntry], what: str) -> None:
+        """Raise :class:`UnsetParameterError` if any of ``entries`` was never loaded."""
+        if not self.unset:
+            return
+        missing = [e.name for e in entries if e.index in self.unset]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise UnsetParameterError(
+                f"{what}: parameter {shown}{more} was offloaded with init='load' and nothing "
+                "has loaded it yet. Load it first (infinity.load_pretrained, "
+                "infinity.load_checkpoint or model.load_state_dict), or offload with an init "
+                "that gives it values"
+            )
+
+    def mark_set(self, indices: Iterable[int]) -> None:
+        """These tensors now hold loaded values."""
+        self.unset.difference_update(indices)
 
     def release(self, entry: ParamEntry) -> None:
         """Point the parameter back at its placeholder (no chunk memory held)."""

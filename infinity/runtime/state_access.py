@@ -25,6 +25,8 @@ def read_params(
     engine: OffloadEngine, entries: Iterable[ParamEntry], *, master: bool = False
 ) -> Iterator[tuple[ParamEntry, torch.Tensor]]:
     """Copies of parameter values (compute dtype; fp32 masters when ``master``)."""
+    entries = list(entries)
+    engine.chunks.require_set(entries, "reading parameter values")
     engine.settle_step()
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
@@ -51,6 +53,13 @@ def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None
     """Set parameters (by tensor index) to ``values``; fp32 masters follow."""
     engine.settle_step()
     entries = [engine.registry.entries[i] for i in values]
+    _write_entries(engine, entries, values)
+    engine.chunks.mark_set(values)
+
+
+def _write_entries(
+    engine: OffloadEngine, entries: list[ParamEntry], values: dict[int, torch.Tensor]
+) -> None:
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         for key, dtype in ((Kind.PARAM, engine.dtype), (Kind.OPTIM, torch.float32)):
             if key is Kind.OPTIM and not (
@@ -155,6 +164,7 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
             for (_region, copy), _dtype in opened:
                 close_whole(engine.manager, copy, modified=True)
         engine.manager.drop_param(chunk)
+    engine.chunks.mark_set(writers)
 
 
 def param_bytes_by_chunk(
@@ -164,6 +174,8 @@ def param_bytes_by_chunk(
 
     A view is valid only until the next item is drawn.
     """
+    entries = list(entries)
+    engine.chunks.require_set(entries, "reading parameter values")
     engine.settle_step()
     size = engine.plan.element_size
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
