@@ -149,9 +149,15 @@ class Session:
             self.close()
             raise
         m = settings.model
-        self.batches = ranks.batches(corpus.train, m.seq_len, settings.batch_size, settings.seed)
+        self.batches = ranks.batches(
+            corpus.train, m.seq_len, settings.batch_size, settings.seed, corpus.train_mask
+        )
         self.eval_batches = ranks.batches(
-            corpus.eval, m.seq_len, settings.batch_size, settings.seed + EVAL_SEED_OFFSET
+            corpus.eval,
+            m.seq_len,
+            settings.batch_size,
+            settings.seed + EVAL_SEED_OFFSET,
+            corpus.eval_mask,
         )
         self._traffic = self._snapshot()
 

@@ -25,6 +25,8 @@ import infinity
 from infinity.cli.main import CommandError
 from infinity.data import Corpus, CorpusError
 from infinity.data.files import byte_encode, load_text
+from infinity.data.jsonl import is_jsonl, load_jsonl, plain_render
+from infinity.data.text import IGNORE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULTS = {"steps": 100, "batch_size": 8, "lr": 5e-5, "seq_len": 256}
@@ -124,7 +126,10 @@ def _tokenizer(path: str) -> Any:
 
 
 def load_corpus(m: PretrainedModel) -> Corpus:
-    """``--data`` encoded with the model's tokenizer (or as bytes)."""
+    """``--data`` encoded with the model's tokenizer (or as bytes); a ``.jsonl`` file
+    is read as examples (see :mod:`infinity.data.jsonl`)."""
+    if is_jsonl(m.data):
+        return _load_examples(m)
     if m.tokenizer:
         tok = _tokenizer(m.path)
 
@@ -151,10 +156,52 @@ def build_model(m: PretrainedModel, config: infinity.Config) -> nn.Module:
         raise CommandError(f"--model: {exc}") from None
 
 
+def _load_examples(m: PretrainedModel) -> Corpus:
+    """A JSON-lines ``--data``: ``text`` examples whole; ``messages`` through the
+    tokenizer's chat template, trained on the assistant turns where the template
+    marks them ({% generation %}), else on every token; without a template (or a
+    tokenizer) as ``<|role|>`` blocks, trained on the assistant contents."""
+    min_tokens = m.seq_len + 2
+    if not m.tokenizer:
+        render = plain_render(lambda text: byte_encode(text.encode()).tolist())
+        about, eos, unit = "chat/text examples (byte-level)", None, "bytes"
+    else:
+        tok = _tokenizer(m.path)
+        plain = plain_render(lambda text: tok(text, add_special_tokens=False)["input_ids"])
+        template = getattr(tok, "chat_template", None)
+        about = "chat/text examples (the model's tokenizer"
+        about += ", its chat template)" if template else ", no chat template)"
+        eos, unit = tok.eos_token_id, "tokens"
+
+        def render(example: dict[str, Any]) -> tuple[list[int], list[bool]]:
+            if "messages" not in example or not template:
+                return plain(example)
+            out = tok.apply_chat_template(
+                example["messages"],
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+            )
+            ids = list(out["input_ids"])
+            marked = out.get("assistant_masks")
+            if marked is None or not any(marked):
+                return ids, [True] * len(ids)  # the template marks no turn: train on all
+            return ids, [bool(x) for x in marked]
+
+    try:
+        return load_jsonl(m.data, render, eos=eos, min_tokens=min_tokens, about=about, unit=unit)
+    except CorpusError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def causal_lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (fp32) of a ``transformers`` causal LM."""
+    """Mean next-token cross-entropy (fp32) of a ``transformers`` causal LM over the
+    targets trained on (``IGNORE`` ones are skipped; none at all gives 0, not NaN)."""
     logits = model(input_ids=inputs).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    total = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+    return total / (targets != IGNORE).sum().clamp(min=1)
 
 
 def save_model(model: nn.Module, m: PretrainedModel) -> Path:

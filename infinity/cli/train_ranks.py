@@ -179,20 +179,34 @@ class Ranks:
         """Every rank's ``value``, in rank order."""
         return [value] if self.collectives is None else self.collectives.gather_object(value, what)
 
-    def batches(self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int) -> Batches:
+    def batches(
+        self,
+        data: torch.Tensor,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        mask: torch.Tensor | None = None,
+    ) -> Batches:
         """This rank's rows of the global batches (``batch_size`` per rank)."""
         if self.size == 1:
-            return Batches(data, seq_len, batch_size, seed)
-        return _RankRows(data, seq_len, batch_size * self.size, seed, self.rank, self.size)
+            return Batches(data, seq_len, batch_size, seed, mask)
+        return _RankRows(data, seq_len, batch_size * self.size, seed, self.rank, self.size, mask)
 
 
 class _RankRows(Batches):
     """Rows ``rank::size`` of each batch of ``size`` times the per-rank batch size."""
 
     def __init__(
-        self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int, rank: int, size: int
+        self,
+        data: torch.Tensor,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        rank: int,
+        size: int,
+        mask: torch.Tensor | None = None,
     ) -> None:
-        super().__init__(data, seq_len, batch_size, seed)
+        super().__init__(data, seq_len, batch_size, seed, mask)
         self.rank, self.size = rank, size
 
     def get(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

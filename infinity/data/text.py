@@ -41,6 +41,9 @@ class Corpus:
     root: Path
     about: str = "Python standard-library source"  # what the text is, for the header
     unit: str = "bytes"  # what one token is
+    # Which tokens are training targets (JSON-lines chat data); None: all of them.
+    train_mask: torch.Tensor | None = None
+    eval_mask: torch.Tensor | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -92,13 +95,25 @@ def load_corpus(root: Path | None = None, *, min_bytes: int = 1 << 16) -> Corpus
     )
 
 
+# The target value of tokens not trained on (torch's cross-entropy ignore_index).
+IGNORE = -100
+
+
 class Batches:
     """Random windows of a byte tensor, reproducible from ``(seed, step, micro)``."""
 
-    def __init__(self, data: torch.Tensor, seq_len: int, batch_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        data: torch.Tensor,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        mask: torch.Tensor | None = None,
+    ) -> None:
         if data.numel() <= seq_len + 1:
             raise ValueError(f"{data.numel()} bytes are too few for windows of {seq_len + 1}")
         self.data = data
+        self.mask = mask  # targets where False are IGNORE (not trained on)
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
@@ -111,7 +126,10 @@ class Batches:
         )
         offsets = starts[:, None] + torch.arange(self.seq_len + 1)
         windows = self.data[offsets].long()
-        return windows[:, :-1], windows[:, 1:]
+        targets = windows[:, 1:]
+        if self.mask is not None:
+            targets = targets.masked_fill(~self.mask[offsets][:, 1:], IGNORE)
+        return windows[:, :-1], targets
 
 
 def _mix(seed: int, step: int, micro: int) -> int:
