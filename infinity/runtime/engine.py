@@ -141,6 +141,9 @@ class OffloadEngine:
         self.step_timer = self.pipeline.step_timer
         self._param_count = len(self.registry.entries)
         self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
+        # Frozen parameters a recomputation in backward sees through a view (_stand_in):
+        # (module, attribute, the Parameter to put back at the module's end_module).
+        self._stand_ins: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._closed = False
 
     # --- what other layers read or set ---------------------------------------------------
@@ -240,18 +243,48 @@ class OffloadEngine:
         chunks = self.chunks
         chunks.require_set(self.registry.owners[module], "forward")
         by_chunk = self.layout.group_by_chunk(self.registry.owners[module], tensor_index)
+        recomputing = torch._C._current_graph_task_id() != -1
         for chunk, entries in by_chunk.items():
             self.fetcher.access(Phase.FORWARD, chunk)
             alias = self.manager.param_alias(chunk)
             for entry in entries:
-                entry.param.data = chunks.chunk_view(alias, entry)
+                view = chunks.chunk_view(alias, entry)
+                if recomputing and not entry.trainable:
+                    self._stand_in(module, entry, view)
+                else:
+                    entry.param.data = view
                 chunks.set_state(entry, _S.COMPUTE)
             chunks.sample(Phase.FORWARD, chunk)
         self.fetcher.prefetch()
 
+    def _stand_in(self, module: nn.Module, entry: ParamEntry, view: torch.Tensor) -> None:
+        """Bind a frozen parameter for a recomputation in backward through a stand-in.
+
+        NOTE: activation checkpointing recomputes a block's forward inside backward
+        and keeps what the recomputed ops save until the block's backward nodes
+        run; torch.utils.checkpoint keeps a tensor that does not require grad as
+        itself, so a frozen Parameter bound by ``.data`` would be pointed back at
+        its placeholder (NaN) by end_module before those nodes read it. The module
+        sees the view itself instead (in ``_parameters``, until end_module): what
+        the ops save keeps the slot's bytes alive exactly as long as autograd
+        needs them, and the Parameter is never touched.
+        """
+        for name, param in module._parameters.items():
+            if param is entry.param:
+                module._parameters[name] = view  # type: ignore[assignment]
+                self._stand_ins.append((module, name, entry.param))
+
     def end_module(self, module: nn.Module) -> None:
         """A module's forward ended: drop the views; the chunks become evictable."""
         chunks = self.chunks
+        if self._stand_ins:
+            kept = []
+            for owner, name, param in self._stand_ins:
+                if owner is module:
+                    owner._parameters[name] = param
+                else:
+                    kept.append((owner, name, param))
+            self._stand_ins = kept
         for entry in self.registry.owners[module]:
             chunks.release(entry)
             if chunks.state_of(entry) != _S.COMPUTE:
