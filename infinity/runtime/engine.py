@@ -141,7 +141,7 @@ class OffloadEngine:
         self.step_timer = self.pipeline.step_timer
         self._param_count = len(self.registry.entries)
         self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
-        # Frozen parameters a recomputation in backward sees through a view (_stand_in):
+        # Parameters a recomputation in backward sees through a view (_stand_in):
         # (module, attribute, the Parameter to put back at the module's end_module).
         self._stand_ins: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._closed = False
@@ -248,31 +248,30 @@ class OffloadEngine:
             self.fetcher.access(Phase.FORWARD, chunk)
             alias = self.manager.param_alias(chunk)
             for entry in entries:
-                view = chunks.chunk_view(alias, entry)
-                if recomputing and not entry.trainable:
-                    self._stand_in(module, entry, view)
-                else:
-                    entry.param.data = view
+                entry.param.data = chunks.chunk_view(alias, entry)
+                if recomputing:
+                    self._stand_in(module, entry)
                 chunks.set_state(entry, _S.COMPUTE)
             chunks.sample(Phase.FORWARD, chunk)
         self.fetcher.prefetch()
 
-    def _stand_in(self, module: nn.Module, entry: ParamEntry, view: torch.Tensor) -> None:
-        """Bind a frozen parameter for a recomputation in backward through a stand-in.
+    def _stand_in(self, module: nn.Module, entry: ParamEntry) -> None:
+        """For a recomputation in backward, the module computes with a view of the
+        bound parameter (its ``_parameters`` entry, until end_module).
 
         NOTE: activation checkpointing recomputes a block's forward inside backward
         and keeps what the recomputed ops save until the block's backward nodes
-        run; torch.utils.checkpoint keeps a tensor that does not require grad as
-        itself, so a frozen Parameter bound by ``.data`` would be pointed back at
-        its placeholder (NaN) by end_module before those nodes read it. The module
-        sees the view itself instead (in ``_parameters``, until end_module): what
-        the ops save keeps the slot's bytes alive exactly as long as autograd
-        needs them, and the Parameter is never touched.
+        run. torch.utils.checkpoint keeps a tensor that does not require grad as
+        itself, and under use_reentrant=True any saved parameter is the Parameter
+        object: end_module pointing it back at its placeholder (NaN) would hand
+        NaN to those nodes. An autograd view taken while the parameter is bound
+        keeps the slot's bytes for exactly as long as autograd holds it, and its
+        gradient still flows to the Parameter (and the engine's hooks).
         """
         for name, param in module._parameters.items():
             if param is entry.param:
-                module._parameters[name] = view  # type: ignore[assignment]
-                self._stand_ins.append((module, name, entry.param))
+                module._parameters[name] = param.view(param.shape)  # type: ignore[assignment]
+                self._stand_ins.append((module, name, param))
 
     def end_module(self, module: nn.Module) -> None:
         """A module's forward ended: drop the views; the chunks become evictable."""
