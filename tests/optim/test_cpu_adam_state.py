@@ -50,7 +50,7 @@ def _groups(model: torch.nn.Module) -> list[dict]:
 )
 def test_checkpoint_from_cpu_adam_continues_in_torch(adamw: bool, torch_cls: type) -> None:
     reference = _model()
-    ref_opt = torch_cls(_groups(reference), lr=1e-2, weight_decay=0.0, foreach=False)
+    ref_opt = torch_cls(_groups(reference), lr=1e-2, foreach=False)  # both at torch's defaults
     _train(reference, ref_opt, range(10))
 
     model = _model()
@@ -111,7 +111,7 @@ def test_own_checkpoint_round_trip() -> None:
 
 def test_lr_scheduler_drives_cpu_adam_like_torch() -> None:
     reference = _model()
-    ref_opt = torch.optim.AdamW(_groups(reference), lr=1e-2, weight_decay=0.0, foreach=False)
+    ref_opt = torch.optim.AdamW(_groups(reference), lr=1e-2, foreach=False)
     ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=[2e-2, 5e-3], total_steps=20)
     _train(reference, ref_opt, range(20), ref_sched)
 
