@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 
+import state_dtype_anchors as grid  # bench/ is the script's directory
 import torch
 
 from infinity.bench.train import _batches, host_budget_for, offloaded_runner
@@ -200,18 +201,16 @@ def _print_case(case: dict) -> None:
 
 def anchors_grid(args: argparse.Namespace) -> dict:
     """Part 4: every cell in its own process, ``args.jobs`` at a time; prints the table."""
-    import state_dtype_anchors as grid  # bench/ is the script's directory
-
     missing = grid.missing_anchors()
     for name, package in missing.items():
         print(f"anchor {name} skipped: `pip install {package}` (bench only; not a dependency)")
     cells = [
-        grid.Cell(model, opt, lr, beta2, args.anchor_steps)
+        grid.Cell(model, opt, lr, beta2, args.anchor_steps, args.anchor_compute)
         for model in args.anchor_models.split(",")
-        for beta2 in (0.95, 0.999)
+        for beta2 in (float(x) for x in args.anchor_beta2s.split(","))
         for lr in (float(x) for x in args.anchor_lrs.split(","))
         for opt in grid.OPTIMIZERS
-        if opt not in missing
+        if opt not in missing and opt in args.anchor_optimizers.split(",")
     ]
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "state_dtype_anchors.py")
     results: dict[str, dict] = {}
@@ -232,7 +231,10 @@ def anchors_grid(args: argparse.Namespace) -> dict:
         results[key] = json.loads(out.strip().splitlines()[-1])
         done = f"{grid.tail(results[key]['losses']):.4f}, {results[key]['step_seconds']:.2f} s/step"
         print(f"... {key}: {done}", file=sys.stderr, flush=True)
-    print(f"mean loss of the last {grid.TAIL} of {args.anchor_steps} steps, batch 8 x 128 bytes")
+    print(
+        f"mean loss of the last {grid.TAIL} of {args.anchor_steps} steps, batch 8 x 128 bytes, "
+        f"infinity computing in {args.anchor_compute}"
+    )
     for line in grid.table(results, cells):
         print(line)
     return results
@@ -264,6 +266,18 @@ def main() -> int:
     parser.add_argument("--anchor-steps", type=int, default=150, help="part 4: steps per cell")
     parser.add_argument("--anchor-lrs", default="2e-3,6e-4", help="part 4: learning rates")
     parser.add_argument("--anchor-models", default="gpt,llama", help="part 4: gpt and/or llama")
+    parser.add_argument("--anchor-beta2s", default="0.95,0.999", help="part 4: beta2 values")
+    parser.add_argument(
+        "--anchor-optimizers",
+        default=",".join(grid.OPTIMIZERS),
+        help="part 4: a subset of " + ",".join(grid.OPTIMIZERS),
+    )
+    parser.add_argument(
+        "--anchor-compute",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="part 4: Config.dtype of the infinity cells (bf16: the default users get)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="part 4: cells run at once")
     args = parser.parse_args()
     torch.manual_seed(0)

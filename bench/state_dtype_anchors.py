@@ -14,7 +14,10 @@ batches (the byte-level Python standard-library corpus of
   ``bitsandbytes.optim.AdamW8bit`` (CPU) — the 8-bit anchors, measured here
   only (neither is a dependency of infinity; a missing one is reported);
 - ``fp32`` / ``bf16`` / ``int8``: the model through ``infinity.offload`` (in-RAM
-  budgets) and ``infinity.optim.CPUAdam`` with ``Config(optimizer_state_dtype=...)``.
+  budgets) and ``infinity.optim.CPUAdam`` with ``Config(optimizer_state_dtype=...)``,
+  computing in the cell's ``compute`` dtype: ``bf16`` (``Config``'s default, what
+  users get: bf16 forward and backward, fp32 masters) or ``fp32``. The torch and
+  8-bit anchor cells always compute in fp32 (compute does not change them).
 
 Models: ``llama``, a ``transformers`` Llama (vocabulary 256, hidden 256,
 intermediate 688, 4 layers, 4 heads, 2 KV heads, tied embeddings), batches of
@@ -49,18 +52,21 @@ class Cell:
     lr: float
     beta2: float
     steps: int
+    compute: str = "bf16"  # Config.dtype of the infinity cells
     batch: int = 8
     seq_len: int = 128
 
     def key(self) -> str:
         """The run's name on the command line and in the JSON report."""
-        return f"{self.model}:{self.optimizer}:{self.lr:g}:{self.beta2:g}:{self.steps}"
+        return (
+            f"{self.model}:{self.optimizer}:{self.lr:g}:{self.beta2:g}:{self.steps}:{self.compute}"
+        )
 
     @classmethod
     def parse(cls, key: str) -> Cell:
         """Inverse of :meth:`key`."""
-        model, optimizer, lr, beta2, steps = key.split(":")
-        return cls(model, optimizer, float(lr), float(beta2), int(steps))
+        model, optimizer, lr, beta2, steps, compute = key.split(":")
+        return cls(model, optimizer, float(lr), float(beta2), int(steps), compute)
 
 
 def missing_anchors() -> dict[str, str]:
@@ -109,7 +115,7 @@ def _optimizer(cell: Cell, model: torch.nn.Module) -> tuple[torch.nn.Module, Any
     from infinity.optim import CPUAdam
 
     config = infinity.Config(
-        device="cpu", dtype="fp32", device_memory="1GiB", host_memory="2GiB",
+        device="cpu", dtype=cell.compute, device_memory="1GiB", host_memory="2GiB",
         optimizer_state_dtype=cell.optimizer,
     )  # fmt: skip
     model = infinity.offload(model, config)
