@@ -35,7 +35,8 @@ def _job(tmp: Path, name: str, nproc: int, batch: int, accumulation: int, *extra
     if nproc == 1:
         cmd = [sys.executable, str(JOB), str(out), f"--batch={batch}"]
         cmd += [f"--accumulation={accumulation}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "engine")])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [*cmd, *extra], env=env, capture_output=True, text=True, timeout=300, cwd=tmp
     )

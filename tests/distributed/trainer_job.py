@@ -13,6 +13,7 @@ import argparse
 
 import torch
 import transformers
+from engine_helpers import tiny_llama
 
 import infinity
 from infinity.offload import engine_of
@@ -38,17 +39,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--nvme", default=None)
     args = p.parse_args()
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = tiny_llama(VOCAB, hidden=32)  # seeded: the same weights in every run
     training = transformers.TrainingArguments(
         output_dir=args.out + ".trainer",
         per_device_train_batch_size=args.batch,
