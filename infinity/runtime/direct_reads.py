@@ -12,11 +12,11 @@ either case), exactly as if the head's forward had been running.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from torch import nn
 
+from infinity.runtime.hf_models import is_pretrained_model
 from infinity.runtime.params import ParamRegistry
 
 
@@ -32,14 +32,11 @@ class DirectRead:
 def head_read_directly(model: nn.Module, registry: ParamRegistry) -> DirectRead | None:
     """The :class:`DirectRead` of ``model``'s output embedding, if ``model`` is (or
     wraps, like a ``peft`` model) a ``transformers`` model whose head is offloaded."""
-    transformers = sys.modules.get("transformers")
-    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
-    if pretrained is None:
-        return None
-    hf = next((m for m in model.modules() if isinstance(m, pretrained)), None)
+    hf = next((m for m in model.modules() if is_pretrained_model(m)), None)
     if hf is None:
         return None
-    head = hf.get_output_embeddings()
+    get_head = getattr(hf, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     backbone = getattr(hf, getattr(hf, "base_model_prefix", ""), None)
     weight = getattr(head, "weight", None)
     if not isinstance(backbone, nn.Module) or not isinstance(weight, nn.Parameter):

@@ -141,9 +141,9 @@ class OffloadEngine:
         self.step_timer = self.pipeline.step_timer
         self._param_count = len(self.registry.entries)
         self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
-        # Parameters a recomputation in backward sees through a view (_stand_in):
-        # (module, attribute, the Parameter to put back at the module's end_module).
-        self._stand_ins: list[tuple[nn.Module, str, nn.Parameter]] = []
+        # Parameters a recomputation in backward sees through a view (_stand_in), by
+        # module: (attribute, the Parameter to put back at the module's end_module).
+        self._stand_ins: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
         self._closed = False
 
     # --- what other layers read or set ---------------------------------------------------
@@ -271,19 +271,13 @@ class OffloadEngine:
         for name, param in module._parameters.items():
             if param is entry.param:
                 module._parameters[name] = param.view(param.shape)  # type: ignore[assignment]
-                self._stand_ins.append((module, name, param))
+                self._stand_ins.setdefault(module, []).append((name, param))
 
     def end_module(self, module: nn.Module) -> None:
         """A module's forward ended: drop the views; the chunks become evictable."""
         chunks = self.chunks
-        if self._stand_ins:
-            kept = []
-            for owner, name, param in self._stand_ins:
-                if owner is module:
-                    owner._parameters[name] = param
-                else:
-                    kept.append((owner, name, param))
-            self._stand_ins = kept
+        for name, param in self._stand_ins.pop(module, ()):
+            module._parameters[name] = param
         for entry in self.registry.owners[module]:
             chunks.release(entry)
             if chunks.state_of(entry) != _S.COMPUTE:

@@ -11,7 +11,6 @@ whole in RAM: at most the chunks one module spans are open at a time.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from torch import nn
 
 from infinity.chunks.states import TensorState
 from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.hf_models import is_pretrained_model
 from infinity.runtime.params import ParamEntry
 
 InitFn = Callable[[nn.Module], None]
@@ -40,11 +40,7 @@ def native_init(model: nn.Module) -> InitFn | None:
     """The model's own initialisation, where its library defines one: a ``transformers``
     ``PreTrainedModel``'s ``_init_weights(module)`` (what ``from_config`` would run,
     module by module); ``None`` otherwise (then ``reset_parameters()``)."""
-    # NOTE: looked up in sys.modules, never imported: a model can only be a
-    # PreTrainedModel if transformers is already loaded.
-    transformers = sys.modules.get("transformers")
-    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
-    if pretrained is None or not isinstance(model, pretrained):
+    if not is_pretrained_model(model):
         return None
     init = getattr(model, "_init_weights", None)
     return init if callable(init) else None
@@ -66,14 +62,7 @@ def check_initialisable(model: nn.Module, init: Init | None) -> None:
     if isinstance(init, str):
         if init != LOAD:
             raise ValueError(f"init={init!r}: pass a callable init(module), None, or {LOAD!r}")
-        unfillable = [
-            f"{prefix}.{name}" if prefix else name
-            for prefix, m in model.named_modules()
-            for name, buf in m.named_buffers(recurse=False)
-            if buf is not None and buf.is_meta
-        ]
-        if unfillable:
-            raise ValueError(unfilled_buffers_message(unfillable))
+        _refuse_meta_buffers(model, lambda m: False)  # nothing fills a buffer
         return
     if init is not None:
         return
@@ -88,11 +77,16 @@ def check_initialisable(model: nn.Module, init: Init | None) -> None:
             f"initialise them: {', '.join(missing)}. Pass init=fn to infinity.offload(); "
             "fn(module) is called once the module's parameters have memory."
         )
+    _refuse_meta_buffers(model, lambda m: callable(getattr(m, "reset_parameters", None)))
+
+
+def _refuse_meta_buffers(model: nn.Module, fills: Callable[[nn.Module], bool]) -> None:
+    """Raise naming every buffer on ``meta`` whose module the init cannot fill."""
     unfillable = [
         f"{prefix}.{name}" if prefix else name
         for prefix, m in model.named_modules()
         for name, buf in m.named_buffers(recurse=False)
-        if buf is not None and buf.is_meta and not callable(getattr(m, "reset_parameters", None))
+        if buf is not None and buf.is_meta and not fills(m)
     ]
     if unfillable:
         raise ValueError(unfilled_buffers_message(unfillable))
