@@ -46,7 +46,11 @@ def llama(case: Case) -> torch.nn.Module:
         tie_word_embeddings=case.tied,
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    model = transformers.LlamaForCausalLM(cfg)
+    if case.checkpointing:
+        reentrant = case.checkpointing == "reentrant"
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    return model.train()
 
 
 def batches(case: Case) -> list[torch.Tensor]:
