@@ -28,7 +28,6 @@ import shutil
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 
 from infinity.checkpoint import load_checkpoint, save_checkpoint
@@ -130,5 +129,21 @@ def _inner(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-class Trainer(StreamedCheckpoints, transformers.Trainer):
-    """``transformers.Trainer`` with :class:`StreamedCheckpoints`."""
+def __getattr__(name: str) -> Any:
+    """``Trainer``: ``transformers.Trainer`` with :class:`StreamedCheckpoints`.
+
+    NOTE: built on first use (PEP 562) so that this module imports without the
+    optional ``transformers``; ``from infinity.integrations.hf_trainer import
+    Trainer`` works the same.
+    """
+    if name != "Trainer":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import transformers
+
+    trainer = type(
+        "Trainer",
+        (StreamedCheckpoints, transformers.Trainer),
+        {"__doc__": __getattr__.__doc__, "__module__": __name__, "__qualname__": "Trainer"},
+    )
+    globals()["Trainer"] = trainer
+    return trainer
