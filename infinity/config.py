@@ -25,6 +25,7 @@ AUTO = "auto"
 DTYPES = ("fp32", "bf16", "fp16")
 AIO_BACKENDS = ("auto", "io_uring", "aio", "threads")
 OPTIMIZER_STATE_DTYPES = tuple(STATE_ELEMENT_BYTES)  # "fp32", "bf16", "int8": the kernel's formats
+ACTIVATION_POLICIES = ("keep", "checkpoint", "offload")
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes: more is the wrong file
 
 
@@ -68,6 +69,18 @@ def _device(value: Any) -> str:
     raise ConfigError(
         f"device={shown(value)} must be 'auto', 'cpu', 'cuda' or 'cuda:N' (or a torch.device "
         "of those)"
+    )
+
+
+def _names(name: str, value: Any) -> tuple[str, ...] | None:
+    """``None`` or a non-empty sequence of non-empty strings, stored as a tuple."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise ConfigError(
+        f"{name}={shown(value)} must be None or a non-empty list of module names or class "
+        "names, e.g. ['LlamaDecoderLayer'] or ['model.layers.0', 'model.layers.1']"
     )
 
 
@@ -172,6 +185,21 @@ class Config:
             else a single process. Each rank keeps one equal shard of every chunk's
             parameters, gradients and optimizer states; budgets are per process.
             Not serialised (``to_dict`` leaves it out).
+        activations: what happens to the tensors autograd saves for backward.
+            ``"keep"`` (the default): they stay where they are, outside every
+            budget. ``"checkpoint"``: each block (``activation_blocks``) keeps only
+            its inputs and recomputes its forward in backward (as
+            ``torch.utils.checkpoint``; same gradients). ``"offload"``: every saved
+            tensor of at least ``activation_min_bytes`` leaves the device into host
+            memory (what ``host_memory`` leaves free after the states) and, beyond
+            it, into a swap file under ``nvme_path``; backward reads them back in
+            reverse order, ahead of use. Same gradients: the data is only moved.
+        activation_blocks: the modules ``"checkpoint"`` recomputes, by name
+            (``"model.layers.3"``) or class name (``"LlamaDecoderLayer"``);
+            ``None``: a ``transformers`` model's decoder layers
+            (``_no_split_modules``), else the longest ``nn.ModuleList`` of one class.
+        activation_min_bytes: smaller saved tensors stay on the device under
+            ``"offload"`` (moving them costs more than they hold).
     """
 
     device_memory: int | str = AUTO
@@ -190,6 +218,9 @@ class Config:
     min_loss_scale: float = 1.0
     optimizer_state_dtype: str = "fp32"
     process_group: Any = field(default=None, compare=False, repr=False)
+    activations: str = "keep"
+    activation_blocks: tuple[str, ...] | None = None
+    activation_min_bytes: int | str = 64 << 10
 
     SIZE_FIELDS: ClassVar[tuple[str, ...]] = (
         "device_memory",
@@ -247,6 +278,14 @@ class Config:
         self.optimizer_state_dtype = _choice(
             "optimizer_state_dtype", self.optimizer_state_dtype, OPTIMIZER_STATE_DTYPES
         )
+        self.activations = _choice("activations", self.activations, ACTIVATION_POLICIES)
+        self.activation_blocks = _names("activation_blocks", self.activation_blocks)
+        try:
+            self.activation_min_bytes = parse_size(
+                self.activation_min_bytes, name="activation_min_bytes"
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     # --- (de)serialisation ------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

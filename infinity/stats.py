@@ -16,7 +16,9 @@ def stats(model: nn.Module) -> dict[str, Any]:
     Peaks are exact (the manager's accounting of occupied slots, homes
     included); traffic counters are totals since ``offload``; ``last_step``
     splits the wall time of the latest optimizer step interval into waiting on
-    each tier and everything else (computing). ``world``: this process's rank
+    each tier and everything else (computing). ``activations`` (with
+    ``Config(activations="offload")``): saved tensors per tier now and at peak,
+    NVMe bytes written and read, and the reads backward waited for. ``world``: this process's rank
     among the processes its chunks are sharded over, and what it communicated.
     """
     engine = engine_of(model)
@@ -59,6 +61,10 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "sent_bytes": engine.collectives.bytes_sent,
         "collective_seconds": engine.collectives.seconds,
     }
+    if engine.activations is not None:
+        # activations="offload": saved tensors per tier (now and peak), NVMe traffic,
+        # and how often backward waited for a read (reads_not_ahead: none started)
+        out["activations"] = engine.activations.snapshot()
     if engine.scaler is not None:
         out["loss_scale"] = engine.scaler.scale
         out["skipped_steps"] = engine.scaler.skipped_steps

@@ -34,6 +34,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from infinity.activations.store import SavedActivation
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import ChunkManager
 from infinity.chunks.states import TensorState
@@ -55,7 +56,13 @@ from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.offloaded_step import ChunkWork
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, tensor_index
 from infinity.runtime.stepping import UpdatePipeline
-from infinity.runtime.swap import open_swap, prepare_nvme, release
+from infinity.runtime.swap import (
+    close_activation_store,
+    open_activation_store,
+    open_swap,
+    prepare_nvme,
+    release,
+)
 from infinity.runtime.update_queue import UpdateQueue
 from infinity.schedule.eviction import LRUPolicy, TraceDrivenPolicy
 from infinity.schedule.trace import TraceRecorder
@@ -132,6 +139,10 @@ class OffloadEngine:
             self.norms,
             self.pipeline,
             overlap=self.overlap,
+        )
+        # activations="offload": where saved tensors go (pack/unpack below).
+        self.activations = open_activation_store(
+            config, self.plan, self.backend, self.manager.host_account.reserved
         )
         self.chunk_members = self.chunks.chunk_members
         self.states = self.chunks.states
@@ -308,7 +319,7 @@ class OffloadEngine:
             self.manager.device.key_at(tensor.untyped_storage().data_ptr()),
         )
         if key is None or key[0] is not Kind.PARAM:
-            return tensor
+            return tensor if self.activations is None else self.activations.pack(tensor)
         chunk = key[1]
         return (
             chunk,
@@ -320,6 +331,10 @@ class OffloadEngine:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: make the chunk resident again and rebuild the view."""
+        if isinstance(packed, SavedActivation):
+            assert self.activations is not None
+            self.sink.note_backward()
+            return self.activations.unpack(packed)
         if not isinstance(packed, tuple):
             return packed
         chunk, shape, stride, offset, dtype = packed
@@ -361,6 +376,9 @@ class OffloadEngine:
             if failures.first is None and self.queue.failure is None:
                 self.synchronize()  # queued updates run, every transfer lands (errors raise)
         finally:
-            self._release()
+            try:
+                close_activation_store(self.activations)
+            finally:
+                self._release()
         # NOTE: after the cleanup: an I/O error nobody was told about yet is raised.
         failures.raise_unreported()

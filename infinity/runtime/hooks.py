@@ -24,6 +24,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
+from infinity.activations.blocks import find_blocks
+from infinity.activations.checkpointing import CheckpointedBlocks
 from infinity.runtime.direct_reads import head_read_directly
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.move_guard import MoveGuard
@@ -91,6 +93,12 @@ class HookSet:
             self.handles.append(direct.backbone.register_forward_hook(backbone_post))
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
         self._move_guard = MoveGuard(model, engine.device, engine.dtype)
+        config = engine.config
+        self.checkpointed = (
+            CheckpointedBlocks(find_blocks(model, config.activation_blocks))
+            if config.activations == "checkpoint"
+            else None
+        )
         before_grad = _opaque(_weak(engine.before_grad))
         on_grad = _opaque(_weak(engine.on_grad))
         for entry in engine.registry.entries:
@@ -133,3 +141,5 @@ class HookSet:
             handle.remove()
         self.handles.clear()
         self._move_guard.remove()
+        if self.checkpointed is not None:
+            self.checkpointed.remove()

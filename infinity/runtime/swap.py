@@ -8,7 +8,10 @@ import os
 
 import torch.distributed as dist
 
+from infinity.activations.spill import ActivationSpill
+from infinity.activations.store import ActivationStore
 from infinity.config import Config, ConfigError
+from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
 from infinity.distributed import resolve_world
 from infinity.io import IOEngine, SwapFile
@@ -71,6 +74,44 @@ def open_swap(config: Config, nbytes: int) -> SwapFile | None:
         raise
     signals.guard(swap.path, swap.directory)
     return swap
+
+
+def open_activation_store(
+    config: Config, plan: Plan, backend: DeviceBackend, host_reserved: int
+) -> ActivationStore | None:
+    """The store of ``activations="offload"`` (``None`` for the other policies): host
+    memory the states leave free, then swap files beside theirs."""
+    if config.activations != "offload":
+        return None
+    spill = None
+    if config.nvme_path is not None:
+        nvme = plan.budgets.nvme
+        limit = None if nvme is None else max(0, nvme - plan.nvme_bytes)
+        spill = ActivationSpill(
+            swap_directory(config),
+            config.aio,
+            limit,
+            on_open=lambda swap: signals.guard(swap.path, swap.directory),
+        )
+    return ActivationStore(
+        backend.device,
+        shares_host_memory=backend.device.type == "cpu",
+        host_capacity=max(0, plan.budgets.host - host_reserved),
+        min_bytes=int(config.activation_min_bytes),
+        spill=spill,
+    )
+
+
+def close_activation_store(store: ActivationStore | None) -> None:
+    """Finish its writes, remove its swap files (and their signal guards)."""
+    if store is None:
+        return
+    paths = [swap.path for swap in store.spill.segments] if store.spill is not None else []
+    try:
+        store.close()
+    finally:
+        for path in paths:
+            signals.unguard(path)
 
 
 def release(backend: DeviceBackend, swap: SwapFile | None) -> None:

@@ -1,0 +1,62 @@
+"""Which modules of a model are its repeated blocks (the unit of checkpointing)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from infinity.config import ConfigError
+
+
+def find_blocks(
+    model: nn.Module, names: Sequence[str] | None = None
+) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``model``, outermost first in registration order, as (name, module).
+
+    ``names`` (``Config.activation_blocks``) selects modules by qualified name or
+    class name. Without it: a ``transformers`` model's ``_no_split_modules``
+    classes (its decoder layers), else the ``nn.ModuleList`` with the most
+    children that all share one class. A module inside a chosen block is never
+    a block itself (recomputing it twice would gain nothing).
+    """
+    modules = list(model.named_modules())
+    if names is not None:
+        wanted = set(names)
+        missing = [w for w in names if not any(w in (n, type(m).__name__) for n, m in modules)]
+        if missing:
+            raise ConfigError(
+                f"activation_blocks={list(names)!r}: no module is named or of class "
+                f"{', '.join(map(repr, missing))}; name modules as model.named_modules() "
+                f"does (e.g. {_example(modules)!r}) or by class name"
+            )
+        return _outermost([(n, m) for n, m in modules if n in wanted or type(m).__name__ in wanted])
+    classes = getattr(model, "_no_split_modules", None) or ()
+    found = _outermost([(n, m) for n, m in modules if type(m).__name__ in classes])
+    if found:
+        return found
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    uniform = [m for m in lists if len({type(child) for child in m}) == 1]
+    if not uniform:
+        raise ConfigError(
+            "activations='checkpoint' found no repeated blocks in this model (no "
+            "nn.ModuleList of one class); name them: Config(activation_blocks=[...]) with "
+            f"module names (e.g. {_example(modules)!r}) or a class name"
+        )
+    best = max(uniform, key=len)
+    ids = {id(child) for child in best}
+    return [(n, m) for n, m in modules if id(m) in ids]
+
+
+def _outermost(pairs: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The pairs (in order) whose name is not inside an earlier one's."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in pairs:
+        if not any(prefix == "" or name.startswith(prefix + ".") for prefix, _ in out):
+            out.append((name, module))
+    return out
+
+
+def _example(modules: list[tuple[str, nn.Module]]) -> str:
+    names = [name for name, _ in modules if name]
+    return names[len(names) // 2] if names else "layers.0"

@@ -1,0 +1,59 @@
+"""``activations="checkpoint"``: each block recomputes its forward in backward.
+
+The block's ``forward`` is replaced, on the instance only, by one that runs the
+original under ``torch.utils.checkpoint`` (non-reentrant: it works with inputs
+that do not require grad, keyword arguments and nested calls, and it checks
+that the recomputation saves what the first pass saved). Removing restores
+the class's ``forward``. The engine's hooks on the modules inside a block run
+again during the recomputation and fetch their chunks then
+(``OffloadEngine.begin_module`` binds a view for it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# Key-value cache arguments of transformers' decoder layers, by version.
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # inference, generation: nothing to save
+            return original(*args, **kwargs)
+        for name in _CACHE_ARGS:
+            # NOTE: a recomputation would append this step's keys and values to the
+            # cache a second time (and the check of saved shapes would fail);
+            # training does not read the cache, so the checkpointed block fills none.
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    forward.__infinity_checkpoint__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+class CheckpointedBlocks:
+    """The blocks whose forward recomputes in backward; :meth:`remove` undoes it."""
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]]) -> None:
+        self.names = [name for name, _ in blocks]
+        self._modules = [module for _, module in blocks]
+        for module in self._modules:
+            if getattr(module.forward, "__infinity_checkpoint__", False):
+                continue  # already wrapped (a block listed twice)
+            module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        """Give every block its class's ``forward`` back (idempotent)."""
+        for module in self._modules:
+            if getattr(module.__dict__.get("forward"), "__infinity_checkpoint__", False):
+                del module.forward
+        self._modules.clear()

@@ -1,0 +1,96 @@
+"""Swap-file space for activations beyond host memory.
+
+Segments are swap files opened as the first steps need them (their size is not
+known before a step has run) and kept for the next steps; a bump cursor hands
+out 4 KiB-aligned extents in order and rewinds when no extent is live (every
+saved tensor of the step was used by backward, or its graph was dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from infinity.config import AioConfig, ConfigError
+from infinity.io import IOEngine, SwapFile
+from infinity.utils.sizes import align_up, format_size
+
+ALIGN = 4096
+MIN_SEGMENT = 256 << 20  # a new segment is at least this, or the space used so far
+
+
+class ActivationSpill:
+    """Extents in growing swap files under ``directory`` (at most ``limit`` bytes)."""
+
+    def __init__(
+        self,
+        directory: str,
+        aio: AioConfig,
+        limit: int | None,
+        on_open: Callable[[SwapFile], None] = lambda swap: None,
+    ) -> None:
+        self._directory = directory
+        self._aio = aio
+        self._limit = limit
+        self._on_open = on_open
+        self._engine: IOEngine | None = None
+        self.segments: list[SwapFile] = []
+        self._segment = 0  # cursor: segment index and offset in it
+        self._offset = 0
+        self.live = 0  # extents handed out and not yet released
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of all segments."""
+        return sum(s.nbytes for s in self.segments)
+
+    def allocate(self, nbytes: int) -> tuple[SwapFile, int]:
+        """An extent of ``nbytes`` (rounded up to 4 KiB): its file and offset."""
+        size = align_up(max(nbytes, 1), ALIGN)
+        while self._segment < len(self.segments):
+            swap = self.segments[self._segment]
+            if self._offset + size <= swap.nbytes:
+                break
+            self._segment, self._offset = self._segment + 1, 0
+        else:
+            self.segments.append(self._open(size))
+        swap = self.segments[self._segment]
+        offset = self._offset
+        self._offset += size
+        self.live += 1
+        return swap, offset
+
+    def release(self) -> None:
+        """One extent is no longer needed; with none live, the cursor rewinds."""
+        self.live -= 1
+        if self.live == 0:
+            self._segment = self._offset = 0
+
+    def _open(self, size: int) -> SwapFile:
+        total = self.capacity
+        nbytes = max(size, MIN_SEGMENT, total)
+        if self._limit is not None:
+            nbytes = min(nbytes, self._limit - total)
+            if nbytes < size:
+                raise ConfigError(
+                    f"activations need {format_size(total + size)} ({total + size} bytes) of "
+                    f"NVMe beyond the states, over the {format_size(self._limit)} that "
+                    "nvme_memory leaves them; raise nvme_memory, lower the tokens per step, "
+                    "or use activations='checkpoint'"
+                )
+        if self._engine is None:
+            self._engine = IOEngine(self._aio)
+        swap = SwapFile(
+            self._directory, nbytes, self._engine, name=f"activations-{len(self.segments)}"
+        )
+        self._on_open(swap)
+        return swap
+
+    def close(self) -> None:
+        """Wait for every transfer, remove the files, stop the I/O workers."""
+        try:
+            for swap in self.segments:
+                swap.close()
+        finally:
+            self.segments.clear()
+            if self._engine is not None:
+                self._engine.close()

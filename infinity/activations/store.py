@@ -1,0 +1,319 @@
+"""``activations="offload"``: saved tensors leave the device, read back ahead of backward.
+
+The engine's saved-tensor pack hook hands every tensor autograd saves during a
+forward to :meth:`ActivationStore.pack`. One of at least ``min_bytes`` on the
+compute device becomes a :class:`SavedActivation` (what autograd then holds):
+
+- it goes to **host memory** first (on the CPU backend, where host and device
+  memory are the same RAM, it stays where it is and only its accounting moves);
+- when the host share is full, the **oldest** host-resident tensor is written
+  to NVMe (:mod:`.spill`): backward needs the newest first, so the newest stay
+  in memory and the disk gets the most time to bring the oldest back;
+- backward unpacks in about the reverse order of packing: each unpack starts
+  reads of the next tensors below it in that order (at most ``read_ahead``
+  bytes ahead), so it waits only when the disk is slower than the compute.
+
+A failed write or read raises :class:`~infinity.io.NVMeIOError` from the next
+pack or unpack: the step fails, it never computes with wrong data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+
+from infinity.activations.spill import ALIGN, ActivationSpill
+from infinity.io import IORequest, SwapFile, aligned_empty
+from infinity.utils.sizes import align_up
+
+HOST, NVME = "host", "nvme"
+WRITE_WINDOW = 64 << 20  # bytes of writes in flight before a pack waits for the oldest
+
+
+class _Record:
+    """Where one offloaded tensor's bytes are (the store's side of a handle)."""
+
+    __slots__ = (
+        "dropped", "dtype", "failed", "file", "host", "nbytes", "offset", "read", "seq",
+        "shape", "tier", "used", "write",
+    )  # fmt: skip
+
+    def __init__(self, seq: int, tensor: torch.Tensor) -> None:
+        self.seq = seq
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.tier = HOST
+        self.host: torch.Tensor | None = None
+        self.file: SwapFile | None = None
+        self.offset = 0
+        # A write in flight (its buffer still holds the bytes); a read started ahead.
+        self.write: tuple[IORequest, torch.Tensor] | None = None
+        self.read: tuple[IORequest, torch.Tensor] | None = None
+        self.failed: BaseException | None = None  # its write failed
+        self.dropped = False  # autograd let go of it
+        self.used = False  # unpacked once: not read ahead again
+
+
+class SavedActivation:
+    """What autograd holds for one offloaded saved tensor; dropping it frees the bytes.
+
+    NOTE: a handle apart from its record, because the store must keep records
+    (in order, for eviction and read-ahead) without keeping autograd's handle
+    alive: the handle's ``__del__`` is how the store learns a tensor is done.
+    """
+
+    __slots__ = ("record", "store")
+
+    def __init__(self, store: ActivationStore, record: _Record) -> None:
+        self.store = weakref.ref(store)
+        self.record = record
+
+    def __del__(self) -> None:
+        store = self.store()
+        if store is not None:
+            store.drop(self.record)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as a flat uint8 CPU tensor (a copy only if needed)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+class ActivationStore:
+    """Saved tensors of the forward passes in flight, in host memory and on NVMe.
+
+    Args:
+        device: the compute device (tensors elsewhere stay put).
+        shares_host_memory: the device's memory is host RAM (the CPU backend).
+        host_capacity: bytes of host memory activations may hold.
+        min_bytes: smaller tensors stay on the device.
+        spill: NVMe space beyond host memory, or ``None`` (no NVMe tier: a
+            tensor that does not fit in host memory stays on the device).
+        read_ahead: bytes of reads backward may have started and not yet used.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        shares_host_memory: bool,
+        host_capacity: int,
+        min_bytes: int,
+        spill: ActivationSpill | None,
+        read_ahead: int = 256 << 20,
+    ) -> None:
+        self.device = device
+        self.shares_host_memory = shares_host_memory
+        self.host_capacity = host_capacity
+        self.min_bytes = min_bytes
+        self.spill = spill
+        self.read_ahead = read_ahead
+        self._lock = threading.RLock()
+        self._seq = 0
+        self._host: deque[_Record] = deque()  # host-resident, oldest first
+        self._nvme: list[_Record] = []  # on NVMe, by seq
+        # Writes in flight, oldest first (a dropped record's extent is freed once written).
+        self._writes: deque[_Record] = deque()
+        self._write_bytes = 0
+        self._read_bytes = 0  # started ahead of use, not yet unpacked
+        self.counters: dict[str, float] = dict.fromkeys(
+            (
+                "packed", "packed_bytes", "kept_small", "kept_on_device_bytes",
+                "host_bytes", "host_peak_bytes", "nvme_bytes", "nvme_peak_bytes",
+                "nvme_written_bytes", "nvme_read_bytes", "reads_ahead", "reads_waited",
+                "reads_not_ahead", "read_wait_seconds",
+            ),
+            0,
+        )  # fmt: skip
+
+    # --- pack (forward) ------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """Keep ``tensor`` (small, or not on the device) or move it; returns what autograd holds."""
+        if (
+            tensor.device != self.device
+            or tensor.layout != torch.strided
+            or tensor.numel() * tensor.element_size() < self.min_bytes
+        ):
+            self.counters["kept_small"] += 1
+            return tensor
+        with self._lock:
+            self._reap_writes(block=False)
+            nbytes = tensor.numel() * tensor.element_size()
+            if self.spill is not None:
+                while self._host and self._host_bytes() + nbytes > self.host_capacity:
+                    self._evict(self._host.popleft())
+            fits = nbytes <= self.host_capacity - self._host_bytes()
+            if not fits and self.spill is None:  # no NVMe tier: it stays where it is
+                self.counters["kept_on_device_bytes"] += nbytes
+                return tensor
+            self._seq += 1
+            saved = _Record(self._seq, tensor)
+            self.counters["packed"] += 1
+            self.counters["packed_bytes"] += nbytes
+            if fits:
+                saved.host = self._to_host(tensor)
+                self._host.append(saved)
+                self._count(HOST, nbytes)
+            else:  # larger than the whole host share: straight to NVMe
+                self._write(saved, _bytes_of(tensor))
+            return SavedActivation(self, saved)
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.shares_host_memory:
+            return tensor.detach()  # NOTE: same RAM: a copy would only cost time
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor)  # synchronous: correct without events
+        return host
+
+    def _evict(self, saved: _Record) -> None:
+        """Write a host-resident tensor to NVMe and let its memory go."""
+        host = saved.host
+        assert host is not None
+        saved.host = None
+        self._count(HOST, -saved.nbytes)
+        self._write(saved, _bytes_of(host))
+
+    def _write(self, saved: _Record, data: torch.Tensor) -> None:
+        assert self.spill is not None
+        buffer = aligned_empty(align_up(saved.nbytes, ALIGN), pinned=False)
+        buffer[: saved.nbytes].copy_(data)
+        saved.file, saved.offset = self.spill.allocate(saved.nbytes)
+        saved.tier = NVME
+        saved.write = (saved.file.write(buffer, saved.offset), buffer)
+        self._writes.append(saved)
+        self._write_bytes += buffer.numel()
+        bisect.insort(self._nvme, saved, key=lambda s: s.seq)
+        self._count(NVME, saved.nbytes)
+        self.counters["nvme_written_bytes"] += saved.nbytes
+        while self._write_bytes > WRITE_WINDOW and len(self._writes) > 1:
+            self._finish_write(self._writes.popleft())
+
+    def _reap_writes(self, block: bool) -> None:
+        while self._writes:
+            write = self._writes[0].write
+            if not (block or write is None or write[0].done()):
+                return
+            self._finish_write(self._writes.popleft())
+
+    def _finish_write(self, saved: _Record) -> None:
+        if saved.write is None:
+            return
+        request, buffer = saved.write
+        saved.write = None
+        self._write_bytes -= buffer.numel()
+        try:
+            request.wait()  # raises NVMeIOError
+        except BaseException as exc:
+            saved.failed = exc  # its bytes on disk are not its values: unpack raises too
+            raise
+        finally:
+            if saved.dropped:
+                assert self.spill is not None
+                self.spill.release()
+
+    # --- unpack (backward) ---------------------------------------------------------------
+    def unpack(self, handle: SavedActivation) -> torch.Tensor:
+        """The saved tensor's values on the device; starts reads of the ones needed next."""
+        saved = handle.record
+        with self._lock:
+            saved.used = True
+            self._reap_writes(block=False)
+            if saved.tier == HOST:
+                assert saved.host is not None
+                out = saved.host if self.shares_host_memory else saved.host.to(self.device)
+            else:
+                out = self._from_nvme(saved)
+            self._read_ahead_of(saved)
+            return out
+
+    def _from_nvme(self, saved: _Record) -> torch.Tensor:
+        if saved.failed is not None:
+            raise saved.failed
+        if saved.write is not None:  # still being written: its buffer holds the bytes
+            buffer = saved.write[1]
+        else:
+            if saved.read is None:
+                self.counters["reads_not_ahead"] += 1
+                self._start_read(saved)
+            assert saved.read is not None
+            request, buffer = saved.read
+            saved.read = None
+            self._read_bytes -= buffer.numel()
+            if not request.done():
+                self.counters["reads_waited"] += 1
+                start = time.perf_counter()
+                request.wait()
+                self.counters["read_wait_seconds"] += time.perf_counter() - start
+            else:
+                request.wait()  # raises NVMeIOError
+        values = buffer[: saved.nbytes].view(saved.dtype).view(saved.shape)
+        return values if self.shares_host_memory else values.to(self.device)
+
+    def _start_read(self, saved: _Record) -> None:
+        assert saved.file is not None
+        buffer = aligned_empty(align_up(saved.nbytes, ALIGN), pinned=False)
+        saved.read = (saved.file.read(buffer, saved.offset), buffer)
+        self._read_bytes += buffer.numel()
+        self.counters["nvme_read_bytes"] += saved.nbytes
+
+    def _read_ahead_of(self, current: _Record) -> None:
+        """Start reads of the NVMe-resident tensors packed before ``current``, newest first."""
+        nvme = list(self._nvme)
+        seqs = [s.seq for s in nvme]
+        for index in range(bisect.bisect_left(seqs, current.seq) - 1, -1, -1):
+            if self._read_bytes >= self.read_ahead:
+                return
+            saved = nvme[index]
+            if saved.read is None and saved.write is None and not saved.used:
+                self.counters["reads_ahead"] += 1
+                self._start_read(saved)
+
+    # --- lifetime ------------------------------------------------------------------------
+    def drop(self, saved: _Record) -> None:
+        """Autograd released ``saved`` (used by backward, or its graph freed)."""
+        with self._lock:
+            if saved.tier == HOST:
+                if saved.host is not None:
+                    self._host.remove(saved)
+                    self._count(HOST, -saved.nbytes)
+                return
+            self._nvme.remove(saved)
+            self._count(NVME, -saved.nbytes)
+            if saved.read is not None:
+                self._read_bytes -= saved.read[1].numel()
+                saved.read = None  # NOTE: the engine keeps an unfinished request alive
+            if saved.write is None:
+                assert self.spill is not None
+                self.spill.release()
+            else:  # NOTE: no wait on autograd's thread: freed once written (_finish_write)
+                saved.dropped = True
+
+    def _host_bytes(self) -> int:
+        return int(self.counters["host_bytes"])
+
+    def _count(self, tier: str, delta: int) -> None:
+        now = self.counters[f"{tier}_bytes"] + delta
+        self.counters[f"{tier}_bytes"] = now
+        peak = f"{tier}_peak_bytes"
+        self.counters[peak] = max(self.counters[peak], now)
+
+    def snapshot(self) -> dict[str, float]:
+        """Counters: totals since offload, bytes per tier now and at their peak."""
+        with self._lock:
+            return dict(self.counters)
+
+    def close(self) -> None:
+        """Finish the writes in flight and remove the swap files."""
+        with self._lock:
+            try:
+                self._reap_writes(block=True)
+            finally:
+                if self.spill is not None:
+                    self.spill.close()
