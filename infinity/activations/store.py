@@ -263,11 +263,19 @@ class ActivationStore:
         self._read_bytes += buffer.numel()
         self.counters["nvme_read_bytes"] += saved.nbytes
 
-    def _read_ahead_of(self, current: _Record) -> None:
-        """Start reads of the NVMe-resident tensors packed before ``current``, newest first."""
+    def end_forward(self) -> None:
+        """A forward ended: start reading the newest tensors on NVMe, which backward
+        needs first (usually there are none: the newest stay in host memory)."""
+        with self._lock:
+            self._read_ahead_of(None)
+
+    def _read_ahead_of(self, current: _Record | None) -> None:
+        """Start reads of the NVMe-resident tensors packed before ``current`` (or all),
+        newest first, up to ``read_ahead`` bytes."""
         nvme = list(self._nvme)
         seqs = [s.seq for s in nvme]
-        for index in range(bisect.bisect_left(seqs, current.seq) - 1, -1, -1):
+        below = len(nvme) if current is None else bisect.bisect_left(seqs, current.seq)
+        for index in range(below - 1, -1, -1):
             if self._read_bytes >= self.read_ahead:
                 return
             saved = nvme[index]

@@ -311,6 +311,11 @@ class OffloadEngine:
             for counters in self.states:
                 counters.reset_step()
 
+    def end_forward(self) -> None:
+        """The root module's forward ended: backward's first activations start loading."""
+        if self.activations is not None:
+            self.activations.end_forward()
+
     # --- saved tensors -----------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor pack hook: a view of a parameter chunk becomes a handle."""

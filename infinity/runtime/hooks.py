@@ -72,6 +72,7 @@ class HookSet:
                 self._leave(self._direct_open.pop())
             if self._scopes:
                 self._scopes.pop().__exit__(None, None, None)
+            engine.end_forward()
 
         # Nesting depth of each owner's binding: a module bound by a direct read
         # (direct_reads.py) may also run its own forward inside it.

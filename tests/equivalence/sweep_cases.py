@@ -31,6 +31,8 @@ CHECKPOINTING = ("", "", "non-reentrant", "reentrant")
 # The device fraction of checkpointed cases: room for whole chunks of every block
 # at any world size (see draw's NOTE).
 CHECKPOINT_DEVICE = 2.5
+# Config.activations: what infinity does with the tensors autograd saves.
+ACTIVATIONS = ("keep", "keep", "checkpoint", "offload", "offload")
 HOST_FRACTIONS = (1.5, 0.75, 0.45, 0.25, 0.12)
 DEVICE_FRACTIONS = (1.2, 0.6, 0.35)
 
@@ -60,6 +62,9 @@ class Case:
     batch: int = 4  # whole batch (each of `world` ranks takes batch / world)
     seq: int = 16
     checkpointing: str = ""  # "", "non-reentrant" or "reentrant" (gradient_checkpointing_enable)
+    # Config.activations ("keep", "checkpoint" or "offload"; offload moves every
+    # saved tensor, activation_min_bytes=0, and spills to NVMe in NVMe cases).
+    activations: str = "keep"
     # Where compute runs: "cpu" (the CPU backend) or "cuda" (tests/cuda, on a GPU).
     backend: str = "cpu"
     why: str = ""  # for kept examples: the bug it caught
@@ -81,6 +86,8 @@ class Case:
             parts.append("overlap")
         if self.checkpointing:
             parts.append(f"ckpt-{self.checkpointing}")
+        if self.activations != "keep":
+            parts.append(f"act-{self.activations}")
         parts += [f"chunk-{self.chunk_size}", f"host{self.host:g}", f"dev{self.device:g}"]
         if self.layers != 2 or self.hidden != 64:
             parts.append(f"llama{self.layers}x{self.hidden}")
@@ -114,8 +121,11 @@ def draw(rng: random.Random) -> Case:
         device=rng.choice(DEVICE_FRACTIONS),
         betas=(0.9, rng.choice((0.95, 0.999))),
         checkpointing=rng.choice(CHECKPOINTING),
+        activations=rng.choice(ACTIVATIONS),
     )
-    if case.checkpointing:
+    if case.activations == "checkpoint":  # infinity's own, instead of transformers'
+        case = dataclasses.replace(case, checkpointing="")
+    if case.checkpointing or case.activations == "checkpoint":
         # NOTE: a checkpointed block's recomputation keeps every parameter chunk of
         # the block on the device until its backward has run, which the planner
         # does not count yet (issue 27): smaller budgets raise PoolExhausted,
@@ -172,6 +182,24 @@ PINNED: tuple[Case, ...] = (
         overlap=True,
         device=CHECKPOINT_DEVICE,
     ),
+    Case(
+        world=2,
+        activations="offload",
+        dtype="bf16",
+        host=0.25,
+        chunk_size="16KiB",
+        accumulation=2,
+        clip=0.5,
+    ),
+    Case(
+        activations="checkpoint",
+        dtype="bf16",
+        state_dtype="int8",
+        host=0.45,
+        chunk_size="16KiB",
+        device=CHECKPOINT_DEVICE,
+    ),
+    Case(activations="offload", overlap=True, host=0.12, device=0.6, chunk_size="40KiB"),
 )
 
 # Cases that failed once. Each stays in the suite as it was found.

@@ -86,6 +86,8 @@ def config(case: Case, model: torch.nn.Module, nvme_dir: str | None) -> infinity
         chunk_size=case.chunk_size,
         overlap_optimizer=case.overlap,
         optimizer_state_dtype=case.state_dtype,
+        activations=case.activations,
+        activation_min_bytes=0,
     )
 
 

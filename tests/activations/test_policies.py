@@ -1,0 +1,123 @@
+"""``Config(activations=...)``: checkpointing and offloading train exactly like keeping.
+
+Both only move data (offload) or recompute it with the same kernels
+(checkpoint), so every loss and every fp32 master weight after a few steps
+with accumulation and clipping must be *bit-identical* to the same model,
+budgets and seed with ``activations="keep"`` — itself checked against plain
+PyTorch by the equivalence sweep. The models are ``transformers`` Llama and
+GPT-2 (GPT-2 with its dropout on: checkpointing must replay the same masks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infinity
+from infinity.offload import engine_of
+from infinity.optim import CPUAdam
+from infinity.runtime.state_access import read_params
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH = 128, 32, 4
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(cfg).train()
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=SEQ
+    )  # dropout 0.1 everywhere
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def _config(model: torch.nn.Module, dtype: str, policy: str, nvme: str | None) -> infinity.Config:
+    n = sum(p.numel() for p in model.parameters())
+    return infinity.Config(
+        dtype=dtype,
+        device_memory=int(2.5 * n * 4),  # a checkpointed block keeps its chunks (README)
+        # With NVMe: a third of the states' host bytes, so states and activations spill.
+        host_memory=int(n * 16 / 3) if nvme else "1GiB",
+        nvme_path=nvme,
+        chunk_size="16KiB",
+        activations=policy,
+        activation_min_bytes=0,
+    )
+
+
+def _train(kind: str, dtype: str, policy: str, nvme: str | None, steps: int = 2):
+    model = _model(kind)
+    model = infinity.offload(model, _config(model, dtype, policy, nvme))
+    engine = engine_of(model)
+    try:
+        opt = CPUAdam(model.parameters(), lr=3e-3, weight_decay=0.1)
+        g = torch.Generator().manual_seed(1)
+        torch.manual_seed(2)  # dropout masks: the same stream for every policy
+        losses = []
+        for _ in range(steps):
+            for _ in range(2):  # accumulation
+                ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+                loss = model(input_ids=ids, labels=ids).loss / 2
+                loss.backward()
+                losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        masters = {
+            e.name: v.clone() for e, v in read_params(engine, engine.registry.entries, master=True)
+        }
+        return losses, masters, infinity.stats(model)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_checkpoint_and_offload_train_bit_identically_to_keep(
+    kind: str, dtype: str, tmp_path
+) -> None:
+    keep_losses, keep_masters, _ = _train(kind, dtype, "keep", None)
+    runs = {
+        "checkpoint": (None,),
+        "offload-host": (None,),
+        "offload-nvme": (str(tmp_path),),
+    }
+    for name, (nvme,) in runs.items():
+        losses, masters, stats = _train(kind, dtype, name.split("-")[0], nvme)
+        assert losses == keep_losses, name
+        for key, value in keep_masters.items():
+            assert torch.equal(masters[key], value), (name, key)
+        if name == "offload-nvme":
+            act = stats["activations"]
+            assert act["nvme_written_bytes"] > 0, "the NVMe case must spill activations"
+            assert act["nvme_read_bytes"] <= act["nvme_written_bytes"]
+            assert act["host_bytes"] == 0 and act["nvme_bytes"] == 0, "all freed after backward"
+        if name == "offload-host":
+            act = stats["activations"]
+            assert act["packed"] > 0 and act["nvme_written_bytes"] == 0
+
+
+def test_offloaded_activations_stay_within_the_host_budget(tmp_path) -> None:
+    """The host share (budget minus the states' slabs) is never exceeded; the rest
+    goes to NVMe and comes back before it is needed."""
+    model = _model("llama")
+    model = infinity.offload(model, _config(model, "fp32", "offload", str(tmp_path)))
+    engine = engine_of(model)
+    try:
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+        stats = infinity.stats(model)
+        act = stats["activations"]
+        share = stats["host_budget_bytes"] - stats["host_reserved_bytes"]
+        assert act["host_peak_bytes"] <= share
+        assert act["nvme_written_bytes"] > 0
+        assert act["reads_not_ahead"] == 0, "backward read nothing it had not asked for ahead"
+    finally:
+        engine.close()

@@ -1,0 +1,168 @@
+"""The activation store on its own: bytes back exactly, newest kept in memory,
+read ahead in reverse order, nothing left behind, every disk error raised.
+
+References are clones of the tensors taken before packing; the store's
+counters are checked against sums of the tensors' sizes computed here.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import random
+
+import pytest
+import torch
+
+from infinity.activations.spill import ActivationSpill
+from infinity.activations.store import ActivationStore, SavedActivation
+from infinity.config import AioConfig
+from infinity.io import NVMeIOError
+
+KIB = 1024
+
+
+def _store(
+    tmp_path, host_capacity: int, *, nvme: bool = True, min_bytes: int = 0
+) -> ActivationStore:
+    spill = ActivationSpill(str(tmp_path), AioConfig(), None) if nvme else None
+    return ActivationStore(
+        torch.device("cpu"),
+        shares_host_memory=True,
+        host_capacity=host_capacity,
+        min_bytes=min_bytes,
+        spill=spill,
+        read_ahead=64 * KIB,
+    )
+
+
+def _tensors(count: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+    out = []
+    for i in range(count):
+        shape = (int(torch.randint(1, 40, (1,), generator=g)), 257)  # not a 4 KiB multiple
+        out.append((torch.randn(shape, generator=g) * 100).to(dtypes[i % len(dtypes)]))
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("order", ["reverse", "shuffled", "forward"])
+def test_values_come_back_exactly_in_any_order(tmp_path, order: str) -> None:
+    store = _store(tmp_path, host_capacity=40 * KIB)
+    tensors = _tensors(24)
+    expected = [t.clone() for t in tensors]
+    handles = [store.pack(t) for t in tensors]
+    del tensors  # only the store holds the bytes now
+    assert all(isinstance(h, SavedActivation) for h in handles)
+    indices = list(range(len(handles)))
+    if order == "reverse":
+        indices.reverse()
+    elif order == "shuffled":
+        random.Random(3).shuffle(indices)
+    for i in indices:
+        got = store.unpack(handles[i])
+        assert got.dtype == expected[i].dtype and got.shape == expected[i].shape
+        assert torch.equal(got.view(torch.uint8), expected[i].view(torch.uint8)), i
+    stats = store.snapshot()
+    assert stats["nvme_written_bytes"] > 0, "the case must spill"
+    assert stats["host_peak_bytes"] <= 40 * KIB
+    store.close()
+
+
+def test_the_newest_stay_in_memory_and_the_oldest_go_to_disk(tmp_path) -> None:
+    tensors = _tensors(20, seed=1)
+    capacity = sum(_nbytes(t) for t in tensors[-5:])  # exactly the last five
+    store = _store(tmp_path, host_capacity=capacity)
+    handles = [store.pack(t) for t in tensors]
+    stats = store.snapshot()
+    assert stats["host_bytes"] == capacity
+    assert stats["nvme_written_bytes"] == sum(_nbytes(t) for t in tensors[:-5])
+    assert stats["host_peak_bytes"] <= capacity
+    del handles
+    store.close()
+
+
+def test_backward_order_reads_every_spilled_tensor_ahead(tmp_path) -> None:
+    store = _store(tmp_path, host_capacity=16 * KIB)
+    tensors = _tensors(30, seed=2)
+    handles = [store.pack(t) for t in tensors]
+    spilled = store.snapshot()["nvme_written_bytes"]
+    store._reap_writes(block=True)  # every write landed: each must be read back
+    store.end_forward()
+    for h in reversed(handles):
+        store.unpack(h)
+    stats = store.snapshot()
+    assert stats["nvme_read_bytes"] == spilled, "each spilled tensor read exactly once"
+    assert stats["reads_not_ahead"] == 0, "each read was started ahead of its use"
+    store.close()
+
+
+def test_dropped_handles_free_every_tier(tmp_path) -> None:
+    store = _store(tmp_path, host_capacity=16 * KIB)
+    handles = [store.pack(t) for t in _tensors(30, seed=4)]
+    for h in handles[::3]:  # some used, the rest dropped unused (a graph freed)
+        store.unpack(h)
+    del h, handles
+    gc.collect()
+    store._reap_writes(block=True)
+    stats = store.snapshot()
+    assert stats["host_bytes"] == 0 and stats["nvme_bytes"] == 0
+    assert store.spill is not None and store.spill.live == 0
+    # The space is reused: a second round needs no new segment.
+    segments = len(store.spill.segments)
+    handles = [store.pack(t) for t in _tensors(30, seed=5)]
+    assert len(store.spill.segments) == segments
+    del handles
+    store.close()
+
+
+def test_small_tensors_and_other_devices_stay_put(tmp_path) -> None:
+    store = _store(tmp_path, host_capacity=1 << 20, min_bytes=4 * KIB)
+    small = torch.ones(100)
+    big = torch.ones(2000)
+    assert store.pack(small) is small
+    assert isinstance(store.pack(big), SavedActivation)
+    assert store.snapshot()["kept_small"] == 1
+    store.close()
+
+
+def test_without_nvme_what_does_not_fit_stays_on_the_device(tmp_path) -> None:
+    store = _store(tmp_path, host_capacity=10 * KIB, nvme=False)
+    tensors = [torch.ones(1024) for _ in range(4)]  # 4 KiB each
+    packed = [store.pack(t) for t in tensors]
+    assert [isinstance(p, SavedActivation) for p in packed] == [True, True, False, False]
+    assert store.snapshot()["kept_on_device_bytes"] == 8 * KIB
+    store.close()
+
+
+@pytest.mark.parametrize("when", ["write", "read"])
+def test_a_disk_error_is_raised_never_returned_as_data(tmp_path, when: str) -> None:
+    store = _store(tmp_path, host_capacity=8 * KIB)
+    tensors = _tensors(12, seed=6)
+    handles = [store.pack(t) for t in tensors[:2]]  # opens the first segment
+    assert store.spill is not None and store.spill.segments
+    engine = store.spill._engine
+    assert engine is not None
+    if when == "write":
+        engine.inject_fault(1, errno.EIO, per="request")
+        with pytest.raises(NVMeIOError):
+            for t in tensors[2:]:
+                handles.append(store.pack(t))
+            store._reap_writes(block=True)
+        # the tensor whose write failed can never be read as if it were fine
+        with pytest.raises(NVMeIOError):
+            for h in reversed(handles):
+                store.unpack(h)
+    else:
+        handles += [store.pack(t) for t in tensors[2:]]
+        store._reap_writes(block=True)
+        engine.inject_fault(1, errno.EIO, per="request")
+        with pytest.raises(NVMeIOError):
+            for h in reversed(handles):
+                store.unpack(h)
+    del handles
+    store.close()
