@@ -123,6 +123,7 @@ class ActivationStore:
         self._writes: deque[_Record] = deque()
         self._write_bytes = 0
         self._read_bytes = 0  # started ahead of use, not yet unpacked
+        self._backward = False  # between a forward's end and the next pack
         self.counters: dict[str, float] = dict.fromkeys(
             (
                 "packed", "packed_bytes", "kept_small", "kept_on_device_bytes",
@@ -144,6 +145,7 @@ class ActivationStore:
             self.counters["kept_small"] += 1
             return tensor
         with self._lock:
+            self._backward = False
             self._reap_writes(block=False)
             nbytes = tensor.numel() * tensor.element_size()
             if self.spill is not None:
@@ -208,6 +210,12 @@ class ActivationStore:
         request, buffer = saved.write
         saved.write = None
         self._write_bytes -= buffer.numel()
+        keep = self._backward and not saved.used and not saved.dropped
+        if keep and self._read_bytes + buffer.numel() <= self.read_ahead:
+            # NOTE: backward is under way: the written bytes serve as its read ahead
+            # (the request is done: unpack's wait returns at once, or raises).
+            saved.read = (request, buffer)
+            self._read_bytes += buffer.numel()
         try:
             request.wait()  # raises NVMeIOError
         except BaseException as exc:
@@ -223,14 +231,15 @@ class ActivationStore:
         """The saved tensor's values on the device; starts reads of the ones needed next."""
         saved = handle.record
         with self._lock:
+            self._backward = True
+            self._reap_writes(block=False)  # before `used`: a landed write serves it
             saved.used = True
-            self._reap_writes(block=False)
             if saved.tier == HOST:
                 assert saved.host is not None
                 out = saved.host if self.shares_host_memory else saved.host.to(self.device)
             else:
                 out = self._from_nvme(saved)
-            self._read_ahead_of(saved)
+            self._read_ahead()
             return out
 
     def _from_nvme(self, saved: _Record) -> torch.Tensor:
@@ -267,18 +276,17 @@ class ActivationStore:
         """A forward ended: start reading the newest tensors on NVMe, which backward
         needs first (usually there are none: the newest stay in host memory)."""
         with self._lock:
-            self._read_ahead_of(None)
+            self._backward = True
+            self._read_ahead()
 
-    def _read_ahead_of(self, current: _Record | None) -> None:
-        """Start reads of the NVMe-resident tensors packed before ``current`` (or all),
-        newest first, up to ``read_ahead`` bytes."""
-        nvme = list(self._nvme)
-        seqs = [s.seq for s in nvme]
-        below = len(nvme) if current is None else bisect.bisect_left(seqs, current.seq)
-        for index in range(below - 1, -1, -1):
+    def _read_ahead(self) -> None:
+        """Start reads of the NVMe-resident tensors backward has not used yet, newest
+        first (backward runs about in reverse order of packing), up to ``read_ahead``
+        bytes. NOTE: not only those below the last one used: autograd's order is
+        not strictly the reverse, and a newer tensor still unused is needed soonest."""
+        for saved in reversed(list(self._nvme)):
             if self._read_bytes >= self.read_ahead:
                 return
-            saved = nvme[index]
             if saved.read is None and saved.write is None and not saved.used:
                 self.counters["reads_ahead"] += 1
                 self._start_read(saved)

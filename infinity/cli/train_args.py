@@ -6,6 +6,7 @@ import argparse
 
 from infinity.cli import train_ranks
 from infinity.cli.train_settings import DEFAULT_PLOT, PRESETS
+from infinity.config import ACTIVATION_POLICIES
 from infinity.optim.state_formats import STATE_DTYPES
 
 DEFAULT_CHECKPOINT_DIR = "./.infinity/checkpoints"
@@ -114,6 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=STATE_DTYPES,
         help="how Adam's moments are stored: fp32 (exact), bf16, or int8 (block-quantised, "
         "about a quarter of the bytes); default fp32, or the resumed run's",
+    )
+    memory.add_argument(
+        "--activations",
+        choices=ACTIVATION_POLICIES,
+        help="the tensors autograd saves for backward: keep (in RAM, the default), "
+        "checkpoint (recompute each block in backward) or offload (to host memory, then "
+        "NVMe, read back ahead of backward)",
     )
     memory.add_argument(
         "--config", metavar="FILE", help="an infinity.Config JSON file; flags override it"

@@ -121,6 +121,15 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
     rows.extend(rank_rows(summary.ranks))
     if summary.train_seconds > 0:
         rows.append(f"throughput: {summary.tokens / summary.train_seconds / 1000:.1f}k tokens/s")
+    act = stats.get("activations")
+    if act:
+        rows.append(
+            f"activations (offload): {format_size(act['packed_bytes'] / steps)} saved per step; "
+            f"peak {format_size(act['host_peak_bytes'])} in host memory, "
+            f"{format_size(act['nvme_peak_bytes'])} on NVMe; backward waited "
+            f"{act['read_wait_seconds']:.2f} s for {int(act['reads_waited'])} read(s) "
+            f"({int(act['reads_not_ahead'])} not read ahead)"
+        )
     if stats.get("skipped_steps"):
         rows.append(f"fp16: {stats['skipped_steps']} step(s) skipped on overflow")
     if stats.get("nvme_registration_error"):

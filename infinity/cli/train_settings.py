@@ -47,6 +47,7 @@ FLAG_OF = {
     "chunk_size": "--chunk-size",
     "nvme_path": "--nvme-path",
     "optimizer_state_dtype": "--optimizer-state-dtype",
+    "activations": "--activations",
 }
 
 
@@ -259,6 +260,8 @@ def build_config(args: argparse.Namespace, settings: RunSettings) -> tuple[Confi
     given["dtype"] = settings.dtype
     if args.optimizer_state_dtype is not None or "optimizer_state_dtype" not in given:
         given["optimizer_state_dtype"] = settings.optimizer_state_dtype
+    if getattr(args, "activations", None) is not None:
+        given["activations"] = args.activations
     given.setdefault("nvme_path", DEFAULT_NVME_PATH)
     derived = []
     if "device_memory" not in given:
