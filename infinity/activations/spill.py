@@ -39,6 +39,13 @@ class ActivationSpill:
         self.live = 0  # extents handed out and not yet released
 
     @property
+    def engine(self) -> IOEngine:
+        """The I/O engine of the segments (made on first use)."""
+        if self._engine is None:
+            self._engine = IOEngine(self._aio)
+        return self._engine
+
+    @property
     def capacity(self) -> int:
         """Bytes of all segments."""
         return sum(s.nbytes for s in self.segments)
@@ -77,10 +84,8 @@ class ActivationSpill:
                     "nvme_memory leaves them; raise nvme_memory, lower the tokens per step, "
                     "or use activations='checkpoint'"
                 )
-        if self._engine is None:
-            self._engine = IOEngine(self._aio)
         swap = SwapFile(
-            self._directory, nbytes, self._engine, name=f"activations-{len(self.segments)}"
+            self._directory, nbytes, self.engine, name=f"activations-{len(self.segments)}"
         )
         self._on_open(swap)
         return swap

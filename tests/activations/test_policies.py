@@ -12,48 +12,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from activation_helpers import BATCH, SEQ, VOCAB, activation_config, tiny_model
 
 import infinity
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.runtime.state_access import read_params
 
-transformers = pytest.importorskip("transformers")
-
-VOCAB, SEQ, BATCH = 128, 32, 4
-
-
-def _model(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        )  # fmt: skip
-        return transformers.LlamaForCausalLM(cfg).train()
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=SEQ
-    )  # dropout 0.1 everywhere
-    return transformers.GPT2LMHeadModel(cfg).train()
-
-
-def _config(model: torch.nn.Module, dtype: str, policy: str, nvme: str | None) -> infinity.Config:
-    n = sum(p.numel() for p in model.parameters())
-    return infinity.Config(
-        dtype=dtype,
-        device_memory=int(2.5 * n * 4),  # a checkpointed block keeps its chunks (README)
-        # With NVMe: a third of the states' host bytes, so states and activations spill.
-        host_memory=int(n * 16 / 3) if nvme else "1GiB",
-        nvme_path=nvme,
-        chunk_size="16KiB",
-        activations=policy,
-        activation_min_bytes=0,
-    )
+pytest.importorskip("transformers")
 
 
 def _train(kind: str, dtype: str, policy: str, nvme: str | None, steps: int = 2):
-    model = _model(kind)
-    model = infinity.offload(model, _config(model, dtype, policy, nvme))
+    model = tiny_model(kind)
+    model = infinity.offload(model, activation_config(model, dtype, policy, nvme))
     engine = engine_of(model)
     try:
         opt = CPUAdam(model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -106,8 +77,8 @@ def test_checkpoint_and_offload_train_bit_identically_to_keep(
 def test_offloaded_activations_stay_within_the_host_budget(tmp_path) -> None:
     """The host share (budget minus the states' slabs) is never exceeded; the rest
     goes to NVMe and comes back before it is needed."""
-    model = _model("llama")
-    model = infinity.offload(model, _config(model, "fp32", "offload", str(tmp_path)))
+    model = tiny_model("llama")
+    model = infinity.offload(model, activation_config(model, "fp32", "offload", str(tmp_path)))
     engine = engine_of(model)
     try:
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

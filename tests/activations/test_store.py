@@ -145,8 +145,7 @@ def test_a_disk_error_is_raised_never_returned_as_data(tmp_path, when: str) -> N
     tensors = _tensors(12, seed=6)
     handles = [store.pack(t) for t in tensors[:2]]  # opens the first segment
     assert store.spill is not None and store.spill.segments
-    engine = store.spill._engine
-    assert engine is not None
+    engine = store.spill.engine
     if when == "write":
         engine.inject_fault(1, errno.EIO, per="request")
         with pytest.raises(NVMeIOError):
