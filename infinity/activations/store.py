@@ -41,14 +41,20 @@ class _Record:
 
     __slots__ = (
         "dropped", "dtype", "failed", "file", "host", "nbytes", "offset", "read", "seq",
-        "shape", "tier", "used", "write",
+        "shape", "span", "stride", "tier", "used", "write",
     )  # fmt: skip
 
     def __init__(self, seq: int, tensor: torch.Tensor) -> None:
         self.seq = seq
         self.shape = tensor.shape
+        self.stride = tensor.stride()
         self.dtype = tensor.dtype
-        self.nbytes = tensor.numel() * tensor.element_size()
+        # Elements from the first to the last the tensor reaches in its storage: the
+        # bytes travel as that span (strides kept, an expanded tensor stays small)
+        # unless it is mostly gaps; 0: as values in contiguous order.
+        span = 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+        self.span = span if span <= 2 * tensor.numel() else 0
+        self.nbytes = (self.span or tensor.numel()) * tensor.element_size()
         self.tier = HOST
         self.host: torch.Tensor | None = None
         self.file: SwapFile | None = None
@@ -81,9 +87,27 @@ class SavedActivation:
             store.drop(self.record)
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's values as a flat uint8 CPU tensor (a copy only if needed)."""
-    return tensor.detach().reshape(-1).view(torch.uint8)
+def _flat(saved: _Record, tensor: torch.Tensor) -> torch.Tensor:
+    """The saved tensor's bytes as they travel: a 1-D tensor of its dtype."""
+    tensor = tensor.detach()
+    if saved.span:
+        return tensor.as_strided((saved.span,), (1,), tensor.storage_offset())
+    return tensor.reshape(-1)
+
+
+def _restore(saved: _Record, flat: torch.Tensor) -> torch.Tensor:
+    """The saved tensor, with its shape and strides, from what :func:`_flat` gave.
+
+    NOTE: strides matter: a backward compiled by ``torch.compile`` asserts the
+    strides of what it saved. A tensor that travelled as values in contiguous
+    order is laid out again (one copy, only when it was mostly gaps)."""
+    if saved.span:
+        return flat.as_strided(saved.shape, saved.stride, 0)
+    values = flat.view(saved.shape)
+    if values.stride() == saved.stride:
+        return values
+    out = torch.empty_strided(saved.shape, saved.stride, dtype=saved.dtype, device=flat.device)
+    return out.copy_(values)
 
 
 class ActivationStore:
@@ -140,6 +164,7 @@ class ActivationStore:
         if (
             tensor.device != self.device
             or tensor.layout != torch.strided
+            or tensor.numel() == 0
             or tensor.numel() * tensor.element_size() < self.min_bytes
         ):
             self.counters["kept_small"] += 1
@@ -147,7 +172,8 @@ class ActivationStore:
         with self._lock:
             self._backward = False
             self._reap_writes(block=False)
-            nbytes = tensor.numel() * tensor.element_size()
+            saved = _Record(self._seq + 1, tensor)
+            nbytes = saved.nbytes
             if self.spill is not None:
                 while self._host and self._host_bytes() + nbytes > self.host_capacity:
                     self._evict(self._host.popleft())
@@ -156,23 +182,24 @@ class ActivationStore:
                 self.counters["kept_on_device_bytes"] += nbytes
                 return tensor
             self._seq += 1
-            saved = _Record(self._seq, tensor)
             self.counters["packed"] += 1
             self.counters["packed_bytes"] += nbytes
             if fits:
-                saved.host = self._to_host(tensor)
+                saved.host = self._to_host(saved, tensor)
                 self._host.append(saved)
                 self._count(HOST, nbytes)
             else:  # larger than the whole host share: straight to NVMe
-                self._write(saved, _bytes_of(tensor))
+                self._write(saved, _flat(saved, tensor))
             return SavedActivation(self, saved)
 
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _to_host(self, saved: _Record, tensor: torch.Tensor) -> torch.Tensor:
+        """What the host tier keeps: on the CPU backend the tensor itself (same RAM: a
+        copy would only cost time), else its bytes in pinned memory."""
         if self.shares_host_memory:
-            return tensor.detach()  # NOTE: same RAM: a copy would only cost time
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor)  # synchronous: correct without events
-        return host
+            return tensor.detach()
+        flat = _flat(saved, tensor)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        return host.copy_(flat)  # synchronous: correct without events
 
     def _evict(self, saved: _Record) -> None:
         """Write a host-resident tensor to NVMe and let its memory go."""
@@ -180,12 +207,12 @@ class ActivationStore:
         assert host is not None
         saved.host = None
         self._count(HOST, -saved.nbytes)
-        self._write(saved, _bytes_of(host))
+        self._write(saved, _flat(saved, host) if self.shares_host_memory else host)
 
     def _write(self, saved: _Record, data: torch.Tensor) -> None:
         assert self.spill is not None
         buffer = aligned_empty(align_up(saved.nbytes, ALIGN), pinned=False)
-        buffer[: saved.nbytes].copy_(data)
+        buffer[: saved.nbytes].copy_(data.view(torch.uint8))
         saved.file, saved.offset = self.spill.allocate(saved.nbytes)
         saved.tier = NVME
         saved.write = (saved.file.write(buffer, saved.offset), buffer)
@@ -236,7 +263,11 @@ class ActivationStore:
             saved.used = True
             if saved.tier == HOST:
                 assert saved.host is not None
-                out = saved.host if self.shares_host_memory else saved.host.to(self.device)
+                out = (
+                    saved.host
+                    if self.shares_host_memory
+                    else _restore(saved, saved.host.to(self.device))
+                )
             else:
                 out = self._from_nvme(saved)
             self._read_ahead()
@@ -262,8 +293,8 @@ class ActivationStore:
                 self.counters["read_wait_seconds"] += time.perf_counter() - start
             else:
                 request.wait()  # raises NVMeIOError
-        values = buffer[: saved.nbytes].view(saved.dtype).view(saved.shape)
-        return values if self.shares_host_memory else values.to(self.device)
+        flat = buffer[: saved.nbytes].view(saved.dtype)
+        return _restore(saved, flat if self.shares_host_memory else flat.to(self.device))
 
     def _start_read(self, saved: _Record) -> None:
         assert saved.file is not None

@@ -92,3 +92,26 @@ def test_offloaded_activations_stay_within_the_host_budget(tmp_path) -> None:
         assert act["reads_not_ahead"] == 0, "backward read nothing it had not asked for ahead"
     finally:
         engine.close()
+
+
+def test_a_compiled_model_trains_the_same_with_offloaded_activations(tmp_path) -> None:
+    """torch.compile's backward gets its saved tensors back from the store (with
+    their strides) and computes what it computes with them kept."""
+
+    def run(policy: str, nvme: str | None) -> list[float]:
+        model = tiny_model("llama")
+        model = infinity.offload(model, activation_config(model, "fp32", policy, nvme))
+        compiled = torch.compile(model)
+        opt = CPUAdam(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, 128, (4, 32), generator=g)
+            loss = compiled(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert run("offload", str(tmp_path)) == run("keep", None)

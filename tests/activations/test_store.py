@@ -165,3 +165,26 @@ def test_a_disk_error_is_raised_never_returned_as_data(tmp_path, when: str) -> N
                 store.unpack(h)
     del handles
     store.close()
+
+
+def test_strides_come_back_for_views_expanded_and_sliced_tensors(tmp_path) -> None:
+    """A compiled backward asserts the strides of what it saved: every layout returns
+    with its shape, strides and values (spilled to NVMe and kept in memory)."""
+    base = torch.randn(64, 48)
+    tensors = [
+        base.t(),  # transposed: travels as its span
+        base[:, :5],  # mostly gaps: travels as values, laid out again
+        torch.randn(48, 1).expand(48, 300),  # stride 0: a small span
+        base[3:40:3],  # a strided slice
+        torch.randn(2, 3, 40).permute(2, 0, 1),
+    ]
+    for capacity in (0, 1 << 20):  # all on NVMe; all in memory
+        store = _store(tmp_path / str(capacity), host_capacity=capacity)
+        handles = [store.pack(t) for t in tensors]
+        store._reap_writes(block=True)
+        for h, t in reversed(list(zip(handles, tensors, strict=True))):
+            got = store.unpack(h)
+            assert got.shape == t.shape and got.stride() == t.stride()
+            assert torch.equal(got, t)
+        del h, handles
+        store.close()
