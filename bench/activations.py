@@ -136,8 +136,7 @@ def run_row(args: argparse.Namespace, row: str) -> dict:
             "written_per_step": (act["nvme_written_bytes"] - before.get("nvme_written_bytes", 0))
             / steps,
             "read_per_step": (act["nvme_read_bytes"] - before.get("nvme_read_bytes", 0)) / steps,
-            "wait_seconds": (act["read_wait_seconds"] - before.get("read_wait_seconds", 0))
-            / steps,
+            "wait_seconds": (act["read_wait_seconds"] - before.get("read_wait_seconds", 0)) / steps,
             "reads_not_ahead": act["reads_not_ahead"] - before.get("reads_not_ahead", 0),
         }
     return out

@@ -12,6 +12,7 @@ import json
 import torch
 
 from infinity.cli.main import CommandError
+from infinity.cli.plan_activations import activation_lines, activations_at
 from infinity.config import Config, ConfigError
 from infinity.core.names import HOST, NVME
 from infinity.devices.base import resolve_device
@@ -32,8 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="small",
         help=f"a GPT preset ({', '.join(PRESETS)}) or a transformers config.json path",
     )
-    for flag in ("layers", "hidden", "heads", "vocab-size", "seq-len"):
+    for flag in ("layers", "hidden", "heads", "vocab-size"):
         parser.add_argument(f"--{flag}", type=int, help=f"override the preset's {flag}")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sequence: the preset's context, and the activation estimate's "
+        "(default for a config.json: 2048)",
+    )
     parser.add_argument("--device-memory", default="auto", help="device budget, e.g. 2GiB")
     parser.add_argument("--host-memory", default="auto", help="host budget, e.g. 8GiB")
     parser.add_argument("--nvme-path", default=None, help="directory of the NVMe tier")
@@ -57,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=1,
         help="plan for one rank of N data-parallel processes (per-rank bytes and communication)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=1,
+        help="sequences per step, for the activation estimate (with --seq-len)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -130,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_for(ParamRegistry.from_model(model), config, device, world=world)
     except PlanError as exc:
         raise CommandError(str(exc)) from None
+    seq_len = args.seq_len or _seq_len_of(model)
+    act = activations_at(model, plan, config, args.batch_size, seq_len)
     if args.json:
         n = plan.layout.num_chunks
         per_rank = {"nproc": plan.shard_count} if plan.sharded else {}
@@ -155,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
                     "traffic_per_step": plan.traffic,
                     "optimizer_state_dtype": plan.state_dtype,
                     "optim_bytes": sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i]),
+                    "activations": act,
                 }
             )
         )
@@ -163,4 +179,15 @@ def run(args: argparse.Namespace) -> int:
     states = format_size(plan.home_bytes(HOST) + plan.home_bytes(NVME))
     print(f"model states: {states}" + (" per rank" if plan.sharded else ""))
     print(plan.describe())
+    for line in activation_lines(act):
+        print(line)
     return 0
+
+
+def _seq_len_of(model: torch.nn.Module) -> int:
+    """The GPT's context, or a transformers model's capped at a typical fine-tuning length."""
+    gpt = getattr(model, "cfg", None)
+    if gpt is not None and hasattr(gpt, "seq_len"):
+        return int(gpt.seq_len)
+    cfg = getattr(model, "config", None)
+    return min(2048, int(getattr(cfg, "max_position_embeddings", 2048) or 2048))

@@ -1,0 +1,84 @@
+"""``infinity plan``'s activation lines: what each policy keeps per step, and the
+tokens per step that fit beside the states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from infinity.activations.estimate import estimate
+from infinity.config import Config, ConfigError
+from infinity.core.plan import Plan
+from infinity.runtime.budgets import DTYPE_OF
+from infinity.utils.sizes import format_size
+
+
+def activations_at(
+    model: torch.nn.Module, plan: Plan, config: Config, batch: int, seq_len: int
+) -> dict[str, Any]:
+    """Saved bytes per step under each policy, and what fits (a JSON-ready dict).
+
+    NOTE: activations count against the device budget: what the chunk slots
+    leave of it holds "keep"'s and "checkpoint"'s activations; "offload" moves
+    them to what the states leave of the host budget, then to NVMe.
+    """
+    target = "cuda" if config.device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+    try:
+        est = estimate(model, batch, seq_len, DTYPE_OF[config.dtype], target)
+    except (ConfigError, TypeError, RuntimeError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    tokens = batch * seq_len
+    slots = plan.min_device_bytes or plan.device_bytes
+    host_room = max(0, plan.budgets.host - plan.host_bytes)
+    nvme_room = None if plan.budgets.nvme is None else max(0, plan.budgets.nvme - plan.nvme_bytes)
+    one_block = max(est.per_block, default=est.total)
+    on_device = {"keep": est.total, "checkpoint": est.checkpoint, "offload": one_block}
+    room = max(0, plan.budgets.device - slots)
+
+    def fit(policy: str) -> int:
+        per_token = on_device[policy] / tokens
+        fits = int(room / per_token) if per_token else 0
+        if policy == "offload" and est.total:
+            fits = min(fits, int((host_room + (nvme_room or 0)) / (est.total / tokens)))
+        return fits
+
+    return {
+        "batch_size": batch,
+        "seq_len": seq_len,
+        "saved_bytes": est.total,
+        "blocks": len(est.per_block),
+        "device_bytes": on_device,
+        "min_chunk_slot_bytes": slots,
+        "device_memory_needed": {k: slots + v for k, v in on_device.items()},
+        "host_room_bytes": host_room,
+        "nvme_room_bytes": nvme_room,
+        "tokens_that_fit": {policy: fit(policy) for policy in on_device},
+    }
+
+
+def activation_lines(act: dict[str, Any]) -> list[str]:
+    """The plan's text lines for :func:`activations_at`'s result."""
+    if "error" in act:
+        return [f"activations: not estimated ({act['error']})"]
+    tokens = act["batch_size"] * act["seq_len"]
+    dev = act["device_bytes"]
+    need = act["device_memory_needed"]
+    fits = act["tokens_that_fit"]
+    nvme = act["nvme_room_bytes"]
+    return [
+        f"activations of {act['batch_size']} x {act['seq_len']} tokens (Config.activations), "
+        f"{format_size(act['saved_bytes'])} saved ({format_size(act['saved_bytes'] / tokens)} "
+        "per token):",
+        f"  keep        {format_size(dev['keep']):>12} on the device",
+        f"  checkpoint  {format_size(dev['checkpoint']):>12} on the device (block inputs, and "
+        f"one of {act['blocks']} blocks recomputed at a time)",
+        f"  offload     {format_size(dev['offload']):>12} on the device (at most about one block's); the "
+        f"rest to host memory ({format_size(act['host_room_bytes'])} free beside the states)"
+        + (f", then NVMe ({format_size(nvme)} free)" if nvme is not None else ", no NVMe tier"),
+        f"  device_memory they need beside the smallest chunk slots "
+        f"({format_size(act['min_chunk_slot_bytes'])}): keep {format_size(need['keep'])}, "
+        f"checkpoint {format_size(need['checkpoint'])}, offload {format_size(need['offload'])}",
+        f"  tokens per step that fit these budgets: keep {fits['keep']}, "
+        f"checkpoint {fits['checkpoint']}, offload {fits['offload']}",
+    ]
