@@ -2,8 +2,9 @@
 
 The model's forward runs on fake tensors (``FakeTensorMode``: shapes, dtypes
 and the device's kernel choices, no memory, no arithmetic) under a saved-tensor
-hook that counts what autograd keeps for backward: the same tensors ``activations="offload"`` would move, and, per
-block, what ``activations="checkpoint"`` would recompute. ``infinity plan``
+hook that counts what autograd keeps for backward: the same tensors
+``activations="offload"`` would move, and, per block, what
+``activations="checkpoint"`` would recompute. ``infinity plan``
 prints it next to the states.
 """
 
