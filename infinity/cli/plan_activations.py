@@ -74,7 +74,8 @@ def activation_lines(act: dict[str, Any]) -> list[str]:
         f"  checkpoint  {format_size(dev['checkpoint']):>12} on the device (block inputs, and "
         f"one of {act['blocks']} blocks recomputed at a time)",
         f"  offload     {format_size(dev['offload']):>12} on the device (at most about one "
-        f"block's); the rest to host memory ({format_size(act['host_room_bytes'])} free beside the states)"
+        f"block's); the rest to host memory ({format_size(act['host_room_bytes'])} free "
+        "beside the states)"
         + (f", then NVMe ({format_size(nvme)} free)" if nvme is not None else ", no NVMe tier"),
         f"  device_memory they need beside the smallest chunk slots "
         f"({format_size(act['min_chunk_slot_bytes'])}): keep {format_size(need['keep'])}, "
