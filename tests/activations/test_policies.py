@@ -115,3 +115,32 @@ def test_a_compiled_model_trains_the_same_with_offloaded_activations(tmp_path) -
         return losses
 
     assert run("offload", str(tmp_path)) == run("keep", None)
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "offload"])
+def test_lora_over_a_frozen_offloaded_base_trains_like_keep(policy: str, tmp_path) -> None:
+    """peft LoRA: the base frozen in chunks, adapters trained; activations checkpointed
+    or offloaded (to NVMe) change nothing."""
+    peft = pytest.importorskip("peft")
+
+    def run(policy: str, nvme: str | None) -> dict[str, torch.Tensor]:
+        model = peft.get_peft_model(
+            tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        )
+        model = infinity.offload(model, activation_config(model, "fp32", policy, nvme))
+        engine = engine_of(model)
+        try:
+            opt = CPUAdam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            g = torch.Generator().manual_seed(1)
+            for _ in range(2):
+                ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            return {k: v.clone() for k, v in model.state_dict().items() if "lora" in k}
+        finally:
+            engine.close()
+
+    expected = run("keep", None)
+    got = run(policy, str(tmp_path) if policy == "offload" else None)
+    assert expected and all(torch.equal(got[k], v) for k, v in expected.items())
