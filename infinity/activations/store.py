@@ -351,6 +351,10 @@ class ActivationStore:
         peak = f"{tier}_peak_bytes"
         self.counters[peak] = max(self.counters[peak], now)
 
+    def tier_bytes(self) -> tuple[int, int]:
+        """Bytes held now in host memory and on NVMe (for the memory timeline)."""
+        return int(self.counters["host_bytes"]), int(self.counters["nvme_bytes"])
+
     def snapshot(self) -> dict[str, float]:
         """Counters: totals since offload, bytes per tier now and at their peak."""
         with self._lock:

@@ -72,6 +72,17 @@ def plot_timeline(timeline: dict[str, list], stats: dict[str, Any], path: Path, 
             label=f"{label} (budget {format_size(budget)})",
         )
         top.axhline(budget / MIB, color=color, ls="--", lw=1)
+    act_host = [v / MIB for v in timeline.get("activation_host_bytes", [])]
+    act_nvme = [v / MIB for v in timeline.get("activation_nvme_bytes", [])]
+    if any(act_host) or any(act_nvme):
+        # activations="offload": their own band, stacked (host memory, then NVMe)
+        stacked = [h + d for h, d in zip(act_host, act_nvme, strict=True)]
+        top.fill_between(
+            x, 0, act_host, step="mid", color="#2ca02c", alpha=0.35, label="activations, host"
+        )
+        top.fill_between(
+            x, act_host, stacked, step="mid", color="#8c564b", alpha=0.3, label="activations, NVMe"
+        )
     placed = stats["placement"]
     nvme_note = (
         f"NVMe: {format_size(stats['nvme_bytes'])} of swap files holding chunks of "

@@ -144,6 +144,8 @@ class OffloadEngine:
         self.activations = open_activation_store(
             config, self.plan, self.backend, self.manager.host_account.reserved
         )
+        if self.activations is not None:
+            self.chunks.activation_bytes = self.activations.tier_bytes
         self.chunk_members = self.chunks.chunk_members
         self.states = self.chunks.states
         self.tensor_steps = self.chunks.tensor_steps

@@ -14,7 +14,7 @@ update queue moves the manager's update states.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -69,6 +69,9 @@ class ModelChunks:
         self.has_grad = TensorGrads(n)  # per tensor: its gradient is in the chunks
         self.tensor_steps = [0] * n  # per tensor: optimizer steps taken
         self.timeline = Timeline()
+        # Saved-activation bytes (host, NVMe) for the timeline; set by the engine
+        # when activations are offloaded.
+        self.activation_bytes: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._resident: tuple[int, tuple[int, ...], tuple[int, ...]] = (-1, (), ())
 
     def chunk_of(self, index: int) -> int:
@@ -142,5 +145,6 @@ class ModelChunks:
                 manager.host_account.used,
                 params,
                 grads,
+                *self.activation_bytes(),
             )
         )

@@ -22,6 +22,9 @@ class Moment:
     host_bytes: int
     device_chunks: tuple[int, ...]  # parameter chunks resident on the device
     device_grads: tuple[int, ...]  # gradient chunks on the device
+    # Saved activations (activations="offload") in host memory and on NVMe.
+    activation_host_bytes: int = 0
+    activation_nvme_bytes: int = 0
 
 
 @dataclass
@@ -53,4 +56,6 @@ class Timeline:
             "host_bytes": [m.host_bytes for m in moments],
             "device_chunks": [list(m.device_chunks) for m in moments],
             "device_grads": [list(m.device_grads) for m in moments],
+            "activation_host_bytes": [m.activation_host_bytes for m in moments],
+            "activation_nvme_bytes": [m.activation_nvme_bytes for m in moments],
         }

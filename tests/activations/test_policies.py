@@ -90,6 +90,10 @@ def test_offloaded_activations_stay_within_the_host_budget(tmp_path) -> None:
         assert act["host_peak_bytes"] <= share
         assert act["nvme_written_bytes"] > 0
         assert act["reads_not_ahead"] == 0, "backward read nothing it had not asked for ahead"
+        # the memory timeline carries them as their own band, bounded by the peaks
+        timeline = infinity.timeline(model)
+        assert 0 < max(timeline["activation_nvme_bytes"]) <= act["nvme_peak_bytes"]
+        assert max(timeline["activation_host_bytes"]) <= act["host_peak_bytes"]
     finally:
         engine.close()
 
