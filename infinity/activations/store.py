@@ -250,8 +250,7 @@ class ActivationStore:
             raise
         finally:
             if saved.dropped:
-                assert self.spill is not None
-                self.spill.release()
+                self._forget(saved)
 
     # --- unpack (backward) ---------------------------------------------------------------
     def unpack(self, handle: SavedActivation) -> torch.Tensor:
@@ -326,21 +325,31 @@ class ActivationStore:
     def drop(self, saved: _Record) -> None:
         """Autograd released ``saved`` (used by backward, or its graph freed)."""
         with self._lock:
+            if saved.dropped:
+                return
+            saved.dropped = True
             if saved.tier == HOST:
+                # host None: being evicted (a collection ran inside pack): its write
+                # finishes the drop (_finish_write)
                 if saved.host is not None:
+                    saved.host = None
                     self._host.remove(saved)
                     self._count(HOST, -saved.nbytes)
                 return
-            self._nvme.remove(saved)
-            self._count(NVME, -saved.nbytes)
-            if saved.read is not None:
-                self._read_bytes -= saved.read[1].numel()
-                saved.read = None  # NOTE: the engine keeps an unfinished request alive
-            if saved.write is None:
-                assert self.spill is not None
-                self.spill.release()
-            else:  # NOTE: no wait on autograd's thread: freed once written (_finish_write)
-                saved.dropped = True
+            self._forget(saved)
+
+    def _forget(self, saved: _Record) -> None:
+        """Free a dropped record's NVMe extent, unless the disk still writes it (then
+        :meth:`_finish_write` calls this again; no wait on autograd's thread)."""
+        if saved.write is not None:
+            return
+        self._nvme.remove(saved)
+        self._count(NVME, -saved.nbytes)
+        if saved.read is not None:
+            self._read_bytes -= saved.read[1].numel()
+            saved.read = None  # NOTE: the I/O engine keeps an unfinished request alive
+        assert self.spill is not None
+        self.spill.release()
 
     def _host_bytes(self) -> int:
         return int(self.counters["host_bytes"])

@@ -188,3 +188,30 @@ def test_strides_come_back_for_views_expanded_and_sliced_tensors(tmp_path) -> No
             assert torch.equal(got, t)
         del h, handles
         store.close()
+
+
+def test_a_tensor_dropped_while_it_is_being_evicted_is_freed(tmp_path) -> None:
+    """A garbage collection inside pack can drop a record mid-eviction (its host copy
+    gone, its write not yet issued): its extent must still be freed."""
+    store = _store(tmp_path, host_capacity=8 * KIB)
+    original = store._write
+    dropped = []
+
+    def write_after_a_drop(saved, data):  # type: ignore[no-untyped-def]
+        if not dropped:
+            dropped.append(saved)
+            store.drop(saved)  # as the handle's __del__ would
+        original(saved, data)
+
+    store._write = write_after_a_drop  # type: ignore[method-assign]
+    handles = [store.pack(t) for t in _tensors(12, seed=7)]
+    assert dropped
+    store._reap_writes(block=True)
+    live = len([h for h in handles if h.record is not dropped[0]])
+    del handles
+    gc.collect()
+    store._reap_writes(block=True)
+    stats = store.snapshot()
+    assert live == 11 and stats["nvme_bytes"] == 0 and stats["host_bytes"] == 0
+    assert store.spill is not None and store.spill.live == 0
+    store.close()
