@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 
 from infinity.activations.spill import ALIGN, ActivationSpill
 from infinity.io import IORequest, SwapFile, aligned_empty
-from infinity.utils.sizes import align_up
+from infinity.utils.sizes import align_up, format_size
 
 HOST, NVME = "host", "nvme"
 WRITE_WINDOW = 64 << 20  # bytes of writes in flight before a pack waits for the oldest
@@ -174,11 +175,12 @@ class ActivationStore:
             self._reap_writes(block=False)
             saved = _Record(self._seq + 1, tensor)
             nbytes = saved.nbytes
-            if self.spill is not None:
+            if self.spill is not None and nbytes <= self.host_capacity:
                 while self._host and self._host_bytes() + nbytes > self.host_capacity:
                     self._evict(self._host.popleft())
             fits = nbytes <= self.host_capacity - self._host_bytes()
             if not fits and self.spill is None:  # no NVMe tier: it stays where it is
+                self._warn_full(nbytes)
                 self.counters["kept_on_device_bytes"] += nbytes
                 return tensor
             self._seq += 1
@@ -191,6 +193,18 @@ class ActivationStore:
             else:  # larger than the whole host share: straight to NVMe
                 self._write(saved, _flat(saved, tensor))
             return SavedActivation(self, saved)
+
+    def _warn_full(self, nbytes: int) -> None:
+        if self.counters["kept_on_device_bytes"] == 0:
+            warnings.warn(
+                f"activations='offload': a saved tensor of {format_size(nbytes)} does not fit "
+                f"in the {format_size(self.host_capacity)} of host memory the states leave "
+                "free, and there is no NVMe tier: it stays on the device (stats()"
+                "['activations']['kept_on_device_bytes'] counts them); raise host_memory or "
+                "set nvme_path",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _to_host(self, saved: _Record, tensor: torch.Tensor) -> torch.Tensor:
         """What the host tier keeps: on the CPU backend the tensor itself (same RAM: a

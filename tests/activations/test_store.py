@@ -133,7 +133,8 @@ def test_small_tensors_and_other_devices_stay_put(tmp_path) -> None:
 def test_without_nvme_what_does_not_fit_stays_on_the_device(tmp_path) -> None:
     store = _store(tmp_path, host_capacity=10 * KIB, nvme=False)
     tensors = [torch.ones(1024) for _ in range(4)]  # 4 KiB each
-    packed = [store.pack(t) for t in tensors]
+    with pytest.warns(RuntimeWarning, match="raise host_memory or set nvme_path"):
+        packed = [store.pack(t) for t in tensors]
     assert [isinstance(p, SavedActivation) for p in packed] == [True, True, False, False]
     assert store.snapshot()["kept_on_device_bytes"] == 8 * KIB
     store.close()
