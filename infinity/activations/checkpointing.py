@@ -49,7 +49,7 @@ class CheckpointedBlocks:
         for module in self._modules:
             if getattr(module.forward, "__infinity_checkpoint__", False):
                 continue  # already wrapped (a block listed twice)
-            module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
+            module.forward = _checkpointed(module.forward)
 
     def remove(self) -> None:
         """Give every block its class's ``forward`` back (idempotent)."""
