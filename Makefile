@@ -10,7 +10,7 @@ STAMP      := $(VENV)/.infinity-installed
 SOURCES    := setup.py pyproject.toml $(shell find cpp -name '*.cpp' -o -name '*.hpp' 2>/dev/null)
 DEMO_ARGS  ?=
 
-.PHONY: setup demo test test-gpu check-install lint bench clean
+.PHONY: setup demo test test-gpu test-native test-native-tsan check-install lint bench clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,55 @@ test: setup
 test-gpu:
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
 	$(PYTHON) -m pytest -q -m cuda -rs tests/cuda
+
+# The native module under AddressSanitizer + UBSan, and ThreadSanitizer:
+# `setup.py build` with INFINITY_SANITIZE puts an instrumented copy of the
+# package in build/sanitize/<name>/lib, apart from the in-place module that
+# `make test` uses, and pytest imports it from there through PYTHONPATH. The
+# pytest script (not `python -m pytest`, which puts the source tree first on
+# sys.path) and the import check make sure the instrumented module is tested.
+# CPython is not instrumented: the runtime is preloaded (it must be the first
+# library loaded), and leak checks are off (Python frees little at exit).
+# NOTE: libstdc++ is preloaded right after it: the python binary does not link
+# libstdc++, so without it ASan finds no real __cxa_throw to intercept and
+# aborts ("CHECK failed ... real___cxa_throw") at the first C++ exception of
+# any extension (matplotlib's ft2font was the first here).
+SAN_TESTS  ?= tests/io tests/optim tests/devices tests/engine/test_io_faults.py
+TSAN_TESTS ?= tests/io
+SAN_CC     ?= g++
+comma      := ,
+SAN_CHECK   = import infinity._C as c, sys; \
+              sys.exit(0 if "/build/sanitize/" in c.__file__ else "not instrumented: " + c.__file__)
+
+# $(call san_build,<sanitizers>,<name>)
+define san_build
+	INFINITY_SANITIZE=$(1) $(PY) setup.py --quiet build \
+	    --build-lib build/sanitize/$(2)/lib --build-temp build/sanitize/$(2)/tmp
+endef
+
+# $(call san_run,<name>,<runtime library>,<options>,<tests>)
+define san_run
+	cd build/sanitize/$(1) && PYTHONPATH=$(CURDIR)/build/sanitize/$(1)/lib $(3) \
+	    LD_PRELOAD="$$($(SAN_CC) -print-file-name=$(2)) $$($(SAN_CC) -print-file-name=libstdc++.so)" \
+	    $(abspath $(PY)) -c '$(SAN_CHECK)'
+	PYTHONPATH=$(CURDIR)/build/sanitize/$(1)/lib $(3) \
+	    LD_PRELOAD="$$($(SAN_CC) -print-file-name=$(2)) $$($(SAN_CC) -print-file-name=libstdc++.so)" \
+	    $(VENV)/bin/pytest -q $(4)
+endef
+
+test-native: setup
+	$(call san_build,address$(comma)undefined,asan)
+	$(call san_run,asan,libasan.so,ASAN_OPTIONS=detect_leaks=0 \
+	    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1,$(SAN_TESTS))
+
+# ThreadSanitizer on the I/O engine's threads (not in CI). CPython and torch are
+# not instrumented, so TSan sees only the native module's side of each hand-off;
+# tests/tsan.supp is where a report shown to be such a blind spot would go, with
+# its reason. It holds none: see that file for the open report.
+test-native-tsan: setup
+	$(call san_build,thread,tsan)
+	$(call san_run,tsan,libtsan.so,TSAN_OPTIONS="halt_on_error=1 \
+	    suppressions=$(CURDIR)/tests/tsan.supp",$(TSAN_TESTS))
 
 # A fresh venv, `pip install .` without extras, the command run outside the tree.
 check-install:

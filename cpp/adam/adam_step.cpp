@@ -9,13 +9,16 @@
 #include "adam/fp_env.hpp"
 #include "adam/isa.hpp"
 #include "adam/partition.hpp"
+#include "common/error.hpp"
 #include "common/thread_pool.hpp"
 
 namespace infinity::adam {
 namespace {
 
-void require(bool ok, const std::string& message) {
-    if (!ok) throw std::invalid_argument(message);
+// The location is the caller's (see NOTE [errors name their source line]),
+// so a message points at the check that failed rather than at this helper.
+void require(bool ok, const std::string& message, SourceLocation where = SourceLocation()) {
+    if (!ok) throw_error<std::invalid_argument>(message, where);
 }
 
 size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
@@ -106,8 +109,9 @@ bool check_overlaps(const std::vector<AdamBuffers>& buffers) {
             const Span& a = spans[i];
             const Span& b = spans[j];
             if (a.tensor == b.tensor) {
-                throw std::invalid_argument("tensor " + std::to_string(a.tensor) + ": " + a.name +
-                                            " and " + b.name + " overlap in memory");
+                throw_error<std::invalid_argument>("tensor " + std::to_string(a.tensor) + ": " +
+                                                   a.name + " and " + b.name +
+                                                   " overlap in memory");
             }
             cross = cross || a.written || b.written;
         }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "common/error.hpp"
 #include "common/thread_pool.hpp"
 
 namespace infinity::adam {
@@ -69,10 +70,10 @@ void run_blocks(int64_t n, Fn&& fn) {
 }  // namespace
 
 int64_t bandwidth_probe(BandwidthKernel kind, float* a, float* b, float* c, float* d, int64_t n) {
-    if (n < 0) throw std::invalid_argument("bandwidth_probe: n must be >= 0");
+    if (n < 0) throw_error<std::invalid_argument>("bandwidth_probe: n must be >= 0");
     if (n > 0 && (!a || !b || (kind != BandwidthKernel::kAxpy && !c) ||
                   (kind >= BandwidthKernel::kAdamPattern && !d))) {
-        throw std::invalid_argument("bandwidth_probe: null buffer pointer");
+        throw_error<std::invalid_argument>("bandwidth_probe: null buffer pointer");
     }
     switch (kind) {
         case BandwidthKernel::kTriad:
@@ -90,7 +91,7 @@ int64_t bandwidth_probe(BandwidthKernel kind, float* a, float* b, float* c, floa
             });
             return n * 7 * int64_t{sizeof(float)};
     }
-    throw std::invalid_argument("bandwidth_probe: unknown kernel");
+    throw_error<std::invalid_argument>("bandwidth_probe: unknown kernel");
 }
 
 }  // namespace infinity::adam

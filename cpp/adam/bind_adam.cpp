@@ -14,6 +14,7 @@
 #include "adam/bandwidth.hpp"
 #include "adam/isa.hpp"
 #include "adam/kernels.hpp"
+#include "common/error.hpp"
 #include "common/thread_pool.hpp"
 
 namespace py = pybind11;
@@ -30,7 +31,8 @@ adam::DType to_dtype(int code, const char* what) {
     for (const adam::DTypeInfo& t : adam::kDTypes) {
         if (static_cast<int>(t.code) == code) return t.code;
     }
-    throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+    throw_error<std::invalid_argument>(std::string(what) +
+                                       ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
 }
 
 py::dict dtype_codes(bool out16_only) {
@@ -73,7 +75,7 @@ adam::StateFormat to_state(int code) {
     for (const adam::StateFormatInfo& f : adam::kStateFormats) {
         if (static_cast<int>(f.code) == code) return f.code;
     }
-    throw std::invalid_argument("state_format code must be 0 (fp32), 1 (bf16) or 2 (int8)");
+    throw_error<std::invalid_argument>("state_format code must be 0 (fp32), 1 (bf16) or 2 (int8)");
 }
 
 void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
@@ -97,7 +99,9 @@ void step_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
     const size_t count = params.size();
     for (size_t size : {grads.size(), grad_dtypes.size(), exp_avgs.size(), exp_avg_sqs.size(),
                         out16s.size(), out_dtypes.size(), numels.size(), steps.size()}) {
-        if (size != count) throw std::invalid_argument("step_many: all lists need one entry per tensor");
+        if (size != count) {
+            throw_error<std::invalid_argument>("step_many: all lists need one entry per tensor");
+        }
     }
     std::vector<adam::AdamBuffers> buffers;
     std::vector<adam::AdamHyper> hypers;
@@ -152,7 +156,7 @@ void bind_adam(py::module_& m) {
         "q8_encode_moments",
         [](uintptr_t m, uintptr_t v, uintptr_t m_code, uintptr_t m_scale, uintptr_t v_code,
            uintptr_t v_scale, int64_t n) {
-            if (n < 0) throw std::invalid_argument("q8_encode_moments: n must be >= 0");
+            if (n < 0) throw_error<std::invalid_argument>("q8_encode_moments: n must be >= 0");
             adam::q8_encode_moments(as_ptr<const float>(m), as_ptr<const float>(v),
                                     as_ptr<uint8_t>(m_code), as_ptr<float>(m_scale),
                                     as_ptr<uint8_t>(v_code), as_ptr<float>(v_scale), n);
@@ -163,7 +167,7 @@ void bind_adam(py::module_& m) {
     m.def(
         "q8_decode",
         [](uintptr_t code, uintptr_t scale, uintptr_t out, int64_t n, bool is_signed) {
-            if (n < 0) throw std::invalid_argument("q8_decode: n must be >= 0");
+            if (n < 0) throw_error<std::invalid_argument>("q8_decode: n must be >= 0");
             adam::q8_decode(as_ptr<const uint8_t>(code), as_ptr<const float>(scale),
                             as_ptr<float>(out), n, is_signed);
         },
@@ -191,7 +195,7 @@ void bind_adam(py::module_& m) {
         "bandwidth_probe",
         [](int kind, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int64_t n) {
             if (kind < 0 || kind > static_cast<int>(adam::BandwidthKernel::kAdamPatternPrefetch)) {
-                throw std::invalid_argument("bandwidth_probe: unknown kernel");
+                throw_error<std::invalid_argument>("bandwidth_probe: unknown kernel");
             }
             return adam::bandwidth_probe(static_cast<adam::BandwidthKernel>(kind), as_ptr<float>(a),
                                          as_ptr<float>(b), as_ptr<float>(c), as_ptr<float>(d), n);

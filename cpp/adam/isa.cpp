@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/error.hpp"
+
 namespace infinity::adam {
 namespace {
 
@@ -66,9 +68,9 @@ Isa automatic_isa() {
         names += names.empty() ? "" : ", ";
         names += isa_name(isa);
     }
-    throw std::invalid_argument("INFINITY_CPU_ISA='" + std::string(wanted) +
-                                "' is not available on this CPU; use one of: " + names +
-                                " (or unset it for the widest)");
+    throw_error<std::invalid_argument>("INFINITY_CPU_ISA='" + std::string(wanted) +
+                                       "' is not available on this CPU; use one of: " +
+                                       names + " (or unset it for the widest)");
 }
 
 }  // namespace
@@ -94,8 +96,8 @@ void force_isa(const std::optional<std::string>& name) {
         names += names.empty() ? "" : ", ";
         names += isa_name(isa);
     }
-    throw std::invalid_argument("ISA '" + *name + "' is not available on this CPU; available: " +
-                                names);
+    throw_error<std::invalid_argument>("ISA '" + *name +
+                                       "' is not available on this CPU; available: " + names);
 }
 
 RangeFn range_fn(Isa isa) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <thread>
 
+#include "common/error.hpp"
 #include "common/quiet_thread.hpp"
 
 namespace infinity::devices {
@@ -33,18 +34,18 @@ CopyQueue::~CopyQueue() { close(); }
 CopyJobPtr CopyQueue::submit(char* dst, const char* src, std::uint64_t nbytes,
                              std::chrono::microseconds delay) {
     if (nbytes > 0 && (dst == nullptr || src == nullptr)) {
-        throw std::invalid_argument("copy of " + std::to_string(nbytes) +
-                                    " bytes with a null buffer");
+        throw_error<std::invalid_argument>("copy of " + std::to_string(nbytes) +
+                                           " bytes with a null buffer");
     }
     if (::getpid() != owner_pid_) {
-        throw std::runtime_error(
+        throw_error<std::runtime_error>(
             "this copy queue was created before fork(); its thread does not exist in the "
             "child process: create a new backend there");
     }
     auto job = std::make_shared<CopyJob>(dst, src, nbytes, delay);
     {
         std::lock_guard<std::mutex> lock(mu_);
-        if (closing_) throw std::runtime_error("the copy queue is closed");
+        if (closing_) throw_error<std::runtime_error>("the copy queue is closed");
         jobs_.push_back(job);
     }
     wake_.notify_one();

@@ -34,7 +34,8 @@ std::unique_ptr<Backend> make_backend(const std::string& name, std::uint32_t dep
     if (name == "io_uring") return make_uring_backend(depth);
     if (name == "aio") return make_aio_backend(depth);
     if (name == "threads") return make_threads_backend(depth);
-    throw std::invalid_argument("unknown I/O backend '" + name + "'; choose io_uring, aio or threads");
+    throw_error<std::invalid_argument>("unknown I/O backend '" + name +
+                                       "'; choose io_uring, aio or threads");
 }
 
 namespace {
@@ -89,7 +90,7 @@ std::string probe_one(const std::string& name) {
         if (std::memcmp(in.get(), out.get(), kProbeBytes) != 0) return "test read returned wrong data";
         return "";
     } catch (const std::exception& exc) {
-        return exc.what();
+        return describe(exc);
     }
 }
 

@@ -44,17 +44,7 @@ bool wait_many(const std::vector<RequestPtr>& reqs, std::optional<double> timeou
 }  // namespace
 
 void bind_io(py::module_& m) {
-    // SystemError (errno + context) surfaces as OSError with .errno set, so
-    // Python maps it to the usual subclasses (PermissionError, ...).
-    py::register_exception_translator([](std::exception_ptr p) {
-        try {
-            if (p) std::rethrow_exception(p);
-        } catch (const SystemError& e) {
-            py::object exc = py::module_::import("builtins").attr("OSError")(e.code(), e.what());
-            PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-        }
-    });
-
+    // SystemError surfaces as OSError with .errno set: see translate_error() in cpp/module.cpp.
     // The I/O contract (io/limits.hpp), read by infinity/_native/io.py.
     m.attr("ALIGNMENT") = io::kAlignment;
     m.attr("MAX_BLOCK_SIZE") = io::kMaxBlockSize;

@@ -4,23 +4,25 @@
 
 #include <stdexcept>
 
+#include "common/error.hpp"
+
 namespace infinity::io {
 namespace {
 
 EngineConfig checked(EngineConfig c) {
     if (c.block_size < kAlignment || c.block_size % kAlignment != 0 || c.block_size > kMaxBlockSize) {
-        throw std::invalid_argument("block_size=" + std::to_string(c.block_size) +
-                                    " must be a multiple of " + std::to_string(kAlignment) +
-                                    " bytes between " + std::to_string(kAlignment) + " and " +
-                                    std::to_string(kMaxBlockSize >> 30) + " GiB");
+        throw_error<std::invalid_argument>(
+            "block_size=" + std::to_string(c.block_size) + " must be a multiple of " +
+            std::to_string(kAlignment) + " bytes between " + std::to_string(kAlignment) + " and " +
+            std::to_string(kMaxBlockSize >> 30) + " GiB");
     }
     if (c.queue_depth < 1 || c.queue_depth > kMaxQueueDepth) {
-        throw std::invalid_argument("queue_depth=" + std::to_string(c.queue_depth) +
-                                    " must be in 1.." + std::to_string(kMaxQueueDepth));
+        throw_error<std::invalid_argument>("queue_depth=" + std::to_string(c.queue_depth) +
+                                           " must be in 1.." + std::to_string(kMaxQueueDepth));
     }
     if (c.threads < 1 || c.threads > kMaxThreads) {
-        throw std::invalid_argument("threads=" + std::to_string(c.threads) + " must be in 1.." +
-                                    std::to_string(kMaxThreads));
+        throw_error<std::invalid_argument>("threads=" + std::to_string(c.threads) +
+                                           " must be in 1.." + std::to_string(kMaxThreads));
     }
     return c;
 }
@@ -51,22 +53,25 @@ RequestPtr Engine::submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::u
     // The Python layer validates first and names the argument; these checks
     // keep the C++ API safe on its own.
     auto misaligned = [](const char* what, std::uint64_t v) {
-        return std::invalid_argument(std::string(what) + "=" + std::to_string(v) +
-                                     " is not a multiple of " + std::to_string(kAlignment) +
-                                     " (O_DIRECT alignment)");
+        return std::string(what) + "=" + std::to_string(v) + " is not a multiple of " +
+               std::to_string(kAlignment) + " (O_DIRECT alignment)";
     };
     if (reinterpret_cast<std::uintptr_t>(buf) % kAlignment) {
-        throw misaligned("buffer address", reinterpret_cast<std::uintptr_t>(buf));
+        throw_error<std::invalid_argument>(
+            misaligned("buffer address", reinterpret_cast<std::uintptr_t>(buf)));
     }
-    if (nbytes % kAlignment) throw misaligned("nbytes", nbytes);
-    if (offset % kAlignment) throw misaligned("offset", offset);
-    if (fd < 0) throw std::invalid_argument("fd=" + std::to_string(fd) + " is not a file descriptor");
-    if (nbytes > 0 && buf == nullptr) throw std::invalid_argument("null buffer");
+    if (nbytes % kAlignment) throw_error<std::invalid_argument>(misaligned("nbytes", nbytes));
+    if (offset % kAlignment) throw_error<std::invalid_argument>(misaligned("offset", offset));
+    if (fd < 0) {
+        throw_error<std::invalid_argument>("fd=" + std::to_string(fd) +
+                                           " is not a file descriptor");
+    }
+    if (nbytes > 0 && buf == nullptr) throw_error<std::invalid_argument>("null buffer");
     if (offset > static_cast<std::uint64_t>(INT64_MAX) - nbytes) {
-        throw std::invalid_argument("offset + nbytes overflows a file offset");
+        throw_error<std::invalid_argument>("offset + nbytes overflows a file offset");
     }
     if (::getpid() != owner_pid_) {
-        throw std::runtime_error(
+        throw_error<std::runtime_error>(
             "this I/O engine was created before fork(); its workers do not exist in the "
             "child process: create a new engine there");
     }
@@ -78,7 +83,7 @@ RequestPtr Engine::submit(Op op, char* buf, std::uint64_t nbytes, int fd, std::u
 
 int Engine::register_buffers(const std::vector<Region>& regions) {
     std::lock_guard<std::mutex> lock(close_mu_);
-    if (closed_) throw std::runtime_error("this I/O engine is closed");
+    if (closed_) throw_error<std::runtime_error>("this I/O engine is closed");
     int first_error = 0;
     for (auto& w : workers_) {
         const int err = w->register_regions(regions);

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "common/error.hpp"
+
 namespace infinity::io {
 
 void RequestQueue::push(const RequestPtr& request) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) throw std::runtime_error("the I/O engine is closed; create a new IOEngine");
+    if (closed_) throw_error<std::runtime_error>("the I/O engine is closed; create a new IOEngine");
     if (request_fault_countdown_ > 0 && --request_fault_countdown_ == 0) {
         request->inject_errno = request_fault_errno_;
     }

@@ -69,7 +69,7 @@ void Worker::run() noexcept {
     try {
         loop();
     } catch (const std::exception& exc) {
-        drain_after_crash(exc.what());
+        drain_after_crash(describe(exc));  // with the line that threw, if it recorded one
     } catch (...) {
         drain_after_crash("unknown exception in I/O worker");
     }
@@ -78,7 +78,9 @@ void Worker::run() noexcept {
 void Worker::loop() {
     int stuck_rounds = 0;
     for (;;) {
-        if (queue_.take_worker_failure()) throw std::runtime_error("injected internal failure");
+        if (queue_.take_worker_failure()) {
+            throw_error<std::runtime_error>("injected internal failure");  // test hook
+        }
         bool closed = false;
         Clock::time_point later = Clock::time_point::max();
         fill(closed, later);
