@@ -199,7 +199,7 @@ PINNED: tuple[Case, ...] = (
         chunk_size="16KiB",
         device=CHECKPOINT_DEVICE,
     ),
-    Case(activations="offload", overlap=True, host=0.12, device=0.6, chunk_size="40KiB"),
+    Case(activations="offload", overlap=True, host=0.12, device=0.6, chunk_size="16KiB"),
 )
 
 # Cases that failed once. Each stays in the suite as it was found.
