@@ -321,7 +321,13 @@ class ActivationStore:
         needs first (usually there are none: the newest stay in host memory)."""
         with self._lock:
             self._backward = True
-            self._read_ahead()
+            try:
+                self._read_ahead()
+            except Exception:  # noqa: BLE001
+                # NOTE: best effort: this runs from the forward's last hook, also while
+                # an exception unwinds, which it must not replace. A read that did not
+                # start is started again by its unpack, which raises if it fails.
+                pass
 
     def _read_ahead(self) -> None:
         """Start reads of the NVMe-resident tensors backward has not used yet, newest
