@@ -323,7 +323,7 @@ class ActivationStore:
             self._backward = True
             try:
                 self._read_ahead()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 # NOTE: best effort: this runs from the forward's last hook, also while
                 # an exception unwinds, which it must not replace. A read that did not
                 # start is started again by its unpack, which raises if it fails.
