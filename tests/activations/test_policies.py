@@ -148,3 +148,37 @@ def test_lora_over_a_frozen_offloaded_base_trains_like_keep(policy: str, tmp_pat
     expected = run("keep", None)
     got = run(policy, str(tmp_path) if policy == "offload" else None)
     assert expected and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_the_transformers_trainer_trains_the_same_with_offloaded_activations(tmp_path) -> None:
+    """The Trainer's loop (accumulation 2, clipping at 1.0) over an offloaded model
+    whose activations go to NVMe: the same gradient norms and weights as keeping them."""
+    import transformers
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, VOCAB, (SEQ,), generator=g) for _ in range(16)]
+    data = [{"input_ids": r, "labels": r} for r in rows]
+
+    def run(policy: str, nvme: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = tiny_model("llama")
+        model = infinity.offload(model, activation_config(model, "fp32", policy, nvme))
+        try:
+            opt = CPUAdam(model.parameters(), lr=3e-3)
+            args = transformers.TrainingArguments(
+                output_dir=str(tmp_path / policy), per_device_train_batch_size=2,
+                gradient_accumulation_steps=2, max_steps=3, logging_steps=1, report_to=[],
+                use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no",
+            )  # fmt: skip
+            trainer = transformers.Trainer(
+                model=model, args=args, train_dataset=data, optimizers=(opt, None)
+            )
+            trainer.train()
+            norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+            return norms, {k: v.clone() for k, v in model.state_dict().items()}
+        finally:
+            engine_of(model).close()
+
+    keep_norms, keep_state = run("keep", None)
+    norms, state = run("offload", str(tmp_path / "nvme"))
+    assert len(keep_norms) == 3 and norms == keep_norms
+    assert all(torch.equal(state[k], v) for k, v in keep_state.items())
