@@ -47,7 +47,6 @@ FLAG_OF = {
     "chunk_size": "--chunk-size",
     "nvme_path": "--nvme-path",
     "optimizer_state_dtype": "--optimizer-state-dtype",
-    "activations": "--activations",
 }
 
 
