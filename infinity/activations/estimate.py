@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 
 from infinity.activations.blocks import find_blocks
+from infinity.config import ConfigError
 
 
 @dataclass
@@ -64,7 +65,13 @@ def estimate(
     """
     meta = copy.deepcopy(model)
     result = ActivationEstimate(tokens=batch * seq_len)
-    names = {id(m): i for i, (_, m) in enumerate(find_blocks(meta, blocks))} if blocks != [] else {}
+    try:
+        found = find_blocks(meta, blocks)
+    except ConfigError:
+        if blocks is not None:
+            raise  # blocks named that do not exist
+        found = []  # no repeated blocks: totals only
+    names = {id(m): i for i, (_, m) in enumerate(found)}
     result.per_block = [0] * len(names)
     result.block_inputs = [0] * len(names)
     current: list[int] = []  # the block running (a stack: blocks do not nest)

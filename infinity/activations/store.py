@@ -42,7 +42,7 @@ class _Record:
 
     __slots__ = (
         "dropped", "dtype", "failed", "file", "host", "nbytes", "offset", "read", "seq",
-        "shape", "span", "stride", "tier", "used", "write",
+        "shape", "span", "stride", "used", "write",
     )  # fmt: skip
 
     def __init__(self, seq: int, tensor: torch.Tensor) -> None:
@@ -56,9 +56,8 @@ class _Record:
         span = 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
         self.span = span if span <= 2 * tensor.numel() else 0
         self.nbytes = (self.span or tensor.numel()) * tensor.element_size()
-        self.tier = HOST
         self.host: torch.Tensor | None = None
-        self.file: SwapFile | None = None
+        self.file: SwapFile | None = None  # set once the bytes go to NVMe
         self.offset = 0
         # A write in flight (its buffer still holds the bytes); a read started ahead.
         self.write: tuple[IORequest, torch.Tensor] | None = None
@@ -228,7 +227,6 @@ class ActivationStore:
         buffer = aligned_empty(align_up(saved.nbytes, ALIGN), pinned=False)
         buffer[: saved.nbytes].copy_(data.view(torch.uint8))
         saved.file, saved.offset = self.spill.allocate(saved.nbytes)
-        saved.tier = NVME
         saved.write = (saved.file.write(buffer, saved.offset), buffer)
         self._writes.append(saved)
         self._write_bytes += buffer.numel()
@@ -274,7 +272,7 @@ class ActivationStore:
             self._backward = True
             self._reap_writes(block=False)  # before `used`: a landed write serves it
             saved.used = True
-            if saved.tier == HOST:
+            if saved.file is None:  # in host memory
                 assert saved.host is not None
                 out = (
                     saved.host
@@ -348,7 +346,7 @@ class ActivationStore:
             if saved.dropped:
                 return
             saved.dropped = True
-            if saved.tier == HOST:
+            if saved.file is None:  # in host memory (host None: being evicted)
                 # host None: being evicted (a collection ran inside pack): its write
                 # finishes the drop (_finish_write)
                 if saved.host is not None:
