@@ -9,9 +9,16 @@ compute device becomes a :class:`SavedActivation` (what autograd then holds):
 - when the host share is full, the **oldest** host-resident tensor is written
   to NVMe (:mod:`.spill`): backward needs the newest first, so the newest stay
   in memory and the disk gets the most time to bring the oldest back;
+- the newest tensors written stay in memory too, in their written buffers (at
+  most ``read_ahead`` bytes): when the forward ends they are the ones backward
+  needs first, and no read has had time to bring them back;
 - backward unpacks in about the reverse order of packing: each unpack starts
   reads of the next tensors below it in that order (at most ``read_ahead``
   bytes ahead), so it waits only when the disk is slower than the compute.
+
+Host memory held is therefore the host share, plus at most ``read_ahead`` bytes
+of written-and-kept or read-ahead buffers, plus the writes in flight
+(``WRITE_WINDOW``, or one larger tensor).
 
 A failed write or read raises :class:`~infinity.io.NVMeIOError` from the next
 pack or unpack: the step fails, it never computes with wrong data.
@@ -41,8 +48,8 @@ class _Record:
     """Where one offloaded tensor's bytes are (the store's side of a handle)."""
 
     __slots__ = (
-        "dropped", "dtype", "failed", "file", "host", "nbytes", "offset", "read", "seq",
-        "shape", "span", "stride", "used", "write",
+        "dropped", "dtype", "failed", "file", "host", "kept", "nbytes", "offset", "read",
+        "seq", "shape", "span", "stride", "used", "write",
     )  # fmt: skip
 
     def __init__(self, seq: int, tensor: torch.Tensor) -> None:
@@ -63,6 +70,7 @@ class _Record:
         self.write: tuple[IORequest, torch.Tensor] | None = None
         self.read: tuple[IORequest, torch.Tensor] | None = None
         self.failed: BaseException | None = None  # its write failed
+        self.kept = False  # `read` is the buffer that wrote it (no read from the disk)
         self.dropped = False  # autograd let go of it
         self.used = False  # unpacked once: not read ahead again
 
@@ -120,7 +128,8 @@ class ActivationStore:
         min_bytes: smaller tensors stay on the device.
         spill: NVMe space beyond host memory, or ``None`` (no NVMe tier: a
             tensor that does not fit in host memory stays on the device).
-        read_ahead: bytes of reads backward may have started and not yet used.
+        read_ahead: bytes of buffers holding NVMe-resident tensors in memory: the
+            newest written (forward) and the reads started ahead (backward).
     """
 
     def __init__(
@@ -146,13 +155,15 @@ class ActivationStore:
         # Writes in flight, oldest first (a dropped record's extent is freed once written).
         self._writes: deque[_Record] = deque()
         self._write_bytes = 0
-        self._read_bytes = 0  # started ahead of use, not yet unpacked
+        self._read_bytes = 0  # buffers holding NVMe-resident tensors, not yet unpacked
+        self._kept: deque[_Record] = deque()  # written in this forward, buffer kept, oldest first
         self._backward = False  # between a forward's end and the next pack
         self.counters: dict[str, float] = dict.fromkeys(
             (
                 "packed", "packed_bytes", "kept_small", "kept_on_device_bytes",
                 "host_bytes", "host_peak_bytes", "nvme_bytes", "nvme_peak_bytes",
-                "nvme_written_bytes", "nvme_read_bytes", "reads_ahead", "reads_waited",
+                "nvme_written_bytes", "nvme_read_bytes", "written_kept_bytes", "reads_ahead",
+                "reads_waited",
                 "reads_not_ahead", "read_wait_seconds",
             ),
             0,
@@ -249,12 +260,18 @@ class ActivationStore:
         request, buffer = saved.write
         saved.write = None
         self._write_bytes -= buffer.numel()
-        keep = self._backward and not saved.used and not saved.dropped
-        if keep and self._read_bytes + buffer.numel() <= self.read_ahead:
-            # NOTE: backward is under way: the written bytes serve as its read ahead
-            # (the request is done: unpack's wait returns at once, or raises).
+        if not saved.used and not saved.dropped:
+            # NOTE: the written bytes serve as the tensor's read (the request is done:
+            # unpack's wait returns at once, or raises). In backward, even past the
+            # window: the buffer exists already, and a write that lands then is of the
+            # newest tensors, needed before the reads in flight. In forward, the newest
+            # are kept and the oldest let go (_trim_kept): backward starts with them.
             saved.read = (request, buffer)
+            saved.kept = True
             self._read_bytes += buffer.numel()
+            if not self._backward:
+                self._kept.append(saved)
+                self._trim_kept()
         try:
             request.wait()  # raises NVMeIOError
         except BaseException as exc:
@@ -263,6 +280,17 @@ class ActivationStore:
         finally:
             if saved.dropped:
                 self._forget(saved)
+
+    def _trim_kept(self) -> None:
+        """Let the oldest kept buffers go while they exceed the window (forward only)."""
+        while self._kept:
+            oldest = self._kept[0]
+            if oldest.read is not None and not oldest.used:
+                if self._read_bytes <= self.read_ahead:
+                    return
+                self._read_bytes -= oldest.read[1].numel()
+                oldest.read, oldest.kept = None, False
+            self._kept.popleft()
 
     # --- unpack (backward) ---------------------------------------------------------------
     def unpack(self, handle: SavedActivation) -> torch.Tensor:
@@ -289,6 +317,7 @@ class ActivationStore:
             raise saved.failed
         if saved.write is not None:  # still being written: its buffer holds the bytes
             buffer = saved.write[1]
+            self.counters["written_kept_bytes"] += saved.nbytes
         else:
             if saved.read is None:
                 self.counters["reads_not_ahead"] += 1
@@ -297,6 +326,8 @@ class ActivationStore:
             request, buffer = saved.read
             saved.read = None
             self._read_bytes -= buffer.numel()
+            if saved.kept:
+                self.counters["written_kept_bytes"] += saved.nbytes
             if not request.done():
                 self.counters["reads_waited"] += 1
                 start = time.perf_counter()
