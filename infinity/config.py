@@ -25,7 +25,7 @@ AUTO = "auto"
 DTYPES = ("fp32", "bf16", "fp16")
 AIO_BACKENDS = ("auto", "io_uring", "aio", "threads")
 OPTIMIZER_STATE_DTYPES = tuple(STATE_ELEMENT_BYTES)  # "fp32", "bf16", "int8": the kernel's formats
-ACTIVATION_POLICIES = ("keep", "checkpoint", "offload")
+ACTIVATION_POLICIES = ("keep", "checkpoint", "offload", "auto")
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes: more is the wrong file
 
 
@@ -194,6 +194,14 @@ class Config:
             memory (what ``host_memory`` leaves free after the states) and, beyond
             it, into a swap file under ``nvme_path``; backward reads them back in
             reverse order, ahead of use. Same gradients: the data is only moved.
+            ``"auto"``: the first forward runs as ``"offload"`` and is measured;
+            then each block, last first, is kept on the device while the room the
+            chunk slots leave in ``device_memory`` holds it, offloaded while host
+            memory (or an NVMe tier) holds it, else checkpointed; chosen again
+            when a forward has more tokens. Under every policy a forward with
+            more tokens than any before is checked before it runs: what it would
+            save, at the bytes per token measured, must fit where the policy puts
+            it, else ``ConfigError`` names the bytes.
         activation_blocks: the modules ``"checkpoint"`` recomputes, by name
             (``"model.layers.3"``) or class name (``"LlamaDecoderLayer"``);
             ``None``: a ``transformers`` model's decoder layers

@@ -61,10 +61,10 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "sent_bytes": engine.collectives.bytes_sent,
         "collective_seconds": engine.collectives.seconds,
     }
-    if engine.activations is not None:
-        # activations="offload": saved tensors per tier (now and peak), NVMe traffic,
-        # and how often backward waited for a read (reads_not_ahead: none started)
-        out["activations"] = engine.activations.snapshot()
+    # Saved tensors: the last forward's bytes and per token (every policy); with
+    # "offload" / "auto" per tier (now and peak), NVMe traffic, and how often backward
+    # waited for a read (reads_not_ahead: none started); "auto"'s choice per block.
+    out["activations"] = engine.activation_policy.snapshot()
     if engine.scaler is not None:
         out["loss_scale"] = engine.scaler.scale
         out["skipped_steps"] = engine.scaler.skipped_steps

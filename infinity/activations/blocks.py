@@ -48,6 +48,19 @@ def find_blocks(
     return [(n, m) for n, m in modules if id(m) in ids]
 
 
+def blocks_for(
+    model: nn.Module, names: Sequence[str] | None, required: bool
+) -> list[tuple[str, nn.Module]]:
+    """:func:`find_blocks`, or none when the model has no repeated blocks and they are
+    neither named nor ``required`` (measuring then gives totals only)."""
+    try:
+        return find_blocks(model, names)
+    except ConfigError:
+        if required or names is not None:
+            raise
+        return []
+
+
 def _outermost(pairs: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """The pairs (in order) whose name is not inside an earlier one's."""
     out: list[tuple[str, nn.Module]] = []

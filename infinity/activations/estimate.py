@@ -18,8 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 
-from infinity.activations.blocks import find_blocks
-from infinity.config import ConfigError
+from infinity.activations.blocks import blocks_for
 
 
 @dataclass
@@ -65,12 +64,7 @@ def estimate(
     """
     meta = copy.deepcopy(model)
     result = ActivationEstimate(tokens=batch * seq_len)
-    try:
-        found = find_blocks(meta, blocks)
-    except ConfigError:
-        if blocks is not None:
-            raise  # blocks named that do not exist
-        found = []  # no repeated blocks: totals only
+    found = blocks_for(meta, blocks, required=False)
     names = {id(m): i for i, (_, m) in enumerate(found)}
     result.per_block = [0] * len(names)
     result.block_inputs = [0] * len(names)

@@ -8,6 +8,7 @@ saved tensor of the step was used by backward, or its graph was dropped).
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 
 from infinity.config import AioConfig, ConfigError
@@ -50,6 +51,23 @@ class ActivationSpill:
         """Bytes of all segments."""
         return sum(s.nbytes for s in self.segments)
 
+    @property
+    def limit(self) -> int | None:
+        """Bytes the segments may reach (``None``: as much as the disk holds)."""
+        return self._limit
+
+    def room(self, live_bytes: int) -> int | None:
+        """Bytes more that activations may put here beside ``live_bytes``: up to the
+        limit, or what the segments have free plus the disk's free space (``None``:
+        the disk's free space is not known)."""
+        if self._limit is not None:
+            return max(0, self._limit - live_bytes)
+        try:
+            free = shutil.disk_usage(self._directory).free
+        except OSError:
+            return None
+        return max(0, self.capacity - live_bytes) + free
+
     def allocate(self, nbytes: int) -> tuple[SwapFile, int]:
         """An extent of ``nbytes`` (rounded up to 4 KiB): its file and offset."""
         size = align_up(max(nbytes, 1), ALIGN)
@@ -76,7 +94,9 @@ class ActivationSpill:
         total = self.capacity
         nbytes = max(size, MIN_SEGMENT, total)
         if self._limit is not None:
-            nbytes = min(nbytes, self._limit - total)
+            # NOTE: whole 4 KiB blocks only (O_DIRECT); a limit that is not a multiple
+            # made a segment size the swap file refused.
+            nbytes = min(nbytes, (self._limit - total) // ALIGN * ALIGN)
             if nbytes < size:
                 raise ConfigError(
                     f"activations need {format_size(total + size)} ({total + size} bytes) of "

@@ -130,6 +130,8 @@ class ActivationStore:
             tensor that does not fit in host memory stays on the device).
         read_ahead: bytes of buffers holding NVMe-resident tensors in memory: the
             newest written (forward) and the reads started ahead (backward).
+        warn_when_full: warn once when a tensor stays on the device for want of
+            room (not under ``"auto"``, whose measuring first step expects it).
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class ActivationStore:
         min_bytes: int,
         spill: ActivationSpill | None,
         read_ahead: int = 256 << 20,
+        warn_when_full: bool = True,
     ) -> None:
         self.device = device
         self.shares_host_memory = shares_host_memory
@@ -148,6 +151,7 @@ class ActivationStore:
         self.min_bytes = min_bytes
         self.spill = spill
         self.read_ahead = read_ahead
+        self.warn_when_full = warn_when_full
         self._lock = threading.RLock()
         self._seq = 0
         self._host: deque[_Record] = deque()  # host-resident, oldest first
@@ -205,7 +209,7 @@ class ActivationStore:
             return SavedActivation(self, saved)
 
     def _warn_full(self, nbytes: int) -> None:
-        if self.counters["kept_on_device_bytes"] == 0:
+        if self.warn_when_full and self.counters["kept_on_device_bytes"] == 0:
             warnings.warn(
                 f"activations='offload': a saved tensor of {format_size(nbytes)} does not fit "
                 f"in the {format_size(self.host_capacity)} of host memory the states leave "

@@ -59,6 +59,10 @@ class DeviceBackend(abc.ABC):
         the slot may be reused (this is checked with a storage weak reference).
         """
 
+    def free_memory(self) -> int | None:
+        """Bytes the device could still allocate now, or ``None`` if not known."""
+        return None
+
     def synchronize(self) -> None:
         """Wait for all outstanding device work."""
 

@@ -88,6 +88,18 @@ class CpuBackend(DeviceBackend):
         buffer = (ctypes.c_uint8 * nbytes).from_address(region.data_ptr())
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
+    def free_memory(self) -> int | None:
+        # NOTE: the kernel's estimate of what can be allocated without swapping
+        # (page cache it can drop included); not known off Linux.
+        try:
+            with open("/proc/meminfo", encoding="ascii") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
     def synchronize(self) -> None:
         if self._inflight:
             self._inflight[-1].wait()  # copies complete in submission order

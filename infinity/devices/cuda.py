@@ -74,5 +74,11 @@ class CudaBackend(DeviceBackend):
         nbytes = region.numel() * region.element_size()
         return torch.as_tensor(_CudaRegion(region.data_ptr(), nbytes), device=self.device)
 
+    def free_memory(self) -> int | None:
+        # What the driver has free plus what torch's caching allocator holds unused.
+        free, _ = torch.cuda.mem_get_info(self.device)
+        unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(free + unused)
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

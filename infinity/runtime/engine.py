@@ -34,6 +34,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from infinity.activations.blocks import blocks_for
+from infinity.activations.policy import ActivationPolicy
 from infinity.activations.store import SavedActivation
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import ChunkManager
@@ -146,6 +148,14 @@ class OffloadEngine:
         )
         if self.activations is not None:
             self.chunks.activation_bytes = self.activations.tier_bytes
+        checkpoint = config.activations == "checkpoint"
+        self.activation_policy = ActivationPolicy(
+            config.activations,
+            blocks_for(model, config.activation_blocks, required=checkpoint),
+            self.activations,
+            device_room=max(0, self.plan.budgets.device - self.plan.device_bytes),
+            device_free=self.backend.free_memory,
+        )
         self.chunk_members = self.chunks.chunk_members
         self.states = self.chunks.states
         self.tensor_steps = self.chunks.tensor_steps
@@ -298,8 +308,9 @@ class OffloadEngine:
             after_grad = chunks.has_grad[entry.index] and self.sink.running
             chunks.set_state(entry, _S.HOLD_AFTER_BWD if after_grad else _S.HOLD_AFTER_FWD)
 
-    def begin_forward(self) -> None:
-        """The root module's forward starts: check the model, start a new iteration."""
+    def begin_forward(self, tokens: int | None = None) -> None:
+        """The root module's forward starts: check the model and that what the forward
+        will save fits (``tokens``: its batch x sequence), start a new iteration."""
         self.manager.check_io()
         self.queue.check_failed()
         self._check_model()
@@ -307,6 +318,7 @@ class OffloadEngine:
             # A backward that never finished (interrupted, or an exception inside
             # it): its end-of-backward callback will not come, so settle it now.
             self.sink.end_backward()
+        self.activation_policy.begin_forward(tokens, new_iteration=not self.sink.running)
         if not self.sink.running:
             self.fetcher.start_iteration()
             self.timeline.finish_iteration()
@@ -315,8 +327,7 @@ class OffloadEngine:
 
     def end_forward(self) -> None:
         """The root module's forward ended: backward's first activations start loading."""
-        if self.activations is not None:
-            self.activations.end_forward()
+        self.activation_policy.end_forward()
 
     # --- saved tensors -----------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -326,7 +337,7 @@ class OffloadEngine:
             self.manager.device.key_at(tensor.untyped_storage().data_ptr()),
         )
         if key is None or key[0] is not Kind.PARAM:
-            return tensor if self.activations is None else self.activations.pack(tensor)
+            return self.activation_policy.pack(tensor)
         chunk = key[1]
         return (
             chunk,

@@ -24,8 +24,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
-from infinity.activations.blocks import find_blocks
-from infinity.activations.checkpointing import CheckpointedBlocks
+from infinity.activations.trace import tokens_of
 from infinity.runtime.direct_reads import head_read_directly
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.move_guard import MoveGuard
@@ -59,8 +58,8 @@ class HookSet:
         pack, unpack = _opaque(engine.pack), _opaque(engine.unpack)
 
         @_opaque
-        def root_pre(module: nn.Module, args: tuple) -> None:
-            engine.begin_forward()
+        def root_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            engine.begin_forward(tokens_of(args, kwargs))
             scope = saved_tensors_hooks(pack, unpack)
             scope.__enter__()
             self._scopes.append(scope)
@@ -86,7 +85,9 @@ class HookSet:
             self._direct_open.append(direct.owner)
 
         self._direct_open: list[nn.Module] = []
-        self.handles.append(model.register_forward_pre_hook(root_pre, prepend=True))
+        self.handles.append(
+            model.register_forward_pre_hook(root_pre, prepend=True, with_kwargs=True)
+        )
         for module in engine.registry.owners:
             self.handles.append(module.register_forward_pre_hook(self._pre(module)))
             self.handles.append(module.register_forward_hook(self._post(module), always_call=True))
@@ -94,12 +95,18 @@ class HookSet:
             self.handles.append(direct.backbone.register_forward_hook(backbone_post))
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
         self._move_guard = MoveGuard(model, engine.device, engine.dtype)
-        config = engine.config
-        self.checkpointed = (
-            CheckpointedBlocks(find_blocks(model, config.activation_blocks))
-            if config.activations == "checkpoint"
-            else None
-        )
+        # Blocks: what the forward saves is measured per block (and checkpointed).
+        policy = engine.activation_policy
+        trace = policy.trace
+        for block in policy.blocks:
+            enter = _opaque(lambda m, a: trace.enter(m))
+            self.handles.append(block.register_forward_pre_hook(enter))
+            self.handles.append(
+                block.register_forward_hook(
+                    _opaque(lambda m, a, o: trace.leave(m)), always_call=True
+                )
+            )
+        policy.attach()
         before_grad = _opaque(_weak(engine.before_grad))
         on_grad = _opaque(_weak(engine.on_grad))
         for entry in engine.registry.entries:
@@ -142,5 +149,4 @@ class HookSet:
             handle.remove()
         self.handles.clear()
         self._move_guard.remove()
-        if self.checkpointed is not None:
-            self.checkpointed.remove()
+        self._engine.activation_policy.remove()

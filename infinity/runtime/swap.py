@@ -81,7 +81,7 @@ def open_activation_store(
 ) -> ActivationStore | None:
     """The store of ``activations="offload"`` (``None`` for the other policies): host
     memory the states leave free, then swap files beside theirs."""
-    if config.activations != "offload":
+    if config.activations not in ("offload", "auto"):
         return None
     spill = None
     if config.nvme_path is not None:
@@ -99,6 +99,7 @@ def open_activation_store(
         host_capacity=max(0, plan.budgets.host - host_reserved),
         min_bytes=int(config.activation_min_bytes),
         spill=spill,
+        warn_when_full=config.activations == "offload",
     )
 
 

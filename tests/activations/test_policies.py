@@ -58,6 +58,7 @@ def test_checkpoint_and_offload_train_bit_identically_to_keep(
         "checkpoint": (None,),
         "offload-host": (None,),
         "offload-nvme": (str(tmp_path),),
+        "auto-nvme": (str(tmp_path),),
     }
     for name, (nvme,) in runs.items():
         losses, masters, stats = _train(kind, dtype, name.split("-")[0], nvme)

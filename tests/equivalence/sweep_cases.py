@@ -32,7 +32,9 @@ CHECKPOINTING = ("", "", "non-reentrant", "reentrant")
 # at any world size (see draw's NOTE).
 CHECKPOINT_DEVICE = 2.5
 # Config.activations: what infinity does with the tensors autograd saves.
-ACTIVATIONS = ("keep", "keep", "checkpoint", "offload", "offload")
+# "auto" keeps, offloads or (with neither room nor NVMe, which no drawn case has:
+# without NVMe the host budget is 1 GiB) checkpoints each block.
+ACTIVATIONS = ("keep", "keep", "checkpoint", "offload", "offload", "auto")
 HOST_FRACTIONS = (1.5, 0.75, 0.45, 0.25, 0.12)
 DEVICE_FRACTIONS = (1.2, 0.6, 0.35)
 
@@ -62,7 +64,7 @@ class Case:
     batch: int = 4  # whole batch (each of `world` ranks takes batch / world)
     seq: int = 16
     checkpointing: str = ""  # "", "non-reentrant" or "reentrant" (gradient_checkpointing_enable)
-    # Config.activations ("keep", "checkpoint" or "offload"; offload moves every
+    # Config.activations ("keep", "checkpoint", "offload" or "auto"; offload moves every
     # saved tensor, activation_min_bytes=0, and spills to NVMe in NVMe cases).
     activations: str = "keep"
     # Where compute runs: "cpu" (the CPU backend) or "cuda" (tests/cuda, on a GPU).
@@ -200,6 +202,8 @@ PINNED: tuple[Case, ...] = (
         device=CHECKPOINT_DEVICE,
     ),
     Case(activations="offload", overlap=True, host=0.12, device=0.6, chunk_size="16KiB"),
+    # auto: the first step offloads to NVMe and measures, the next ones choose per block
+    Case(world=2, activations="auto", host=0.25, chunk_size="16KiB", accumulation=2, clip=0.5),
 )
 
 # Cases that failed once. Each stays in the suite as it was found.

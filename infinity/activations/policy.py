@@ -1,0 +1,213 @@
+"""The activation policy of one offloaded model: measure, check, choose, route.
+
+:class:`ActivationPolicy` is what the engine's hooks talk to about saved tensors:
+
+- every forward is measured (:mod:`.trace`): bytes saved in all and per block;
+- a forward with more tokens than any before is checked **before it runs**:
+  if what it will save (predicted from the measured bytes per token) fits
+  nowhere the policy may put it, it raises :class:`~infinity.config.ConfigError`
+  naming the bytes, instead of failing halfway (a full disk) or being killed
+  (memory);
+- ``"auto"`` runs its first forward as ``"offload"`` and then chooses per block
+  (:func:`choose_blocks`), again when the tokens grow;
+- :meth:`ActivationPolicy.pack` routes a saved tensor: it stays (``"keep"``,
+  a block ``"auto"`` keeps) or goes to the store (:mod:`.store`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.activations.checkpointing import CheckpointedBlocks
+from infinity.activations.store import ActivationStore
+from infinity.activations.trace import ActivationTrace, ForwardSaves
+from infinity.config import ConfigError
+from infinity.utils.sizes import format_size
+
+KEEP, OFFLOAD, CHECKPOINT = "keep", "offload", "checkpoint"
+
+
+def choose_blocks(
+    per_block: Sequence[int], device_room: int, host_room: int, has_nvme: bool
+) -> list[str]:
+    """``"auto"``'s choice per block from what each saves (``per_block`` bytes).
+
+    Backward needs the last blocks first, so they are placed first: **keep** on
+    the device while ``device_room`` holds them (no traffic, no recompute), then
+    **offload** (to host memory while ``host_room`` holds them, and with an NVMe
+    tier to it without limit: moving bytes costs less than recomputing them on
+    a device that waits for neither), and the earliest blocks that fit nowhere
+    **checkpoint** (only their inputs are kept).
+    """
+    choice = [CHECKPOINT] * len(per_block)
+    for index in reversed(range(len(per_block))):
+        nbytes = per_block[index]
+        if nbytes <= device_room:
+            choice[index], device_room = KEEP, device_room - nbytes
+        elif has_nvme or nbytes <= host_room:
+            choice[index], host_room = OFFLOAD, max(0, host_room - nbytes)
+    return choice
+
+
+class ActivationPolicy:
+    """Saved tensors of one model under ``Config(activations=mode)``.
+
+    Args:
+        mode: ``"keep"``, ``"checkpoint"``, ``"offload"`` or ``"auto"``.
+        blocks: the model's repeated blocks (may be empty: totals only, and
+            ``"auto"`` then offloads everything).
+        store: where offloaded tensors go (``"offload"`` and ``"auto"``).
+        device_room: device bytes the chunk slots leave (``"auto"`` keeps there).
+        device_free: free bytes on the device now, or ``None`` if not known.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        blocks: list[tuple[str, nn.Module]],
+        store: ActivationStore | None,
+        device_room: int,
+        device_free: Callable[[], int | None],
+    ) -> None:
+        self.mode = mode
+        self.store = store
+        self.device_room = device_room
+        self._device_free = device_free
+        self._blocks = blocks
+        self.trace = ActivationTrace([module for _, module in blocks])
+        self.checkpointed: CheckpointedBlocks | None = None
+        self.choice: list[str] | None = None  # "auto": per block, once measured
+        self._chosen_for = 0  # the tokens the choice was made for
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The modules the trace attributes saved bytes to."""
+        return [module for _, module in self._blocks]
+
+    def attach(self) -> None:
+        """Wrap the blocks ``"checkpoint"`` recomputes (with the engine's hooks)."""
+        if self.mode == CHECKPOINT and self.checkpointed is None:
+            self.checkpointed = CheckpointedBlocks(self._blocks)
+
+    # --- forward -------------------------------------------------------------------------
+    def begin_forward(self, tokens: int | None, new_iteration: bool) -> None:
+        """A root forward starts: choose (``"auto"``), check it fits, measure it."""
+        if not torch.is_grad_enabled():
+            self.trace.begin(None)  # nothing is saved: nothing to check or measure
+            return
+        predicted = self.trace.predict(tokens)
+        if self.mode == "auto" and new_iteration:
+            self._choose(tokens)
+        if predicted is not None:
+            self._check_fit(predicted)
+        self.trace.begin(tokens)
+
+    def end_forward(self) -> None:
+        """The root forward ended: record it; backward's first reads start."""
+        self.trace.end()
+        if self.store is not None:
+            self.store.end_forward()
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """A saved tensor that is not a parameter: measured, then kept or stored."""
+        self.trace.saved(tensor)
+        if self.store is None:
+            return tensor
+        block = self.trace.current_block
+        if self.choice is not None and block is not None and self.choice[block] == KEEP:
+            return tensor
+        return self.store.pack(tensor)
+
+    # --- auto ----------------------------------------------------------------------------
+    def _choose(self, tokens: int | None) -> None:
+        measured = self.trace.largest
+        if measured is None or (self.choice is not None and (tokens or 0) <= self._chosen_for):
+            return  # first forward: offload everything and measure it; or chosen already
+        target = max(tokens or 0, measured.tokens)
+        sizes = measured.scaled(target).per_block
+        store = self.store
+        host_room = 0 if store is None else store.host_capacity
+        has_nvme = store is not None and store.spill is not None
+        choice = choose_blocks(sizes, self.device_room, host_room, has_nvme)
+        if self.checkpointed is not None:
+            self.checkpointed.remove()
+        chosen = [b for b, c in zip(self._blocks, choice, strict=True) if c == CHECKPOINT]
+        self.checkpointed = CheckpointedBlocks(chosen) if chosen else None
+        self.choice, self._chosen_for = choice, target
+
+    # --- the check before a larger forward -----------------------------------------------
+    def _check_fit(self, predicted: ForwardSaves) -> None:
+        """Raise before a forward whose saved tensors cannot fit where the policy puts them."""
+        need = predicted.total
+        measured = self.trace.largest
+        assert measured is not None
+        per_token = format_size(round(self.trace.per_token()))
+        basis = (
+            f"{format_size(need)} for {predicted.tokens} tokens ({per_token} per token, "
+            f"measured at {measured.tokens})"
+        )
+        store = self.store
+        if store is not None:
+            host_free = max(0, store.host_capacity - store.tier_bytes()[0])
+            beyond_host = need - host_free
+            if store.spill is not None:
+                room = store.spill.room(store.tier_bytes()[1])
+                if room is not None and beyond_host > room:
+                    raise ConfigError(
+                        f"activations={self.mode!r}: this forward would save {basis}; host "
+                        f"memory holds {format_size(host_free)} of it and NVMe "
+                        f"{format_size(room)} ({self._nvme_limit_words(store)}), "
+                        f"{format_size(beyond_host - room)} short; lower the tokens per step, "
+                        "raise nvme_memory or free disk space, or use activations='checkpoint'"
+                    )
+                return
+            need = beyond_host  # no NVMe tier: what the host does not hold stays on the device
+        free = self._device_free()
+        if free is not None and need > free:
+            fixes = (
+                "use activations='offload' with an nvme_path, or 'checkpoint'"
+                if self.mode == KEEP
+                else "set nvme_path (activations spill there)"
+                if store is not None
+                else "use activations='offload' with an nvme_path"
+            )
+            raise ConfigError(
+                f"activations={self.mode!r}: this forward would save {basis} on the device "
+                f"({self._device_words()}), which has {format_size(free)} free; lower the "
+                f"tokens per step, or {fixes}"
+            )
+
+    def _device_words(self) -> str:
+        return "beyond the host memory the states leave" if self.store is not None else "kept"
+
+    @staticmethod
+    def _nvme_limit_words(store: ActivationStore) -> str:
+        assert store.spill is not None
+        return (
+            "what nvme_memory leaves beyond the states"
+            if store.spill.limit is not None
+            else ("the disk's free space")
+        )
+
+    # --- statistics and teardown ---------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The store's counters (if any), the last forward's saved bytes, ``"auto"``'s choice."""
+        out: dict[str, Any] = dict(self.store.snapshot()) if self.store is not None else {}
+        last = self.trace.last
+        out["policy"] = self.mode
+        out["saved_last_forward_bytes"] = 0 if last is None else last.total
+        out["tokens_last_forward"] = 0 if last is None else last.tokens
+        out["saved_bytes_per_token"] = self.trace.per_token()
+        if self.choice is not None:
+            out["blocks"] = {c: self.choice.count(c) for c in (KEEP, OFFLOAD, CHECKPOINT)}
+        return out
+
+    def remove(self) -> None:
+        """Undo the checkpoint wrappers (the hooks are removed)."""
+        if self.checkpointed is not None:
+            self.checkpointed.remove()
+            self.checkpointed = None
