@@ -18,7 +18,9 @@ steps per row, each row in its own process so that its peak RSS is its own:
   them (no NVMe tier for activations: on the CPU backend, where the device is
   RAM, they are only accounted, not copied);
 - ``offload_nvme``: ``activations="offload"`` at the budgets: what the states
-  leave of the host budget, then NVMe.
+  leave of the host budget, then NVMe;
+- ``auto``: ``activations="auto"`` at the budgets (its warm-up step measures,
+  the timed steps run its choice per block).
 
 Per row: peak RSS (``ru_maxrss``), the median step time and its ratio to
 ``checkpoint``'s, activation bytes saved per step, their peak in host memory
@@ -46,7 +48,7 @@ from infinity.utils.sizes import format_size, parse_size
 
 ROWS = (
     "plain", "save_on_cpu", "torch_checkpoint", "keep", "checkpoint", "offload_host",
-    "offload_nvme",
+    "offload_nvme", "auto",
 )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from infinity.activations.estimate import estimate
+from infinity.activations.policy import choose_blocks
 from infinity.config import Config, ConfigError
 from infinity.core.plan import Plan
 from infinity.runtime.budgets import DTYPE_OF
@@ -35,6 +36,8 @@ def activations_at(
     one_block = max(est.per_block, default=est.total)
     on_device = {"keep": est.total, "checkpoint": est.checkpoint, "offload": one_block}
     room = max(0, plan.budgets.device - slots)
+    # "auto" keeps blocks in the room the plan's own slots leave (as the engine does)
+    auto_room = max(0, plan.budgets.device - plan.device_bytes)
 
     def fit(policy: str) -> int:
         per_token = on_device[policy] / tokens
@@ -43,7 +46,9 @@ def activations_at(
             fits = min(fits, int((host_room + (nvme_room or 0)) / (est.total / tokens)))
         return fits
 
+    auto = choose_blocks(est.per_block, auto_room, host_room, has_nvme=nvme_room is not None)
     return {
+        "auto": {c: auto.count(c) for c in ("keep", "offload", "checkpoint")},
         "batch_size": batch,
         "seq_len": seq_len,
         "saved_bytes": est.total,
@@ -77,6 +82,10 @@ def activation_lines(act: dict[str, Any]) -> list[str]:
         f"block's); the rest to host memory ({format_size(act['host_room_bytes'])} free "
         "beside the states)"
         + (f", then NVMe ({format_size(nvme)} free)" if nvme is not None else ", no NVMe tier"),
+        "  auto        per block, last first: "
+        + ", ".join(f"{n} {c}" for c, n in act["auto"].items() if n)
+        + " (keep where the plan's chunk slots leave device room, then offload, then "
+        "checkpoint)",
         f"  device_memory they need beside the smallest chunk slots "
         f"({format_size(act['min_chunk_slot_bytes'])}): keep {format_size(need['keep'])}, "
         f"checkpoint {format_size(need['checkpoint'])}, offload {format_size(need['offload'])}",

@@ -120,8 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--activations",
         choices=ACTIVATION_POLICIES,
         help="the tensors autograd saves for backward: keep (in RAM, the default), "
-        "checkpoint (recompute each block in backward) or offload (to host memory, then "
-        "NVMe, read back ahead of backward)",
+        "checkpoint (recompute each block in backward), offload (to host memory, then "
+        "NVMe, read back ahead of backward) or auto (measured in the first step, then per "
+        "block: keep where device_memory has room, else offload, else checkpoint)",
     )
     memory.add_argument(
         "--config", metavar="FILE", help="an infinity.Config JSON file; flags override it"

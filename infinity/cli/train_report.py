@@ -122,14 +122,28 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
     if summary.train_seconds > 0:
         rows.append(f"throughput: {summary.tokens / summary.train_seconds / 1000:.1f}k tokens/s")
     act = stats.get("activations")
-    if act:
-        rows.append(
-            f"activations (offload): {format_size(act['packed_bytes'] / steps)} saved per step; "
-            f"peak {format_size(act['host_peak_bytes'])} in host memory, "
-            f"{format_size(act['nvme_peak_bytes'])} on NVMe; backward waited "
-            f"{act['read_wait_seconds']:.2f} s for {int(act['reads_waited'])} read(s) "
-            f"({int(act['reads_not_ahead'])} not read ahead)"
+    if act and act.get("saved_last_forward_bytes"):
+        policy = act["policy"]
+        blocks = act.get("blocks")
+        done = {"keep": "kept", "offload": "offloaded", "checkpoint": "checkpointed"}
+        chosen = (
+            ": " + ", ".join(f"{n} blocks {done[c]}" for c, n in blocks.items() if n)
+            if blocks
+            else ""
         )
+        row = (
+            f"activations ({policy}{chosen}): {format_size(act['saved_last_forward_bytes'])} "
+            f"saved by the last forward ({format_size(act['saved_bytes_per_token'])} per token)"
+        )
+        if "packed_bytes" in act:  # offload, auto: where they went
+            row += (
+                f"; {format_size(act['packed_bytes'] / steps)} moved per step, "
+                f"peak {format_size(act['host_peak_bytes'])} in host memory, "
+                f"{format_size(act['nvme_peak_bytes'])} on NVMe; backward waited "
+                f"{act['read_wait_seconds']:.2f} s for {int(act['reads_waited'])} read(s) "
+                f"({int(act['reads_not_ahead'])} not read ahead)"
+            )
+        rows.append(row)
     if stats.get("skipped_steps"):
         rows.append(f"fp16: {stats['skipped_steps']} step(s) skipped on overflow")
     if stats.get("nvme_registration_error"):

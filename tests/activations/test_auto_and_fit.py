@@ -143,3 +143,15 @@ def test_auto_chooses_by_the_budgets_and_trains_like_keep(expect: str, tmp_path)
     run = _train("auto", nvme, [BATCH] * 3, **budgets)
     assert run[2]["activations"]["blocks"][expect] == 3, run[2]["activations"]["blocks"]
     _same_training(run, reference)
+
+
+def test_the_train_command_reports_what_auto_chose(tmp_path, capsys, monkeypatch) -> None:
+    from infinity.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    flags = ["--preset", "tiny", "--plot", "none", "--eval-batches", "0", "--steps", "2"]
+    code = main(["train", *flags, "--activations", "auto", "--nvme-path", str(tmp_path / "n")])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("activations (auto: "))
+    assert "blocks offloaded" in line and "saved by the last forward" in line

@@ -65,3 +65,4 @@ def test_plan_prints_activations_and_what_fits(tmp_path) -> None:
     assert dev["offload"] < dev["checkpoint"] < dev["keep"] == act["saved_bytes"]
     fits = act["tokens_that_fit"]
     assert fits["keep"] < fits["checkpoint"]
+    assert sum(act["auto"].values()) == act["blocks"] == 4
