@@ -129,10 +129,11 @@ def run_row(args: argparse.Namespace, row: str) -> dict:
         "losses": losses,
     }
     act = stats.get("activations")
-    if act:
+    if act and "packed_bytes" in act:  # moved: offload, auto
         steps = max(1, args.steps)
         out["activations"] = {
-            "saved_per_step": (act["packed_bytes"] - before.get("packed_bytes", 0)) / steps,
+            "saved_per_step": act["saved_last_forward_bytes"],
+            "blocks": act.get("blocks"),
             "host_peak": act["host_peak_bytes"],
             "nvme_peak": act["nvme_peak_bytes"],
             "written_per_step": (act["nvme_written_bytes"] - before.get("nvme_written_bytes", 0))
