@@ -7,6 +7,11 @@ raise ``NVMeIOError`` or end with every parameter and optimizer-state home
 bit-identical to the fault-free run. ``tests/engine/test_io_faults.py`` runs a
 sample of the same property in ``make test``.
 
+The case ``activations/eio`` fails the n-th request of the activations' own I/O
+engine (``activations="offload"``, every saved tensor on NVMe) for n = 1, 2, ...
+until 10 runs in a row end identical (the faults fell past the run's last
+request); ``tests/activations/test_faults.py`` runs a sample in ``make test``.
+
     PYTHONPATH=. python bench/fault_sweep.py                  # every case, every n
     PYTHONPATH=. python bench/fault_sweep.py --cases io_uring/eio threads/short --stride 5
 
@@ -21,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "engine"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "activations"))
 
 import torch
 from fault_harness import Case, check, fired, run
@@ -76,6 +82,40 @@ def sweep(case: Case, stride: int) -> dict:
     return counts
 
 
+ACTIVATIONS = "activations/eio"
+
+
+def sweep_activations(stride: int) -> dict:
+    """Fail the n-th activation request, for n = 1, 1 + stride, ... (see the docstring)."""
+    import tempfile
+
+    from test_faults import _run as run_activations
+
+    counts = {"runs": 0, "raised": 0, "identical": 0, "not fired": 0, "failures": 0}
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        clean = run_activations(f"{tmp}/clean", 0)
+        assert clean is not None, "the fault-free run failed"
+        streak, nth = 0, 1
+        while streak < 10:
+            got = run_activations(f"{tmp}/n{nth}", nth)
+            counts["runs"] += 1
+            if got is None:
+                counts["raised"] += 1
+                streak = 0
+            elif all(torch.equal(got[k], v) for k, v in clean.items()):
+                counts["identical"] += 1
+                streak += 1
+            else:
+                counts["failures"] += 1
+                streak = 0
+                print(f"  FAIL {ACTIVATIONS} n={nth}: weights differ silently", flush=True)
+            nth += stride
+    counts["seconds"] = round(time.monotonic() - start, 1)
+    counts["I/Os"] = f"about {nth - 10 * stride} requests"
+    return counts
+
+
 def main() -> int:
     """Run the sweep and print a summary table."""
     # NOTE: the model is tiny: one compute thread is ~10x faster than a pool
@@ -85,7 +125,7 @@ def main() -> int:
     parser.add_argument("--cases", nargs="*", help="e.g. io_uring/eio threads/short+buffered")
     parser.add_argument("--stride", type=int, default=1, help="run every k-th n (default 1)")
     args = parser.parse_args()
-    cases = all_cases()
+    cases: list = [*all_cases(), ACTIVATIONS]
     if args.cases:
         known = {str(c): c for c in cases}
         unknown = [name for name in args.cases if name not in known]
@@ -95,7 +135,8 @@ def main() -> int:
     rows = []
     for case in cases:
         print(f"{case} ...", flush=True)
-        rows.append((str(case), sweep(case, args.stride)))
+        counts = sweep_activations(args.stride) if case == ACTIVATIONS else sweep(case, args.stride)
+        rows.append((str(case), counts))
     columns = ["runs", "raised", "identical", "not fired", "failures", "seconds", "I/Os"]
     print()
     print(f"{'case':28}" + "".join(f"{c:>12}" for c in columns[:-1]) + "  fault-free I/Os")
