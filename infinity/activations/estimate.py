@@ -62,7 +62,7 @@ def estimate(
     is called as a ``transformers`` causal LM (``input_ids``, ``labels``), else
     with one tensor of token ids.
     """
-    meta = copy.deepcopy(model)
+    meta = _without_hooks(copy.deepcopy(model))
     result = ActivationEstimate(tokens=batch * seq_len)
     found = blocks_for(meta, blocks, required=False)
     names = {id(m): i for i, (_, m) in enumerate(found)}
@@ -111,6 +111,24 @@ def estimate(
             for handle in handles:
                 handle.remove()
     return result
+
+
+def _without_hooks(model: nn.Module) -> nn.Module:
+    """``model`` with no module hooks and no instance ``forward``.
+
+    NOTE: a copy of an offloaded model carries the engine's hooks (they would fetch
+    chunks for a fake forward) and its checkpoint wrappers; the estimate wants the
+    model's own forward on fake tensors, nothing else. Parameters are replaced by
+    fake ones (:func:`_fake_weights`), which drops their tensor hooks."""
+    for module in model.modules():
+        for hooks in (
+            module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
+            module._backward_pre_hooks, module._forward_hooks_always_called,
+            module._forward_hooks_with_kwargs, module._forward_pre_hooks_with_kwargs,
+        ):  # fmt: skip
+            hooks.clear()
+        module.__dict__.pop("forward", None)
+    return model
 
 
 def _fake_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> set[int]:

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,12 +25,37 @@ import torch
 from torch import nn
 
 from infinity.activations.checkpointing import CheckpointedBlocks
+from infinity.activations.estimate import estimate
 from infinity.activations.store import ActivationStore
 from infinity.activations.trace import ActivationTrace, ForwardSaves
 from infinity.config import ConfigError
 from infinity.utils.sizes import format_size
 
 KEEP, OFFLOAD, CHECKPOINT = "keep", "offload", "checkpoint"
+log = logging.getLogger("infinity")
+Estimator = Callable[[int, int], "ForwardSaves | None"]
+
+
+def first_forward_estimate(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, config: Any
+) -> Estimator:
+    """What a forward of (batch, sequence) would save, before any has been measured:
+    the model's forward on fake tensors (:mod:`.estimate`), ``None`` where that does
+    not run (a model not called with token ids). Holds the model weakly."""
+    ref = weakref.ref(model)
+
+    def run(batch: int, seq: int) -> ForwardSaves | None:
+        target = ref()
+        if target is None:
+            return None
+        try:
+            est = estimate(target, batch, seq, dtype, device, config.activation_blocks)
+        except Exception as exc:  # NOTE: best effort: the forward itself is measured
+            log.debug("activations: no estimate before the first forward (%s)", exc)
+            return None
+        return ForwardSaves(est.tokens, est.total, list(est.per_block))
+
+    return run
 
 
 def choose_blocks(
@@ -63,6 +90,8 @@ class ActivationPolicy:
         store: where offloaded tensors go (``"offload"`` and ``"auto"``).
         device_room: device bytes the chunk slots leave (``"auto"`` keeps there).
         device_free: free bytes on the device now, or ``None`` if not known.
+        estimate: what a forward of (batch, sequence) would save, before the first
+            one is measured (:func:`first_forward_estimate`).
     """
 
     def __init__(
@@ -72,11 +101,13 @@ class ActivationPolicy:
         store: ActivationStore | None,
         device_room: int,
         device_free: Callable[[], int | None],
+        estimate: Estimator | None = None,
     ) -> None:
         self.mode = mode
         self.store = store
         self.device_room = device_room
         self._device_free = device_free
+        self._estimate = estimate
         self._blocks = blocks
         self.trace = ActivationTrace([module for _, module in blocks])
         self.checkpointed: CheckpointedBlocks | None = None
@@ -94,12 +125,18 @@ class ActivationPolicy:
             self.checkpointed = CheckpointedBlocks(self._blocks)
 
     # --- forward -------------------------------------------------------------------------
-    def begin_forward(self, tokens: int | None, new_iteration: bool) -> None:
+    def begin_forward(self, shape: tuple[int, int] | None, new_iteration: bool) -> None:
         """A root forward starts: choose (``"auto"``), check it fits, measure it."""
-        if not torch.is_grad_enabled():
-            self.trace.begin(None)  # nothing is saved: nothing to check or measure
+        if not torch.is_grad_enabled() or shape is None:
+            self.trace.begin(None)  # nothing saved, or no tokens: nothing to check
             return
+        tokens = shape[0] * shape[1]
         predicted = self.trace.predict(tokens)
+        if self.trace.largest is None and self._estimate is not None:
+            # NOTE: the first forward has nothing measured to predict from: the
+            # estimate on fake tensors stands in, so a first step too large fails
+            # before it runs too.
+            predicted = self._estimate(*shape)
         if self.mode == "auto" and new_iteration:
             self._choose(tokens)
         if predicted is not None:
@@ -144,12 +181,13 @@ class ActivationPolicy:
         """Raise before a forward whose saved tensors cannot fit where the policy puts them."""
         need = predicted.total
         measured = self.trace.largest
-        assert measured is not None
-        per_token = format_size(round(self.trace.per_token()))
-        basis = (
-            f"{format_size(need)} for {predicted.tokens} tokens ({per_token} per token, "
-            f"measured at {measured.tokens})"
+        per_token = format_size(round(need / max(1, predicted.tokens)))
+        how = (
+            f"measured at {measured.tokens}"
+            if measured is not None
+            else "estimated before the first forward"
         )
+        basis = f"{format_size(need)} for {predicted.tokens} tokens ({per_token} per token, {how})"
         store = self.store
         if store is not None:
             host_free = max(0, store.host_capacity - store.tier_bytes()[0])

@@ -39,9 +39,9 @@ class ForwardSaves:
         )
 
 
-def tokens_of(args: tuple, kwargs: dict[str, Any]) -> int | None:
-    """Tokens of a forward's batch: ``input_ids`` (or ``inputs_embeds``), else the first
-    tensor argument; batch x sequence of a 2-D or wider one, its length if 1-D."""
+def batch_shape(args: tuple, kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    """(batch, sequence) of a forward's input: ``input_ids`` (or ``inputs_embeds``), else
+    the first tensor argument; a 1-D one is one sequence."""
     first = kwargs.get("input_ids")
     if first is None:
         first = kwargs.get("inputs_embeds")
@@ -49,7 +49,9 @@ def tokens_of(args: tuple, kwargs: dict[str, Any]) -> int | None:
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return None
-    return int(first.shape[0] * first.shape[1]) if first.dim() >= 2 else int(first.shape[0])
+    if first.dim() == 1:
+        return 1, int(first.shape[0])
+    return int(first.shape[0]), int(first.shape[1])
 
 
 class ActivationTrace:

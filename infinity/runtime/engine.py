@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from infinity.activations.blocks import blocks_for
-from infinity.activations.policy import ActivationPolicy
+from infinity.activations.policy import ActivationPolicy, first_forward_estimate
 from infinity.activations.store import SavedActivation
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import ChunkManager
@@ -155,6 +155,7 @@ class OffloadEngine:
             self.activations,
             device_room=max(0, self.plan.budgets.device - self.plan.device_bytes),
             device_free=self.backend.free_memory,
+            estimate=first_forward_estimate(model, self.dtype, self.device, config),
         )
         self.chunk_members = self.chunks.chunk_members
         self.states = self.chunks.states
@@ -308,9 +309,9 @@ class OffloadEngine:
             after_grad = chunks.has_grad[entry.index] and self.sink.running
             chunks.set_state(entry, _S.HOLD_AFTER_BWD if after_grad else _S.HOLD_AFTER_FWD)
 
-    def begin_forward(self, tokens: int | None = None) -> None:
+    def begin_forward(self, shape: tuple[int, int] | None = None) -> None:
         """The root module's forward starts: check the model and that what the forward
-        will save fits (``tokens``: its batch x sequence), start a new iteration."""
+        will save fits (``shape``: its batch and sequence), start a new iteration."""
         self.manager.check_io()
         self.queue.check_failed()
         self._check_model()
@@ -318,7 +319,7 @@ class OffloadEngine:
             # A backward that never finished (interrupted, or an exception inside
             # it): its end-of-backward callback will not come, so settle it now.
             self.sink.end_backward()
-        self.activation_policy.begin_forward(tokens, new_iteration=not self.sink.running)
+        self.activation_policy.begin_forward(shape, new_iteration=not self.sink.running)
         if not self.sink.running:
             self.fetcher.start_iteration()
             self.timeline.finish_iteration()

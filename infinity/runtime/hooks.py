@@ -24,7 +24,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
-from infinity.activations.trace import tokens_of
+from infinity.activations.trace import batch_shape
 from infinity.runtime.direct_reads import head_read_directly
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.move_guard import MoveGuard
@@ -59,7 +59,7 @@ class HookSet:
 
         @_opaque
         def root_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            engine.begin_forward(tokens_of(args, kwargs))
+            engine.begin_forward(batch_shape(args, kwargs))
             scope = saved_tensors_hooks(pack, unpack)
             scope.__enter__()
             self._scopes.append(scope)

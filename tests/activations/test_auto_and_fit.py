@@ -23,6 +23,7 @@ from infinity.devices.cpu import CpuBackend
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.runtime.state_access import read_params
+from infinity.utils.sizes import format_size
 
 pytest.importorskip("transformers")
 
@@ -101,15 +102,27 @@ def _same_training(run, reference) -> None:
 
 def test_keep_refuses_a_larger_forward_the_device_cannot_hold(monkeypatch) -> None:
     reference = _train("keep", None, [BATCH, BATCH])
-    # A device with 1 MiB free: the first forward is measured (nothing to predict
-    # from), the one with 4x its tokens is refused before it runs, naming the bytes.
-    monkeypatch.setattr(CpuBackend, "free_memory", lambda self: 1 << 20)
+    saved = reference[2]["activations"]["saved_last_forward_bytes"]
+    # A device with room for two forwards: the one with 4x the tokens is refused
+    # before it runs, naming the bytes; training goes on as if it was never tried.
+    monkeypatch.setattr(CpuBackend, "free_memory", lambda self: 2 * saved)
     run = _train("keep", None, [BATCH, 4 * BATCH, BATCH])
     message = run[0][1]
     assert isinstance(message, str)
-    assert "activations='keep'" in message and "1.00 MiB free" in message
-    assert f"for {4 * BATCH * SEQ} tokens" in message and "activations='offload'" in message
+    assert "activations='keep'" in message and f"{format_size(2 * saved)} free" in message
+    assert f"for {4 * BATCH * SEQ} tokens" in message and "measured at" in message
+    assert "activations='offload'" in message
     _same_training(run, reference)
+
+
+def test_a_first_forward_too_large_is_refused_before_it_runs(monkeypatch) -> None:
+    """Nothing measured yet: the estimate on fake tensors stands in."""
+    monkeypatch.setattr(CpuBackend, "free_memory", lambda self: 1 << 20)
+    losses = _train("keep", None, [BATCH])[0]
+    assert isinstance(losses[0], str) and "estimated before the first forward" in losses[0]
+    assert format_size(estimate(tiny_model("llama"), BATCH, SEQ, torch.float32).total) in (
+        losses[0]
+    )
 
 
 def test_offload_refuses_a_larger_forward_beyond_the_nvme_limit(tmp_path) -> None:
