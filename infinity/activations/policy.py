@@ -150,14 +150,14 @@ class ActivationPolicy:
             self.store.end_forward()
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        """A saved tensor that is not a parameter: measured, then kept or stored."""
-        self.trace.saved(tensor)
-        if self.store is None:
-            return tensor
+        """A saved tensor that is not a parameter: kept or stored, and measured."""
         block = self.trace.current_block
-        if self.choice is not None and block is not None and self.choice[block] == KEEP:
-            return tensor
-        return self.store.pack(tensor)
+        kept = self.store is None or (
+            self.choice is not None and block is not None and self.choice[block] == KEEP
+        )
+        out = tensor if kept or self.store is None else self.store.pack(tensor)
+        self.trace.saved(tensor, moved=out is not tensor)
+        return out
 
     # --- auto ----------------------------------------------------------------------------
     def _choose(self, tokens: int | None) -> None:
@@ -238,8 +238,12 @@ class ActivationPolicy:
         last = self.trace.last
         out["policy"] = self.mode
         out["saved_last_forward_bytes"] = 0 if last is None else last.total
+        # what of it stayed on the device: all under keep, the small ones and the blocks
+        # "auto" keeps under offload and auto
+        out["device_last_forward_bytes"] = 0 if last is None else last.on_device
         out["tokens_last_forward"] = 0 if last is None else last.tokens
         out["saved_bytes_per_token"] = self.trace.per_token()
+        out["per_block_last_forward_bytes"] = [] if last is None else list(last.per_block)
         if self.choice is not None:
             out["blocks"] = {c: self.choice.count(c) for c in (KEEP, OFFLOAD, CHECKPOINT)}
         return out

@@ -25,6 +25,7 @@ class ForwardSaves:
     tokens: int
     total: int = 0
     per_block: list[int] = field(default_factory=list)
+    on_device: int = 0  # of total, what stayed on the compute device (not moved)
 
     @property
     def outside_blocks(self) -> int:
@@ -86,13 +87,16 @@ class ActivationTrace:
             None if tokens is None else ForwardSaves(tokens, per_block=[0] * self.block_count)
         )
 
-    def saved(self, tensor: torch.Tensor) -> None:
-        """Autograd saved ``tensor`` during the forward being measured."""
+    def saved(self, tensor: torch.Tensor, moved: bool) -> None:
+        """Autograd saved ``tensor`` during the forward being measured (``moved``: it
+        left the device)."""
         forward = self._forward
         if forward is None:
             return
         nbytes = tensor.numel() * tensor.element_size()
         forward.total += nbytes
+        if not moved and tensor.device.type != "meta":
+            forward.on_device += nbytes
         if self._stack:
             forward.per_block[self._stack[-1]] += nbytes
 

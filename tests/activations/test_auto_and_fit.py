@@ -53,6 +53,10 @@ def test_every_forward_is_measured_as_the_estimate_says(policy: str) -> None:
     expect = est.total if policy != "checkpoint" else sum(est.block_inputs) + est.outside_blocks
     assert act["saved_last_forward_bytes"] == expect
     assert act["saved_bytes_per_token"] == expect / (BATCH * SEQ)
+    # what stayed on the device: offload (every size moves here) and auto's first,
+    # measuring forward move everything; keep and checkpoint move nothing
+    moved = policy in ("offload", "auto")
+    assert act["device_last_forward_bytes"] == (0 if moved else expect)
     engine_of(model).close()
 
 
@@ -120,8 +124,8 @@ def test_a_first_forward_too_large_is_refused_before_it_runs(monkeypatch) -> Non
     monkeypatch.setattr(CpuBackend, "free_memory", lambda self: 1 << 20)
     losses = _train("keep", None, [BATCH])[0]
     assert isinstance(losses[0], str) and "estimated before the first forward" in losses[0]
-    assert format_size(estimate(tiny_model("llama"), BATCH, SEQ, torch.float32).total) in (
-        losses[0]
+    assert (
+        format_size(estimate(tiny_model("llama"), BATCH, SEQ, torch.float32).total) in (losses[0])
     )
 
 
@@ -154,7 +158,15 @@ def test_auto_chooses_by_the_budgets_and_trains_like_keep(expect: str, tmp_path)
     else:  # no NVMe, and host memory for the states and 64 KiB (under one block)
         budgets = {"host_memory": reference[2]["host_reserved_bytes"] + (64 << 10)}
     run = _train("auto", nvme, [BATCH] * 3, **budgets)
-    assert run[2]["activations"]["blocks"][expect] == 3, run[2]["activations"]["blocks"]
+    act = run[2]["activations"]
+    assert act["blocks"][expect] == 3, act["blocks"]
+    if expect != "checkpoint":  # (there, what host memory cannot hold stays put)
+        # on the device: the blocks auto keeps, within the room the chunk slots leave
+        stats = run[2]
+        room = stats["device_budget_bytes"] - stats["device_reserved_bytes"]
+        kept = sum(reference[2]["activations"]["per_block_last_forward_bytes"])
+        assert act["device_last_forward_bytes"] == (kept if expect == "keep" else 0)
+        assert act["device_last_forward_bytes"] <= room
     _same_training(run, reference)
 
 
