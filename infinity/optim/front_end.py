@@ -190,16 +190,19 @@ class CPUOptimizer(Optimizer, Generic[H]):
         slots = update.state_slots
         for p, _grad in todo:
             state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=step_dtype())
-                for name in slots:
+            if "step" not in state:
+                # NOTE: torch.optim.SGD keeps no step count (and None for a momentum
+                # buffer it never needed): a state it wrote has taken a step.
+                state["step"] = torch.tensor(float(bool(state)), dtype=step_dtype())
+            for name in slots:
+                if state.get(name) is None:
                     state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for name in slots:  # NOTE: all checked before any tensor changes
-                if name not in state or state[name].shape != p.shape:
-                    have = tuple(state[name].shape) if name in state else "none"
+                if state[name].shape != p.shape:
                     raise ValueError(
                         f"optimizer state {name!r} of a parameter of shape {tuple(p.shape)} "
-                        f"has shape {have}: the state dict is from another model"
+                        f"has shape {tuple(state[name].shape)}: the state dict is from another "
+                        "model"
                     )
         for p, grad in todo:
             state = self.state[p]
