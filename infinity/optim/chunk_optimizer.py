@@ -75,7 +75,7 @@ class UnitViews:
 class ChunkOptimizer(ABC, Generic[H]):
     """An optimizer whose per-element state is tensors shaped like the parameters."""
 
-    name: ClassVar[str]  # what checkpoints record (``meta.json``: ``chunk_optimizer``)
+    name: ClassVar[str]  # unique per kind: what engines and checkpoints compare
     front_end: ClassVar[str] = ""  # the optimizer users construct, named in errors
     state_slots: ClassVar[tuple[str, ...]]  # names of the state tensors, in unit order
     state_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)  # storage formats step() handles

@@ -161,8 +161,7 @@ class CPUOptimizer(Optimizer, Generic[H]):
 
     def _check_bound(self, engine: ChunkStepper) -> None:
         """Raise if ``engine``'s chunks were laid out for another optimizer since."""
-        ours = self.make_chunk_optimizer()
-        if type(engine.chunk_optimizer) is not type(ours):
+        if engine.chunk_optimizer.name != self.make_chunk_optimizer().name:
             raise RuntimeError(
                 f"this {type(self).__name__} cannot step its offloaded model: the model's "
                 f"optimizer state is now laid out for {engine.chunk_optimizer.front_end} "

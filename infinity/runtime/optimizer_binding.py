@@ -25,8 +25,9 @@ from infinity.schedule.units import units_for
 
 
 def same_layout(a: ChunkOptimizer[Any], b: ChunkOptimizer[Any]) -> bool:
-    """Whether two chunk optimizers read and write units alike (same kind and storage)."""
-    return type(a) is type(b) and a.state_format == b.state_format
+    """Whether two chunk optimizers read and write units alike (same kind, by its
+    name, and storage)."""
+    return a.name == b.name and a.state_format == b.state_format
 
 
 def lay_out_units(
