@@ -83,7 +83,7 @@ class OffloadEngine:
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
         prepare_nvme(config)
-        # NOTE [units planned for Adam]: the homes of the optimizer units are planned
+        # See NOTE [units planned for Adam]: the homes of the optimizer units are planned
         # at offload, before the user constructs an optimizer, for Adam's (the
         # largest of infinity.optim's); the optimizer constructed over the model
         # re-cuts them for its own state (use_optimizer).
