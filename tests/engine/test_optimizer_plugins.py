@@ -1,7 +1,7 @@
 """Optimizers as plug-ins: CPUSGD and CPULion train offloaded models like their references.
 
 Each case trains the same model on the same batches twice, once plainly with
-the reference (``torch.optim.SGD``, or the Lion written in ``optim_references``)
+the reference (``torch.optim.SGD``, or the Lion written in ``lion_reference``)
 and once offloaded with the infinity optimizer, with budgets that keep the
 optimizer state in host memory or send it to NVMe, with accumulation and
 clipping, and with the overlapped step. The engine learns the optimizer from
@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 from engine_helpers import batches, config, global_rel_error, param_bytes, tiny_gpt, train
-from optim_references import ReferenceLion
+from lion_reference import ReferenceLion
 
 import infinity
 from infinity.config import ConfigError

@@ -3,7 +3,7 @@
 CPUSGD runs torch's own single-tensor SGD operations, so its parameters and
 momentum buffers equal ``torch.optim.SGD(foreach=False)``'s bit for bit, and
 state dicts move between the two both ways. CPULion runs the fused kernel:
-close to the reference written in torch ops (``optim_references.ReferenceLion``).
+close to the reference written in torch ops (``lion_reference.ReferenceLion``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from optim_references import ReferenceLion
+from lion_reference import ReferenceLion
 
 from infinity.optim import CPUSGD, CPULion
 
