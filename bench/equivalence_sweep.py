@@ -4,7 +4,7 @@ python bench/equivalence_sweep.py [--cases 200] [--seed 0] [--world 1|2|both] [-
 
 Each case (``tests/equivalence/sweep_cases.py``: world size, budgets that put
 each kind on each tier, tied/untied, fp32/bf16, accumulation, clipping, the
-overlapped step, state dtype, chunk size, beta2) trains a small
+overlapped step, optimizer, state dtype, chunk size, beta2) trains a small
 ``transformers`` Llama a few steps through infinity and in plain PyTorch, and
 is judged by ``tests/equivalence/sweep_run.judge``. World-size-2 cases run in
 one pair of gloo processes. Prints one row per case, then what the sweep
@@ -44,6 +44,7 @@ FEATURES = (
     "host",
     "device",
     "betas",
+    "optimizer",
 )
 
 

@@ -26,22 +26,9 @@
 #include <type_traits>
 
 #include "adam/adam_types.hpp"
+#include "adam/tags.hpp"
 
 namespace infinity::adam {
-
-/// Tag types naming the element type of a buffer in kernel templates.
-struct F32Tag {
-    using Storage = float;
-};
-struct BF16Tag {
-    using Storage = uint16_t;
-};
-struct F16Tag {
-    using Storage = uint16_t;
-};
-struct NoOutTag {
-    using Storage = uint16_t;
-};
 
 /// The coefficients of AdamCoeffs broadcast into vectors of the backend.
 template <class Ops>

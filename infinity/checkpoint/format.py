@@ -3,14 +3,18 @@
 A checkpoint directory holds:
 
 - ``meta.json``: format version, dtype, the layout (every tensor's name, shape,
-  chunk and offset), per-tensor optimizer step counts, optimizer hyper-parameters
-  per group, loss-scaler state, a CRC-32 and size per data file, and a SHA-256
-  of its own canonical form (``meta_sha256``), so a damaged offset or count is
-  refused instead of loading wrong weights;
+  chunk and offset), the optimizer whose state ``optim.bin`` holds
+  (``chunk_optimizer``: its name, front-end and state slots; a checkpoint loads
+  only into a model whose units are laid out for the same one), per-tensor
+  optimizer step counts, optimizer hyper-parameters per group, loss-scaler
+  state, a CRC-32 and size per data file, and a SHA-256 of its own canonical
+  form (``meta_sha256``), so a damaged offset or count is refused instead of
+  loading wrong weights;
 - ``param.bin``: every parameter chunk in the compute dtype, in chunk order;
 - ``optim.bin``: every trainable chunk's optimizer unit as it is stored (fp32
   master when the compute dtype is 16-bit, then the optimizer's state slots in
-  order: ``exp_avg``, then ``exp_avg_sq`` for Adam, in the stored format that
+  order: ``exp_avg``, then ``exp_avg_sq`` for Adam, ``exp_avg`` for Lion,
+  ``momentum_buffer`` for SGD, in the stored format that
   ``meta.json`` names as ``optimizer_state_dtype``: fp32, bf16, or int8 codes
   and their block scales; see
   :class:`infinity.optim.chunk_optimizer.ChunkOptimizer`). A checkpoint loads
@@ -34,10 +38,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 FORMAT = "infinity-checkpoint"
-VERSION = 3
+VERSION = 4
 # NOTE: version 1 has no meta_sha256; before version 3 there is no
-# optimizer_state_dtype (the states are fp32). Everything else is checked.
-READABLE_VERSIONS = (1, 2, 3)
+# optimizer_state_dtype (the states are fp32), before version 4 no
+# chunk_optimizer (the state is Adam's). Everything else is checked.
+READABLE_VERSIONS = (1, 2, 3, 4)
 META = "meta.json"
 META_CHECKSUM = "meta_sha256"
 PARAM_FILE = "param.bin"

@@ -63,7 +63,7 @@ def _match(engine: OffloadEngine, meta: CheckpointMeta) -> None:
             f"checkpoint stores optimizer states as {meta.optimizer_state_dtype!r} but the model "
             f"is offloaded with optimizer_state_dtype={stored!r}; offload with "
             f"optimizer_state_dtype={meta.optimizer_state_dtype!r} (to convert, load it so and "
-            "move the states through CPUAdam.state_dict() / load_state_dict())"
+            "move the states through the optimizer's state_dict() / load_state_dict())"
         )
     problems = []
     for entry in engine.registry.entries:

@@ -3,7 +3,7 @@
 A group is saved as its JSON-able hyper-parameters and the names of its
 parameters. On load every saved value must have the type of the value it
 replaces (a number for ``lr``, a pair of numbers for ``betas``, ...) and, for
-:class:`~infinity.optim.CPUAdam`, the range its constructor accepts, so
+an infinity optimizer (:class:`~infinity.optim.CPUOptimizer`), the range its constructor accepts, so
 ``lr: "fast"`` is refused at load rather than failing at the next step.
 """
 
@@ -15,8 +15,7 @@ import torch
 
 from infinity.checkpoint.format import META, CheckpointError
 from infinity.checkpoint.schema import SavedGroup, finite_number
-from infinity.optim.cpu_adam import CPUAdam
-from infinity.optim.hyper import AdamHyperParams
+from infinity.optim.front_end import CPUOptimizer
 from infinity.optim.registry import param_slot
 from infinity.runtime.engine import OffloadEngine
 
@@ -104,9 +103,9 @@ def hyper_updates(
             for key, value in entry.hyper.items()
             if key != "params"
         }
-        if isinstance(optimizer, CPUAdam):
+        if isinstance(optimizer, CPUOptimizer):
             try:
-                AdamHyperParams.from_group({**group, **values})
+                optimizer.hyper_of({**group, **values})
             except (KeyError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"{META}: optimizer group {g}: {exc}") from None
         updates.append((group, values))

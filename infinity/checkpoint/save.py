@@ -170,6 +170,11 @@ def _write_meta(
         "dtype": engine.config.dtype,
         "has_master": engine.plan.has_master,
         "optimizer_state_dtype": engine.chunk_optimizer.state_format.name,
+        "chunk_optimizer": {
+            "name": engine.chunk_optimizer.name,
+            "front_end": engine.chunk_optimizer.front_end,
+            "state_slots": list(engine.chunk_optimizer.state_slots),
+        },
         "step_count": engine.step_count,
         "tensors": tensors,
         "files": {PARAM_FILE: param_info, OPTIM_FILE: optim_info},

@@ -58,6 +58,7 @@ class CheckpointMeta:
     loss_scaler: dict[str, float | int] | None
     optimizer: list[SavedGroup] | None
     optimizer_state_dtype: str = "fp32"  # how optim.bin stores the state slots
+    chunk_optimizer: str = "adam"  # whose state slots optim.bin holds (ChunkOptimizer.name)
 
 
 def _bad(what: str, value: Any, expected: str) -> CheckpointError:
@@ -205,12 +206,35 @@ def _groups(value: Any) -> list[SavedGroup] | None:
     return groups
 
 
+def _check_optimizer(saved: Any, optimizer: ChunkOptimizer[Any]) -> None:
+    """Raise unless the checkpoint holds ``optimizer``'s state (``None``: written before
+    version 4, by Adam)."""
+    if saved is None:
+        slots = list(ADAM.state_slots)
+        saved = {"name": ADAM.name, "front_end": ADAM.front_end, "state_slots": slots}
+    record = _dict(saved, "chunk_optimizer", ("name", "front_end", "state_slots"))
+    name = _str(record["name"], "chunk_optimizer.name")
+    front_end = _str(record["front_end"], "chunk_optimizer.front_end")
+    listed = _list(record["state_slots"], "chunk_optimizer.state_slots")
+    slots = [_str(x, f"chunk_optimizer.state_slots[{k}]") for k, x in enumerate(listed)]
+    if name == optimizer.name and tuple(slots) == optimizer.state_slots:
+        return
+    raise CheckpointError(
+        f"checkpoint holds the optimizer state of {front_end or name!r} (slots "
+        f"{', '.join(slots)}), but this model's optimizer units are laid out for "
+        f"{optimizer.front_end or optimizer.name} (slots {', '.join(optimizer.state_slots)}): "
+        f"construct a {front_end or name} over the model and pass it to load_checkpoint, "
+        "or load the weights alone (infinity.load_pretrained)"
+    )
+
+
 def parse_meta(meta: dict[str, Any], optimizer: ChunkOptimizer[Any] = ADAM) -> CheckpointMeta:
     """Check every field of a parsed ``meta.json``; raise :class:`CheckpointError` if any is bad.
 
-    Optimizer units are ``optimizer.unit_bytes(capacity, has_master)`` long, with
-    the state slots in the checkpoint's ``optimizer_state_dtype`` (``"fp32"`` before
-    version 3).
+    ``optimizer`` is the chunk optimizer of the model loading it: the checkpoint
+    must hold its state (``chunk_optimizer``; Adam's before version 4). Units are
+    ``optimizer.unit_bytes(capacity, has_master)`` long, with the state slots in
+    the checkpoint's ``optimizer_state_dtype`` (``"fp32"`` before version 3).
     """
     meta = _dict(meta, "the file", ("dtype", "has_master", "step_count", "tensors", "files"))
     dtype = meta["dtype"]
@@ -220,6 +244,7 @@ def parse_meta(meta: dict[str, Any], optimizer: ChunkOptimizer[Any] = ADAM) -> C
     if has_master != (dtype != "fp32"):
         raise _bad("has_master", has_master, f"{dtype != 'fp32'} for dtype {dtype!r}")
     files = _files(meta["files"])
+    _check_optimizer(meta.get("chunk_optimizer"), optimizer)
     state_dtype = meta.get("optimizer_state_dtype", "fp32")
     if state_dtype not in optimizer.state_dtypes:
         raise _bad("optimizer_state_dtype", state_dtype, f"one of {list(optimizer.state_dtypes)}")
@@ -240,4 +265,5 @@ def parse_meta(meta: dict[str, Any], optimizer: ChunkOptimizer[Any] = ADAM) -> C
         loss_scaler=_scaler(meta.get("loss_scaler")),
         optimizer=_groups(meta.get("optimizer")),
         optimizer_state_dtype=state_dtype,
+        chunk_optimizer=optimizer.name,
     )

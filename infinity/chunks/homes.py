@@ -47,7 +47,12 @@ class HomeStore:
                 self._add((Kind.OPTIM, i), plan.optim_home[i], plan.optim_bytes(i))
         host_keys = [k for k, t in self._where.items() if t == HOST]
         self.arena = Arena("host", [self._nbytes[k] for k in host_keys], alloc_host)
-        self._host: dict[Key, torch.Tensor] = dict(zip(host_keys, self.arena.regions, strict=True))
+        # The regions as allocated; _host holds what each key uses of them.
+        self._regions: dict[Key, torch.Tensor] = dict(
+            zip(host_keys, self.arena.regions, strict=True)
+        )
+        self._host: dict[Key, torch.Tensor] = dict(self._regions)
+        self._reserved = dict(self._nbytes)  # bytes of each home as placed
         host_account.reserved += self.arena.reserved_bytes
         host_account.add(self.arena.reserved_bytes)
         self._offset: dict[Key, int] = {}
@@ -66,6 +71,21 @@ class HomeStore:
         assert tier in (HOST, NVME)
         self._where[key] = tier
         self._nbytes[key] = nbytes
+
+    def recut_units(self, plan: Plan) -> None:
+        """Use ``plan``, whose optimizer units are cut for another optimizer (same
+        homes, each unit no larger than its home: ``schedule/units.py``). Every
+        NVMe home keeps its offset; a unit uses the start of its home."""
+        for key in self._where:
+            if key[0] is not Kind.OPTIM:
+                continue
+            nbytes = plan.optim_bytes(key[1])
+            if nbytes > self._reserved[key]:
+                raise AssertionError(f"{key}: a unit of {nbytes} bytes in a home of fewer")
+            self._nbytes[key] = nbytes
+            if key in self._regions:
+                self._host[key] = self._regions[key][:nbytes]
+        self.plan = plan
 
     def keys(self) -> list[Key]:
         """Every (kind, chunk) that has a home."""

@@ -20,11 +20,12 @@ from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.cache import Copy, EvictionPolicy, TierCache
 from infinity.chunks.clock import Clock
 from infinity.chunks.gathers import InUse, gather_param, start_gathers
-from infinity.chunks.grad_flow import GradientFlow, chunk_key, typed
+from infinity.chunks.grad_flow import GradientFlow, chunk_key
+from infinity.chunks.grad_flow import typed as typed  # NOTE: re-exported (runtime uses it)
 from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.pools import SlabPool
-from infinity.chunks.span_access import SpanFill, write_initial_spans
+from infinity.chunks.span_access import SpanFill, write_initial
 from infinity.chunks.spans import first_span, is_split
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.transfers import ChainedTransfer
@@ -349,33 +350,17 @@ class ChunkManager:
                 self.staging[chunk_key(copy)[0]].remove(copy.key)
 
     def write_initial(self, i: int, values: torch.Tensor, *, background: bool = False) -> None:
-        """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``.
+        """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``
+        (see :func:`~infinity.chunks.span_access.write_initial`)."""
+        write_initial(self, i, values, background=background)
 
-        With ``background`` the NVMe writes are left in flight and their staging
-        copies cached (a slot waits for its write only when reused), so that
-        initialising a large model overlaps the disk with the next chunks' compute.
-        """
-        if is_split(self.plan, i):
-            write_initial_spans(self, i, values)
-            return
-        if self.plan.sharded:
-            # NOTE: like DDP, every rank starts from rank 0's values (ranks seeded
-            # alike agree anyway; ranks that were not must still train one model).
-            assert self.collectives is not None
-            self.collectives.broadcast(values, f"initialising chunk {i}")
-            start, end = self.plan.home_window(i)
-            values = values[start:end]
-        region, copy = self.open_host((Kind.PARAM, i), load=False)
-        typed(region, self.dtype).copy_(values)
-        self.close_host(copy, modified=True, keep=background)
-        if self.plan.grad_home[i] is None:
-            return
-        region, copy = self.open_host((Kind.OPTIM, i), load=False)
-        state = typed(region, torch.float32)
-        state.zero_()
-        if self.plan.has_master:
-            state[: values.numel()].copy_(values)
-        self.close_host(copy, modified=True, keep=background)
+    def recut_units(self, plan: Plan) -> None:
+        """Use ``plan``: the same layout and homes, optimizer units cut for another
+        optimizer (``schedule/units.py``)."""
+        self.synchronize()  # NOTE: every transfer landed: staged units are home
+        self.homes.recut_units(plan)
+        self.host.recut_units(plan)
+        self.plan = plan
 
     def synchronize(self) -> None:
         """Wait for every transfer in flight in every tier."""

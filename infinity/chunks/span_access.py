@@ -24,6 +24,7 @@ from infinity.core.layout import TensorSlot
 from infinity.core.names import HOST, Key, Kind
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
+from infinity.distributed import Collectives
 
 
 class ChunkManager(Protocol):
@@ -35,6 +36,7 @@ class ChunkManager(Protocol):
     backend: DeviceBackend
     homes: HomeStore
     host: HostStaging
+    collectives: Collectives | None
 
     def nbytes(self, key: Key) -> int: ...
     def open_host(
@@ -135,6 +137,38 @@ class SpanFill:
     def wait_for_compute(self) -> None:
         """Like :meth:`wait` (the spans' copies are waited for on the host)."""
         self.wait()
+
+
+def write_initial(
+    manager: ChunkManager, i: int, values: torch.Tensor, *, background: bool = False
+) -> None:
+    """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``.
+
+    With ``background`` the NVMe writes are left in flight and their staging
+    copies cached (a slot waits for its write only when reused), so that
+    initialising a large model overlaps the disk with the next chunks' compute.
+    """
+    plan = manager.plan
+    if is_split(plan, i):
+        write_initial_spans(manager, i, values)
+        return
+    if plan.sharded:
+        # NOTE: like DDP, every rank starts from rank 0's values (ranks seeded
+        # alike agree anyway; ranks that were not must still train one model).
+        assert manager.collectives is not None
+        manager.collectives.broadcast(values, f"initialising chunk {i}")
+        start, end = plan.home_window(i)
+        values = values[start:end]
+    region, copy = manager.open_host((Kind.PARAM, i), load=False)
+    region.view(manager.dtype).copy_(values)
+    manager.close_host(copy, modified=True, keep=background)
+    if plan.grad_home[i] is None:
+        return
+    region, copy = manager.open_host((Kind.OPTIM, i), load=False)
+    region.zero_()
+    if plan.has_master:
+        region[: values.numel() * 4].view(torch.float32).copy_(values)
+    manager.close_host(copy, modified=True, keep=background)
 
 
 def write_initial_spans(manager: ChunkManager, chunk: int, values: torch.Tensor) -> None:

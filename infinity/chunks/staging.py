@@ -77,6 +77,14 @@ class HostStaging:
         # Device -> host copies still landing in host homes (gradient flushes).
         self.home_fill: dict[Key, Pending] = {}
 
+    def recut_units(self, plan: Plan) -> None:
+        """Use ``plan`` (optimizer units cut for another optimizer): staged units, cut
+        the old way, are dropped (the caller waited for every transfer: they are home)."""
+        cache = self.caches[Kind.OPTIM]
+        for key in cache.keys():
+            cache.evict(key)
+        self.plan = plan
+
     def register(self, swap_file: SwapFile | None) -> str | None:
         """Register the staging slabs (every NVMe transfer lands in one) with the
         I/O engine; ``None`` when done, else why not."""

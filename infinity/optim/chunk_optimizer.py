@@ -11,8 +11,9 @@ on the I/O alignment. The planner sizes a unit from
 :meth:`ChunkOptimizer.unit_bytes`, the step cuts it with
 :meth:`ChunkOptimizer.unit_views`, the checkpoint finds a tensor's bytes with
 :meth:`ChunkOptimizer.tensor_ranges`, and :meth:`ChunkOptimizer.step` runs the
-update on one run of tensors. A second optimizer (SGD with momentum: one slot)
-is a subclass naming its slots and its kernel.
+update on one run of tensors. Another optimizer is a subclass naming its slots
+and its kernel (:mod:`infinity.optim.sgd` is the smallest), chosen by the
+front-end the user constructs (:mod:`infinity.optim.front_end`).
 """
 
 from __future__ import annotations
@@ -74,19 +75,26 @@ class UnitViews:
 class ChunkOptimizer(ABC, Generic[H]):
     """An optimizer whose per-element state is tensors shaped like the parameters."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # unique per kind: what engines and checkpoints compare
+    front_end: ClassVar[str] = ""  # the optimizer users construct, named in errors
     state_slots: ClassVar[tuple[str, ...]]  # names of the state tensors, in unit order
     state_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)  # storage formats step() handles
     state_format: StateFormat = StateFormat()
 
     def with_state_dtype(self, name: str) -> ChunkOptimizer[H]:
-        """This optimizer with its state slots stored as ``name`` (itself if unchanged)."""
+        """This optimizer with its state slots stored as ``name`` (itself if unchanged).
+
+        Raises ``ValueError`` naming the value, the formats this optimizer stores
+        and the fix (the engine raises it as a :class:`~infinity.config.ConfigError`).
+        """
         if name == self.state_format.name:
             return self
         if name not in self.state_dtypes:
+            who = self.front_end or repr(self.name)
             raise ValueError(
-                f"optimizer_state_dtype={name!r} is not supported by the {self.name!r} chunk "
-                f"optimizer; it stores {', '.join(map(repr, self.state_dtypes))}"
+                f"optimizer_state_dtype={name!r} is not supported by {who}: it stores its "
+                f"state as {' or '.join(map(repr, self.state_dtypes))}; offload with "
+                f"Config(optimizer_state_dtype={self.state_dtypes[0]!r})"
             )
         other = copy.copy(self)
         other.state_format = StateFormat(name)
@@ -170,6 +178,7 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
     """Adam / AdamW over chunks, on the fused CPU-Adam kernel (:func:`.kernels.adam_step`)."""
 
     name = "adam"
+    front_end = "infinity.optim.CPUAdam"
     state_slots = ("exp_avg", "exp_avg_sq")
     state_dtypes = ("fp32", "bf16", "int8")
 

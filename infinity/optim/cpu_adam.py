@@ -10,62 +10,21 @@ so checkpoints move between the two optimizers in both directions.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
 
 from infinity.optim import kernels, offloaded
+from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.optim.dense import check_dense_param, flat_buffers, step_dtype
+from infinity.optim.front_end import CPUOptimizer
 from infinity.optim.hyper import _TORCH_GROUP_DEFAULTS, AdamHyperParams
 
 __all__ = ["AdamHyperParams", "CPUAdam"]
 
 
-def _check_dense_param(p: torch.Tensor) -> None:
-    """Raise a clear error if CPUAdam cannot step ``p`` as a plain CPU tensor."""
-    if p.is_cpu is True and p.dtype is torch.float32 and p.layout is torch.strided:
-        return  # the common case, tested with the cheapest attributes
-    where = f"a parameter of shape {tuple(p.shape)}"
-    if p.device.type != "cpu":
-        raise ValueError(
-            f"CPUAdam updates parameters in CPU memory, but {where} is on '{p.device}'. "
-            "Keep the parameters on the CPU, or use infinity.offload(model, config), whose "
-            "chunks hold fp32 master copies in CPU memory."
-        )
-    if p.layout != torch.strided:
-        raise ValueError(f"CPUAdam needs dense parameters; {where} has layout {p.layout}")
-    if p.dtype in (torch.bfloat16, torch.float16):
-        raise TypeError(
-            f"CPUAdam keeps fp32 master parameters, but {where} is {str(p.dtype)[6:]}: updating "
-            "16-bit weights in place loses most small updates to rounding. Give CPUAdam fp32 "
-            "parameters (keep a 16-bit copy for compute), or use infinity.offload(model, "
-            "Config(dtype='bf16')), which keeps fp32 masters and writes 16-bit copies in the step."
-        )
-    if p.dtype != torch.float32:
-        raise TypeError(f"CPUAdam supports fp32 parameters only; {where} is {str(p.dtype)[6:]}")
-
-
-def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
-    """A 1-D view of ``t``'s elements in memory order, if they fill a gap-free block.
-
-    True for contiguous tensors and for permuted ones such as channels_last
-    weights; ``None`` for views with gaps, overlaps or negative strides.
-    """
-    if t.is_contiguous():
-        return t.view(-1)
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda ss: ss[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return None
-        expected *= size
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
-class CPUAdam(Optimizer):
+class CPUAdam(CPUOptimizer[AdamHyperParams]):
     """Adam/AdamW for CPU fp32 parameters, fused and vectorized (AVX-512/AVX2).
 
     A drop-in replacement for ``torch.optim.AdamW`` (default, ``adamw=True``)
@@ -124,24 +83,15 @@ class CPUAdam(Optimizer):
             "capturable": capturable,
             "differentiable": differentiable,
         }
-        AdamHyperParams.from_group(defaults)  # fail before touching any parameter
         super().__init__(params, defaults)
-        for engine in offloaded.engines(self.param_groups):
-            # overlap_optimizer=True steps chunks during backward with these groups.
-            engine.optimizer = weakref.ref(self)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (as torch does), validating its hyper-parameters and parameters."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            AdamHyperParams.from_group(group)
-            for p in group["params"]:
-                if offloaded.engine_of_param(p) is None:
-                    _check_dense_param(p)
-        except (TypeError, ValueError):
-            self.param_groups.pop()  # leave the optimizer as it was
-            raise
+    def hyper_of(self, group: dict[str, Any]) -> AdamHyperParams:
+        """The validated Adam hyper-parameters of one param group."""
+        return AdamHyperParams.from_group(group)
+
+    def make_chunk_optimizer(self) -> ChunkOptimizer[AdamHyperParams]:
+        """The fused Adam/AdamW kernel over fp32 master, ``exp_avg`` and ``exp_avg_sq``."""
+        return ADAM
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore from ``load_state_dict``, accepting torch Adam/AdamW checkpoints too."""
@@ -157,7 +107,7 @@ class CPUAdam(Optimizer):
             for p in group["params"]:
                 p_state = self.state.get(p)
                 if p_state and not torch.is_tensor(p_state.get("step")):
-                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=_step_dtype())
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=step_dtype())
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's optimizer state dict, plus ``decoupled_weight_decay`` in each group.
@@ -171,70 +121,7 @@ class CPUAdam(Optimizer):
         sd = super().state_dict()
         for group in sd["param_groups"]:
             group["decoupled_weight_decay"] = bool(group["adamw"])
-        offloaded.add_offloaded_state(self.param_groups, sd)
         return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's; the moments of offloaded parameters go into their chunks.
-
-        A state dict that does not fit (another model's shapes, other groups)
-        raises and changes nothing.
-        """
-        state_dict = dict(state_dict)
-        taken = offloaded.take_offloaded_state(self.param_groups, state_dict)
-        super().load_state_dict(state_dict)
-        offloaded.put_offloaded_state(taken)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Update every parameter that has a gradient; return ``closure()``'s loss if given.
-
-        ``closure`` (optional) re-evaluates the model and returns the loss; it
-        runs with gradients enabled before the update, as in torch.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            self._step_dense(group)
-        for engine, hyper in offloaded.offloaded_hyper(self.param_groups).items():
-            engine.optimizer_step(hyper)
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's; gradients of offloaded parameters are always dropped (set to None)."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if offloaded.engine_of_param(p) is not None:
-                    p.grad = None
-        super().zero_grad(set_to_none=set_to_none)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call ``backward()`` on: times the fp16 loss scale of offloaded models.
-
-        ``optimizer.scale_loss(loss).backward()`` works for every dtype (bf16 and
-        fp32 models return ``loss`` unchanged); fp16 models need it. ``step()``
-        removes the scale again and skips the step (halving the scale) when a
-        gradient overflowed.
-        """
-        return offloaded.scale_loss(self.param_groups, loss)
-
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """Clip the gradients of all this optimizer's parameters by their total norm;
-        returns the norm (before clipping).
-
-        An alias of ``torch.nn.utils.clip_grad_norm_(params, max_norm, ...)`` over
-        every parameter of every group, which works on offloaded parameters too:
-        their norms come from the gradient chunks and the clip factor is applied
-        inside the next step's fused kernel.
-        """
-        params = [p for group in self.param_groups for p in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(
-            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
-        )
 
     def _step_dense(self, group: dict[str, Any]) -> None:
         """Step the plain CPU tensors of one param group in one native multi-tensor call."""
@@ -253,7 +140,7 @@ class CPUAdam(Optimizer):
                 raise RuntimeError(
                     "CPUAdam does not support sparse gradients; use torch.optim.SparseAdam"
                 )
-            _check_dense_param(p)
+            check_dense_param("CPUAdam", p)
             if grad.shape != p.shape:
                 raise ValueError(
                     f"gradient of shape {tuple(grad.shape)} does not match its parameter "
@@ -261,10 +148,10 @@ class CPUAdam(Optimizer):
                 )
             state = self.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=_step_dtype())
+                state["step"] = torch.tensor(0.0, dtype=step_dtype())
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            flats = _flat_buffers(p, grad, state["exp_avg"], state["exp_avg_sq"])
+            flats = flat_buffers(p, grad, state["exp_avg"], state["exp_avg_sq"])
             if flats is None:
                 others.append((p, grad, state))
                 continue
@@ -283,35 +170,6 @@ class CPUAdam(Optimizer):
         for p, grad, state in others:
             _step_copies(p, grad, state, int(state["step"].item()) + 1, kwargs)
             state["step"] += 1
-
-
-def _step_dtype() -> torch.dtype:
-    # NOTE: torch keeps `step` as a CPU float tensor (float64 under a float64
-    # default dtype); matching it keeps state dicts interchangeable.
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def _flat_buffers(
-    p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
-) -> list[torch.Tensor] | None:
-    """The tensors as flat views of their memory, if the kernel can update them in place.
-
-    True when all are contiguous, or all share one gap-free layout (e.g.
-    channels_last): then element i of each view is the same logical element.
-    """
-    if (
-        p.is_contiguous()
-        and grad.is_contiguous()
-        and exp_avg.is_contiguous()
-        and exp_avg_sq.is_contiguous()
-    ):
-        return [p, grad, exp_avg, exp_avg_sq]
-    tensors = (p, grad, exp_avg, exp_avg_sq)
-    first = tensors[0].stride()
-    if any(t.stride() != first for t in tensors):
-        return None
-    flats = [_flat_memory(t) for t in tensors]
-    return None if any(f is None for f in flats) else flats  # type: ignore[return-value]
 
 
 def _step_copies(

@@ -1,4 +1,5 @@
-"""Adam hyper-parameters of one param group, validated once per step."""
+"""Adam hyper-parameters of one param group, validated once per step (and
+:func:`hyper_value`, the check every optimizer's hyper-parameters use)."""
 
 from __future__ import annotations
 
@@ -58,11 +59,11 @@ class AdamHyperParams:
         if len(betas) != 2:
             raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
         return cls(
-            lr=_hyper("lr", group["lr"], low=0.0),
-            beta1=_hyper("betas[0]", betas[0], low=0.0, high=1.0),
-            beta2=_hyper("betas[1]", betas[1], low=0.0, high=1.0),
-            eps=_hyper("eps", group["eps"], low=0.0),
-            weight_decay=_hyper("weight_decay", group["weight_decay"], low=0.0),
+            lr=hyper_value("lr", group["lr"], low=0.0),
+            beta1=hyper_value("betas[0]", betas[0], low=0.0, high=1.0),
+            beta2=hyper_value("betas[1]", betas[1], low=0.0, high=1.0),
+            eps=hyper_value("eps", group["eps"], low=0.0),
+            weight_decay=hyper_value("weight_decay", group["weight_decay"], low=0.0),
             adamw=bool(group["adamw"]),
         )
 
@@ -78,7 +79,9 @@ class AdamHyperParams:
         }
 
 
-def _hyper(name: str, value: Any, *, low: float, high: float | None = None) -> float:
+def hyper_value(name: str, value: Any, *, low: float, high: float | None = None) -> float:
+    """``value`` (a number or a 1-element tensor) as a float in ``[low, high)``; a
+    ``ValueError`` naming ``name`` and the range otherwise."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(

@@ -1,4 +1,5 @@
-"""Argument checks of the fused CPU-Adam entry points (:mod:`infinity.optim.kernels`).
+"""Argument checks of the fused CPU kernels' entry points (Adam: :mod:`infinity.optim.kernels`,
+Lion: :mod:`infinity.optim.lion_kernel`).
 
 Every argument is validated in Python with an error that names it, so a bad
 tensor never reaches the native code as a bad pointer
@@ -31,17 +32,19 @@ def check_tensor(
     dtypes: tuple[torch.dtype, ...],
     numel: int | None,
     reference: str = "master",
+    fn: str = "adam_step",
 ) -> int:
-    """Check one buffer; return its numel (which must equal ``numel`` if given)."""
+    """Check one buffer of kernel ``fn``; return its numel (which must equal ``numel``
+    if given)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.is_cpu is not True:
         raise ValueError(
-            f"{name} is on device '{t.device}'; adam_step updates CPU tensors only "
+            f"{name} is on device '{t.device}'; {fn} updates CPU tensors only "
             "(move the buffers to CPU memory first)"
         )
     if t.layout is not torch.strided:
-        raise ValueError(f"{name} has layout {t.layout}; adam_step needs dense (strided) tensors")
+        raise ValueError(f"{name} has layout {t.layout}; {fn} needs dense (strided) tensors")
     if t.dtype not in dtypes:
         expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(
@@ -50,7 +53,7 @@ def check_tensor(
     if not t.is_contiguous():
         raise ValueError(
             f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
-            "adam_step treats buffers as flat memory, pass .contiguous() tensors"
+            f"{fn} treats buffers as flat memory, pass .contiguous() tensors"
         )
     n = t.numel()
     if numel is not None and n != numel:
@@ -60,13 +63,15 @@ def check_tensor(
     return n
 
 
-def check_disjoint(buffers: tuple[tuple[str, torch.Tensor], ...]) -> None:
+def check_disjoint(buffers: tuple[tuple[str, torch.Tensor], ...], fn: str = "adam_step") -> None:
+    """Raise naming two of ``buffers`` that overlap in memory (kernel ``fn`` reads and
+    writes them in one pass)."""
     end, previous = 0, ""
     for start, size, name in sorted([(t.data_ptr(), t.nbytes, name) for name, t in buffers]):
         if size:
             if start < end:
                 raise ValueError(
-                    f"{previous} and {name} overlap in memory; adam_step needs separate "
+                    f"{previous} and {name} overlap in memory; {fn} needs separate "
                     "buffers (it reads and writes them in one pass)"
                 )
             end, previous = start + size, name

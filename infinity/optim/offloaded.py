@@ -1,4 +1,5 @@
-"""What :class:`~infinity.optim.CPUAdam` does with parameters of offloaded models.
+"""What the optimizer front-ends (:mod:`infinity.optim.front_end`) do with parameters
+of offloaded models.
 
 A parameter belongs to an offloaded model when ``infinity.offload`` registered
 it with its engine (:mod:`infinity.optim.registry`). Such parameters have no
@@ -9,23 +10,25 @@ and fp16 loss scaling is the engine's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
-from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.registry import engine_of_param, param_slot
 from infinity.optim.stepper import ChunkStepper, MomentState
 
 __all__ = ["ChunkStepper", "MomentState", "engine_of_param"]
 
+H = TypeVar("H")
+
 
 def offloaded_hyper(
-    param_groups: Iterable[dict[str, Any]],
-) -> dict[ChunkStepper, dict[int, AdamHyperParams]]:
-    """For each engine, the hyper-parameters of every offloaded parameter (by tensor index)."""
-    out: dict[ChunkStepper, dict[int, AdamHyperParams]] = {}
+    param_groups: Iterable[dict[str, Any]], hyper_of: Callable[[dict[str, Any]], H]
+) -> dict[ChunkStepper, dict[int, H]]:
+    """For each engine, the hyper-parameters (``hyper_of(group)``, validated once per
+    group) of every offloaded parameter, by tensor index."""
+    out: dict[ChunkStepper, dict[int, H]] = {}
     for group in param_groups:
         hyper = None
         for p in group["params"]:
@@ -33,7 +36,7 @@ def offloaded_hyper(
             if slot is None:
                 continue
             if hyper is None:
-                hyper = AdamHyperParams.from_group(group)
+                hyper = hyper_of(group)
             out.setdefault(slot.engine, {})[slot.tensor_index] = hyper
     return out
 
@@ -99,8 +102,7 @@ def take_offloaded_state(
                 continue
             value = state.pop(key, None)
             if value is not None:
-                slots = slot.engine.chunk_optimizer.state_slots
-                value = (int(value["step"]), {name: value[name] for name in slots})
+                value = _moment_state(value, slot.engine.chunk_optimizer.state_slots, key)
             taken.setdefault(slot.engine, {})[slot.tensor_index] = value
     for engine, values in taken.items():
         engine.check_moments(values)
@@ -111,3 +113,20 @@ def put_offloaded_state(taken: dict[ChunkStepper, dict[int, MomentState | None]]
     """Write what :func:`take_offloaded_state` took into the engines' chunks."""
     for engine, values in taken.items():
         engine.write_moments(values)
+
+
+def _moment_state(value: dict[str, Any], slots: tuple[str, ...], key: object) -> MomentState:
+    """One parameter's entry of a torch state dict as ``(step, {slot: tensor})``.
+
+    NOTE: ``torch.optim.SGD`` keeps no ``step`` (its momentum buffer exists from
+    the first step on: a step count of 1 means the same), and ``None`` for the
+    buffer when ``momentum=0``: a missing value is zeros, as a fresh state.
+    """
+    missing = [name for name in slots if name not in value]
+    if missing:
+        raise ValueError(
+            f"optimizer state of parameter {key} has no {missing[0]!r} (it has "
+            f"{sorted(value)}): the state dict is from another optimizer"
+        )
+    step = int(value["step"]) if "step" in value else 1
+    return step, {name: value[name] for name in slots if value[name] is not None}

@@ -32,6 +32,7 @@ __all__ = [
     "StateFormat",
     "StoredSlot",
     "read_moments",
+    "read_slot",
     "write_moments",
 ]
 
@@ -144,18 +145,19 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def read_slot(slot: StoredSlot, signed: bool) -> torch.Tensor:
+    """A new fp32 copy of one stored state tensor (int8: signed or unsigned codes)."""
+    if slot.scale is None:
+        return slot.data.to(torch.float32, copy=True)
+    values = torch.empty(slot.data.numel(), dtype=torch.float32)
+    n = slot.data.numel()
+    native().adam.q8_decode(_ptr(slot.data), _ptr(slot.scale), _ptr(values), n, signed)
+    return values
+
+
 def read_moments(exp_avg: StoredSlot, exp_avg_sq: StoredSlot) -> tuple[torch.Tensor, torch.Tensor]:
     """New fp32 copies of a pair of stored moments (first, second)."""
-    out = []
-    for slot, signed in ((exp_avg, True), (exp_avg_sq, False)):
-        if slot.scale is None:
-            out.append(slot.data.to(torch.float32, copy=True))
-            continue
-        values = torch.empty(slot.data.numel(), dtype=torch.float32)
-        n = slot.data.numel()
-        native().adam.q8_decode(_ptr(slot.data), _ptr(slot.scale), _ptr(values), n, signed)
-        out.append(values)
-    return out[0], out[1]
+    return read_slot(exp_avg, signed=True), read_slot(exp_avg_sq, signed=False)
 
 
 def write_moments(

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
 
 from infinity.optim.chunk_optimizer import ChunkOptimizer
-from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
 
-# A tensor's step count and its optimizer state by slot name (Adam: exp_avg, exp_avg_sq).
+# A tensor's step count and its optimizer state by slot name (Adam: exp_avg, exp_avg_sq;
+# a slot left out is zeros).
 MomentState = tuple[int, dict[str, torch.Tensor]]
 
 
@@ -23,13 +23,23 @@ class ChunkStepper(Protocol):
     """
 
     scaler: LossScaler | None  # fp16 only
-    optimizer: Callable[[], Any] | None  # weak reference to the optimizer holding the model
-    chunk_optimizer: ChunkOptimizer[Any]  # the per-element optimizer its chunks are laid out for
+
+    @property
+    def chunk_optimizer(self) -> ChunkOptimizer[Any]:
+        """The per-element optimizer its optimizer units are laid out for."""
+        ...
+
+    def use_optimizer(
+        self, chunk_optimizer: ChunkOptimizer[Any], owner: str, ref: Callable[[], Any]
+    ) -> None:
+        """Lay the optimizer units out for ``chunk_optimizer`` (of the optimizer
+        ``owner``, held weakly by ``ref``: the one whose groups early steps use);
+        raises naming both if the model already holds another optimizer's state."""
 
     def note_loss_scaled(self) -> None:
         """The loss of the coming backward was multiplied by the fp16 loss scale."""
 
-    def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
+    def optimizer_step(self, hyper_by_index: Mapping[int, object]) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
         ...
 

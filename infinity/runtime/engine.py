@@ -19,8 +19,8 @@ before it (one dependency direction, none knows the engine):
   arrival, start and end of backward.
 
 The engine itself handles the forward side (a module starts or ends, autograd
-saves or unpacks a weight view) and keeps the methods hooks, ``CPUAdam``,
-state access and checkpoints call.
+saves or unpacks a weight view) and keeps the methods hooks, the optimizer
+front-ends (``CPUAdam``, ``CPUSGD``, ``CPULion``), state access and checkpoints call.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -42,21 +42,21 @@ from infinity.chunks.manager import ChunkManager
 from infinity.chunks.states import TensorState
 from infinity.config import Config
 from infinity.core.names import Phase
+from infinity.core.plan import Plan
 from infinity.devices.factory import make_backend
 from infinity.distributed import Collectives, resolve_world
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
-from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.stepper import MomentState
 from infinity.runtime.budgets import DTYPE_OF, plan_for
-from infinity.runtime.errors import ModelChangedError
 from infinity.runtime.fetcher import ParamFetcher
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.grad_norms import GradientNorms
 from infinity.runtime.gradients import GradientSink
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.offloaded_step import ChunkWork
-from infinity.runtime.params import ParamEntry, ParamRegistry, is_placeholder, tensor_index
+from infinity.runtime.optimizer_binding import lay_out_units
+from infinity.runtime.params import ParamEntry, ParamRegistry, check_model, tensor_index
 from infinity.runtime.stepping import UpdatePipeline
 from infinity.runtime.swap import (
     close_activation_store,
@@ -85,25 +85,25 @@ class OffloadEngine:
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
         prepare_nvme(config)
-        # The per-element optimizer the chunks are laid out for (CPUAdam's Adam).
-        self.chunk_optimizer: ChunkOptimizer[Any] = ADAM.with_state_dtype(
-            config.optimizer_state_dtype
-        )
+        # See NOTE [units planned for Adam]: the homes of the optimizer units are planned
+        # at offload, before the user constructs an optimizer, for Adam's (the
+        # largest of infinity.optim's); the optimizer constructed over the model
+        # re-cuts them for its own state (use_optimizer).
+        planned: ChunkOptimizer[Any] = ADAM.with_state_dtype(config.optimizer_state_dtype)
         # Data parallel: the processes every chunk is sharded over (one: unsharded).
         self.world = resolve_world(config.process_group)
         self.collectives = Collectives(self.world)
-        self.plan = plan_for(
-            self.registry, config, self.device, self.chunk_optimizer, world=self.world
-        )
-        self.layout = self.plan.layout
-        self.swap = open_swap(config, self.plan.nvme_bytes)
+        plan = plan_for(self.registry, config, self.device, planned, world=self.world)
+        self.home_plan = plan  # the homes as allocated (units sized for `planned`)
+        self.layout = plan.layout
+        self.swap = open_swap(config, plan.nvme_bytes)
         # Frees the threads and the swap file when the model is collected (or at
         # exit) if close() was not called; it holds no reference to the model.
         self._release = weakref.finalize(model, release, self.backend, self.swap)
         self.policy = TraceDrivenPolicy()
         try:
             self.manager = ChunkManager(
-                self.plan,
+                plan,
                 self.dtype,
                 self.backend,
                 self.swap,
@@ -123,7 +123,7 @@ class OffloadEngine:
         self.manager.grad_flow.check_overflow = self.scaler is not None
         self.manager.grad_flow.consume_grads = self.overlap
         self.chunks = ModelChunks(
-            self.registry, self.plan, self.manager, self.dtype, self.device, self.chunk_optimizer
+            self.registry, plan, self.manager, self.dtype, self.device, planned
         )
         self.trace = TraceRecorder()
         self.queue = UpdateQueue(self.chunks, self.trace)
@@ -144,7 +144,7 @@ class OffloadEngine:
         )
         # activations="offload": where saved tensors go (pack/unpack below).
         self.activations = open_activation_store(
-            config, self.plan, self.backend, self.manager.host_account.reserved
+            config, plan, self.backend, self.manager.host_account.reserved
         )
         if self.activations is not None:
             self.chunks.activation_bytes = self.activations.tier_bytes
@@ -172,12 +172,28 @@ class OffloadEngine:
 
     # --- what other layers read or set ---------------------------------------------------
     @property
+    def plan(self) -> Plan:
+        """Where every chunk lives, with the optimizer units as the optimizer cuts them."""
+        return self.chunks.plan
+
+    @property
+    def chunk_optimizer(self) -> ChunkOptimizer[Any]:
+        """The per-element optimizer the optimizer units are laid out for."""
+        return self.chunks.chunk_optimizer
+
+    @property
     def optimizer(self) -> Callable[[], Any] | None:
-        """Weak reference to the CPUAdam holding this model's parameters (it sets it)."""
+        """Weak reference to the optimizer holding this model's parameters (the last
+        one constructed over them: :meth:`use_optimizer`)."""
         return self.pipeline.optimizer
 
-    @optimizer.setter
-    def optimizer(self, ref: Callable[[], Any] | None) -> None:
+    def use_optimizer(
+        self, chunk_optimizer: ChunkOptimizer[Any], owner: str, ref: Callable[[], Any]
+    ) -> None:
+        """An optimizer ``owner`` (held weakly by ``ref``) was constructed over this
+        model: lay the units out for its ``chunk_optimizer`` (see
+        :func:`~infinity.runtime.optimizer_binding.lay_out_units`)."""
+        lay_out_units(self.chunks, self.home_plan, self.queue, chunk_optimizer, owner, self.config)
         self.pipeline.optimizer = ref
 
     @property
@@ -233,7 +249,7 @@ class OffloadEngine:
         """Tensor hook of a parameter, run before its AccumulateGrad."""
         self.sink.before_grad(grad)
 
-    def optimizer_step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
+    def optimizer_step(self, hyper_by_index: Mapping[int, object]) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
         return self.pipeline.step(hyper_by_index)
 
@@ -314,7 +330,7 @@ class OffloadEngine:
         will save fits (``shape``: its batch and sequence), start a new iteration."""
         self.manager.check_io()
         self.queue.check_failed()
-        self._check_model()
+        check_model(self.registry, self.dtype, self.device, self._param_count)
         if self.sink.running and torch._C._current_graph_task_id() == -1:
             # A backward that never finished (interrupted, or an exception inside
             # it): its end-of-backward callback will not come, so settle it now.
@@ -363,27 +379,6 @@ class OffloadEngine:
         self.chunks.sample(Phase.BACKWARD, chunk)
         self.fetcher.prefetch()
         return torch.as_strided(alias.view(dtype), shape, stride, offset)
-
-    def _check_model(self) -> None:
-        """Refuse to run if parameters were swapped, added or converted after offload."""
-        for entry in self.registry.entries:
-            data = entry.param.data
-            if not is_placeholder(data) or data.dtype != self.dtype or data.device != self.device:
-                raise ModelChangedError(
-                    f"parameter {entry.name!r} was changed after infinity.offload() "
-                    f"(now {data.dtype} on {data.device}); move or convert the model before "
-                    "offloading it, not after"
-                )
-        count = sum(1 for _ in self._root_parameters())
-        if count != self._param_count:
-            raise ModelChangedError(
-                f"the model now has {count} parameters but had {self._param_count} when it was "
-                "offloaded; build the final model first, then call infinity.offload()"
-            )
-
-    def _root_parameters(self) -> Iterator[nn.Parameter]:
-        root = next(m for m, parent in self.registry.parents.items() if parent is None)
-        return root.parameters()
 
     def close(self) -> None:
         """Wait for transfers, release threads and remove the swap file (idempotent)."""

@@ -3,7 +3,7 @@
 For every trainable chunk with gradients: bring its gradient, its optimizer
 unit (fp32 master + state slots) and its parameter chunk to host memory
 (straight from their homes, or staged from NVMe), run the engine's
-``chunk_optimizer`` (the fused CPU-Adam kernel) over each *run* of tensors
+``chunk_optimizer`` (the optimizer's fused kernel) over each *run* of tensors
 that share hyper-parameters and step count, write back what changed, and
 drop the now-stale device copy of the parameters.
 
@@ -14,7 +14,7 @@ Tensors without a gradient are skipped exactly as ``torch.optim`` skips
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +24,13 @@ from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
 from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
-from infinity.optim.hyper import AdamHyperParams
 from infinity.runtime.oversize_step import step_chunk_in_spans
 from infinity.runtime.step_context import Run, StepContext, step_runs
 
 
 def plan_runs(
     members: list[tuple[int, int, int]],
-    hyper_of: Callable[[int], AdamHyperParams | None],
+    hyper_of: Callable[[int], object | None],
     step_of: Callable[[int], int],
 ) -> tuple[list[Run], bool]:
     """Group a chunk's tensors into runs; ``members`` are (tensor index, offset, numel).
@@ -40,7 +39,7 @@ def plan_runs(
     break there and wherever hyper-parameters or step counts change. Returns
     the runs and whether every tensor is updated: then the runs are stretched
     over the gaps between them, from element 0 to the end of the last tensor
-    (gaps hold zeros, which Adam keeps at zero), and the old parameter values
+    (gaps hold zeros, which every optimizer keeps at zero), and the old parameter values
     need not be read. The chunk's empty tail is left out: updating zeros
     would only cost time.
     """
@@ -131,7 +130,7 @@ class ChunkWork:
 
 
 def plan_chunk(
-    engine: StepContext, chunk: int, hyper_by_index: dict[int, AdamHyperParams]
+    engine: StepContext, chunk: int, hyper_by_index: Mapping[int, object]
 ) -> ChunkWork | None:
     """The update of ``chunk``, or ``None`` if none of its tensors has a gradient."""
     members = tuple(
@@ -139,7 +138,7 @@ def plan_chunk(
         for e in engine.chunk_members[chunk]
     )
 
-    def hyper_of(index: int) -> AdamHyperParams | None:
+    def hyper_of(index: int) -> object | None:
         return hyper_by_index.get(index) if engine.has_grad[index] else None
 
     runs, covered = plan_runs(list(members), hyper_of, engine.tensor_steps.__getitem__)
@@ -188,7 +187,7 @@ def run_works(engine: StepContext, works: list[ChunkWork], grad_scale: float) ->
 
 
 def plan_works(
-    engine: StepContext, hyper_by_index: dict[int, AdamHyperParams], skip: set[int]
+    engine: StepContext, hyper_by_index: Mapping[int, object], skip: set[int]
 ) -> list[ChunkWork]:
     """The updates of one optimizer step: every trainable chunk not in ``skip`` (handled)."""
     works = []

@@ -1,7 +1,7 @@
-"""Optimizer states (Adam: the moments) and step counts of offloaded parameters,
-as torch's optimizer state.
+"""Optimizer states (Adam: the moments; each optimizer's state slots) and step counts
+of offloaded parameters, as torch's optimizer state.
 
-``CPUAdam.state_dict()`` / ``load_state_dict()`` use this so that loops which
+The optimizers' ``state_dict()`` / ``load_state_dict()`` use this so that loops which
 save and restore the optimizer themselves (``transformers.Trainer``
 checkpoints, Accelerate's ``save_state``) keep the moments of offloaded
 parameters. Values are copied chunk by chunk from the optimizer-state units
@@ -64,8 +64,8 @@ def check_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
             raise ValueError(f"optimizer state for {entry.name}, which is frozen (no moments)")
         shape = engine.layout.slots[i].shape
         for key in engine.chunk_optimizer.state_slots:
-            moment = states[key]
-            if tuple(moment.shape) != tuple(shape):
+            moment = states.get(key)  # NOTE: absent: zeros (torch.optim.SGD's None buffer)
+            if moment is not None and tuple(moment.shape) != tuple(shape):
                 raise ValueError(
                     f"optimizer state {key} of {entry.name} has shape {tuple(moment.shape)}, the "
                     f"parameter has {tuple(shape)}: the state dict is from another model"
@@ -97,7 +97,8 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
                     engine.tensor_steps[i] = 0
                     continue
                 step, states = value
-                optimizer.write_state(unit, span, states)
+                full = _complete(optimizer.state_slots, states, slot.numel)
+                optimizer.write_state(unit, span, full)
                 engine.tensor_steps[i] = step
         finally:
             close_whole(engine.manager, copy, modified=True)
@@ -147,10 +148,8 @@ def _write_split(engine: ModelChunks, chunk: int, values: dict[int, MomentState 
         slot = engine.layout.slots[i]
         step, states = value if value is not None else (0, None)
         flat = {
-            name: torch.zeros(slot.numel)
-            if states is None
-            else states[name].reshape(-1).to(torch.float32)
-            for name in optimizer.state_slots
+            name: values.reshape(-1).to(torch.float32)
+            for name, values in _complete(optimizer.state_slots, states or {}, slot.numel).items()
         }
         spans = _each_span_unit(engine, chunk, slot.offset, slot.offset + slot.numel)
         for into, span, unit, copy in spans:
@@ -159,3 +158,10 @@ def _write_split(engine: ModelChunks, chunk: int, values: dict[int, MomentState 
             finally:
                 engine.manager.close_host(copy, modified=True)
         engine.tensor_steps[i] = step
+
+
+def _complete(
+    slots: tuple[str, ...], states: dict[str, torch.Tensor], numel: int
+) -> dict[str, torch.Tensor]:
+    """``states`` with zeros for every slot it leaves out."""
+    return {name: states[name] if name in states else torch.zeros(numel) for name in slots}

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from infinity.chunks.layout import ChunkLayout, TensorInfo
+from infinity.runtime.errors import ModelChangedError
 
 _NAN_CELLS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -137,3 +138,25 @@ class ParamRegistry:
     def entry(self, param: torch.Tensor) -> ParamEntry | None:
         """The entry of ``param`` if it belongs to the model."""
         return self.by_id.get(id(param))
+
+
+def check_model(
+    registry: ParamRegistry, dtype: torch.dtype, device: torch.device, count: int
+) -> None:
+    """Refuse to run if parameters were swapped, added or converted after offload
+    (``count``: the parameters the model had then)."""
+    for entry in registry.entries:
+        data = entry.param.data
+        if not is_placeholder(data) or data.dtype != dtype or data.device != device:
+            raise ModelChangedError(
+                f"parameter {entry.name!r} was changed after infinity.offload() "
+                f"(now {data.dtype} on {data.device}); move or convert the model before "
+                "offloading it, not after"
+            )
+    root = next(m for m, parent in registry.parents.items() if parent is None)
+    now = sum(1 for _ in root.parameters())
+    if now != count:
+        raise ModelChangedError(
+            f"the model now has {now} parameters but had {count} when it was "
+            "offloaded; build the final model first, then call infinity.offload()"
+        )

@@ -16,7 +16,6 @@ from infinity.chunks.manager import ChunkManager
 from infinity.core.names import Phase
 from infinity.core.plan import Plan
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
-from infinity.optim.hyper import AdamHyperParams
 from infinity.runtime.params import ParamEntry
 
 
@@ -52,7 +51,7 @@ class Run:
 
     start: int
     end: int
-    hyper: AdamHyperParams
+    hyper: object  # the optimizer's hyper-parameters (compared by value)
     step: int
 
 

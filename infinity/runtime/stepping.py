@@ -1,4 +1,4 @@
-"""The update pipeline: what ``CPUAdam`` asks of an offloaded model's engine.
+"""The update pipeline: what the optimizer front-ends ask of an offloaded model's engine.
 
 A component of :class:`~infinity.runtime.engine.OffloadEngine`: it plans the
 step over chunks and hands the work to the
@@ -10,12 +10,11 @@ loss-scale state, and reads and writes the optimizer state as torch's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from infinity.optim.hyper import AdamHyperParams
 from infinity.optim.loss_scale import LossScaler
-from infinity.optim.offloaded import MomentState, offloaded_hyper
+from infinity.optim.offloaded import MomentState
 from infinity.optim.registry import engine_of_param
 from infinity.runtime import optim_state
 from infinity.runtime.grad_ledger import GradientLedger
@@ -27,7 +26,11 @@ from infinity.runtime.update_queue import UpdateQueue
 
 
 class UpdatePipeline:
-    """Optimizer steps of offloaded parameters (called by ``CPUAdam`` through the engine)."""
+    """Optimizer steps of offloaded parameters (called by the optimizer through the engine).
+
+    Hyper-parameters are the optimizer's own objects (``CPUOptimizer.hyper_of``),
+    handed to the chunk optimizer unread: equal ones share a kernel call.
+    """
 
     def __init__(
         self,
@@ -47,16 +50,16 @@ class UpdatePipeline:
         self.step_count = 0
         self.step_timer = StepTimer(self.manager.traffic)
         self.loss_scale = Lifecycle(LossScale.UNSCALED, LEGAL_LOSS_SCALE, "loss scale")
-        # Weak reference to the CPUAdam holding this model's parameters (it registers).
+        # Weak reference to the optimizer holding this model's parameters (it registers).
         self.optimizer: Callable[[], Any] | None = None
         # overlap_optimizer: the hyper-parameters of this backward's early steps.
-        self._early_hyper: dict[int, AdamHyperParams] | None = None
+        self._early_hyper: Mapping[int, object] | None = None
 
     def note_loss_scaled(self) -> None:
         """The loss of the coming backward was multiplied by the fp16 loss scale."""
         self.loss_scale.move(LossScale.SCALED)
 
-    def step(self, hyper_by_index: dict[int, AdamHyperParams]) -> bool:
+    def step(self, hyper_by_index: Mapping[int, object]) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it.
 
         Gradients are multiplied by their pending factor (gradient clipping, see
@@ -110,11 +113,11 @@ class UpdatePipeline:
             # NOTE: the optimizer groups hyper-parameters by engine: this model's
             # is found through the registry, never held here.
             engine = engine_of_param(self.chunks.registry.entries[0].param)
-            hyper = offloaded_hyper(optimizer.param_groups)
+            hyper = optimizer.offloaded_hyper()  # a CPUOptimizer (infinity.optim.front_end)
             self._early_hyper = hyper.get(engine, {}) if engine is not None else {}
         self.queue.add_early(chunk, plan_chunk(self.chunks, chunk, self._early_hyper))
 
-    # --- optimizer state, as torch's (CPUAdam.state_dict / load_state_dict) -------------
+    # --- optimizer state, as torch's (optimizer.state_dict / load_state_dict) -----------
     def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
         """Copies of the moments of the tensors ``indices`` stepped at least once."""
         self.queue.settle()

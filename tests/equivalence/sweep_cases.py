@@ -4,7 +4,8 @@ A :class:`Case` combines the features that interact: world size, the device
 and host budgets (as fractions of what the model needs, so that every kind of
 chunk lands on each tier across cases), tied or untied embeddings, compute
 dtype, gradient accumulation, clipping, the overlapped step, the optimizer
-state dtype and the chunk size. :func:`draw` makes cases from a seed;
+(Adam, Lion, SGD with Nesterov momentum), its state dtype and the chunk size.
+:func:`draw` makes cases from a seed;
 :data:`EXAMPLES` are cases that once failed (each says which bug), kept
 verbatim so that they run in every ``make test``.
 
@@ -25,6 +26,8 @@ from dataclasses import asdict, dataclass
 WORLDS = (1, 2)
 DTYPES = ("fp32", "bf16")
 STATE_DTYPES = ("fp32", "bf16", "int8")
+# The optimizer constructed over the model (sweep_optimizers.py); SGD stores fp32 only.
+OPTIMIZERS = ("adam", "adam", "lion", "sgd")
 CHUNK_SIZES = ("auto", "16KiB", "40KiB")
 # Activation checkpointing of the decoder layers ("": none).
 CHECKPOINTING = ("", "", "non-reentrant", "reentrant")
@@ -69,6 +72,7 @@ class Case:
     activations: str = "keep"
     # Where compute runs: "cpu" (the CPU backend) or "cuda" (tests/cuda, on a GPU).
     backend: str = "cpu"
+    optimizer: str = "adam"  # "adam", "lion" or "sgd" (sweep_optimizers.py)
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -79,6 +83,8 @@ class Case:
     def name(self) -> str:
         """A short, unique-enough id for test names and tables."""
         parts = [f"w{self.world}", self.dtype, f"st-{self.state_dtype}"]
+        if self.optimizer != "adam":
+            parts.insert(0, self.optimizer)
         parts.append("tied" if self.tied else "untied")
         if self.accumulation > 1:
             parts.append(f"acc{self.accumulation}")
@@ -125,6 +131,17 @@ def draw(rng: random.Random) -> Case:
         checkpointing=rng.choice(CHECKPOINTING),
         activations=rng.choice(ACTIVATIONS),
     )
+    optimizer = rng.choice(OPTIMIZERS)  # NOTE: drawn last, so the fields above keep their draws
+    case = dataclasses.replace(
+        case,
+        optimizer=optimizer,
+        state_dtype="fp32" if optimizer == "sgd" else case.state_dtype,
+    )
+    if optimizer == "lion" and case.world == 2:
+        # NOTE: Lion moves each weight by the sign of a sum: with bf16 gradients of
+        # half batches (the "halves" noise) so many signs flip that the noise bound
+        # passes half a step's movement and the case could not tell a missed update.
+        case = dataclasses.replace(case, dtype="fp32")
     if case.activations == "checkpoint":  # infinity's own, instead of transformers'
         case = dataclasses.replace(case, checkpointing="")
     if case.checkpointing or case.activations == "checkpoint":
@@ -204,6 +221,18 @@ PINNED: tuple[Case, ...] = (
     Case(activations="offload", overlap=True, host=0.12, device=0.6, chunk_size="16KiB"),
     # auto: the first step offloads to NVMe and measures, the next ones choose per block
     Case(world=2, activations="auto", host=0.25, chunk_size="16KiB", accumulation=2, clip=0.5),
+    # Optimizers as plug-ins (issue 29): their units re-cut inside Adam-sized homes.
+    Case(
+        optimizer="lion",
+        world=2,
+        state_dtype="bf16",
+        host=0.25,
+        chunk_size="16KiB",
+        accumulation=2,
+        clip=0.5,
+    ),
+    Case(optimizer="sgd", overlap=True, host=0.12, device=0.6, chunk_size="16KiB", tied=False),
+    Case(optimizer="lion", dtype="bf16", state_dtype="bf16", host=0.45, chunk_size="40KiB"),
 )
 
 # Cases that failed once. Each stays in the suite as it was found.

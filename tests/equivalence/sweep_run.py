@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 from sweep_cases import Case
+from sweep_optimizers import step_size
 from sweep_train import (
     Trained,
     element_size,
@@ -64,10 +65,15 @@ def _rounding_floor(case: Case, ref: dict[str, torch.Tensor]) -> float:
     elements or none, so the noise measured from one other arithmetic is a
     lottery; this floor is what a few of them cost, far below one step.
     """
+    norm = sum(float(v.double().pow(2).sum()) for v in ref.values()) ** 0.5
+    if case.optimizer == "lion":
+        # NOTE: Lion steps each weight by the sign of a sum; a sum within rounding of
+        # zero flips it either way (any state dtype, fp32 too), moving that weight by
+        # twice the learning rate (the momentum, fed by the gradient, is not moved).
+        return FLIPS**0.5 * 2 * step_size(case) / norm
     if case.state_dtype not in RESOLUTION:
         return 0.0
-    norm = sum(float(v.double().pow(2).sum()) for v in ref.values()) ** 0.5
-    per_value = case.lr * RESOLUTION[case.state_dtype] * case.steps
+    per_value = step_size(case) * RESOLUTION[case.state_dtype] * case.steps
     return FLIPS**0.5 * per_value / norm
 
 

@@ -1,10 +1,12 @@
 """Train one sweep case offloaded, and the plain-PyTorch references it is judged against.
 
-The offloaded side is what a user writes: ``infinity.offload`` + ``CPUAdam``
-and the ordinary loop (each of ``world`` ranks feeding its slice of every
+The offloaded side is what a user writes: ``infinity.offload`` + the case's
+optimizer (``CPUAdam``, ``CPULion`` or ``CPUSGD``: :mod:`sweep_optimizers`) and
+the ordinary loop (each of ``world`` ranks feeding its slice of every
 batch). The references never touch infinity: the same ``transformers`` model
-in RAM, ``torch.optim.AdamW`` (or, for quantised moments, the AdamW written in
-:mod:`sweep_reference`), the whole batch in one process. With a 16-bit compute
+in RAM, the case's reference optimizer (``torch.optim.AdamW``, the quantised
+AdamW or the Lion of :mod:`sweep_reference`, ``torch.optim.SGD``), the whole
+batch in one process. With a 16-bit compute
 dtype the reference keeps fp32 master weights and a 16-bit copy to compute
 with, which is what mixed precision means in plain PyTorch. With
 ``case.backend="cuda"`` both sides compute on the GPU; the reference still
@@ -19,10 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 from sweep_cases import Case
-from sweep_reference import QuantisedAdamW
+from sweep_optimizers import offloaded_optimizer, reference_optimizer
 
 import infinity
-from infinity.optim import CPUAdam
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Bytes per parameter kept in host homes, by (compute dtype, state dtype):
@@ -116,7 +117,7 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
     model = infinity.offload(model, config(case, model, nvme_dir))
     engine = engine_of(model)
     try:
-        opt = CPUAdam(model.parameters(), lr=case.lr, betas=case.betas, weight_decay=0.1)
+        opt = offloaded_optimizer(case, model.parameters())
         data = batches(case)
         losses = []
         for step in range(case.steps):
@@ -146,8 +147,9 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
     """Plain PyTorch on the whole batch.
 
     ``variant``: ``"single"`` (the reference), or a source of noise that has
-    nothing to do with infinity, to size the tolerance: ``"fused"`` (torch's
-    fused AdamW; for quantised moments, the reference's update in float64),
+    nothing to do with infinity, to size the tolerance: ``"fused"`` (the
+    reference's other arithmetic: torch's fused AdamW, multi-tensor SGD, or the
+    update in float64),
     ``"halves"`` (the gradient as ``world`` data-parallel ranks compute it:
     the mean of the slices' gradients).
     """
@@ -161,20 +163,7 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
             p.data = p.data.to(TORCH_DTYPES[case.dtype])
     masters = list(model.parameters())
     params = list(compute.parameters())
-    if case.state_dtype == "fp32":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(
-            masters,
-            lr=case.lr,
-            betas=case.betas,
-            weight_decay=0.1,
-            foreach=False,
-            fused=True if variant == "fused" else None,
-        )
-    else:
-        math = torch.float64 if variant == "fused" else torch.float32
-        opt = QuantisedAdamW(
-            masters, case.state_dtype, lr=case.lr, betas=case.betas, weight_decay=0.1, math=math
-        )
+    opt = reference_optimizer(case, masters, noise=variant == "fused")
     data = batches(case)
     split = case.world if variant == "halves" else 1
     losses = []

@@ -73,3 +73,18 @@ def decode(code: np.ndarray, scale: np.ndarray, signed: bool) -> np.ndarray:
         mag = UNSIGNED[code]
     step = (np.repeat(scale, QBLOCK)[: len(code)] / QMAX).astype(np.float32)
     return (mag.astype(np.float32) * step).astype(np.float32)
+
+
+def encode_signed(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes and scales of one flat signed tensor alone (Lion's momentum: no second
+    moment, so no zeroing rule), blocks from element 0."""
+    codes, scales = [], []
+    for i in range(0, len(m), QBLOCK):
+        block = m[i : i + QBLOCK].astype(np.float32)
+        amax = np.float32(np.abs(block).max(initial=0))
+        inv = np.float32(QMAX / amax) if amax >= FLT_MIN else np.float32(0)
+        y = (np.abs(block) * inv).astype(np.float32)  # one fp32 rounding, as the kernel
+        code = _nearest(y.astype(np.float64), SIGNED) | (np.signbit(block).astype(np.int64) << 7)
+        codes.append(code.astype(np.uint8))
+        scales.append(amax)
+    return np.concatenate(codes), np.array(scales, np.float32)

@@ -1,0 +1,84 @@
+// Python bindings of the CPU-Lion kernel (`infinity._C.lion`). Buffers come in
+// as integer addresses: infinity/optim/lion_kernel.py validates every tensor
+// (device, dtype, contiguity, size, overlap) before calling in here. Dtype and
+// state-format codes are the Adam kernel's (`_C.adam.dtype_codes`,
+// `_C.adam.state_formats`). See NOTE [raw pointers into native code].
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/error.hpp"
+#include "lion/lion_kernels.hpp"
+#include "lion/lion_step.hpp"
+
+namespace py = pybind11;
+
+namespace infinity {
+namespace {
+
+template <class T>
+T* as_ptr(uintptr_t address) {
+    return reinterpret_cast<T*>(address);
+}
+
+adam::DType to_dtype(int code, const char* what) {
+    for (const adam::DTypeInfo& t : adam::kDTypes) {
+        if (static_cast<int>(t.code) == code) return t.code;
+    }
+    throw_error<std::invalid_argument>(std::string(what) +
+                                       ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
+}
+
+adam::StateFormat to_state(int code) {
+    for (const adam::StateFormatInfo& f : adam::kStateFormats) {
+        if (static_cast<int>(f.code) == code) return f.code;
+    }
+    throw_error<std::invalid_argument>("state_format code must be 0 (fp32), 1 (bf16) or 2 (int8)");
+}
+
+void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t out16,
+          int out_dtype, int64_t n, double lr, double beta1, double beta2, double weight_decay,
+          double grad_scale, int state_format, uintptr_t exp_avg_scale) {
+    lion::LionBuffers b;
+    b.param = as_ptr<float>(param);
+    b.grad = as_ptr<const void>(grad);
+    b.grad_dtype = to_dtype(grad_dtype, "grad");
+    b.exp_avg = as_ptr<void>(exp_avg);
+    b.exp_avg_scale = as_ptr<float>(exp_avg_scale);
+    b.out16 = as_ptr<void>(out16);
+    if (out16 != 0) b.out_dtype = to_dtype(out_dtype, "out16");
+    b.n = n;
+    b.state = to_state(state_format);
+    lion::LionHyper h;
+    h.lr = lr;
+    h.beta1 = beta1;
+    h.beta2 = beta2;
+    h.weight_decay = weight_decay;
+    h.grad_scale = grad_scale;
+    lion::lion_step(b, h);
+}
+
+}  // namespace
+
+void bind_lion(py::module_& m) {
+    m.def("step", &step, py::call_guard<py::gil_scoped_release>(), py::arg("param"),
+          py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("out16"),
+          py::arg("out_dtype"), py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+          py::arg("weight_decay"), py::arg("grad_scale"), py::arg("state_format") = 0,
+          py::arg("exp_avg_scale") = 0,
+          "Fused Lion step over raw, validated buffers (codes as _C.adam's; out16=0 for none; "
+          "int8 momentum with its block-scale buffer). Releases the GIL.");
+    m.def(
+        "q8_encode_signed",
+        [](uintptr_t values, uintptr_t code, uintptr_t scale, int64_t n) {
+            if (n < 0) throw_error<std::invalid_argument>("q8_encode_signed: n must be >= 0");
+            lion::q8_encode_signed(as_ptr<const float>(values), as_ptr<uint8_t>(code),
+                                   as_ptr<float>(scale), n);
+        },
+        py::call_guard<py::gil_scoped_release>(), py::arg("values"), py::arg("code"),
+        py::arg("scale"), py::arg("n"),
+        "Encode n fp32 values into the signed int8 codes and block scales of the momentum.");
+}
+
+}  // namespace infinity

@@ -1,0 +1,71 @@
+"""Which optimizer a model's optimizer units are laid out for: the one constructed over it.
+
+``offload()`` runs before the user constructs an optimizer, so the homes of the
+optimizer units are planned for Adam's (NOTE [units planned for Adam] in
+``runtime/engine.py``). The optimizer front-end constructed over the model
+(:mod:`infinity.optim.front_end`) names its chunk optimizer; each unit is then
+re-cut inside its home for that optimizer's state slots (the fp32 master
+first, as in every layout, so masters written at offload stay valid): what
+crosses the disk each step is this optimizer's units, while the reserved host
+and NVMe bytes stay the planned ones. Once any tensor holds optimizer state
+(a step, a loaded checkpoint or state dict), the layout is fixed: another
+optimizer is refused, naming both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infinity.config import Config, ConfigError
+from infinity.core.plan import Plan
+from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.runtime.model_chunks import ModelChunks
+from infinity.runtime.update_queue import UpdateQueue
+from infinity.schedule.units import units_for
+
+
+def same_layout(a: ChunkOptimizer[Any], b: ChunkOptimizer[Any]) -> bool:
+    """Whether two chunk optimizers read and write units alike (same kind, by its
+    name, and storage)."""
+    return a.name == b.name and a.state_format == b.state_format
+
+
+def lay_out_units(
+    chunks: ModelChunks,
+    home_plan: Plan,
+    queue: UpdateQueue,
+    chunk_optimizer: ChunkOptimizer[Any],
+    owner: str,
+    config: Config,
+) -> None:
+    """Cut ``chunks``' optimizer units for ``chunk_optimizer`` (of the optimizer class
+    ``owner``), stored as ``config.optimizer_state_dtype``.
+
+    Raises :class:`~infinity.config.ConfigError` if the optimizer cannot store
+    its state so, and ``ValueError`` naming both optimizers if the units already
+    hold another optimizer's state. Nothing changes when it raises.
+    """
+    try:
+        wanted = chunk_optimizer.with_state_dtype(config.optimizer_state_dtype)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    current = chunks.chunk_optimizer
+    if same_layout(wanted, current):
+        return
+    stepped = sum(1 for steps in chunks.tensor_steps if steps)
+    if stepped:
+        raise ValueError(
+            f"this model's optimizer state belongs to {current.front_end} (slots "
+            f"{', '.join(current.state_slots)}; {stepped} tensors hold state from steps, a "
+            f"checkpoint or a state dict): {owner} (slots {', '.join(wanted.state_slots)}) "
+            f"cannot take it over. Keep training with {current.front_end}, or start "
+            f"{owner} from the weights alone: infinity.save_pretrained(model, dir), then a new "
+            "infinity.offload(...) and infinity.load_pretrained(model, dir)"
+        )
+    plan = units_for(home_plan, wanted, consume_grads=config.overlap_optimizer is True)
+    # NOTE: writes of the initial values (offload) may still be landing, and
+    # staged copies of units are cut the old way: both are settled first.
+    queue.settle()
+    chunks.manager.recut_units(plan)
+    chunks.plan = plan
+    chunks.chunk_optimizer = wanted

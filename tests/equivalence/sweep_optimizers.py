@@ -1,0 +1,72 @@
+"""The optimizer of a sweep case, offloaded and in plain PyTorch.
+
+``Case.optimizer`` picks the infinity optimizer (``CPUAdam``, ``CPULion``,
+``CPUSGD``) and its reference: ``torch.optim.AdamW`` (or the quantised AdamW of
+:mod:`sweep_reference` for bf16/int8 moments), the Lion of
+:mod:`sweep_reference`, ``torch.optim.SGD``. Each reference also has a *noise*
+variant that differs from it only in arithmetic (torch's fused or multi-tensor
+path, or float64 math), which sizes the tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from lion_reference import ReferenceLion
+from sweep_cases import Case
+from sweep_reference import QuantisedAdamW
+
+from infinity.optim import CPUSGD, CPUAdam, CPULion
+
+WEIGHT_DECAY = 0.1
+# NOTE: Lion moves every weight by lr a step: a third of AdamW's rate, as the paper
+# advises. Plain SGD needs a larger rate than Adam to move a small model visibly.
+LION_LR_SCALE = 1 / 3
+SGD_LR_SCALE = 30.0
+SGD_MOMENTUM = 0.9
+
+
+def step_size(case: Case) -> float:
+    """The learning rate the case's optimizer runs with."""
+    scale = {"lion": LION_LR_SCALE, "sgd": SGD_LR_SCALE}.get(case.optimizer, 1.0)
+    return case.lr * scale
+
+
+def offloaded_optimizer(case: Case, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """The infinity optimizer of ``case``."""
+    lr = step_size(case)
+    if case.optimizer == "lion":
+        return CPULion(params, lr=lr, betas=case.betas, weight_decay=WEIGHT_DECAY)
+    if case.optimizer == "sgd":
+        return CPUSGD(params, lr=lr, momentum=SGD_MOMENTUM, nesterov=True, weight_decay=1e-3)
+    return CPUAdam(params, lr=lr, betas=case.betas, weight_decay=WEIGHT_DECAY)
+
+
+def reference_optimizer(
+    case: Case, params: list[torch.Tensor], *, noise: bool = False
+) -> torch.optim.Optimizer:
+    """The plain-PyTorch optimizer ``case`` is judged against (``noise``: its variant
+    that differs only in arithmetic)."""
+    lr = step_size(case)
+    math = torch.float64 if noise else torch.float32
+    if case.optimizer == "lion":
+        return ReferenceLion(
+            params, case.state_dtype, lr=lr, betas=case.betas, weight_decay=WEIGHT_DECAY, math=math
+        )
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=lr, momentum=SGD_MOMENTUM, nesterov=True, weight_decay=1e-3, foreach=noise
+        )
+    if case.state_dtype == "fp32":
+        return torch.optim.AdamW(
+            params,
+            lr=lr,
+            betas=case.betas,
+            weight_decay=WEIGHT_DECAY,
+            foreach=False,
+            fused=True if noise else None,
+        )
+    return QuantisedAdamW(
+        params, case.state_dtype, lr=lr, betas=case.betas, weight_decay=WEIGHT_DECAY, math=math
+    )
