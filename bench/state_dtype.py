@@ -1,6 +1,8 @@
 """Optimizer-state storage (``Config(optimizer_state_dtype=...)``): NVMe bytes, step time, loss.
 
 python bench/state_dtype.py [--steps 18 --loss-steps 300 --scale-params 2B --json]
+python bench/state_dtype.py --no-nvme-case --loss-steps 0 --scale-params 2B \
+    --scale-vocab 128256 --scale-dtype fp32 --scale-seq-len 16 --scale-dtypes fp32,int8
 
 1. The NVMe case of ``bench/train_overhead.py`` (case c0: GPT 8x512, fp32,
    batch 4 x 256, optimizer states on NVMe, parameters and gradients in RAM,
@@ -17,6 +19,13 @@ python bench/state_dtype.py [--steps 18 --loss-steps 300 --scale-params 2B --jso
    a model beyond RAM whose step is bound by the disk, ``infinity bench scale``
    once per state dtype and round, each in its own process, the dtypes in a
    rotating order; ratios to fp32 are medians over rounds of paired ratios.
+   It ends with issue 26 part 4's two numbers: the int8 step against its own
+   I/O bound (the time this disk needs for the step's reads and writes,
+   ``infinity/bench/disk_mix.py``), and the GB/s int8 moments move against
+   fp32 ones, over the step and over the time the disk was busy
+   (``nvme_busy_seconds``: a step that computes with no transfer in flight
+   moves fewer GB/s without the disk being any slower). ``--scale-dtype fp32``
+   keeps the compute small on a CPU without fast bf16 matmuls.
 3. The demo (``infinity train``, the "small" preset: 300 steps) once per state
    dtype, each in its own process: the loss curve against fp32's.
 4. With ``--anchors`` (only this part runs): the loss grid of
@@ -121,18 +130,21 @@ def disk(report: dict) -> float:
 
 
 def scale_case(args: argparse.Namespace) -> dict:
-    """Step time and NVMe bytes of ``infinity bench scale`` for each state dtype."""
-    runs: dict[str, list[dict]] = {name: [] for name in DTYPES}
+    """Step time, NVMe bytes and disk rates of ``infinity bench scale`` for each state dtype."""
+    dtypes = args.scale_dtypes.split(",")
+    runs: dict[str, list[dict]] = {name: [] for name in dtypes}
     for r in range(args.scale_rounds):
-        for name in DTYPES[r % len(DTYPES) :] + DTYPES[: r % len(DTYPES)]:
+        for name in dtypes[r % len(dtypes) :] + dtypes[: r % len(dtypes)]:
             print(f"... scale, round {r + 1}, {name} moments", file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
                 cmd = [
                     sys.executable, "-m", "infinity", "bench", "scale", "--json",
                     "--nvme-path", tmp, "--params", args.scale_params,
                     "--vocab", str(args.scale_vocab), "--optimizer-state-dtype", name,
-                    "--device-memory", "2GiB", "--host-memory", "4GiB", "--steps", "4",
+                    "--dtype", args.scale_dtype, "--device-memory", args.scale_device_memory,
+                    "--host-memory", args.scale_host_memory, "--steps", str(args.scale_steps),
                     "--seq-len", str(args.scale_seq_len),
+                    "--measure-size", args.scale_measure_size,
                 ]  # fmt: skip
                 if args.scale_overlap:
                     cmd.append("--overlap-optimizer")
@@ -141,7 +153,9 @@ def scale_case(args: argparse.Namespace) -> dict:
     first = runs["fp32"][0]
     out: dict = {
         "model": f"{first['model']}, batch 1 x {args.scale_seq_len}",
+        "dtype": args.scale_dtype,
         "overlap_optimizer": args.scale_overlap,
+        "runs": runs,
         "cases": {},
     }
     for name, reports in runs.items():
@@ -150,13 +164,58 @@ def scale_case(args: argparse.Namespace) -> dict:
             "step_seconds": [rep["step_seconds"] for rep in reports],
             "nvme_bytes_per_step": statistics.median(disk(rep) for rep in reports),
             "wait_nvme_seconds": statistics.median(rep["wait_nvme_seconds"] for rep in reports),
+            "io_bound_seconds": statistics.median(rep["io_bound_seconds"] for rep in reports),
             "vs_io_bound": statistics.median(rep["vs_io_bound"] for rep in reports),
+            "nvme_busy_seconds": statistics.median(rep["nvme_busy_seconds"] for rep in reports),
+            "nvme_gbps": statistics.median(rep["nvme_gbps"] for rep in reports),
+            "nvme_busy_gbps": statistics.median(rep["nvme_busy_gbps"] for rep in reports),
+            "disk_gbps": {  # read, overwrite, both at once: medians over this dtype's runs
+                rate: statistics.median(rep[f"disk_{rate}_gbps"] for rep in reports)
+                for rate in ("read", "write", "both")
+            },
             "time_vs_fp32": statistics.median(
                 a["step_seconds"] / b["step_seconds"] for a, b in pairs
             ),
             "bytes_vs_fp32": statistics.median(disk(a) / disk(b) for a, b in pairs),
+            # NOTE: the rates in paired rounds (same round, one after the other):
+            # the disk drifts over minutes, so a ratio within a round is steadier.
+            "gbps_vs_fp32": statistics.median(a["nvme_gbps"] / b["nvme_gbps"] for a, b in pairs),
+            "busy_gbps_vs_fp32": statistics.median(
+                a["nvme_busy_gbps"] / b["nvme_busy_gbps"] for a, b in pairs
+            ),
         }
     return out
+
+
+def _print_scale(scale: dict) -> None:
+    """The table of part 2 and the two numbers of issue 26 part 4."""
+    print(f"{scale['model']}, {scale['dtype']}, optimizer states beyond RAM on NVMe"
+          + (", overlapped step" if scale["overlap_optimizer"] else ""))  # fmt: skip
+    print(f"{'moments':<9}{'steps s':>16}{'x fp32':>8}{'NVMe wait':>10}{'NVMe/step':>12}"
+          f"{'x fp32':>8}{'I/O bound':>10}{'x bound':>8}{'busy s':>8}{'GB/s':>7}"
+          f"{'busy GB/s':>10}")  # fmt: skip
+    for name, c in scale["cases"].items():
+        steps = " ".join(f"{x:.1f}" for x in c["step_seconds"])
+        print(f"{name:<9}{steps:>16}{c['time_vs_fp32']:>8.2f}{c['wait_nvme_seconds']:>10.1f}"
+              f"{c['nvme_bytes_per_step'] / 1e9:>9.1f} GB{c['bytes_vs_fp32']:>8.2f}"
+              f"{c['io_bound_seconds']:>9.1f}s{c['vs_io_bound']:>8.2f}"
+              f"{c['nvme_busy_seconds']:>8.1f}{c['nvme_gbps']:>7.2f}"
+              f"{c['nvme_busy_gbps']:>10.2f}")  # fmt: skip
+    rates = scale["cases"]["fp32"]["disk_gbps"]
+    print(f"(the disk in the fp32 runs: {rates['read']:.2f} GB/s reading, {rates['write']:.2f} "
+          f"overwriting, {rates['both']:.2f} doing both; GB/s: NVMe bytes over the step, and over "
+          "the time the disk had a transfer of the step in flight)")  # fmt: skip
+    int8 = scale["cases"].get("int8")
+    if int8 is not None:
+        print(f"int8 step / its I/O bound: {int8['vs_io_bound']:.2f}x "
+              f"({statistics.median(int8['step_seconds']):.1f} s against "
+              f"{int8['io_bound_seconds']:.1f} s)")  # fmt: skip
+        fp32 = scale["cases"]["fp32"]
+        busy = (int8["nvme_busy_gbps"], fp32["nvme_busy_gbps"])
+        print(f"int8 GB/s / fp32 GB/s: {int8['gbps_vs_fp32']:.2f} over the step "
+              f"({int8['nvme_gbps']:.2f} against {fp32['nvme_gbps']:.2f} GB/s), "
+              f"{int8['busy_gbps_vs_fp32']:.2f} while the disk is busy "
+              f"({busy[0]:.2f} against {busy[1]:.2f} GB/s)")  # fmt: skip
 
 
 def demo_losses(args: argparse.Namespace) -> dict:
@@ -247,6 +306,12 @@ def main() -> int:
     parser.add_argument("--loss-steps", type=int, default=300, help="demo steps (part 3; 0 skips)")
     parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
     parser.add_argument(
+        "--nvme-case",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run part 1 (--no-nvme-case: only the parts asked for beside it)",
+    )
+    parser.add_argument(
         "--small-batch",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -260,6 +325,19 @@ def main() -> int:
     )
     parser.add_argument(
         "--scale-overlap", action="store_true", help="part 2 with overlap_optimizer=True"
+    )
+    parser.add_argument(
+        "--scale-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+        help="part 2's compute dtype (fp32: the least compute on a CPU without bf16 matmuls)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scale-dtypes", default=",".join(DTYPES), help="part 2's state dtypes (fp32 among them)"
+    )
+    parser.add_argument("--scale-device-memory", default="2GiB", help="part 2's device budget")
+    parser.add_argument("--scale-host-memory", default="4GiB", help="part 2's host budget")
+    parser.add_argument("--scale-steps", type=int, default=4, help="part 2's steps (1 warms up)")
+    parser.add_argument(
+        "--scale-measure-size", default="1GiB", help="part 2's disk measurement (each pass)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--anchors", action="store_true", help="only part 4: the loss grid")
@@ -287,23 +365,19 @@ def main() -> int:
         if args.json:
             print(json.dumps(report))
         return 0
+    if args.scale_params and "fp32" not in args.scale_dtypes.split(","):
+        parser.error("--scale-dtypes must include fp32 (the ratios are to it)")
     shapes = {"nvme": (4, 256), "nvme_small_batch": (1, 32)}
     if not args.small_batch:
         shapes.pop("nvme_small_batch")
+    if not args.nvme_case:
+        shapes = {}
     for key, (batch, tokens) in shapes.items():
         report[key] = nvme_case(args, batch, tokens)
         _print_case(report[key])
     if args.scale_params:
         report["scale"] = scale_case(args)
-        print(report["scale"]["model"] + ", bf16, optimizer states beyond RAM on NVMe"
-              + (", overlapped step" if args.scale_overlap else ""))  # fmt: skip
-        print(f"{'moments':<9}{'steps s':>22}{'x fp32':>8}{'NVMe wait':>10}{'NVMe/step':>12}"
-              f"{'x fp32':>8}{'x I/O bound':>12}")  # fmt: skip
-        for name, c in report["scale"]["cases"].items():
-            steps = " ".join(f"{x:.1f}" for x in c["step_seconds"])
-            print(f"{name:<9}{steps:>22}{c['time_vs_fp32']:>8.2f}{c['wait_nvme_seconds']:>10.1f}"
-                  f"{c['nvme_bytes_per_step'] / 1e9:>9.1f} GB{c['bytes_vs_fp32']:>8.2f}"
-                  f"{c['vs_io_bound']:>12.2f}")  # fmt: skip
+        _print_scale(report["scale"])
     if args.loss_steps:
         curves = demo_losses(args)
         report["demo_losses"] = curves

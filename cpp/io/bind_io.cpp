@@ -112,6 +112,9 @@ void bind_io(py::module_& m) {
             py::arg("spans"),
             "Register (address, length) spans as fixed buffers; 0 or the errno why not.")
         .def_property_readonly("fixed_transfers", &io::Engine::fixed_transfers)
+        .def_property_readonly(
+            "busy_seconds", [](io::Engine& e) { return e.busy_seconds(); },
+            "Seconds so far with at least one piece of a request in flight (any worker).")
         .def("close", &io::Engine::close, py::call_guard<py::gil_scoped_release>(),
              "Finish every queued and in-flight request, then stop the workers.")
         .def_property_readonly("closed", &io::Engine::closed)

@@ -47,6 +47,9 @@ class Engine {
     int register_buffers(const std::vector<Region>& regions);
     /// Pieces transferred through registered buffers so far (all workers).
     std::uint64_t fixed_transfers() const;
+    /// Seconds so far with at least one piece of a request in the workers' hands
+    /// (submitted to the kernel or about to be): the time the disk had work.
+    double busy_seconds() { return queue_.busy_seconds(); }
 
     /// Stops accepting requests, finishes every queued and in-flight one, joins
     /// the workers. Idempotent and thread-safe.

@@ -48,6 +48,7 @@ RequestQueue::Take RequestQueue::take(Piece& out, Clock::time_point now, Clock::
         }
         out.inject_short = short_countdown_ > 0 && --short_countdown_ == 0;
         request->piece_started();  // before all_issued(), so it cannot complete early
+        if (pieces_out_++ == 0) busy_since_ = now;
         request->next += len;
         if (request->next == request->nbytes) {
             queue_.pop_front();
@@ -57,6 +58,23 @@ RequestQueue::Take RequestQueue::take(Piece& out, Clock::time_point now, Clock::
         return Take::Got;
     }
     return closed_ ? Take::Closed : Take::Empty;
+}
+
+void RequestQueue::piece_done() noexcept {
+    // NOTE: std::mutex::lock throws only on a broken system; the clock is a
+    // statistic, never worth failing (or leaking) a piece for.
+    try {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (pieces_out_ > 0 && --pieces_out_ == 0) busy_ += Clock::now() - busy_since_;
+    } catch (...) {
+    }
+}
+
+double RequestQueue::busy_seconds() {
+    std::lock_guard<std::mutex> lock(mu_);
+    Clock::duration busy = busy_;
+    if (pieces_out_ > 0) busy += Clock::now() - busy_since_;
+    return std::chrono::duration<double>(busy).count();
 }
 
 void RequestQueue::close() {

@@ -43,6 +43,13 @@ class RequestQueue {
     /// Refuses new requests; queued ones are still handed out (drained).
     void close();
 
+    /// A piece handed out by take() has finished (transferred, failed or
+    /// dropped): every Got is matched by exactly one call. Never throws.
+    void piece_done() noexcept;
+    /// Seconds so far during which at least one piece was handed out and not
+    /// finished (any worker): the time the disk had work from this engine.
+    double busy_seconds();
+
     /// Fails the `nth` piece (per_request=false) or the first piece of the
     /// `nth` request (per_request=true) handed out from now on with `err`.
     /// nth == 0 disarms. One shot.
@@ -78,6 +85,11 @@ class RequestQueue {
     int submit_fault_errno_ = 0;
     int worker_failures_ = 0;
     std::chrono::microseconds delay_{0};
+    // The busy clock: pieces out of take() and not yet piece_done(); it runs
+    // while there is at least one (a union over the workers, not a sum).
+    std::uint64_t pieces_out_ = 0;
+    Clock::time_point busy_since_{};
+    Clock::duration busy_{0};
 };
 
 }  // namespace infinity::io

@@ -228,6 +228,8 @@ void Worker::finish_piece(std::uint32_t slot) {
     RequestPtr request = std::move(p.req);
     p.req.reset();
     free_.push_back(slot);
+    // The busy clock stops first: a waiter woken by the request sees it stopped.
+    queue_.piece_done();
     request->piece_finished(p.transferred);
 }
 
@@ -252,6 +254,7 @@ void Worker::drain_after_crash(const std::string& what) noexcept {
             if (got == RequestQueue::Take::Closed) return;
             if (got == RequestQueue::Take::Got) {
                 piece.req->fail(EIO, piece.offset, piece.len, detail);
+                queue_.piece_done();
                 piece.req->piece_finished(0);
                 continue;
             }
@@ -274,6 +277,7 @@ void Worker::drain_quietly() noexcept {
         RequestPtr request = std::move(p.req);
         p.req.reset();
         request->fail_quietly(EIO);
+        queue_.piece_done();
         request->piece_finished(0);
     }
     retry_.clear();
@@ -289,6 +293,7 @@ void Worker::drain_quietly() noexcept {
         if (got == RequestQueue::Take::Closed) return;
         if (got == RequestQueue::Take::Got) {
             piece.req->fail_quietly(EIO);
+            queue_.piece_done();
             piece.req->piece_finished(0);
             continue;
         }

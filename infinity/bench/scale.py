@@ -5,8 +5,10 @@ built under :func:`infinity.init_empty` and offloaded with small device and
 host budgets, so nearly all of its states live on the NVMe disk. The report
 sets each measurement against what bounds it: the states against the RAM,
 the peak RSS against the budgets, the step time against the disk's I/O bound
-(the NVMe bytes of one step over the bandwidth measured in the same run,
-with ``infinity.bench.nvme``).
+(the time this disk needs for one step's NVMe reads and writes, from rates
+measured in the same run with :mod:`infinity.bench.disk_mix`), and the time
+the disk was busy against the step (``nvme_busy_seconds``: the disk idles
+while the step computes without a transfer in flight).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import psutil
 import torch
 
 import infinity
-from infinity.bench.nvme import measure_engine
+from infinity.bench.disk_mix import faster, io_bound_seconds, measure_mix
 from infinity.bench.scale_shapes import Shape, bytes_per_param
 from infinity.config import Config
 from infinity.offload import engine_of
@@ -74,7 +76,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     config = run.config
     base_rss = psutil.Process().memory_info().rss
     note(f"measuring the disk ({run.measure_bytes / GB:.1f} GB written and read)")
-    before = measure_engine(str(config.nvme_path), run.measure_bytes, config.aio)
+    before = measure_mix(str(config.nvme_path), run.measure_bytes, config.aio)
     note(f"building {run.shape.describe()}")
     llama = transformers.LlamaForCausalLM  # NOTE: a lazy import, kept out of the timing
     start = time.perf_counter()
@@ -110,21 +112,23 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     finally:
         engine.close()
     note("measuring the disk again")
-    after = measure_engine(str(config.nvme_path), run.measure_bytes, config.aio)
+    after = measure_mix(str(config.nvme_path), run.measure_bytes, config.aio)
     # NOTE: on a shared disk the bandwidth drifts over minutes; the faster of the
-    # two measurements in each direction gives the lower (stricter) bound.
-    read_gbps = max(before.read_gbps, after.read_gbps)
-    write_gbps = max(before.write_gbps, after.write_gbps)
+    # two measurements of each rate gives the lower (stricter) bound.
+    disk = faster(before, after)
     # The first step records the warm-up trace; the steady state starts after it.
     timed = steps[1:] or steps
     step_s = statistics.median(s["wall_seconds"] for s in timed)
     read_b = statistics.median(s.get("nvme_read_bytes", 0.0) for s in timed)
     write_b = statistics.median(s.get("nvme_write_bytes", 0.0) for s in timed)
-    # NOTE: the disk reads and writes at once (a step here ran at 0.64x of the
-    # two directions' times added up), so the lower bound is the slower
-    # direction alone; the sum is what a disk that serialises them would take.
-    read_s, write_s = read_b / (read_gbps * GB), write_b / (write_gbps * GB)
-    io_bound = max(read_s, write_s)
+    # NOTE: the bound is what this disk needs for the step's reads and writes,
+    # overwriting (as a step does) and doing both at once at the rate measured
+    # for that (disk_mix.py). The slower direction alone (``io_duplex_seconds``)
+    # is the bound of a disk that reads and writes at full speed at once; the
+    # sum (``io_serial_seconds``), of one that serialises them.
+    read_s, write_s = read_b / (disk.read_gbps * GB), write_b / (disk.write_gbps * GB)
+    io_bound = io_bound_seconds(read_b, write_b, disk)
+    busy = statistics.median(s.get("nvme_busy_seconds", 0.0) for s in timed)
     # NOTE: the step timer splits each step into waiting on each tier and the
     # rest; a step far above the I/O bound with little waiting is compute-bound.
     wait_nvme = statistics.median(s.get("wait_nvme_seconds", 0.0) for s in timed)
@@ -159,13 +163,20 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
         "losses": losses,
         "nvme_read_bytes_per_step": read_b,
         "nvme_write_bytes_per_step": write_b,
-        "disk_read_gbps": read_gbps,
-        "disk_write_gbps": write_gbps,
-        "disk_gbps_measured": [
-            [m.read_gbps, m.write_gbps] for m in (before, after)
-        ],  # (read, write) before building the model and after training it
+        "disk_read_gbps": disk.read_gbps,
+        "disk_write_gbps": disk.write_gbps,
+        "disk_both_gbps": disk.both_gbps,
+        "disk_first_write_gbps": disk.first_write_gbps,
+        # before building the model and after training it
+        "disk_measured": [m.as_dict() for m in (before, after)],
         "io_bound_seconds": io_bound,
         "io_serial_seconds": read_s + write_s,
+        "io_duplex_seconds": max(read_s, write_s),
+        # the disk had a transfer of the step in flight this long (median of steps 2+)
+        "nvme_busy_seconds": busy,
+        # NVMe bytes over the step's time, and over the time the disk was busy
+        "nvme_gbps": (read_b + write_b) / step_s / GB if step_s else 0.0,
+        "nvme_busy_gbps": (read_b + write_b) / busy / GB if busy else 0.0,
         "wait_nvme_seconds": wait_nvme,
         "compute_seconds": compute,
         "vs_io_bound": step_s / io_bound if io_bound else None,

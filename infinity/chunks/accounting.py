@@ -7,7 +7,7 @@ returns a slot, so the totals are right by construction.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -48,14 +48,19 @@ class Traffic:
     nvme_read_bytes: int = 0
     nvme_write_bytes: int = 0
     wait_seconds: dict[str, float] = field(default_factory=lambda: {"device": 0.0, "nvme": 0.0})
+    # The swap file's I/O engine busy clock (IOEngine.busy_seconds), if there is one.
+    nvme_busy_clock: Callable[[], float] | None = field(default=None, repr=False)
 
     def snapshot(self) -> dict[str, float]:
-        """A flat copy of the counters."""
+        """A flat copy of the counters. ``nvme_busy_seconds``: the time the swap
+        file's I/O engine had a transfer in flight (0 without NVMe); against a
+        step's wall time it is how long the disk worked for that step."""
         out: dict[str, float] = {
             "h2d_bytes": self.h2d_bytes,
             "d2h_bytes": self.d2h_bytes,
             "nvme_read_bytes": self.nvme_read_bytes,
             "nvme_write_bytes": self.nvme_write_bytes,
+            "nvme_busy_seconds": self.nvme_busy_clock() if self.nvme_busy_clock else 0.0,
         }
         for tier, seconds in self.wait_seconds.items():
             out[f"wait_{tier}_seconds"] = seconds

@@ -36,6 +36,9 @@ class HomeStore:
         self.plan = plan
         self.traffic = traffic
         self.swap_file = swap_file
+        if swap_file is not None:
+            engine = swap_file.engine
+            traffic.nvme_busy_clock = lambda: engine.busy_seconds
         self.failures = IOFailures()  # the first failed NVMe transfer, kept until acted on
         n = plan.layout.num_chunks
         self._where: dict[Key, str] = {}

@@ -124,10 +124,13 @@ def table(report: dict[str, Any]) -> str:
         f"{r['construct_seconds']:.1f} s, offload {r['offload_seconds']:.1f} s); planner "
         f"{r['planner_seconds']:.2f} s",
         f"step         {r['step_seconds']:8.1f} s (median of steps 2+); I/O bound "
-        f"{r['io_bound_seconds']:.1f} s = the slower of {r['nvme_read_bytes_per_step'] / 1e9:.1f}"
-        f" GB read / {r['disk_read_gbps']:.2f} GB/s and "
-        f"{r['nvme_write_bytes_per_step'] / 1e9:.1f} GB written / {r['disk_write_gbps']:.2f} GB/s"
-        f" ({r['io_serial_seconds']:.1f} s one after the other)",
+        f"{r['io_bound_seconds']:.1f} s for {r['nvme_read_bytes_per_step'] / 1e9:.1f} GB read and "
+        f"{r['nvme_write_bytes_per_step'] / 1e9:.1f} GB written at {r['disk_read_gbps']:.2f} GB/s "
+        f"reading, {r['disk_write_gbps']:.2f} overwriting, {r['disk_both_gbps']:.2f} doing both "
+        f"(one after the other {r['io_serial_seconds']:.1f} s, both at full speed "
+        f"{r['io_duplex_seconds']:.1f} s)",
+        f"disk         busy {r['nvme_busy_seconds']:.1f} s of the step: "
+        f"{r['nvme_gbps']:.2f} GB/s over the step, {r['nvme_busy_gbps']:.2f} GB/s while busy",
     ]
     if r["vs_io_bound"] is not None:
         rows.append(

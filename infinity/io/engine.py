@@ -196,6 +196,15 @@ class IOEngine:
         """Pieces moved through registered buffers so far (see :meth:`register_buffers`)."""
         return int(self._native.fixed_transfers)
 
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds so far during which this engine had at least one piece of a
+        request in flight (handed to a worker, not yet finished): the time the
+        disk had work from it. Against a wall-clock interval it says how much of
+        that interval the disk was idle, as far as this engine is concerned.
+        """
+        return float(self._native.busy_seconds)
+
     def inject_fault(self, nth: int, errno: int, *, per: str = "piece") -> None:
         """Make the ``nth`` submission from now on fail with ``errno`` (one shot; 0 disarms).
 

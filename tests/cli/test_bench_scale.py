@@ -108,12 +108,30 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
     # Step time and the I/O bound from the report's own parts.
     assert len(report["steps"]) == 3 and len(report["losses"]) == 3
     assert report["step_seconds"] == statistics.median(report["steps"][1:])
-    read_s = report["nvme_read_bytes_per_step"] / (report["disk_read_gbps"] * 1e9)
-    write_s = report["nvme_write_bytes_per_step"] / (report["disk_write_gbps"] * 1e9)
-    assert report["io_bound_seconds"] == pytest.approx(max(read_s, write_s), rel=1e-12)
+    read_b, write_b = report["nvme_read_bytes_per_step"], report["nvme_write_bytes_per_step"]
+    read_s = read_b / (report["disk_read_gbps"] * 1e9)
+    write_s = write_b / (report["disk_write_gbps"] * 1e9)
+    # both directions at once at the measured rate of both, or one after the other
+    shared = min(read_b, write_b)
+    r, w = report["disk_read_gbps"] * 1e9, report["disk_write_gbps"] * 1e9
+    bound = (
+        min(2 * shared / (report["disk_both_gbps"] * 1e9), shared / r + shared / w)
+        + (read_b - shared) / r
+        + (write_b - shared) / w
+    )
+    assert report["io_bound_seconds"] == pytest.approx(bound, rel=1e-12)
     assert report["io_serial_seconds"] == pytest.approx(read_s + write_s, rel=1e-12)
-    reads, writes = zip(*report["disk_gbps_measured"], strict=True)
-    assert (report["disk_read_gbps"], report["disk_write_gbps"]) == (max(reads), max(writes))
+    assert report["io_duplex_seconds"] == pytest.approx(max(read_s, write_s), rel=1e-12)
+    assert report["vs_io_bound"] == pytest.approx(report["step_seconds"] / bound, rel=1e-12)
+    for rate in ("read", "write", "both", "first_write"):
+        measured = [m[f"{rate}_gbps"] for m in report["disk_measured"]]
+        assert len(measured) == 2 and min(measured) > 0
+        assert report[f"disk_{rate}_gbps"] == max(measured)
+    # The disk was busy for part of each step, never longer than the longest step.
+    assert 0 < report["nvme_busy_seconds"] <= max(report["steps"][1:])
+    gbps = (read_b + write_b) / 1e9
+    assert report["nvme_gbps"] == pytest.approx(gbps / report["step_seconds"], rel=1e-12)
+    assert report["nvme_busy_gbps"] == pytest.approx(gbps / report["nvme_busy_seconds"], rel=1e-12)
     # Training on one repeated batch: finite losses near ln(256) that fall.
     losses = report["losses"]
     assert all(x == x and 0 < x < 10 for x in losses)
@@ -130,3 +148,41 @@ def test_overlap_flag_reaches_the_config(tmp_path):
     for flags, overlap in (([], False), (["--overlap-optimizer"], True)):
         args = parser.parse_args(["--nvme-path", str(tmp_path), *flags])
         assert _config(args).overlap_optimizer is overlap
+
+
+@pytest.mark.parametrize(
+    ("read_b", "write_b", "both", "expected"),
+    [
+        # a disk that reads and writes at full speed at once: the slower direction
+        (2e9, 2e9, 2.0, 2.0),
+        (3e9, 1e9, 2.0, 3.0),
+        (1e9, 3e9, 2.0, 3.0),
+        # one that serialises them: the two directions one after the other
+        (2e9, 2e9, 1.0, 4.0),
+        (3e9, 1e9, 1.0, 4.0),
+        # one slower at both at once than one after the other: one after the other
+        (2e9, 2e9, 0.5, 4.0),
+        # in between
+        (2e9, 2e9, 1.6, 2.5),
+        # nothing to write
+        (3e9, 0.0, 1.0, 3.0),
+    ],
+)
+def test_io_bound_between_full_duplex_and_one_after_the_other(read_b, write_b, both, expected):
+    from infinity.bench.disk_mix import DiskMix, io_bound_seconds
+
+    disk = DiskMix(read_gbps=1.0, write_gbps=1.0, first_write_gbps=0.5, both_gbps=both)
+    assert io_bound_seconds(read_b, write_b, disk) == pytest.approx(expected, rel=1e-12)
+
+
+def test_measure_mix_rates_and_cleanup(tmp_path):
+    from infinity.bench.disk_mix import DiskMix, faster, measure_mix
+    from infinity.config import AioConfig
+
+    disk = measure_mix(str(tmp_path), 8 * MiB, AioConfig(block_size="1MiB", queue_depth=4))
+    assert all(rate > 0 for rate in disk.as_dict().values())
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    slow = DiskMix(1.0, 1.0, 1.0, 1.0)
+    assert faster(slow, DiskMix(2.0, 0.5, 3.0, 0.1)) == DiskMix(2.0, 1.0, 3.0, 1.0)
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        measure_mix(str(tmp_path), 4096 + 1, AioConfig())
