@@ -55,13 +55,11 @@ class AdamHyperParams:
         for flag, instead in _UNSUPPORTED_FLAGS.items():
             if group.get(flag, False):
                 raise ValueError(f"CPUAdam does not implement {flag}=True; use {instead}")
-        betas = group["betas"]
-        if len(betas) != 2:
-            raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
+        beta1, beta2 = betas_value(group)
         return cls(
             lr=hyper_value("lr", group["lr"], low=0.0),
-            beta1=hyper_value("betas[0]", betas[0], low=0.0, high=1.0),
-            beta2=hyper_value("betas[1]", betas[1], low=0.0, high=1.0),
+            beta1=beta1,
+            beta2=beta2,
             eps=hyper_value("eps", group["eps"], low=0.0),
             weight_decay=hyper_value("weight_decay", group["weight_decay"], low=0.0),
             adamw=bool(group["adamw"]),
@@ -77,6 +75,17 @@ class AdamHyperParams:
             "weight_decay": self.weight_decay,
             "adamw": self.adamw,
         }
+
+
+def betas_value(group: dict[str, Any]) -> tuple[float, float]:
+    """A param group's ``betas``: a pair in [0, 1]; ``ValueError`` naming it otherwise."""
+    betas = group["betas"]
+    if len(betas) != 2:
+        raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
+    return (
+        hyper_value("betas[0]", betas[0], low=0.0, high=1.0),
+        hyper_value("betas[1]", betas[1], low=0.0, high=1.0),
+    )
 
 
 def hyper_value(name: str, value: Any, *, low: float, high: float | None = None) -> float:

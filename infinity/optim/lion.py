@@ -19,7 +19,7 @@ import torch
 
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
 from infinity.optim.front_end import CPUOptimizer
-from infinity.optim.hyper import hyper_value
+from infinity.optim.hyper import betas_value, hyper_value
 from infinity.optim.lion_kernel import lion_step, q8_encode_signed
 from infinity.optim.state_formats import read_slot
 
@@ -38,13 +38,11 @@ class LionHyperParams:
     @classmethod
     def from_group(cls, group: dict[str, Any]) -> LionHyperParams:
         """Read and validate a param group; ``ValueError`` naming the key otherwise."""
-        betas = group["betas"]
-        if len(betas) != 2:
-            raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
+        beta1, beta2 = betas_value(group)
         return cls(
             lr=hyper_value("lr", group["lr"], low=0.0),
-            beta1=hyper_value("betas[0]", betas[0], low=0.0, high=1.0),
-            beta2=hyper_value("betas[1]", betas[1], low=0.0, high=1.0),
+            beta1=beta1,
+            beta2=beta2,
             weight_decay=hyper_value("weight_decay", group["weight_decay"], low=0.0),
         )
 
