@@ -2,6 +2,7 @@
 
 python bench/gpu_step.py [--layers 16 --hidden 1024 --vocab 32000 --batch 4 --seq 512
                           --steps 4 --warmup 2 --nvme-path /tmp/infinity-gpu-step --json]
+                         [--device cpu]  (a smoke run of the script itself, no GPU)
 
 Needs a CUDA GPU (issue 29 part 4: run where one is lent). A ``transformers``
 Llama (bf16 compute) trains ``--warmup`` + ``--steps`` steps three ways on the
@@ -63,20 +64,37 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def batches(args: argparse.Namespace) -> list[torch.Tensor]:
-    """Token ids of every step, on the GPU."""
+    """Token ids of every step, on the compute device."""
     g = torch.Generator().manual_seed(1)
     shape = (args.batch, args.seq)
     n = args.warmup + args.steps
-    return [torch.randint(0, args.vocab, shape, generator=g).cuda() for _ in range(n)]
+    return [torch.randint(0, args.vocab, shape, generator=g).to(args.device) for _ in range(n)]
 
 
-def _timed(step: Callable[[torch.Tensor], float], data: list[torch.Tensor], warmup: int):
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(device: str) -> int:
+    # NOTE: the CPU smoke run has no allocator statistics; 0 reads as "not measured".
+    return torch.cuda.max_memory_allocated() if device == "cuda" else 0
+
+
+def _timed(
+    step: Callable[[torch.Tensor], float], data: list[torch.Tensor], warmup: int, device: str
+):
     times, losses = [], []
     for k, ids in enumerate(data):
-        torch.cuda.synchronize()
+        _sync(device)
         start = time.perf_counter()
         losses.append(step(ids))
-        torch.cuda.synchronize()
+        _sync(device)
         if k >= warmup:
             times.append(time.perf_counter() - start)
     return (statistics.median(times) if times else float("nan")), losses
@@ -84,22 +102,22 @@ def _timed(step: Callable[[torch.Tensor], float], data: list[torch.Tensor], warm
 
 def run_plain(args: argparse.Namespace, data: list[torch.Tensor]) -> dict:
     """fp32 weights on the GPU, bf16 autocast, fused AdamW on the GPU."""
-    model = build(args).cuda()
+    model = build(args).to(args.device)
     opt = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True
     )
 
     def step(ids: torch.Tensor) -> float:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    torch.cuda.reset_peak_memory_stats()
-    seconds, losses = _timed(step, data, args.warmup)
-    return {"seconds": seconds, "loss": losses[-1], "gpu_peak": torch.cuda.max_memory_allocated()}
+    _reset_peak(args.device)
+    seconds, losses = _timed(step, data, args.warmup, args.device)
+    return {"seconds": seconds, "loss": losses[-1], "gpu_peak": _peak(args.device)}
 
 
 def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], nvme: bool) -> dict:
@@ -110,7 +128,7 @@ def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], nvme: bool
     host_states = n * (2 + 2 + 4 + 8)
     folder = tempfile.mkdtemp(prefix="gpu-step-", dir=args.nvme_path) if nvme else None
     cfg = infinity.Config(
-        device="cuda",
+        device=args.device,
         dtype="bf16",
         # a quarter of the parameters, but room for the largest module (the
         # embedding or the head) with its gradient and the next block's chunks
@@ -118,7 +136,7 @@ def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], nvme: bool
         host_memory=host_states // 4 if nvme else "auto",
         nvme_path=folder,
     )
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak(args.device)
     model = infinity.offload(model, cfg)
     engine = engine_of(model)
     opt = CPUAdam(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
@@ -131,22 +149,23 @@ def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], nvme: bool
         return float(loss.detach())
 
     try:
-        _timed(step, data[: args.warmup], args.warmup)
+        _timed(step, data[: args.warmup], args.warmup, args.device)
         before = infinity.stats(model)
-        seconds, losses = _timed(step, data[args.warmup :], 0)
+        seconds, losses = _timed(step, data[args.warmup :], 0, args.device)
         after = infinity.stats(model)
         per_step = {k: (after[k] - before[k]) / args.steps for k in COUNTERS}
         return {
             "seconds": seconds,
             "loss": losses[-1],
-            "gpu_peak": torch.cuda.max_memory_allocated(),
+            "gpu_peak": _peak(args.device),
             "measured": per_step,
             "estimate": dict(engine.plan.traffic),
             "placement": after["placement"],
         }
     finally:
         engine.close()
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,21 +180,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--nvme-path", default=tempfile.gettempdir())
     p.add_argument("--json", action="store_true")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_step: no CUDA GPU here (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     data = batches(args)
     n = sum(p.numel() for p in build(args).parameters())
     rows = {"plain": run_plain(args, data)}
-    torch.cuda.empty_cache()  # the plain model's memory, before infinity's peak is read
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the plain model's memory, before infinity's peak is read
     rows["host"] = run_offloaded(args, data, nvme=False)
     rows["nvme"] = run_offloaded(args, data, nvme=True)
     if args.json:
         print(json.dumps({"params": n, "args": vars(args), "rows": rows}, indent=1))
         return 0
     print(
-        f"{torch.cuda.get_device_name()}: Llama {n / 1e6:.0f}M params, "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}: Llama {n / 1e6:.0f}M params, "
         f"batch {args.batch} x {args.seq}, median of {args.steps} steps"
     )
     base = rows["plain"]["seconds"]
