@@ -27,12 +27,14 @@ memory (``torch.cuda.max_memory_allocated``) and the final loss against
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -100,6 +102,23 @@ def _timed(
     return (statistics.median(times) if times else float("nan")), losses
 
 
+@contextlib.contextmanager
+def _profiled(args: argparse.Namespace, row: str) -> Iterator[None]:
+    """With ``--profile DIR``: torch.profiler over the row's timed steps, its top ops to a file."""
+    if not args.profile:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        yield
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    Path(args.profile, f"profile_{row}.txt").write_text(table)
+
+
 def run_plain(args: argparse.Namespace, data: list[torch.Tensor]) -> dict:
     """fp32 weights on the GPU, bf16 autocast, fused AdamW on the GPU."""
     model = build(args).to(args.device)
@@ -120,8 +139,11 @@ def run_plain(args: argparse.Namespace, data: list[torch.Tensor]) -> dict:
     return {"seconds": seconds, "loss": losses[-1], "gpu_peak": _peak(args.device)}
 
 
-def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], nvme: bool) -> dict:
-    """infinity on the GPU: states on host, or beyond a small host budget on NVMe."""
+def run_offloaded(
+    args: argparse.Namespace, data: list[torch.Tensor], nvme: bool, overlap: bool = False
+) -> dict:
+    """infinity on the GPU: states on host, or beyond a small host budget on NVMe;
+    ``overlap``: each chunk's update runs during backward (``overlap_optimizer``)."""
     model = build(args)
     n = sum(p.numel() for p in model.parameters())
     # bf16 parameter and gradient, fp32 master and two fp32 moments
@@ -135,6 +157,7 @@ def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], nvme: bool
         device_memory=max(n * 2 // 4, 3 * args.vocab * args.hidden * 2),
         host_memory=host_states // 4 if nvme else "auto",
         nvme_path=folder,
+        overlap_optimizer=overlap,
     )
     _reset_peak(args.device)
     model = infinity.offload(model, cfg)
@@ -151,7 +174,8 @@ def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], nvme: bool
     try:
         _timed(step, data[: args.warmup], args.warmup, args.device)
         before = infinity.stats(model)
-        seconds, losses = _timed(step, data[args.warmup :], 0, args.device)
+        with _profiled(args, ("nvme" if nvme else "host") + ("_overlap" if overlap else "")):
+            seconds, losses = _timed(step, data[args.warmup :], 0, args.device)
         after = infinity.stats(model)
         per_step = {k: (after[k] - before[k]) / args.steps for k in COUNTERS}
         return {
@@ -161,6 +185,8 @@ def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], nvme: bool
             "measured": per_step,
             "estimate": dict(engine.plan.traffic),
             "placement": after["placement"],
+            # the last step's split: seconds waiting on device copies / NVMe, the rest
+            "last_step": {k: v for k, v in after["last_step"].items() if k.endswith("seconds")},
         }
     finally:
         engine.close()
@@ -181,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvme-path", default=tempfile.gettempdir())
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument(
+        "--rows",
+        default="host,nvme",
+        help="offloaded rows beside plain: host, nvme, host+overlap, nvme+overlap",
+    )
+    p.add_argument("--profile", default="", help="folder for torch.profiler tables of each row")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_step: no CUDA GPU here (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -190,20 +222,26 @@ def main(argv: list[str] | None = None) -> int:
     rows = {"plain": run_plain(args, data)}
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the plain model's memory, before infinity's peak is read
-    rows["host"] = run_offloaded(args, data, nvme=False)
-    rows["nvme"] = run_offloaded(args, data, nvme=True)
+    for row in args.rows.split(","):
+        tier, _, overlap = row.partition("+")
+        if tier not in ("host", "nvme") or overlap not in ("", "overlap"):
+            p.error(f"--rows: {row!r} is not host, nvme, host+overlap or nvme+overlap")
+        rows[row] = run_offloaded(args, data, nvme=tier == "nvme", overlap=bool(overlap))
     if args.json:
         print(json.dumps({"params": n, "args": vars(args), "rows": rows}, indent=1))
         return 0
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(
-        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}: Llama {n / 1e6:.0f}M params, "
+        f"{where}: Llama {n / 1e6:.0f}M params, "
         f"batch {args.batch} x {args.seq}, median of {args.steps} steps"
     )
     base = rows["plain"]["seconds"]
-    print(f"{'row':<6} {'step s':>8} {'x plain':>8} {'loss':>8} {'GPU peak':>10}  PCIe/step (plan)")
+    print(
+        f"{'row':<12} {'step s':>8} {'x plain':>8} {'loss':>8} {'GPU peak':>10}  PCIe/step (plan)"
+    )
     for name, row in rows.items():
         line = (
-            f"{name:<6} {row['seconds']:8.3f} {row['seconds'] / base:8.2f} {row['loss']:8.4f} "
+            f"{name:<12} {row['seconds']:8.3f} {row['seconds'] / base:8.2f} {row['loss']:8.4f} "
             f"{format_size(row['gpu_peak']):>10}"
         )
         if "measured" in row:
@@ -213,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"d2h {format_size(int(m['d2h_bytes']))} ({format_size(e['d2h_bytes'])}), "
                 f"nvme r/w {format_size(int(m['nvme_read_bytes']))}/"
                 f"{format_size(int(m['nvme_write_bytes']))}"
+            )
+            t = row["last_step"]
+            line += (
+                f"; waits: device {t.get('wait_device_seconds', 0.0):.3f} s, "
+                f"nvme {t.get('wait_nvme_seconds', 0.0):.3f} s"
             )
         print(line)
     return 0

@@ -91,7 +91,16 @@ class ParamFetcher:
             budget = depth * self.chunks.layout.chunk_bytes
         plan = self.chunks.plan
         self.prefetcher = (
-            Prefetcher(trace, depth, int(budget), lambda c: plan.device_param_bytes(c))
+            Prefetcher(
+                trace,
+                depth,
+                int(budget),
+                plan.device_param_bytes,
+                slots=plan.device_slots,
+                grad_bytes=lambda c: (
+                    plan.device_param_bytes(c) if plan.grad_home[c] is not None else 0
+                ),
+            )
             if depth
             else None
         )

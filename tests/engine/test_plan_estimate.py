@@ -8,6 +8,7 @@ of the last step are compared with the estimate.
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import batches, config, param_bytes, tiny_gpt, train
 
 import infinity
@@ -70,3 +71,44 @@ def test_nvme_traffic_estimate_is_close_to_a_run_beyond_host_memory(tmp_path, ov
     reads, guess = measured["nvme_read_bytes"], estimate["nvme_read_bytes"]
     assert guess / 1.35 <= reads <= guess * 1.1, (reads, guess)
     assert measured["h2d_bytes"] == pytest.approx(estimate["h2d_bytes"], rel=0.1)
+
+
+def test_backward_fetches_no_chunk_twice_when_the_device_has_few_slots():
+    """A Llama's layout (large embedding and head chunks, many small layer chunks) on
+    a device of four slots: each step fetches a chunk at most once per pass.
+
+    Before NOTE [prefetch within the slots], backward's prefetches filled the slots
+    beside the chunk in use, each gradient's first arrival pushed the farthest of
+    them out, and it was fetched a third time (1.19x the plan's bytes here).
+    """
+    transformers = pytest.importorskip("transformers")
+    vocab, hidden = 4000, 128
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=352,
+        num_hidden_layers=12,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    pbytes = param_bytes(model, 2)
+    device = max(pbytes // 4, 3 * vocab * hidden * 2)
+    model = infinity.offload(model, config(dtype="bf16", device_memory=device))
+    engine = engine_of(model)
+    opt = CPUAdam(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(4):
+            ids = torch.randint(0, vocab, (2, 32), generator=g)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        h2d = infinity.stats(model)["last_step"]["h2d_bytes"]
+        assert h2d <= 2 * pbytes, (h2d, pbytes)
+        assert h2d <= engine.plan.traffic["h2d_bytes"] * 1.05, (h2d, engine.plan.traffic)
+    finally:
+        engine.close()
