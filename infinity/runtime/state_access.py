@@ -8,15 +8,13 @@ come from wherever the chunk's home is (host or NVMe).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import ExitStack, closing
 
 import torch
 from torch import nn
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.manager import typed
-from infinity.chunks.shards import close_whole, open_whole
-from infinity.chunks.span_access import read_tensor, write_elements
-from infinity.chunks.spans import is_split
+from infinity.chunks.tensor_views import tensor_values
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry, tensor_index
 
@@ -30,23 +28,13 @@ def read_params(
     engine.settle_step()
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
-        key = (Kind.OPTIM, chunk) if use_master else (Kind.PARAM, chunk)
+        kind = Kind.OPTIM if use_master else Kind.PARAM
         dtype = torch.float32 if use_master else engine.dtype
-        if is_split(engine.plan, chunk):
-            for entry in group:
-                yield (
-                    entry,
-                    read_tensor(engine.manager, key[0], engine.layout.slots[entry.index], dtype),
-                )
-            continue
-        region, copy = open_whole(engine.manager, key, writable=False)
-        try:
-            flat = typed(region, torch.float32 if use_master else engine.dtype)
-            for entry in group:
-                slot = engine.layout.slots[entry.index]
-                yield entry, flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-        finally:
-            close_whole(engine.manager, copy, modified=False)
+        slots = [engine.layout.slots[entry.index] for entry in group]
+        values = tensor_values(engine.manager, kind, chunk, slots, dtype, copy=True)
+        with closing(values):
+            for entry, slot, flat in zip(group, slots, values, strict=True):
+                yield entry, flat.view(slot.shape)
 
 
 def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None:
@@ -61,25 +49,25 @@ def _write_entries(
     engine: OffloadEngine, entries: list[ParamEntry], values: dict[int, torch.Tensor]
 ) -> None:
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
-        for key, dtype in ((Kind.PARAM, engine.dtype), (Kind.OPTIM, torch.float32)):
-            if key is Kind.OPTIM and not (
-                engine.plan.has_master and engine.layout.chunks[chunk].trainable
-            ):
-                continue
-            if is_split(engine.plan, chunk):
-                _write_split(engine, key, dtype, chunk, group, values)
-                continue
+        slots = [engine.layout.slots[entry.index] for entry in group]
+        for kind, dtype in _stored_kinds(engine, chunk):
             # NOTE: every rank writes the same values and keeps its shard: no gather.
-            region, copy = open_whole(engine.manager, (key, chunk), gather=False)
-            try:
-                flat = typed(region, dtype)
-                for entry in group:
-                    slot = engine.layout.slots[entry.index]
-                    value = _checked(entry, values[entry.index], slot.shape)
-                    flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
-            finally:
-                close_whole(engine.manager, copy, modified=True)
+            views = tensor_values(
+                engine.manager, kind, chunk, slots, dtype, write=True, fill=False, gather=False
+            )
+            with closing(views):
+                for entry, slot, flat in zip(group, slots, views, strict=True):
+                    flat.copy_(_checked(entry, values[entry.index], slot.shape).reshape(-1))
         engine.manager.drop_param(chunk)
+
+
+def _stored_kinds(engine: OffloadEngine, chunk: int) -> list[tuple[Kind, torch.dtype]]:
+    """Where a chunk's parameter values live: the parameters, and the fp32 masters
+    of a 16-bit run's trainable chunks."""
+    kinds = [(Kind.PARAM, engine.dtype)]
+    if engine.plan.has_master and engine.layout.chunks[chunk].trainable:
+        kinds.append((Kind.OPTIM, torch.float32))
+    return kinds
 
 
 def _checked(entry: ParamEntry, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -90,21 +78,6 @@ def _checked(entry: ParamEntry, value: torch.Tensor, shape: tuple[int, ...]) -> 
             f"parameter's shape {shape}"
         )
     return value
-
-
-def _write_split(
-    engine: OffloadEngine,
-    kind: Kind,
-    dtype: torch.dtype,
-    chunk: int,
-    group: list[ParamEntry],
-    values: dict[int, torch.Tensor],
-) -> None:
-    """``write_params`` of an oversize chunk, span by span."""
-    for entry in group:
-        slot = engine.layout.slots[entry.index]
-        value = _checked(entry, values[entry.index], slot.shape)
-        write_elements(engine.manager, kind, chunk, 0, slot.offset, value.to(dtype))
 
 
 def _grad_views(
@@ -137,32 +110,29 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
     engine.settle_step()
     entries = [engine.registry.entries[i] for i in writers]
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
-        master = engine.plan.has_master and engine.layout.chunks[chunk].trainable
-        if is_split(engine.plan, chunk):
-            # NOTE: the writers fill whole tensors: one transient copy of the
-            # tensor, then written in spans (staging stays chunk-sized).
-            for entry in group:
-                slot = engine.layout.slots[entry.index]
-                flats = [torch.empty(slot.numel, dtype=engine.dtype)]
-                flats += [torch.empty(slot.numel, dtype=torch.float32)] if master else []
+        slots = [engine.layout.slots[entry.index] for entry in group]
+        with ExitStack() as stack:
+            # NOTE: sharded, each rank keeps its shard of what it writes: no gather.
+            # An oversize chunk's tensors come as one transient copy each.
+            streams = [
+                stack.enter_context(
+                    closing(
+                        tensor_values(
+                            engine.manager,
+                            kind,
+                            chunk,
+                            slots,
+                            dtype,
+                            write=True,
+                            fill=False,
+                            gather=False,
+                        )
+                    )
+                )
+                for kind, dtype in _stored_kinds(engine, chunk)
+            ]
+            for entry, *flats in zip(group, *streams, strict=True):
                 writers[entry.index](flats)
-                for kind, flat in zip((Kind.PARAM, Kind.OPTIM), flats, strict=False):
-                    write_elements(engine.manager, kind, chunk, 0, slot.offset, flat)
-            engine.manager.drop_param(chunk)
-            continue
-        # NOTE: sharded, each rank keeps its shard of what it writes: no gather.
-        opened = [(open_whole(engine.manager, (Kind.PARAM, chunk), gather=False), engine.dtype)]
-        try:
-            if master:
-                optim = open_whole(engine.manager, (Kind.OPTIM, chunk), gather=False)
-                opened.append((optim, torch.float32))
-            flats = [typed(region, dtype) for (region, _copy), dtype in opened]
-            for entry in group:
-                slot = engine.layout.slots[entry.index]
-                writers[entry.index]([f[slot.offset : slot.offset + slot.numel] for f in flats])
-        finally:
-            for (_region, copy), _dtype in opened:
-                close_whole(engine.manager, copy, modified=True)
         engine.manager.drop_param(chunk)
     engine.chunks.mark_set(writers)
 
@@ -177,19 +147,10 @@ def param_bytes_by_chunk(
     entries = list(entries)
     engine.chunks.require_set(entries, "reading parameter values")
     engine.settle_step()
-    size = engine.plan.element_size
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
-        if is_split(engine.plan, chunk):
-            for entry in group:
-                slot = engine.layout.slots[entry.index]
-                flat = read_tensor(engine.manager, Kind.PARAM, slot, engine.dtype).reshape(-1)
+        slots = [engine.layout.slots[entry.index] for entry in group]
+        with closing(
+            tensor_values(engine.manager, Kind.PARAM, chunk, slots, engine.dtype)
+        ) as values:
+            for entry, flat in zip(group, values, strict=True):
                 yield entry, flat.view(torch.uint8).numpy().data
-            continue
-        region, copy = open_whole(engine.manager, (Kind.PARAM, chunk), writable=False)
-        try:
-            data = region.numpy().data
-            for entry in group:
-                slot = engine.layout.slots[entry.index]
-                yield entry, data[slot.offset * size : (slot.offset + slot.numel) * size]
-        finally:
-            close_whole(engine.manager, copy, modified=False)
