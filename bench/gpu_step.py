@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"params": n, "args": vars(args), "rows": rows}, indent=1))
         return 0
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(
-        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}: Llama {n / 1e6:.0f}M params, "
+        f"{device}: Llama {n / 1e6:.0f}M params, "
         f"batch {args.batch} x {args.seq}, median of {args.steps} steps"
     )
     base = rows["plain"]["seconds"]
