@@ -153,9 +153,11 @@ class HostStaging:
                 copy.fill = self._load(key, copy, source)
                 copy.pending.append(copy.fill)
             self._settle(copy, key, wait=wait, writable=writable)
-        finally:
-            if not pin:
-                copy.pins -= 1
+        except BaseException:
+            copy.pins -= 1  # NOTE: a failed read hands nothing over: no pin is left behind
+            raise
+        if not pin:
+            copy.pins -= 1
         return copy
 
     def _settle(self, copy: Copy, key: Key, *, wait: bool, writable: bool) -> None:
