@@ -101,7 +101,7 @@ lint: setup
 
 bench: setup
 	$(PY) bench/nvme_vs_fio.py --path .infinity/bench
-	$(VENV)/bin/infinity bench adam
+	$(VENV)/bin/infinity bench optim
 
 clean:
 	rm -rf build *.egg-info infinity/_C*.so .infinity

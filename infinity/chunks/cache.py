@@ -256,6 +256,16 @@ class TierCache:
         self.account.sub(copy.slot.nbytes)
         self.policy.forget(key)
 
+    def drop(self, copy: Copy) -> None:
+        """:meth:`remove` ``copy`` itself: raise if it is no longer the resident copy
+        of its key (it was evicted while someone held it, or dropped twice)."""
+        if self._copies.get(copy.key) is not copy:
+            raise AssertionError(
+                f"{self.tier}: {copy.key} is no longer cached but was still held "
+                "(a copy left the cache while in use)"
+            )
+        self.remove(copy.key)
+
     def discard(self, key: Hashable) -> None:
         """Forget ``key``'s copy (it is stale): free the slot now, or, while views of
         it are still alive somewhere, retire it until they die."""

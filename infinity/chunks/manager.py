@@ -327,9 +327,10 @@ class ChunkManager:
             # NOTE: a consumed gradient chunk is never cached in staging, so
             # checking before the lookup is checking every read from disk.
             self.grad_flow.check_grad_kept(key)
-        copy = self.host.staged(key, load=load, writable=writable, from_device=True)
+        # NOTE: pinned inside ``staged`` from the moment the copy is placed: the
+        # caller holds a reference (a pin) that only close_host gives back.
+        copy = self.host.staged(key, load=load, writable=writable, from_device=True, pin=True)
         assert copy is not None
-        copy.pins += 1
         return copy.tensor, copy
 
     def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None:
@@ -337,17 +338,25 @@ class ChunkManager:
 
         ``keep`` leaves the staging copy cached (the write completes in the
         background; the slot is reused only after it has); otherwise this waits.
+
+        Each :meth:`open_host` holds one pin of the copy, and two holders may
+        share one copy (a state read of a span an update also holds). Only the
+        last holder's close drops it: one that closes earlier gives back its
+        pin and leaves the copy to the others, cached.
         """
         if copy is None:
             return
+        if copy.pins <= 0:
+            raise AssertionError(f"staging copy {copy.key} closed more often than opened")
         copy.pins -= 1
         if modified:
             copy.pending.append(self.homes.write(chunk_key(copy), copy.tensor))
-        if not keep and not copy.dirty:
+        if keep or copy.dirty or copy.pins:
             # NOTE: a dirty copy (gradients an overlapped step has yet to consume,
             # never written home) stays cached: dropping it would lose them.
-            with self.traffic.waiting("nvme"):
-                self.staging[chunk_key(copy)[0]].remove(copy.key)
+            return
+        with self.traffic.waiting("nvme"):
+            self.staging[chunk_key(copy)[0]].drop(copy)
 
     def write_initial(self, i: int, values: torch.Tensor, *, background: bool = False) -> None:
         """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``

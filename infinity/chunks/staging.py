@@ -106,6 +106,7 @@ class HostStaging:
         writable: bool = True,
         from_device: bool = False,
         protect: Collection[Key] = (),
+        pin: bool = False,
     ) -> Copy | None:
         """A host staging copy of an NVMe-homed key, its read started if ``load``.
 
@@ -116,13 +117,29 @@ class HostStaging:
         one of the keys in ``protect``. ``from_device``
         lets a parameter chunk come from its landed device copy instead of the
         disk (not while fetching that very device copy, which is still empty).
+        ``pin`` hands the caller a pin of the copy (a holder's reference, given
+        back by ``ChunkManager.close_host``); without it the copy is held only
+        by the transfers the caller appends to it.
+
+        NOTE: the copy is pinned from the moment it is found or placed until it
+        is handed over: nothing this call runs (an eviction, a wait) may take
+        it from under the caller, and the caller of ``pin`` holds it from its
+        first instant. Deciding where a parameter's bytes come from polls its
+        device copy, whose transfers may advance a span fill that stages spans
+        (``SpanFill``): that is done *before* a slot is taken, never while a
+        copy nobody holds yet sits in it unfilled.
         """
         cache = self.caches[key[0]]
         copy = cache.get(key)
         moment = self.clock.now
+        source: Copy | None = None
         if copy is None:
             if not isinstance(key, SpanKey) and is_split(self.plan, key[1]):
                 raise AssertionError(f"{key} is oversize: stage it in spans (chunks/spans.py)")
+            source = self._device_source(key) if load and from_device else None
+            copy = cache.get(key)  # NOTE: the poll above may have staged it itself
+        placed = copy is None
+        if copy is None:
             nbytes = self.homes.nbytes(key)
             if prefetch:
                 copy = cache.try_insert(key, nbytes, moment, lambda k: k not in protect)
@@ -130,10 +147,22 @@ class HostStaging:
                     return None
             else:
                 copy = cache.insert(key, nbytes, moment)
-            if load:
-                copy.fill = self._load(key, copy, from_device)
+        copy.pins += 1
+        try:
+            if placed and load:
+                copy.fill = self._load(key, copy, source)
                 copy.pending.append(copy.fill)
-        cache.touch(key, moment)
+            self._settle(copy, key, wait=wait, writable=writable)
+        except BaseException:
+            copy.pins -= 1  # NOTE: a failed read hands nothing over: no pin is left behind
+            raise
+        if not pin:
+            copy.pins -= 1
+        return copy
+
+    def _settle(self, copy: Copy, key: Key, *, wait: bool, writable: bool) -> None:
+        """Touch ``copy`` and, if ``wait``, wait for what :meth:`staged` promises."""
+        self.caches[key[0]].touch(key, self.clock.now)
         if wait and writable and copy.pending:
             with self.traffic.waiting("nvme"):
                 copy.wait()
@@ -146,15 +175,21 @@ class HostStaging:
             else:
                 with self.traffic.waiting("nvme"):
                     copy.fill.wait()
-        return copy
 
-    def _load(self, key: Key, copy: Copy, from_device: bool) -> Pending:
-        """Start filling a staging copy: from the device copy of a parameter chunk
-        if allowed and landed (a device -> host copy instead of a disk read),
-        else from NVMe."""
-        device_key = base_key(key)
-        on_device = self.device.get(device_key) if from_device and key[0] is Kind.PARAM else None
+    def _device_source(self, key: Key) -> Copy | None:
+        """The landed device copy a parameter key's staging copy may be filled from
+        (a device -> host copy instead of a disk read), if any."""
+        if key[0] is not Kind.PARAM:
+            return None
+        on_device = self.device.get(base_key(key))
         if on_device is None or not on_device.filled or on_device.in_flight():
+            return None
+        return on_device
+
+    def _load(self, key: Key, copy: Copy, on_device: Copy | None) -> Pending:
+        """Start filling a staging copy: from ``on_device`` (see :meth:`_device_source`)
+        if given, else from NVMe."""
+        if on_device is None:
             return self.homes.read(key, copy.tensor)
         # NOTE: device parameter copies are exact caches of their home (an
         # update discards them), so these are the bytes the disk would give.

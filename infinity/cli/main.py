@@ -39,9 +39,15 @@ _COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
         "infinity bench nvme --path /nvme --size 1GiB",
     ),
     (
+        ("bench", "optim"),
+        "infinity.cli.bench_optim",
+        "CPU Adam, Lion and SGD kernels vs torch's, against the memory roofline",
+        "infinity bench optim --optimizers adam,lion --size 16M",
+    ),
+    (
         ("bench", "adam"),
         "infinity.cli.bench_adam",
-        "CPU-Adam throughput vs torch AdamW(fused)",
+        "old name of `bench optim --optimizers adam`",
         "infinity bench adam --size 16M",
     ),
     (
@@ -82,7 +88,7 @@ def _subcommands(
 ) -> argparse._SubParsersAction:
     """The commands under ``parser``, listed by :func:`_table`.
 
-    NOTE: argparse's own list would show only "bench", not "bench adam"; and
+    NOTE: argparse's own list would show only "bench", not "bench optim"; and
     ``prog`` is given because argparse derives it from a custom usage line.
     """
     return parser.add_subparsers(

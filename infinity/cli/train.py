@@ -27,6 +27,7 @@ from infinity.cli import train_ranks
 from infinity.cli.main import CommandError
 from infinity.cli.train_args import DEFAULT_CHECKPOINT_DIR, add_arguments
 from infinity.cli.train_loop import Session, StopSignals
+from infinity.cli.train_optimizers import CHOICES
 from infinity.cli.train_pretrained import PretrainedModel, save_model
 from infinity.cli.train_pretrained import describe as describe_pretrained
 from infinity.cli.train_pretrained import load_corpus as load_pretrained_corpus
@@ -142,7 +143,8 @@ def _header(run: _Run, session: Session) -> list[str]:
         f"({corpus.train.numel() / 1e6:.2f}M {corpus.unit} to train on, "
         f"{corpus.eval.numel() / 1e6:.2f}M held out)",
         f"steps: {s.steps} x {s.batch_size * s.grad_accum} sequences = "
-        f"{s.tokens_per_step} tokens/step; AdamW lr {s.lr:g} (warmup {s.warmup}, cosine to "
+        f"{s.tokens_per_step} tokens/step; {CHOICES[s.optimizer].label} lr {s.lr:g} "
+        f"(warmup {s.warmup}, cosine to "
         f"{s.lr * s.min_lr_ratio:g}), {s.optimizer_state_dtype} moments, clip {s.clip_grad:g}, "
         f"seed {s.seed}",
         *budget_lines(s.state_bytes(), stats, bool(run.derived)),
@@ -327,7 +329,12 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
                 f"note: {run.ckpt_dir} holds checkpoints of earlier runs (kept); this run "
                 f"saves into {run.run_dir.path.name} (pass --resume to continue the newest)"
             )
-    summary = RunSummary(status="finished", first_step=session.step + 1, last_step=session.step)
+    summary = RunSummary(
+        status="finished",
+        first_step=session.step + 1,
+        last_step=session.step,
+        optimizer=settings.optimizer,
+    )
 
     def stopping() -> bool:  # NOTE: agreed, so every rank stops after the same step
         return run.ranks.any(stop.requested, "agreeing whether to stop")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from infinity.cli import train_ranks
+from infinity.cli.train_optimizers import CHOICES, HELP
 from infinity.cli.train_settings import DEFAULT_PLOT, PRESETS
 from infinity.config import ACTIVATION_POLICIES
 from infinity.optim.state_formats import STATE_DTYPES
@@ -66,8 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--grad-accum", metavar="N", type=int, help="micro-batches per optimizer step (default: 1)"
     )
+    train.add_argument("--optimizer", choices=tuple(CHOICES), help=HELP.replace("%", "%%"))
     train.add_argument(
-        "--lr", metavar="LR", type=float, help="peak learning rate (warmup, then cosine to 10%%)"
+        "--lr",
+        metavar="LR",
+        type=float,
+        help="peak learning rate (warmup, then cosine to 10%%); default: the preset's, "
+        "scaled for --optimizer (lion: / 3, sgd: x 30)",
     )
     train.add_argument(
         "--warmup",
@@ -113,8 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     memory.add_argument(
         "--optimizer-state-dtype",
         choices=STATE_DTYPES,
-        help="how Adam's moments are stored: fp32 (exact), bf16, or int8 (block-quantised, "
-        "about a quarter of the bytes); default fp32, or the resumed run's",
+        help="how the optimizer's states (Adam's moments, Lion's and SGD's momentum) are "
+        "stored: fp32 (exact), bf16, or int8 (block-quantised, about a quarter of the bytes; "
+        "not for sgd); default fp32, or the resumed run's",
     )
     memory.add_argument(
         "--activations",

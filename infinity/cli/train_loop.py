@@ -1,9 +1,9 @@
 """The training session behind ``infinity train``: model, optimizer, schedule, one step.
 
 Only public API: ``infinity.offload`` builds the model straight into chunks
-(from the ``meta`` device, so it never exists whole in RAM), ``CPUAdam`` steps
-it, a torch ``LambdaLR`` drives warmup + cosine, and ``infinity.stats`` gives
-the bytes each step moved.
+(from the ``meta`` device, so it never exists whole in RAM), ``CPUAdam`` (or
+``CPULion``, ``CPUSGD``: ``--optimizer``) steps it, a torch ``LambdaLR`` drives
+warmup + cosine, and ``infinity.stats`` gives the bytes each step moved.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 import infinity
 from infinity.cli import train_checkpoints as ckpt
-from infinity.cli import train_ranks
+from infinity.cli import train_optimizers, train_ranks
 from infinity.cli.train_pretrained import PretrainedModel, build_model, causal_lm_loss
 from infinity.cli.train_report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
 from infinity.cli.train_settings import RunSettings
@@ -133,10 +133,10 @@ class Session:
             self.model = infinity.offload(model, config, init=init_weights)
             self.loss = _gpt_loss
         try:
-            self.optimizer = infinity.optim.CPUAdam(
+            self.optimizer = train_optimizers.build(
+                settings.optimizer,
                 self.model.parameters(),
                 lr=settings.lr,
-                betas=(0.9, 0.95),
                 weight_decay=settings.weight_decay,
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -53,6 +53,7 @@ class RunSummary:
     model_dir: str | None = None  # --model runs: the fine-tuned model (transformers layout)
     stats: dict[str, Any] = field(default_factory=dict)
     ranks: list[dict[str, float]] = field(default_factory=list)  # per process, with several
+    optimizer: str = "adamw"  # --optimizer
 
 
 def _mb(nbytes: float) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from infinity.cli.main import CommandError
+from infinity.cli.train_optimizers import CHOICES, DEFAULT_OPTIMIZER
 from infinity.cli.train_pretrained import (
     PretrainedModel,
     describe,
@@ -92,6 +93,7 @@ class RunSettings:
     clip_grad: float
     seed: int
     optimizer_state_dtype: str = "fp32"  # how the moments are stored (absent before: fp32)
+    optimizer: str = DEFAULT_OPTIMIZER  # --optimizer (absent before: adamw)
 
     @property
     def tokens_per_step(self) -> int:
@@ -100,12 +102,14 @@ class RunSettings:
 
     def state_bytes(self) -> int:
         """Bytes of model states: parameters, gradients, fp32 master (16-bit only), and
-        the two moments as stored (int8: with one fp32 scale per QBLOCK elements)."""
+        the optimizer's states as stored (Adam's two moments, Lion's and SGD's one
+        momentum; int8: with one fp32 scale per QBLOCK elements)."""
         element = BYTES_PER_ELEMENT[self.dtype]
         master = 4 if element < 4 else 0
         n = self.model.num_params
         stored = StateFormat(self.optimizer_state_dtype)
-        return n * (2 * element + master) + 2 * (stored.data_bytes(n) + stored.scale_bytes(n))
+        slots = CHOICES[self.optimizer].state_slots
+        return n * (2 * element + master) + slots * (stored.data_bytes(n) + stored.scale_bytes(n))
 
     def param_bytes(self) -> int:
         """Bytes of the parameters in the compute dtype."""
@@ -167,6 +171,8 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
                 f"pick a divisor, e.g. --heads {_divisor_below(shape['hidden'], shape['heads'])}"
             )
         model = GPTConfig(vocab_size=256, tie_embeddings=True, **shape)
+    optimizer = _optimizer(args, resumed)
+    choice = CHOICES[optimizer]
     steps = pick("steps", preset.steps)
     default_warmup = resumed.warmup if resumed is not None else max(1, min(100, steps // 10))
     settings = RunSettings(
@@ -175,14 +181,20 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
         batch_size=pick("batch_size", preset.batch_size),
         grad_accum=pick("grad_accum", 1),
         steps=steps,
-        lr=pick("lr", preset.lr),
+        lr=pick("lr", choice.default_lr(preset.lr)),
         warmup=args.warmup if args.warmup is not None else default_warmup,
         min_lr_ratio=resumed.min_lr_ratio if resumed is not None else 0.1,
-        weight_decay=resumed.weight_decay if resumed is not None else 0.1,
+        weight_decay=resumed.weight_decay if resumed is not None else choice.weight_decay,
         clip_grad=pick("clip_grad", 1.0),
         seed=pick("seed", 0),
         optimizer_state_dtype=pick("optimizer_state_dtype", "fp32"),
+        optimizer=optimizer,
     )
+    if settings.optimizer_state_dtype not in choice.state_dtypes:
+        raise CommandError(
+            f"--optimizer {optimizer} stores its state as {' or '.join(choice.state_dtypes)}, "
+            f"not {settings.optimizer_state_dtype}; pick one of those for --optimizer-state-dtype"
+        )
     preset_shape = (preset.layers, preset.hidden, preset.heads, preset.seq_len)
     if resumed is not None and args.preset is not None:
         m = resumed.model
@@ -198,6 +210,22 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
             "--checkpoint-dir to start a new run"
         )
     return settings
+
+
+def _optimizer(args: argparse.Namespace, resumed: RunSettings | None) -> str:
+    """``--optimizer``, or the resumed run's; a resumed run cannot change it (its
+    checkpoint holds that optimizer's states, which no other one can continue)."""
+    given = getattr(args, "optimizer", None)
+    if resumed is None:
+        return given or DEFAULT_OPTIMIZER
+    if given is not None and given != resumed.optimizer:
+        raise CommandError(
+            f"--optimizer {given}: the checkpoint was trained with --optimizer "
+            f"{resumed.optimizer}, whose states {given} cannot continue; resume with "
+            f"--optimizer {resumed.optimizer} (or without the flag), or use another "
+            "--checkpoint-dir to start a new run"
+        )
+    return resumed.optimizer
 
 
 def _pretrained(args: argparse.Namespace, resumed: RunSettings | None) -> PretrainedModel | None:

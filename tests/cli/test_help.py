@@ -10,7 +10,7 @@ import pytest
 
 from infinity.cli.main import main
 
-COMMANDS = ["train", "plan", "bench nvme", "bench adam", "bench train"]
+COMMANDS = ["train", "plan", "bench nvme", "bench optim", "bench adam", "bench train"]
 
 
 def _help(capsys, *argv: str) -> str:
@@ -38,11 +38,11 @@ def test_top_level_help_names_the_tool_its_commands_and_an_example():
 
 def test_bare_command_or_group_prints_its_help(capsys):
     assert main([]) == 2
-    assert "bench adam" in capsys.readouterr().out
+    assert "bench optim" in capsys.readouterr().out
     assert main(["bench"]) == 2
     out = capsys.readouterr().out
     assert out.startswith("usage: infinity bench [-h] BENCHMARK ...")
-    assert "bench nvme" in out and "infinity bench adam --size" in out
+    assert "bench nvme" in out and "infinity bench optim --optimizers" in out
 
 
 @pytest.mark.parametrize("command", COMMANDS)
