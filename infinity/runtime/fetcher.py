@@ -96,6 +96,7 @@ class ParamFetcher:
                 depth,
                 int(budget),
                 plan.device_param_bytes,
+                # NOTE [prefetch within the slots]
                 slots=plan.device_slots,
                 grad_bytes=lambda c: (
                     plan.device_param_bytes(c) if plan.grad_home[c] is not None else 0

@@ -7,16 +7,8 @@ The engine asks the chunk manager to fetch them without blocking and without
 evicting anything needed sooner; a consumer later waits only on its own
 chunk's handle.
 
-NOTE [prefetch within the slots]: a prefetch is worth its bytes only if the
-chunk is still on the device when it is used. In backward each chunk also
-needs a gradient slot, taken on demand when its first gradient arrives; when
-the prefetches had filled the slots beside the chunk in use, that demand
-evicted the farthest prefetched chunk (Belady's choice), which was then
-fetched again: a 16-layer Llama moved 1.27x the host-to-device bytes of the
-plan, on the CPU backend and on an H100 alike. So the plan walks the trace
-through the device's slots: the chunk in use (and its gradient), each chunk
-chosen, and the gradients that arrive before a chosen chunk is used each hold
-a slot, and the walk stops where none is left.
+NOTE [prefetch within the slots]: the plan walks the trace through the
+device's slots, so that no prefetch is pushed out again before its use.
 """
 
 from __future__ import annotations
