@@ -13,7 +13,6 @@ device's slots, so that no prefetch is pushed out again before its use.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -25,13 +24,16 @@ NEED_PHASES = (Phase.FORWARD, Phase.BACKWARD)
 
 
 class _Slots:
-    """The device's free slots in a walk ahead: sizes and counts, smallest fit first."""
+    """The device's free slots in a walk ahead: sizes and counts, smallest fit first
+    (``None``: slots are not looked at, every take succeeds)."""
 
-    def __init__(self, slots: Mapping[int, int]) -> None:
-        self._free = Counter(slots)
+    def __init__(self, slots: Mapping[int, int] | None) -> None:
+        self._free = Counter(slots) if slots else None
 
     def take(self, nbytes: int) -> int | None:
         """Take the smallest free slot of at least ``nbytes``; its size, or None."""
+        if self._free is None:
+            return nbytes
         for size in sorted(self._free):
             if size >= nbytes and self._free[size] > 0:
                 self._free[size] -= 1
@@ -39,7 +41,8 @@ class _Slots:
         return None
 
     def give_back(self, size: int) -> None:
-        self._free[size] += 1
+        if self._free is not None:
+            self._free[size] += 1
 
 
 class Prefetcher:
@@ -64,52 +67,24 @@ class Prefetcher:
         self._slots = dict(slots) if slots else None
         self._grad_bytes = grad_bytes or (lambda _chunk: 0)
         self._accesses = trace.accesses
-        self._needs = [
-            (position, chunk)
-            for position, (phase, chunk) in enumerate(trace.accesses)
-            if phase in NEED_PHASES
-        ]
-        self._positions = [p for p, _ in self._needs]
 
     def plan(self, position: int, on_device: Callable[[int], bool]) -> list[int]:
         """Chunks to fetch after ``position``: the first needs not already on the
         device, counting in-flight/resident upcoming chunks against the limits."""
-        if self._slots is not None and 0 <= position < len(self._accesses):
-            return self._plan_in_slots(position, on_device)
-        start = bisect.bisect_right(self._positions, position)
-        chosen: list[int] = []
-        seen: set[int] = set()
-        ahead = 0
-        spent = 0
-        for _, chunk in itertools.islice(self._needs, start, None):
-            if chunk in seen:
-                continue
-            seen.add(chunk)
-            if ahead >= self.depth:
-                break
-            size = self._nbytes(chunk)
-            if spent + size > self.budget_bytes and ahead:
-                break
-            ahead += 1
-            spent += size
-            if not on_device(chunk):
-                chosen.append(chunk)
-        return chosen
-
-    def _plan_in_slots(self, position: int, on_device: Callable[[int], bool]) -> list[int]:
-        """:meth:`plan` walking every access after ``position`` through the slots."""
-        assert self._slots is not None
         free = _Slots(self._slots)
-        phase, current = self._accesses[position]
-        free.take(self._nbytes(current))  # the chunk in use
+        seen: set[int] = set()
+        grads: set[int] = set()
         grad_slot = None  # NOTE: one gradient at a time: a finished one goes home
-        if phase != Phase.FORWARD and self._grad_bytes(current):
-            grad_slot = free.take(self._grad_bytes(current))
+        if 0 <= position < len(self._accesses):
+            phase, current = self._accesses[position]
+            free.take(self._nbytes(current))  # the chunk in use
+            seen.add(current)
+            if phase != Phase.FORWARD and self._grad_bytes(current):
+                grad_slot = free.take(self._grad_bytes(current))
+                grads.add(current)
         chosen: list[int] = []
-        seen = {current}
-        grads = {current}
         ahead = spent = 0
-        for phase, chunk in itertools.islice(self._accesses, position + 1, None):
+        for phase, chunk in itertools.islice(self._accesses, max(position + 1, 0), None):
             if phase == Phase.GRAD:
                 need = self._grad_bytes(chunk)
                 if chunk not in grads and need > (grad_slot or 0):
