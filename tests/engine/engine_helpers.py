@@ -32,15 +32,16 @@ def tiny_llama(
     intermediate: int | None = None,
     tie: bool = False,
     seed: int = 0,
+    layers: int = 2,
 ) -> nn.Module:
-    """A 2-layer ``transformers`` Llama (grouped-query attention: 4 heads, 2 KV heads);
-    ``intermediate`` defaults to twice ``hidden``. Skips without transformers."""
+    """A ``transformers`` Llama of ``layers`` layers (grouped-query attention: 4 heads,
+    2 KV heads); ``intermediate`` defaults to twice ``hidden``. Skips without transformers."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import batches, config, param_bytes, tiny_gpt, train
+from engine_helpers import batches, config, param_bytes, tiny_gpt, tiny_llama, train
 
 import infinity
 from infinity.offload import engine_of
@@ -81,20 +81,8 @@ def test_backward_fetches_no_chunk_twice_when_the_device_has_few_slots():
     beside the chunk in use, each gradient's first arrival pushed the farthest of
     them out, and it was fetched a third time (1.19x the plan's bytes here).
     """
-    transformers = pytest.importorskip("transformers")
     vocab, hidden = 4000, 128
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=352,
-        num_hidden_layers=12,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = tiny_llama(vocab=vocab, hidden=hidden, intermediate=352, layers=12)
     pbytes = param_bytes(model, 2)
     device = max(pbytes // 4, 3 * vocab * hidden * 2)
     model = infinity.offload(model, config(dtype="bf16", device_memory=device))
