@@ -32,6 +32,9 @@ class DeviceBackend(abc.ABC):
 
     name: str
     device: torch.device
+    # NOTE [host updates behind the forward]: True where compute runs apart from
+    # the host's cores (a GPU), so host work done while it computes is free.
+    computes_apart: bool = False
 
     @abc.abstractmethod
     def alloc_device(self, nbytes: int) -> torch.Tensor:

@@ -47,6 +47,7 @@ class CudaBackend(DeviceBackend):
     """GPU slots; H2D/D2H copies on a side stream ordered after compute."""
 
     name = "cuda"
+    computes_apart = True  # NOTE [host updates behind the forward]
 
     def __init__(self, device: torch.device) -> None:
         # NOTE: "cuda" means the current GPU (what torch.cuda.set_device(local_rank)

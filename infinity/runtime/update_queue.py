@@ -41,6 +41,9 @@ _U = UpdateState
 # Trailing updates whose reads are in flight at once (the optimizer staging
 # slots of the planner hold one more, the unit being updated).
 TRAIL_LOOKAHEAD = 2
+# Host-homed updates deferred into the forward run this many chunks (in forward
+# order) ahead of the one needed, so the prefetcher can fetch their chunks.
+HOST_LOOKAHEAD = 2
 
 
 class TrailingUpdates(deque[ChunkWork]):
@@ -64,6 +67,12 @@ class UpdateQueue:
         self.early_chunk_steps = 0  # updates run during a backward
         self.trailing = TrailingUpdates()
         self.trailing_chunk_steps = 0  # updates that ran after optimizer.step() returned
+        # NOTE [host updates behind the forward]: with a device that computes apart
+        # from the host, host-homed updates trail too, each run just ahead of its
+        # chunk's forward; ``_forward_rank`` orders chunks by first forward use.
+        self.defer_host = chunks.manager.backend.computes_apart
+        self._host_only: set[int] = set()
+        self._forward_rank: dict[int, int] = {}
         # The first error raised inside an update: some chunks may be updated and
         # others not, so the engine refuses to go on (see check_failed).
         self.failure: BaseException | None = None
@@ -181,12 +190,19 @@ class UpdateQueue:
 
     # --- the step trailing into the next forward ----------------------------------------
     def start_step(self, works: list[ChunkWork], grad_scale: float) -> None:
-        """Update host-only chunks now; queue the rest in the order the forward needs them."""
+        """Update host-only chunks now (or, with ``defer_host``, queue them to run just
+        ahead of their forward); queue the rest in the order the forward needs them."""
         has_master = self.chunks.plan.has_master
+        first_use = self._first_forward_use()
+        defer_host = self.defer_host and bool(first_use)
         now: list[ChunkWork] = []
         later: list[ChunkWork] = []
+        self._host_only = set()
         for work in works:
             on_nvme = any(self.manager.homes.tier(k) != HOST for k in work.keys(has_master))
+            if not on_nvme and defer_host and work.chunk in first_use:
+                self._host_only.add(work.chunk)
+                on_nvme = True
             (later if on_nvme else now).append(work)
         updates = self.manager.updates
         for work in later:
@@ -200,8 +216,8 @@ class UpdateQueue:
             raise
         for work in now:
             updates.set(work.chunk, _U.IDLE)
-        first_use = self._first_forward_use()
         later.sort(key=lambda w: first_use.get(w.chunk, len(first_use)))
+        self._forward_rank = {w.chunk: rank for rank, w in enumerate(later)}
         self.trailing = TrailingUpdates(later, grad_scale)
         for position, work in enumerate(later[:TRAIL_LOOKAHEAD]):
             # the reads travel while the caller loads data
@@ -226,11 +242,20 @@ class UpdateQueue:
                 prefetch_chunk(self.chunks, work, ahead=window[:position])  # retried at every poll
             work = trailing[0]
             must = settle or (needed is not None and self.is_trailing(needed))
-            if not must and not chunk_ready(self.chunks, work):
+            if not must and not self._due(work, needed):
                 return
             trailing.popleft()
             self._run(work, trailing.grad_scale, then=_U.IDLE)
             self.trailing_chunk_steps += 1
+
+    def _due(self, work: ChunkWork, needed: int | None) -> bool:
+        """A trailing update may run now without waiting: its reads have landed, and
+        a deferred host-homed one's chunk is at most ``HOST_LOOKAHEAD`` chunks past
+        the one needed (earlier it would take the host from the forward's launches)."""
+        if work.chunk not in self._host_only:
+            return chunk_ready(self.chunks, work)
+        rank = self._forward_rank
+        return needed in rank and rank[work.chunk] <= rank[needed] + HOST_LOOKAHEAD
 
     def before_access(self, phase: Phase, chunk: int) -> None:
         """An access of ``chunk`` is about to read it: run what must run first."""
