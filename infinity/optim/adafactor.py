@@ -6,9 +6,9 @@ parameter of two or more dimensions a row factor (the mean of squared
 gradients over its last dimension) and a column factor (over the one before),
 ``R + C`` numbers for an ``R x C`` matrix; for a vector, a full second moment.
 These states are not shaped like the parameter, so they are per-tensor states
-kept in host memory beside the units, never in a state slot (NOTE
-[per-tensor optimizer state]): with fp32 compute an offloaded model's units
-are empty, and with 16-bit compute only the fp32 master crosses the disk.
+kept in host memory beside the units, never in a state slot (see
+NOTE [per-tensor optimizer state]): with fp32 compute an offloaded model's
+units are empty, and with 16-bit compute only the fp32 master crosses the disk.
 
 The update reads whole tensors (the parameter's RMS, the row and column means,
 the update's RMS for clipping), so the chunk optimizer asks for one tensor per
