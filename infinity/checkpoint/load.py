@@ -211,8 +211,8 @@ def _write_chunks(
 def _write_tensor_states(
     engine: OffloadEngine, meta: CheckpointMeta, fo: io.BufferedReader
 ) -> None:
-    """Read every trainable tensor's per-tensor optimizer states (NOTE [per-tensor
-    optimizer state]; ``parse_meta`` checked they are exactly the optimizer's)."""
+    """Read every trainable tensor's per-tensor optimizer states (``parse_meta``
+    checked they are exactly the optimizer's; see NOTE [per-tensor optimizer state])."""
     for entry in engine.registry.entries:
         if not entry.trainable:
             continue
