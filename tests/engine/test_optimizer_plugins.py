@@ -160,6 +160,15 @@ def test_the_optimizer_decides_the_bytes_that_cross_the_disk(tmp_path):
     # so its NVMe traffic is what the others move besides their units.
     assert adafactor[0] <= adam[0] - 2 * (adam[0] - lion[0])
     assert adafactor[1] <= adam[1] - 2 * (adam[1] - lion[1])
+    # ... and take R + C numbers per matrix, a full one per vector, in host memory.
+    model = tiny_gpt()
+    factors = sum(
+        p.shape[0] + p.shape[1] if p.dim() == 2 else p.numel() for p in model.parameters()
+    )
+    model = infinity.offload(model, config())
+    train(model, CPUAdafactor(model.parameters()), batches(1))
+    assert infinity.stats(model)["optimizer_tensor_state_bytes"] == 4 * factors
+    engine_of(model).close()
     # fp32 compute: a unit is the state slots alone, so Lion's is exactly half Adam's.
     model = tiny_gpt()
     model = infinity.offload(model, config(**_budgets(model, "nvme", tmp_path / "plan")))
