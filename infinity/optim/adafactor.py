@@ -174,9 +174,10 @@ class CPUAdafactor(CPUOptimizer[AdafactorHyperParams]):
         foreach: accepted and ignored (the update runs per tensor).
         maximize: follow the gradient up instead of down.
 
-    On an offloaded model the step reads each tensor whole from its chunk, so
-    neither data parallelism nor oversize tensors staged in spans are supported
-    yet (constructing it over such a model raises a ``ConfigError``).
+    On an offloaded model the step reads each tensor whole from its chunk (an
+    oversize tensor staged in spans is gathered for it), so data parallelism,
+    where a tensor may straddle two ranks' shards, is not supported yet:
+    constructing it over a sharded model raises a ``ConfigError``.
     """
 
     def __init__(

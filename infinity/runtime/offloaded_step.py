@@ -26,6 +26,7 @@ from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
 from infinity.runtime.oversize_step import step_chunk_in_spans
 from infinity.runtime.step_context import Run, StepContext, step_runs
+from infinity.runtime.whole_tensor_step import step_tensor_in_spans
 
 
 def plan_runs(
@@ -105,7 +106,10 @@ def step_chunk(
 ) -> None:
     """Update one chunk in place in its homes (see module docstring)."""
     if is_split(engine.plan, chunk):
-        step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
+        if engine.chunk_optimizer.whole_tensors:
+            step_tensor_in_spans(engine, chunk, runs, grad_scale)
+        else:
+            step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
         return
     manager = engine.manager
     # NOTE: sharded (data parallel), this rank's homes hold elements [start, end)

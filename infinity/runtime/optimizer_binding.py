@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from infinity.chunks.spans import is_split
 from infinity.config import Config, ConfigError
 from infinity.core.plan import Plan
 from infinity.optim.chunk_optimizer import ChunkOptimizer
@@ -77,9 +76,13 @@ def lay_out_units(
 
 
 def _check_whole_tensors(chunks: ModelChunks, owner: str) -> None:
-    """Raise :class:`~infinity.config.ConfigError` if some tensor of ``chunks`` is never
-    whole in host memory during the step, as an optimizer that reads whole tensors
-    (``ChunkOptimizer.whole_tensors``) needs."""
+    """Raise :class:`~infinity.config.ConfigError` if no process steps whole tensors, as
+    an optimizer that reads them (``ChunkOptimizer.whole_tensors``) needs.
+
+    NOTE: an oversize chunk staged in spans holds one tensor, which the step
+    gathers (``runtime/whole_tensor_step.py``); a shard holds a window of each
+    chunk, and a tensor may straddle two ranks.
+    """
     plan = chunks.plan
     if plan.sharded:
         raise ConfigError(
@@ -88,12 +91,3 @@ def _check_whole_tensors(chunks: ModelChunks, owner: str) -> None:
             "shard: it is not supported with data parallelism yet. Train on one process, or "
             "use CPUAdam, CPULion or CPUSGD"
         )
-    for chunk, spec in enumerate(chunks.layout.chunks):
-        if spec.trainable and is_split(plan, chunk):
-            names = ", ".join(e.name for e in chunks.chunk_members[chunk])
-            raise ConfigError(
-                f"{owner} reads whole tensors in its step, but the host budget stages chunk "
-                f"{chunk} ({names}: {spec.capacity} elements) in spans of {plan.span_elems}: "
-                "raise Config.host_memory until `infinity plan` stages it whole, or use a "
-                "chunk_size that holds the tensor"
-            )

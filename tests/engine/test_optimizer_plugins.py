@@ -208,14 +208,36 @@ def test_the_last_optimizer_constructed_lays_out_the_units_until_one_steps(tmp_p
     engine.close()
 
 
-def test_adafactor_refuses_a_tensor_staged_in_spans_and_changes_nothing(tmp_path):
-    """Adafactor reads whole tensors; an oversize chunk that the host budget stages in
-    spans is refused when the optimizer is constructed, naming the tensor and the fix."""
-    model = tiny_llama(4096, hidden=64, intermediate=128, tie=True)
-    cfg = {"device_memory": "3MiB", "host_memory": "640KiB", "chunk_size": 64 << 10}
-    model = infinity.offload(model, config(nvme_path=str(tmp_path), **cfg))
-    engine = engine_of(model)
-    with pytest.raises(ConfigError, match=r"CPUAdafactor reads whole tensors.*embed.*host_memory"):
-        CPUAdafactor(model.parameters())
-    assert engine.plan.state_slots == ("exp_avg", "exp_avg_sq")  # Adam's, as planned
-    engine.close()
+def test_adafactor_gathers_a_tensor_staged_in_spans(tmp_path):
+    """Adafactor reads whole tensors: an oversize chunk that the host budget stages in
+    spans is gathered for its step, and trains like torch.optim.Adafactor (bit for bit
+    like the same model whose chunk is staged whole)."""
+    vocab = 2048  # the tied embedding (512 KiB in fp32) spans 8 chunks
+
+    def loss_fn(m, batch):
+        return m(input_ids=batch[0], labels=batch[1]).loss
+
+    def run(host: str, where: str):
+        model = tiny_llama(vocab, hidden=64, intermediate=128, tie=True)
+        cfg = {"device_memory": "3MiB", "host_memory": host, "chunk_size": 64 << 10}
+        model = infinity.offload(model, config(nvme_path=str(tmp_path / where), **cfg))
+        plan = engine_of(model).plan
+        spans = plan.span_elems < max(c.capacity for c in plan.layout.chunks)
+        opt = CPUAdafactor(model.parameters(), lr=2e-2, weight_decay=0.01)
+        losses = train(model, opt, data, loss_fn=loss_fn)
+        return model, losses, spans
+
+    data = batches(2, vocab=vocab, seq=16)
+    ref = tiny_llama(vocab, hidden=64, intermediate=128, tie=True)
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=2e-2, weight_decay=0.01, foreach=False)
+    ref_losses = train(ref, ref_opt, data, loss_fn=loss_fn)
+    model, losses, spans = run("640KiB", "spans")
+    whole, whole_losses, whole_spans = run("64MiB", "whole")
+    assert spans and not whole_spans
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert global_rel_error(model, ref) < TOL
+    assert losses == whole_losses
+    for a, b in zip(model.state_dict().values(), whole.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    engine_of(model).close()
+    engine_of(whole).close()
