@@ -20,6 +20,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
     ``Config(activations="offload")``): saved tensors per tier now and at peak,
     NVMe bytes written and read, and the reads backward waited for. ``world``: this process's rank
     among the processes its chunks are sharded over, and what it communicated.
+    ``optimizer_tensor_state_bytes``: the optimizer's per-tensor states kept in
+    host memory beside the units (Adafactor's factors), outside the budgets.
     """
     engine = engine_of(model)
     manager = engine.manager
@@ -40,6 +42,13 @@ def stats(model: nn.Module) -> dict[str, Any]:
         # staging slabs registered with io_uring (no page pinning per transfer)
         "nvme_registered_buffers": manager.fixed_buffers is None,
         "steps": engine.step_count,
+        # per-tensor optimizer states in host memory, outside the budgets (Adafactor's
+        # factors; 0 for the others): see NOTE [per-tensor optimizer state]
+        "optimizer_tensor_state_bytes": sum(
+            value.nbytes
+            for states in engine.chunks.tensor_states.values()
+            for value in states.values()
+        ),
         "placement": {
             kind: {tier: sum(h == tier for h in homes) for tier in (HOST, NVME)}
             for kind, homes in (

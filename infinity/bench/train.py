@@ -1,7 +1,8 @@
 """End-to-end step time of offloaded training against plain PyTorch, in one run.
 
-Cases (same model, same batches):
-  a. plain PyTorch in RAM with ``torch.optim.AdamW(fused=True)``;
+Cases (same model, same batches, same optimizer: ``--optimizer``, Adam by default):
+  a. plain PyTorch in RAM with ``torch.optim.AdamW(fused=True)`` (or torch's
+     counterpart of the chosen optimizer);
   b. offloaded, device budget half the parameters, everything else in RAM;
   c. offloaded, optimizer states on NVMe (parameters and gradients on the host);
   d. offloaded, everything beyond a small host budget (15% of the states) on NVMe.
@@ -39,12 +40,13 @@ from infinity.config import AioConfig, Config
 from infinity.core.plan import Plan
 from infinity.models.gpt import GPT, GPTConfig, init_weights
 from infinity.offload import engine_of
-from infinity.optim import CPUAdam
+from infinity.optim import CPUSGD, CPUAdafactor, CPUAdam, CPULion
 from infinity.runtime.budgets import plan_for
 from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import NVME, PlanError
 
 Progress = Callable[[str], None]
+MakeOptimizer = Callable[[Any], torch.optim.Optimizer]
 
 
 @dataclass
@@ -140,17 +142,46 @@ class Runner:
         )
 
 
-def plain_runner(cfg: GPTConfig) -> Runner:
-    """Case (a): the model and AdamW(fused=True) in RAM."""
+# --optimizer: name -> (the infinity optimizer, plain PyTorch's, its description).
+# NOTE: torch has no Lion: the plain case then runs AdamW, which costs about the same.
+OPTIMIZERS: dict[str, tuple[MakeOptimizer, MakeOptimizer, str]] = {
+    "adam": (
+        lambda ps: CPUAdam(ps, lr=1e-4),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+        "AdamW(fused=True)",
+    ),
+    "adafactor": (
+        lambda ps: CPUAdafactor(ps, lr=1e-2),
+        lambda ps: torch.optim.Adafactor(ps, lr=1e-2, foreach=True),
+        "Adafactor(foreach=True)",
+    ),
+    "lion": (
+        lambda ps: CPULion(ps, lr=3e-5),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+        "AdamW(fused=True)",
+    ),
+    "sgd": (
+        lambda ps: CPUSGD(ps, lr=1e-2, momentum=0.9),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True),
+        "SGD(foreach=True)",
+    ),
+}
+
+
+def plain_runner(cfg: GPTConfig, optimizer: str = "adam") -> Runner:
+    """Case (a): the model and torch's optimizer (AdamW(fused=True) for Adam) in RAM."""
     model = _model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    return Runner("a", "plain PyTorch, AdamW(fused=True)", model, opt, None)
+    _ours, make, label = OPTIMIZERS[optimizer]
+    return Runner("a", f"plain PyTorch, {label}", model, make(model.parameters()), None)
 
 
-def offloaded_runner(name: str, description: str, cfg: GPTConfig, config: Config) -> Runner:
-    """One offloaded case."""
+def offloaded_runner(
+    name: str, description: str, cfg: GPTConfig, config: Config, optimizer: str = "adam"
+) -> Runner:
+    """One offloaded case, stepped by the infinity optimizer named ``optimizer``."""
     model = infinity.offload(_model(cfg), config)
-    return Runner(name, description, model, CPUAdam(model.parameters(), lr=1e-4), config)
+    opt = OPTIMIZERS[optimizer][0](model.parameters())
+    return Runner(name, description, model, opt, config)
 
 
 def host_budget_for(cfg: GPTConfig, base: Config, wanted: Callable[[Plan], bool]) -> int:
@@ -177,6 +208,7 @@ def run_all(
     nvme_dir: str,
     block: int = 4,
     progress: Progress | None = None,
+    optimizer: str = "adam",
 ) -> dict:
     """Every case plus the NVMe bandwidth of ``nvme_dir``; a JSON-ready report.
 
@@ -186,7 +218,8 @@ def run_all(
     the machine hits every case alike, while inside a block each step
     overlaps its own successor as in a real training loop (see
     :meth:`Runner.block`); a block times ``block - 1`` steps. Ratios are
-    paired per round (see the module note).
+    paired per round (see the module note). ``optimizer`` names the optimizer of
+    every case (:data:`OPTIMIZERS`); the budgets are the same for all of them.
     """
     note = progress or (lambda _msg: None)
     if block < 2:
@@ -205,29 +238,37 @@ def run_all(
         small = max(host_budget_for(cfg, nvme, lambda p: True), cfg.num_params * 16 * 15 // 100)
         overlap = {"overlap_optimizer": True}  # the loop below steps after every backward
         note("building the cases")
+        opt = optimizer
         runners = [
-            plain_runner(cfg),
-            offloaded_runner("b", "offloaded, device = 1/2 params, rest in RAM", cfg, base),
+            plain_runner(cfg, opt),
+            offloaded_runner("b", "offloaded, device = 1/2 params, rest in RAM", cfg, base, opt),
             offloaded_runner(
                 "c",
                 "c0's host budget, optimizer overlapped with backward (gradients leave first)",
                 cfg,
                 nvme.replace(host_memory=optim_only, **overlap),
+                opt,
             ),
             offloaded_runner(
                 "c0",
                 "as c, step after backward (default)",
                 cfg,
                 nvme.replace(host_memory=optim_only),
+                opt,
             ),
             offloaded_runner(
                 "d",
                 "small host budget, rest on NVMe, optimizer overlapped",
                 cfg,
                 nvme.replace(host_memory=small, **overlap),
+                opt,
             ),
             offloaded_runner(
-                "d0", "as d, step after backward (default)", cfg, nvme.replace(host_memory=small)
+                "d0",
+                "as d, step after backward (default)",
+                cfg,
+                nvme.replace(host_memory=small),
+                opt,
             ),
         ]
         for r in range(rounds + warm_rounds):
@@ -244,6 +285,7 @@ def run_all(
     read_bps, write_bps = bw.read_gbps * 1e9, bw.write_gbps * 1e9
     report: dict[str, Any] = {
         "model": f"GPT {cfg.layers}x{cfg.hidden}",
+        "optimizer": optimizer,
         "params": cfg.num_params,
         "batch": batch,
         "seq_len": cfg.seq_len,

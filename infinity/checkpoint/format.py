@@ -14,14 +14,17 @@ A checkpoint directory holds:
 - ``optim.bin``: every trainable chunk's optimizer unit as it is stored (fp32
   master when the compute dtype is 16-bit, then the optimizer's state slots in
   order: ``exp_avg``, then ``exp_avg_sq`` for Adam, ``exp_avg`` for Lion,
-  ``momentum_buffer`` for SGD, in the stored format that
+  ``momentum_buffer`` for SGD, none for Adafactor, in the stored format that
   ``meta.json`` names as ``optimizer_state_dtype``: fp32, bf16, or int8 codes
   and their block scales; see
   :class:`infinity.optim.chunk_optimizer.ChunkOptimizer`). A checkpoint loads
   only into a model offloaded with the same ``optimizer_state_dtype`` (saved
   bytes are restored as they were, so a resumed run is bit-identical); to
   change the format, go through ``CPUAdam.state_dict()`` / ``load_state_dict()``,
-  which carry fp32 values.
+  which carry fp32 values. After the units come the per-tensor states of an
+  optimizer that keeps them (Adafactor's ``row_var`` and ``col_var``, or
+  ``variance``: fp32, C order), each tensor's offsets in its ``tensor_state``
+  record (see NOTE [per-tensor optimizer state]).
 
 Loading reads only numbers and raw bytes, so a checkpoint cannot run code.
 Tensors are located by name, so a checkpoint loads into a different chunk

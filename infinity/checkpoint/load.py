@@ -151,6 +151,7 @@ def _load(
         # --- everything is checked: from here on the model changes ---
         engine.synchronize()
         _write_chunks(engine, meta, files[PARAM_FILE], files[OPTIM_FILE])
+        _write_tensor_states(engine, meta, files[OPTIM_FILE])
     engine.chunks.mark_set(e.index for e in engine.registry.entries)
     for entry in engine.registry.entries:
         if entry.trainable:
@@ -205,6 +206,19 @@ def _write_chunks(
                     _read_into(fo, rec.optim_offset + src, region[at : at + size])
         finally:
             close_whole(manager, copy, modified=True)
+
+
+def _write_tensor_states(
+    engine: OffloadEngine, meta: CheckpointMeta, fo: io.BufferedReader
+) -> None:
+    """Read every trainable tensor's per-tensor optimizer states (``parse_meta``
+    checked they are exactly the optimizer's; see NOTE [per-tensor optimizer state])."""
+    for entry in engine.registry.entries:
+        if not entry.trainable:
+            continue
+        offsets = meta.tensors[entry.name].tensor_state
+        for name, value in engine.chunks.tensor_state(entry.index).items():
+            _read_into(fo, offsets[name], value.view(-1).view(torch.uint8))
 
 
 def _write_split(

@@ -56,10 +56,12 @@ def _value(what: str, saved: Any, current: Any) -> Any:
     elif isinstance(current, (int, float)) or torch.is_tensor(current):
         ok = finite_number(saved)
     elif isinstance(current, tuple):
+        # NOTE: an item may be null (Adafactor's eps=(None, 1e-3)); the optimizer's
+        # own check (hyper_of, below) says whether it may be.
         ok = (
             isinstance(saved, list)
             and len(saved) == len(current)
-            and all(finite_number(x) for x in saved)
+            and all(x is None or finite_number(x) for x in saved)
         )
         saved = tuple(saved) if ok else saved
     elif isinstance(current, str):

@@ -17,6 +17,7 @@ import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,11 +43,19 @@ from infinity.io.errors import NVMeIOError
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
 
+TailKey = tuple[int, str]  # (tensor index, per-tensor state name)
+
 
 def _stream(
-    engine: OffloadEngine, kind: Kind, chunks: list[int], file: Path | None
-) -> tuple[dict[int, int], dict[str, int]]:
-    """Write ``chunks`` of ``kind`` back to back; returns file offset per chunk and size/CRC.
+    engine: OffloadEngine,
+    kind: Kind,
+    chunks: list[int],
+    file: Path | None,
+    tail: list[tuple[TailKey, torch.Tensor]] | None = None,
+) -> tuple[dict[Any, int], dict[str, int]]:
+    """Write ``chunks`` of ``kind`` back to back, then the fp32 tensors of ``tail``
+    (per-tensor optimizer states); returns the file offset per chunk and per tail
+    key, and size/CRC.
 
     ``file=None``: a rank other than 0 of a sharded model, which only takes part
     in gathering each whole chunk (rank 0 writes it).
@@ -55,7 +64,7 @@ def _stream(
     keeps gathering after a failed write (a full disk) and raises at the end;
     otherwise the other ranks would wait in a gather it never joins.
     """
-    offsets: dict[int, int] = {}
+    offsets: dict[Any, int] = {}
     crc = 0
     position = 0
     failed: OSError | None = None
@@ -68,9 +77,12 @@ def _stream(
                 if not engine.world.sharded:
                     raise
                 failed = exc
-        for chunk in chunks:
-            offsets[chunk] = position
-            for data in _chunk_bytes(engine, kind, chunk):
+        pieces: list[tuple[Any, Iterator[memoryview]]]
+        pieces = [(chunk, _chunk_bytes(engine, kind, chunk)) for chunk in chunks]
+        pieces += [(key, _tensor_bytes(value)) for key, value in tail or []]
+        for key, datas in pieces:
+            offsets[key] = position
+            for data in datas:
                 if f is None or failed is not None:
                     continue
                 try:
@@ -90,6 +102,24 @@ def _stream(
         if f is not None:
             f.close()
     return offsets, {"bytes": position, "crc32": crc}
+
+
+def _tensor_bytes(value: torch.Tensor) -> Iterator[memoryview]:
+    """The bytes of an fp32 tensor, in C order."""
+    yield memoryview(value.to(torch.float32).contiguous().view(-1).numpy().data).cast("B")
+
+
+def _tensor_states(engine: OffloadEngine) -> list[tuple[TailKey, torch.Tensor]]:
+    """Every trainable tensor's per-tensor optimizer states (none for most optimizers).
+
+    See NOTE [per-tensor optimizer state]: they follow the units in ``optim.bin``.
+    """
+    out = []
+    for entry in engine.registry.entries:
+        if entry.trainable:
+            for name, value in engine.chunks.tensor_state(entry.index).items():
+                out.append(((entry.index, name), value))
+    return out
 
 
 def _chunk_bytes(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[memoryview]:
@@ -134,15 +164,17 @@ def write_checkpoint(
         return
     groups = optimizer_groups(engine, optimizer) if optimizer is not None else None
     param_at, param_info = _stream(engine, Kind.PARAM, all_chunks, directory / PARAM_FILE)
-    optim_at, optim_info = _stream(engine, Kind.OPTIM, trainable, directory / OPTIM_FILE)
+    optim_at, optim_info = _stream(
+        engine, Kind.OPTIM, trainable, directory / OPTIM_FILE, _tensor_states(engine)
+    )
     _write_meta(engine, directory, param_at, optim_at, param_info, optim_info, groups)
 
 
 def _write_meta(
     engine: OffloadEngine,
     directory: Path,
-    param_at: dict[int, int],
-    optim_at: dict[int, int],
+    param_at: dict[Any, int],
+    optim_at: dict[Any, int],
     param_info: dict[str, int],
     optim_info: dict[str, int],
     groups: object,
@@ -164,6 +196,9 @@ def _write_meta(
                 "step": engine.tensor_steps[entry.index],
             }
         )
+        states = {name: at for (index, name), at in _tail_items(optim_at) if index == entry.index}
+        if states:
+            tensors[-1]["tensor_state"] = states
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -183,6 +218,11 @@ def _write_meta(
     }
     dump_meta(meta, directory / META)
     fsync_dir(directory)
+
+
+def _tail_items(offsets: dict[Any, int]) -> list[tuple[TailKey, int]]:
+    """The per-tensor state entries of :func:`_stream`'s offsets."""
+    return [(key, at) for key, at in offsets.items() if isinstance(key, tuple)]
 
 
 def save_checkpoint(

@@ -9,7 +9,7 @@ through a load, and every byte range it names lies inside its file.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from infinity.checkpoint.format import DATA_FILES, META, OPTIM_FILE, PARAM_FILE, CheckpointError
@@ -31,6 +31,9 @@ class TensorRecord:
     chunk_capacity: int  # elements of the chunk (parts of a unit are this long)
     element_offset: int  # offset of the tensor inside its chunk (elements)
     step: int
+    # Per-tensor optimizer states (Adafactor's factors): name -> byte offset of its
+    # fp32 values in optim.bin, after the units. See NOTE [per-tensor optimizer state].
+    tensor_state: dict[str, int] = field(default_factory=dict)
 
     @property
     def numel(self) -> int:
@@ -127,7 +130,8 @@ def _tensor(
     has_master: bool,
     files: dict[str, tuple[int, int]],
 ) -> tuple[TensorRecord, list[str]]:
-    t = _dict(t, what, (*TensorRecord.__dataclass_fields__, "aliases"))
+    required = [k for k in TensorRecord.__dataclass_fields__ if k != "tensor_state"]
+    t = _dict(t, what, (*required, "aliases"))
     shape = tuple(
         _int(d, f"{what}.shape[{k}]") for k, d in enumerate(_list(t["shape"], f"{what}.shape"))
     )
@@ -145,6 +149,9 @@ def _tensor(
         chunk_capacity=_int(t["chunk_capacity"], f"{what}.chunk_capacity", low=1),
         element_offset=_int(t["element_offset"], f"{what}.element_offset"),
         step=_int(t["step"], f"{what}.step"),
+        tensor_state=_tensor_state(t.get("tensor_state"), f"{what}.tensor_state", shape, optimizer)
+        if trainable
+        else {},
     )
     if rec.element_offset + rec.numel > rec.chunk_capacity:
         raise CheckpointError(
@@ -159,8 +166,25 @@ def _tensor(
             optimizer.tensor_ranges(rec.chunk_capacity, has_master, rec.element_offset, rec.numel)
         except ValueError as exc:  # int8: the tensor must start on a quantisation block
             raise CheckpointError(f"{META} is invalid: {rec.name}: {exc}") from None
+    for name, at in rec.tensor_state.items():
+        size = math.prod(optimizer.tensor_state_shapes(shape)[name]) * 4  # fp32
+        _within(f"{rec.name}.{name}", OPTIM_FILE, at, size, files)
     aliases = [_str(a, f"{what}.aliases[{k}]") for k, a in enumerate(_list(t["aliases"], what))]
     return rec, [rec.name, *aliases]
+
+
+def _tensor_state(
+    value: Any, what: str, shape: tuple[int, ...], optimizer: ChunkOptimizer[Any]
+) -> dict[str, int]:
+    """The offsets of a trainable tensor's per-tensor states: exactly the ones
+    ``optimizer`` keeps for ``shape`` (none for most optimizers)."""
+    names = sorted(optimizer.tensor_state_shapes(shape))
+    if not names and value is None:
+        return {}
+    record = _dict(value, what)
+    if sorted(record) != names:
+        raise _bad(what, sorted(record), f"offsets of exactly {names}")
+    return {name: _int(record[name], f"{what}.{name}") for name in names}
 
 
 def _none(value: Any, what: str) -> int | None:
@@ -221,8 +245,9 @@ def _check_optimizer(saved: Any, optimizer: ChunkOptimizer[Any]) -> None:
         return
     raise CheckpointError(
         f"checkpoint holds the optimizer state of {front_end or name!r} (slots "
-        f"{', '.join(slots)}), but this model's optimizer units are laid out for "
-        f"{optimizer.front_end or optimizer.name} (slots {', '.join(optimizer.state_slots)}): "
+        f"{', '.join(slots) or 'none'}), but this model's optimizer units are laid out for "
+        f"{optimizer.front_end or optimizer.name} (slots "
+        f"{', '.join(optimizer.state_slots) or 'none'}): "
         f"construct a {front_end or name} over the model and pass it to load_checkpoint, "
         "or load the weights alone (infinity.load_pretrained)"
     )

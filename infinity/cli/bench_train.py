@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from infinity.bench.train import run_all
+from infinity.bench.train import OPTIMIZERS, run_all
 from infinity.cli.bench_gpt2 import run_gpt2_cases
 from infinity.cli.main import CommandError
 from infinity.models.gpt import GPTConfig
@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "block is not timed (timed steps are rounded up to whole blocks)",
     )
     parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adam",
+        help="the optimizer of every case (infinity's offloaded, torch's in plain PyTorch; "
+        "AdamW for lion, which torch lacks); not with --gpt2",
+    )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object on the last line"
     )
@@ -89,6 +96,8 @@ def _verdict(case: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run every case and print the table (and JSON)."""
     if args.gpt2:
+        if args.optimizer != "adam":
+            raise CommandError("--optimizer applies to the GPT cases only, not --gpt2")
         return run_gpt2_cases(args)
     sizes = (args.layers, args.hidden, args.heads, args.seq_len, args.batch_size, args.steps)
     if min(sizes) < 1:
@@ -122,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             nvme_dir=args.nvme_path,
             block=args.block,
             progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True),
+            optimizer=args.optimizer,
         )
     except PlanError as exc:
         # NOTE: the cases' budgets are fractions of the model (device = half
@@ -131,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
             "(use more --layers or a larger --hidden)"
         ) from None
     print(
-        f"{report['model']}: {report['params'] / 1e6:.1f}M parameters, batch {args.batch_size} x "
+        f"{report['model']}, {args.optimizer}: {report['params'] / 1e6:.1f}M parameters, batch "
+        f"{args.batch_size} x "
         f"{args.seq_len} tokens; NVMe {report['nvme_read_gbps']:.2f} GB/s read, "
         f"{report['nvme_write_gbps']:.2f} GB/s write (1 GB = 1e9 bytes)"
     )

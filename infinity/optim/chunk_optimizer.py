@@ -48,6 +48,10 @@ class StepViews:
     state: Mapping[str, torch.Tensor]  # one view per state slot, in the stored dtype
     out16: torch.Tensor | None  # 16-bit parameters rewritten from ``master``, if any
     scales: Mapping[str, torch.Tensor] = field(default_factory=dict)  # int8: block scales
+    # ``whole_tensors`` optimizers only (one tensor per run): its shape and its
+    # per-tensor states (see :meth:`ChunkOptimizer.tensor_state_shapes`).
+    shape: tuple[int, ...] | None = None
+    tensor_state: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,13 +77,25 @@ class UnitViews:
 
 
 class ChunkOptimizer(ABC, Generic[H]):
-    """An optimizer whose per-element state is tensors shaped like the parameters."""
+    """An optimizer whose per-element state is tensors shaped like the parameters
+    (state slots, in the units), and optionally small per-tensor states kept in host
+    memory (:meth:`tensor_state_shapes`, NOTE [per-tensor optimizer state])."""
 
     name: ClassVar[str]  # unique per kind: what engines and checkpoints compare
     front_end: ClassVar[str] = ""  # the optimizer users construct, named in errors
     state_slots: ClassVar[tuple[str, ...]]  # names of the state tensors, in unit order
     state_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)  # storage formats step() handles
+    # The update reads whole tensors (norms, row and column means): step() gets one
+    # tensor per run, with its shape and per-tensor states, never a slice of one.
+    whole_tensors: ClassVar[bool] = False
     state_format: StateFormat = StateFormat()
+
+    def tensor_state_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The per-tensor states of a parameter of ``shape``, by name: fp32 tensors
+        kept in host memory beside the units (Adafactor's row and column factors).
+        None by default; see NOTE [per-tensor optimizer state]."""
+        del shape
+        return {}
 
     def with_state_dtype(self, name: str) -> ChunkOptimizer[H]:
         """This optimizer with its state slots stored as ``name`` (itself if unchanged).

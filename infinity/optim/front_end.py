@@ -1,6 +1,6 @@
 """The generic optimizer front-end: one ``torch.optim.Optimizer`` base for every
 chunk optimizer (:class:`~infinity.optim.CPUAdam`, :class:`~infinity.optim.CPUSGD`,
-:class:`~infinity.optim.CPULion`).
+:class:`~infinity.optim.CPULion`, :class:`~infinity.optim.CPUAdafactor`).
 
 A concrete optimizer says two things (see "Adding an optimizer" in
 docs/ARCHITECTURE.md):
@@ -16,8 +16,9 @@ their engines, which learn the chunk optimizer from the optimizer constructed
 over them (``ChunkStepper.use_optimizer``); plain CPU tensors step through the
 same chunk optimizer on their own fp32 state (a concrete optimizer may
 override :meth:`CPUOptimizer._step_dense` with something faster, as CPUAdam
-does); state dicts carry the slots by name, as torch's do; fp16 loss scaling
-and gradient clipping work on offloaded parameters.
+does, or with states not shaped like the parameters, as CPUAdafactor does);
+state dicts carry the slots by name, as torch's do; fp16 loss scaling and
+gradient clipping work on offloaded parameters.
 """
 
 from __future__ import annotations

@@ -129,4 +129,10 @@ def _moment_state(value: dict[str, Any], slots: tuple[str, ...], key: object) ->
             f"{sorted(value)}): the state dict is from another optimizer"
         )
     step = int(value["step"]) if "step" in value else 1
-    return step, {name: value[name] for name in slots if value[name] is not None}
+    # NOTE: the other tensors are per-tensor states (Adafactor's factors), which the
+    # engine checks by the parameter's shape.
+    return step, {
+        name: tensor
+        for name, tensor in value.items()
+        if name != "step" and isinstance(tensor, torch.Tensor)
+    }

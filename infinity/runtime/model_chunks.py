@@ -68,6 +68,9 @@ class ModelChunks:
         n = len(registry.entries)
         self.has_grad = TensorGrads(n)  # per tensor: its gradient is in the chunks
         self.tensor_steps = [0] * n  # per tensor: optimizer steps taken
+        # Per tensor: the chunk optimizer's small per-tensor states (Adafactor's
+        # factors), in host memory beside the units. See NOTE [per-tensor optimizer state].
+        self.tensor_states: dict[int, dict[str, torch.Tensor]] = {}
         self.timeline = Timeline()
         # Saved-activation bytes (host, NVMe) for the timeline; set by the engine
         # when activations are offloaded.
@@ -77,6 +80,17 @@ class ModelChunks:
     def chunk_of(self, index: int) -> int:
         """The chunk holding tensor ``index``."""
         return self.layout.slots[index].chunk
+
+    def tensor_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Tensor ``index``'s per-tensor optimizer states, zeros on first use (none
+        for an optimizer without them)."""
+        states = self.tensor_states.get(index)
+        if states is None:
+            shape = self.layout.slots[index].shape
+            shapes = self.chunk_optimizer.tensor_state_shapes(tuple(shape))
+            states = {name: torch.zeros(size) for name, size in shapes.items()}
+            self.tensor_states[index] = states
+        return states
 
     def set_state(self, entry: ParamEntry, state: TensorState) -> None:
         """Move one parameter to ``state`` (checked against the whitelist)."""

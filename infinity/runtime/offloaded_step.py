@@ -26,12 +26,15 @@ from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
 from infinity.runtime.oversize_step import step_chunk_in_spans
 from infinity.runtime.step_context import Run, StepContext, step_runs
+from infinity.runtime.whole_tensor_step import step_tensor_in_spans
 
 
 def plan_runs(
     members: list[tuple[int, int, int]],
     hyper_of: Callable[[int], object | None],
     step_of: Callable[[int], int],
+    *,
+    whole_tensors: bool = False,
 ) -> tuple[list[Run], bool]:
     """Group a chunk's tensors into runs; ``members`` are (tensor index, offset, numel).
 
@@ -42,7 +45,13 @@ def plan_runs(
     (gaps hold zeros, which every optimizer keeps at zero), and the old parameter values
     need not be read. The chunk's empty tail is left out: updating zeros
     would only cost time.
+
+    ``whole_tensors`` (an optimizer whose update reads whole tensors, such as
+    Adafactor's norms): one run per tensor, naming it, never stretched; the old
+    parameters are then not read only if the tensors leave no gap.
     """
+    if whole_tensors:
+        return _tensor_runs(members, hyper_of, step_of)
     groups: list[list[Any]] = []  # [start, end, hyper, step]
     covered = True
     previous_skipped = False
@@ -69,12 +78,38 @@ def plan_runs(
     return runs, covered and bool(runs)
 
 
+def _tensor_runs(
+    members: list[tuple[int, int, int]],
+    hyper_of: Callable[[int], object | None],
+    step_of: Callable[[int], int],
+) -> tuple[list[Run], bool]:
+    """:func:`plan_runs` with one run per tensor (``whole_tensors``)."""
+    runs: list[Run] = []
+    covered = True
+    for index, offset, numel in sorted(members, key=lambda m: m[1]):
+        if numel == 0:
+            continue
+        hyper = hyper_of(index)
+        if hyper is None:
+            covered = False
+            continue
+        runs.append(Run(offset, offset + numel, hyper, step_of(index) + 1, tensor=index))
+    # NOTE: a gap between tensors (alignment) is not rewritten from a master, so
+    # the parameter chunk must then be read to keep its bytes.
+    gapless = bool(runs) and runs[0].start == 0
+    gapless = gapless and all(a.end == b.start for a, b in itertools.pairwise(runs))
+    return runs, covered and gapless
+
+
 def step_chunk(
     engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
 ) -> None:
     """Update one chunk in place in its homes (see module docstring)."""
     if is_split(engine.plan, chunk):
-        step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
+        if engine.chunk_optimizer.whole_tensors:
+            step_tensor_in_spans(engine, chunk, runs, grad_scale)
+        else:
+            step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
         return
     manager = engine.manager
     # NOTE: sharded (data parallel), this rank's homes hold elements [start, end)
@@ -100,7 +135,7 @@ def step_chunk(
             # from its master): give the tail the zeros it had, not stale bytes.
             params[max(runs[-1].end - start, 0) :].zero_()
         out16 = params if has_master else None
-        step_runs(optimizer, unit, master, grads, out16, runs, (start, end), grad_scale)
+        step_runs(optimizer, unit, master, grads, out16, runs, (start, end), grad_scale, engine)
     finally:
         # NOTE: write-backs finish in the background (keep=True): the slot is
         # reused only once its write has landed, so chunk i-1 is written while
@@ -141,7 +176,12 @@ def plan_chunk(
     def hyper_of(index: int) -> object | None:
         return hyper_by_index.get(index) if engine.has_grad[index] else None
 
-    runs, covered = plan_runs(list(members), hyper_of, engine.tensor_steps.__getitem__)
+    runs, covered = plan_runs(
+        list(members),
+        hyper_of,
+        engine.tensor_steps.__getitem__,
+        whole_tensors=engine.chunk_optimizer.whole_tensors,
+    )
     updated = tuple(i for i, _offset, numel in members if numel and hyper_of(i) is not None)
     return ChunkWork(chunk, updated, tuple(runs), covered) if runs else None
 

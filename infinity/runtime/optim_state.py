@@ -48,7 +48,7 @@ def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[
                 # NOTE: fp32 copies whatever the stored format (int8 decoded), as torch's.
                 values = engine.chunk_optimizer.read_state(unit, span)
                 states = {k: v.view(slot.shape) for k, v in values.items()}
-                yield i, (engine.tensor_steps[i], states)
+                yield i, (engine.tensor_steps[i], {**states, **_tensor_copies(engine, i)})
         finally:
             close_whole(engine.manager, copy, modified=False)
 
@@ -70,6 +70,20 @@ def check_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
                     f"optimizer state {key} of {entry.name} has shape {tuple(moment.shape)}, the "
                     f"parameter has {tuple(shape)}: the state dict is from another model"
                 )
+        shapes = engine.chunk_optimizer.tensor_state_shapes(tuple(shape))
+        for key, size in shapes.items():
+            given = states.get(key)
+            if given is None:
+                raise ValueError(
+                    f"optimizer state of {entry.name} has no {key!r} (it has {sorted(states)}): "
+                    "the state dict is from another optimizer"
+                )
+            if tuple(given.shape) != size:
+                raise ValueError(
+                    f"optimizer state {key} of {entry.name} has shape {tuple(given.shape)}, "
+                    f"a parameter of shape {tuple(shape)} has {size}: the state dict is from "
+                    "another model"
+                )
         if step < 0:
             raise ValueError(f"optimizer state of {entry.name} has step {step}")
 
@@ -77,6 +91,8 @@ def check_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
 def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) -> None:
     """Set moments and step counts (by tensor index; ``None``: no state, as never
     stepped); check with :func:`check_moments` first. The caller has settled."""
+    for i, value in values.items():
+        _set_tensor_state(engine, i, value[1] if value is not None else {})
     for chunk, group in engine.layout.group_by_chunk(values, int).items():
         if is_split(engine.plan, chunk):
             _write_split(engine, chunk, {i: values[i] for i in group})
@@ -138,7 +154,8 @@ def _read_split(
                     states[name][into].copy_(values)
             finally:
                 engine.manager.close_host(copy, modified=False)
-        yield i, (engine.tensor_steps[i], {k: v.view(slot.shape) for k, v in states.items()})
+        shaped = {k: v.view(slot.shape) for k, v in states.items()}
+        yield i, (engine.tensor_steps[i], {**shaped, **_tensor_copies(engine, i)})
 
 
 def _write_split(engine: ModelChunks, chunk: int, values: dict[int, MomentState | None]) -> None:
@@ -165,3 +182,20 @@ def _complete(
 ) -> dict[str, torch.Tensor]:
     """``states`` with zeros for every slot it leaves out."""
     return {name: states[name] if name in states else torch.zeros(numel) for name in slots}
+
+
+def _tensor_copies(engine: ModelChunks, index: int) -> dict[str, torch.Tensor]:
+    """Copies of tensor ``index``'s per-tensor states (none for most optimizers)."""
+    return {name: value.clone() for name, value in engine.tensor_state(index).items()}
+
+
+def _set_tensor_state(engine: ModelChunks, index: int, states: dict[str, torch.Tensor]) -> None:
+    """Set tensor ``index``'s per-tensor states from ``states`` (zeros for those it
+    leaves out, as a fresh state)."""
+    current = engine.tensor_state(index)
+    for name, value in current.items():
+        given = states.get(name)
+        if given is None:
+            value.zero_()
+        else:
+            value.copy_(given.reshape(value.shape))

@@ -56,12 +56,15 @@ def lay_out_units(
     if stepped:
         raise ValueError(
             f"this model's optimizer state belongs to {current.front_end} (slots "
-            f"{', '.join(current.state_slots)}; {stepped} tensors hold state from steps, a "
-            f"checkpoint or a state dict): {owner} (slots {', '.join(wanted.state_slots)}) "
+            f"{', '.join(current.state_slots) or 'none'}; {stepped} tensors hold state from "
+            f"steps, a checkpoint or a state dict): {owner} (slots "
+            f"{', '.join(wanted.state_slots) or 'none'}) "
             f"cannot take it over. Keep training with {current.front_end}, or start "
             f"{owner} from the weights alone: infinity.save_pretrained(model, dir), then a new "
             "infinity.offload(...) and infinity.load_pretrained(model, dir)"
         )
+    if wanted.whole_tensors:
+        _check_whole_tensors(chunks, owner)
     plan = units_for(home_plan, wanted, consume_grads=config.overlap_optimizer is True)
     # NOTE: writes of the initial values (offload) may still be landing, and
     # staged copies of units are cut the old way: both are settled first.
@@ -69,3 +72,22 @@ def lay_out_units(
     chunks.manager.recut_units(plan)
     chunks.plan = plan
     chunks.chunk_optimizer = wanted
+    chunks.tensor_states.clear()  # NOTE: no tensor has stepped: nothing is lost
+
+
+def _check_whole_tensors(chunks: ModelChunks, owner: str) -> None:
+    """Raise :class:`~infinity.config.ConfigError` if no process steps whole tensors, as
+    an optimizer that reads them (``ChunkOptimizer.whole_tensors``) needs.
+
+    NOTE: an oversize chunk staged in spans holds one tensor, which the step
+    gathers (``runtime/whole_tensor_step.py``); a shard holds a window of each
+    chunk, and a tensor may straddle two ranks.
+    """
+    plan = chunks.plan
+    if plan.sharded:
+        raise ConfigError(
+            f"{owner} reads whole tensors in its step (norms, row and column means), but this "
+            f"model's chunks are sharded over {plan.shard_count} processes, each stepping its "
+            "shard: it is not supported with data parallelism yet. Train on one process, or "
+            "use CPUAdam, CPULion or CPUSGD"
+        )

@@ -44,6 +44,10 @@ class StepContext(Protocol):
     def sample(self, phase: Phase, chunk: int) -> None:
         """Add the tiers' state after an access to the memory timeline."""
 
+    def tensor_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Tensor ``index``'s per-tensor optimizer states (allocated on first use)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Run:
@@ -53,6 +57,7 @@ class Run:
     end: int
     hyper: object  # the optimizer's hyper-parameters (compared by value)
     step: int
+    tensor: int | None = None  # the one tensor of a ``whole_tensors`` optimizer's run
 
 
 def step_runs(
@@ -64,15 +69,26 @@ def step_runs(
     runs: list[Run],
     window: tuple[int, int],
     grad_scale: float,
+    engine: StepContext,
 ) -> None:
     """Run the optimizer over the parts of ``runs`` inside elements ``window`` of a
     chunk, whose views (``unit``, ``master``, ``grads``, ``out16``) start at
-    ``window[0]``: a whole chunk is the window ``(0, capacity)``, a span its range."""
+    ``window[0]``: a whole chunk is the window ``(0, capacity)``, a span its range.
+    A run naming its tensor gets the tensor's shape and per-tensor states from
+    ``engine``, and must lie wholly inside the window."""
     start, end = window
     for run in runs:
         low, high = max(run.start, start), min(run.end, end)
         if low >= high:
             continue
+        shape, tensor_state = None, {}
+        if run.tensor is not None:
+            if (low, high) != (run.start, run.end):
+                # NOTE: refused when the optimizer is bound (optimizer_binding.py):
+                # reaching here is a bug, not a user error.
+                raise AssertionError(f"tensor {run.tensor} is cut by the window {window}")
+            shape = engine.layout.slots[run.tensor].shape
+            tensor_state = engine.tensor_state(run.tensor)
         span = slice(low - start, high - start)
         views = StepViews(
             master[span],
@@ -80,5 +96,7 @@ def step_runs(
             unit.span(span),
             out16[span] if out16 is not None else None,
             unit.scale_span(span),
+            shape,
+            tensor_state,
         )
         optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)

@@ -1,7 +1,9 @@
-"""Optimizers as plug-ins: CPUSGD and CPULion train offloaded models like their references.
+"""Optimizers as plug-ins: CPUSGD, CPULion and CPUAdafactor train offloaded models like their
+references.
 
 Each case trains the same model on the same batches twice, once plainly with
-the reference (``torch.optim.SGD``, or the Lion written in ``lion_reference``)
+the reference (``torch.optim.SGD``, ``torch.optim.Adafactor``, or the Lion written in
+``lion_reference``)
 and once offloaded with the infinity optimizer, with budgets that keep the
 optimizer state in host memory or send it to NVMe, with accumulation and
 clipping, and with the overlapped step. The engine learns the optimizer from
@@ -14,14 +16,22 @@ import copy
 
 import pytest
 import torch
-from engine_helpers import batches, config, global_rel_error, param_bytes, tiny_gpt, train
+from engine_helpers import (
+    batches,
+    config,
+    global_rel_error,
+    param_bytes,
+    tiny_gpt,
+    tiny_llama,
+    train,
+)
 from lion_reference import ReferenceLion
 
 import infinity
 from infinity.config import ConfigError
 from infinity.core.names import NVME
 from infinity.offload import engine_of
-from infinity.optim import CPUSGD, CPUAdam, CPULion
+from infinity.optim import CPUSGD, CPUAdafactor, CPUAdam, CPULion
 
 STEPS = 4
 TOL = 1e-5  # fp32: rounding-level differences, amplified a little by training
@@ -46,8 +56,13 @@ OPTIMIZERS = {
         lambda ps: CPULion(ps, lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1),
         lambda ps: ReferenceLion(ps, lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1),
     ),
+    "adafactor": (
+        lambda ps: CPUAdafactor(ps, lr=2e-2, weight_decay=0.01),
+        lambda ps: torch.optim.Adafactor(ps, lr=2e-2, weight_decay=0.01, foreach=False),
+    ),
 }
-SLOTS = {"sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
+# Adafactor's factored states are per tensor, in host memory: no state slot.
+SLOTS = {"sgd": ("momentum_buffer",), "lion": ("exp_avg",), "adafactor": ()}
 
 
 def _budgets(model: torch.nn.Module, placement: str, tmp_path) -> dict:
@@ -100,14 +115,14 @@ def test_offloaded_training_matches_the_reference(name, placement, tmp_path):
     engine_of(model).close()
 
 
-@pytest.mark.parametrize("name", ["sgd-momentum-decay", "lion"])
+@pytest.mark.parametrize("name", ["sgd-momentum-decay", "lion", "adafactor"])
 def test_accumulation_and_clipping_with_states_on_nvme(name, tmp_path):
     model, _opt, ref, _ = _run(name, "nvme", tmp_path, accum=2, clip=0.5)
     assert global_rel_error(model, ref) < TOL
     engine_of(model).close()
 
 
-@pytest.mark.parametrize("name", ["sgd-nesterov", "lion"])
+@pytest.mark.parametrize("name", ["sgd-nesterov", "lion", "adafactor"])
 def test_the_overlapped_step(name, tmp_path):
     model, _opt, ref, _ = _run(name, "nvme", tmp_path, overlap=True)
     engine = engine_of(model)
@@ -138,8 +153,22 @@ def test_the_optimizer_decides_the_bytes_that_cross_the_disk(tmp_path):
     adam = _nvme_bytes_per_step(lambda ps: CPUAdam(ps, lr=1e-3), tmp_path / "adam")
     lion = _nvme_bytes_per_step(lambda ps: CPULion(ps, lr=1e-4), tmp_path / "lion")
     sgd = _nvme_bytes_per_step(lambda ps: CPUSGD(ps, lr=0.1, momentum=0.9), tmp_path / "sgd")
-    for ours in (lion, sgd):
+    adafactor = _nvme_bytes_per_step(lambda ps: CPUAdafactor(ps), tmp_path / "adafactor")
+    for ours in (lion, sgd, adafactor):
         assert ours[0] < adam[0] and ours[1] < adam[1]
+    # Adafactor's states stay in host memory: with fp32 compute its units are empty,
+    # so its NVMe traffic is what the others move besides their units.
+    assert adafactor[0] <= adam[0] - 2 * (adam[0] - lion[0])
+    assert adafactor[1] <= adam[1] - 2 * (adam[1] - lion[1])
+    # ... and take R + C numbers per matrix, a full one per vector, in host memory.
+    model = tiny_gpt()
+    factors = sum(
+        p.shape[0] + p.shape[1] if p.dim() == 2 else p.numel() for p in model.parameters()
+    )
+    model = infinity.offload(model, config())
+    train(model, CPUAdafactor(model.parameters()), batches(1))
+    assert infinity.stats(model)["optimizer_tensor_state_bytes"] == 4 * factors
+    engine_of(model).close()
     # fp32 compute: a unit is the state slots alone, so Lion's is exactly half Adam's.
     model = tiny_gpt()
     model = infinity.offload(model, config(**_budgets(model, "nvme", tmp_path / "plan")))
@@ -177,3 +206,38 @@ def test_the_last_optimizer_constructed_lays_out_the_units_until_one_steps(tmp_p
         CPUSGD(model.parameters(), lr=0.1)
     assert engine.plan.state_slots == ("exp_avg",)  # refused: nothing changed
     engine.close()
+
+
+def test_adafactor_gathers_a_tensor_staged_in_spans(tmp_path):
+    """Adafactor reads whole tensors: an oversize chunk that the host budget stages in
+    spans is gathered for its step, and trains like torch.optim.Adafactor (bit for bit
+    like the same model whose chunk is staged whole)."""
+    vocab = 2048  # the tied embedding (512 KiB in fp32) spans 8 chunks
+
+    def loss_fn(m, batch):
+        return m(input_ids=batch[0], labels=batch[1]).loss
+
+    def run(host: str, where: str):
+        model = tiny_llama(vocab, hidden=64, intermediate=128, tie=True)
+        cfg = {"device_memory": "3MiB", "host_memory": host, "chunk_size": 64 << 10}
+        model = infinity.offload(model, config(nvme_path=str(tmp_path / where), **cfg))
+        plan = engine_of(model).plan
+        spans = plan.span_elems < max(c.capacity for c in plan.layout.chunks)
+        opt = CPUAdafactor(model.parameters(), lr=2e-2, weight_decay=0.01)
+        losses = train(model, opt, data, loss_fn=loss_fn)
+        return model, losses, spans
+
+    data = batches(2, vocab=vocab, seq=16)
+    ref = tiny_llama(vocab, hidden=64, intermediate=128, tie=True)
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=2e-2, weight_decay=0.01, foreach=False)
+    ref_losses = train(ref, ref_opt, data, loss_fn=loss_fn)
+    model, losses, spans = run("640KiB", "spans")
+    whole, whole_losses, whole_spans = run("64MiB", "whole")
+    assert spans and not whole_spans
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert global_rel_error(model, ref) < TOL
+    assert losses == whole_losses
+    for a, b in zip(model.state_dict().values(), whole.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    engine_of(model).close()
+    engine_of(whole).close()

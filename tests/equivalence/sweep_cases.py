@@ -4,7 +4,7 @@ A :class:`Case` combines the features that interact: world size, the device
 and host budgets (as fractions of what the model needs, so that every kind of
 chunk lands on each tier across cases), tied or untied embeddings, compute
 dtype, gradient accumulation, clipping, the overlapped step, the optimizer
-(Adam, Lion, SGD with Nesterov momentum), its state dtype and the chunk size.
+(Adam, Lion, SGD with Nesterov momentum, Adafactor), its state dtype and the chunk size.
 :func:`draw` makes cases from a seed;
 :data:`EXAMPLES` are cases that once failed (each says which bug), kept
 verbatim so that they run in every ``make test``.
@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass
 WORLDS = (1, 2)
 DTYPES = ("fp32", "bf16")
 STATE_DTYPES = ("fp32", "bf16", "int8")
-# The optimizer constructed over the model (sweep_optimizers.py); SGD stores fp32 only.
-OPTIMIZERS = ("adam", "adam", "lion", "sgd")
+# The optimizer constructed over the model (sweep_optimizers.py); SGD stores fp32 only,
+# Adafactor keeps its factored states per tensor in host memory (fp32, no state slot).
+OPTIMIZERS = ("adam", "adam", "lion", "sgd", "adafactor")
+# NOTE: Adafactor reads whole tensors, which a shard does not hold: one process.
 CHUNK_SIZES = ("auto", "16KiB", "40KiB")
 # Activation checkpointing of the decoder layers ("": none).
 CHECKPOINTING = ("", "", "non-reentrant", "reentrant")
@@ -72,7 +74,7 @@ class Case:
     activations: str = "keep"
     # Where compute runs: "cpu" (the CPU backend) or "cuda" (tests/cuda, on a GPU).
     backend: str = "cpu"
-    optimizer: str = "adam"  # "adam", "lion" or "sgd" (sweep_optimizers.py)
+    optimizer: str = "adam"  # "adam", "lion", "sgd" or "adafactor" (sweep_optimizers.py)
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -135,8 +137,10 @@ def draw(rng: random.Random) -> Case:
     case = dataclasses.replace(
         case,
         optimizer=optimizer,
-        state_dtype="fp32" if optimizer == "sgd" else case.state_dtype,
+        state_dtype="fp32" if optimizer in ("sgd", "adafactor") else case.state_dtype,
     )
+    if optimizer == "adafactor":
+        case = dataclasses.replace(case, world=1)
     if optimizer == "lion" and case.world == 2:
         # NOTE: Lion moves each weight by the sign of a sum: with bf16 gradients of
         # half batches (the "halves" noise) so many signs flip that the noise bound
@@ -233,6 +237,16 @@ PINNED: tuple[Case, ...] = (
     ),
     Case(optimizer="sgd", overlap=True, host=0.12, device=0.6, chunk_size="16KiB", tied=False),
     Case(optimizer="lion", dtype="bf16", state_dtype="bf16", host=0.45, chunk_size="40KiB"),
+    Case(
+        optimizer="adafactor",
+        dtype="bf16",
+        host=0.15,
+        device=0.6,
+        chunk_size="16KiB",
+        vocab=256,  # the embedding: an oversize chunk, staged in spans and gathered whole
+        accumulation=2,
+        clip=0.5,
+    ),
 )
 
 # Cases that failed once. Each stays in the suite as it was found.

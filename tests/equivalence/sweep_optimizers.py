@@ -1,9 +1,10 @@
 """The optimizer of a sweep case, offloaded and in plain PyTorch.
 
 ``Case.optimizer`` picks the infinity optimizer (``CPUAdam``, ``CPULion``,
-``CPUSGD``) and its reference: ``torch.optim.AdamW`` (or the quantised AdamW of
-:mod:`sweep_reference` for bf16/int8 moments), the Lion of
-:mod:`sweep_reference`, ``torch.optim.SGD``. Each reference also has a *noise*
+``CPUSGD``, ``CPUAdafactor``) and its reference: ``torch.optim.AdamW`` (or the
+quantised AdamW of :mod:`sweep_reference` for bf16/int8 moments), the Lion of
+:mod:`sweep_reference`, ``torch.optim.SGD``, ``torch.optim.Adafactor``. Each
+reference also has a *noise*
 variant that differs from it only in arithmetic (torch's fused or multi-tensor
 path, or float64 math), which sizes the tolerance.
 """
@@ -17,19 +18,23 @@ from lion_reference import ReferenceLion
 from sweep_cases import Case
 from sweep_reference import QuantisedAdamW
 
-from infinity.optim import CPUSGD, CPUAdam, CPULion
+from infinity.optim import CPUSGD, CPUAdafactor, CPUAdam, CPULion
 
 WEIGHT_DECAY = 0.1
 # NOTE: Lion moves every weight by lr a step: a third of AdamW's rate, as the paper
 # advises. Plain SGD needs a larger rate than Adam to move a small model visibly.
 LION_LR_SCALE = 1 / 3
 SGD_LR_SCALE = 30.0
+# NOTE: Adafactor's lr is relative (a step moves a weight by about lr x the tensor's
+# RMS): 3% a step moves a small model visibly.
+ADAFACTOR_LR_SCALE = 10.0
 SGD_MOMENTUM = 0.9
 
 
 def step_size(case: Case) -> float:
     """The learning rate the case's optimizer runs with."""
-    scale = {"lion": LION_LR_SCALE, "sgd": SGD_LR_SCALE}.get(case.optimizer, 1.0)
+    scales = {"lion": LION_LR_SCALE, "sgd": SGD_LR_SCALE, "adafactor": ADAFACTOR_LR_SCALE}
+    scale = scales.get(case.optimizer, 1.0)
     return case.lr * scale
 
 
@@ -40,6 +45,8 @@ def offloaded_optimizer(case: Case, params: Iterable[torch.Tensor]) -> torch.opt
         return CPULion(params, lr=lr, betas=case.betas, weight_decay=WEIGHT_DECAY)
     if case.optimizer == "sgd":
         return CPUSGD(params, lr=lr, momentum=SGD_MOMENTUM, nesterov=True, weight_decay=1e-3)
+    if case.optimizer == "adafactor":
+        return CPUAdafactor(params, lr=lr, weight_decay=1e-3)
     return CPUAdam(params, lr=lr, betas=case.betas, weight_decay=WEIGHT_DECAY)
 
 
@@ -58,6 +65,8 @@ def reference_optimizer(
         return torch.optim.SGD(
             params, lr=lr, momentum=SGD_MOMENTUM, nesterov=True, weight_decay=1e-3, foreach=noise
         )
+    if case.optimizer == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr, weight_decay=1e-3, foreach=noise)
     if case.state_dtype == "fp32":
         return torch.optim.AdamW(
             params,

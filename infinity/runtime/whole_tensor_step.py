@@ -1,0 +1,93 @@
+"""The update of an oversize chunk staged in spans, for an optimizer that reads whole
+tensors (``ChunkOptimizer.whole_tensors``: Adafactor's norms and row and column means).
+
+Such an update cannot run span by span. An oversize chunk holds one tensor, so
+its update gathers the tensor: a first pass over the spans copies its
+gradient and fp32 master (the parameters, for fp32) into one transient tensor
+each, the optimizer steps the whole tensor, and a second pass writes the
+master and the 16-bit parameters back span by span, without reading them
+again. Each span's bytes still cross the disk once each way, as in the
+element-wise path (``oversize_step.py``); host staging stays span-sized, and
+the transient copies are outside the budgets, like the temporaries of the
+optimizer's own step and the whole-tensor accessors (``state_dict``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.chunks.span_access import open_span
+from infinity.chunks.spans import span_key, span_ranges
+from infinity.core.names import Kind
+from infinity.optim.chunk_optimizer import StepViews
+from infinity.runtime.step_context import Run, StepContext
+
+
+def step_tensor_in_spans(
+    engine: StepContext, chunk: int, runs: list[Run], grad_scale: float
+) -> None:
+    """Update the one tensor of oversize ``chunk`` whole (see module docstring)."""
+    run = runs[0]
+    tensor = run.tensor
+    if len(runs) != 1 or tensor is None:
+        raise AssertionError(f"oversize chunk {chunk} steps one whole tensor, got runs {runs}")
+    master, grad = _gather(engine, chunk, run)
+    shape = engine.layout.slots[tensor].shape
+    views = StepViews(master, grad, {}, None, {}, shape, engine.tensor_state(tensor))
+    engine.chunk_optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
+    _scatter(engine, chunk, run, master)
+    engine.manager.drop_param(chunk)
+
+
+def _gather(engine: StepContext, chunk: int, run: Run) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensor's fp32 master and its gradient, copied out of the chunk's spans."""
+    manager = engine.manager
+    has_master = engine.plan.has_master
+    source = Kind.OPTIM if has_master else Kind.PARAM  # where the fp32 values live
+    master = torch.empty(run.end - run.start, dtype=torch.float32)
+    grad = torch.empty(run.end - run.start, dtype=engine.dtype)
+    ranges = span_ranges(engine.plan, chunk)
+    for position, (start, end) in enumerate(ranges):
+        if position + 1 < len(ranges):
+            # NOTE: the next span travels while this one is copied; this span's
+            # staged copies must not be its victims.
+            current = {span_key(kind, chunk, start, end) for kind in (Kind.GRAD, source)}
+            for kind in (Kind.GRAD, source):
+                manager.prefetch_host(span_key(kind, chunk, *ranges[position + 1]), current)
+        low, high = max(run.start, start), min(run.end, end)
+        grad_parts, grad_copy = open_span(manager, Kind.GRAD, chunk, start, end, writable=False)
+        parts, copy = open_span(manager, source, chunk, start, end, writable=False)
+        try:
+            if low < high:
+                into = slice(low - run.start, high - run.start)
+                here = slice(low - start, high - start)
+                grad[into].copy_(grad_parts[0].view(engine.dtype)[here])
+                values = parts[0].view(torch.float32 if has_master else engine.dtype)
+                master[into].copy_(values[here])
+        finally:
+            manager.close_host(grad_copy, modified=False, keep=True)
+            manager.close_host(copy, modified=False, keep=True)
+    return master, grad
+
+
+def _scatter(engine: StepContext, chunk: int, run: Run, master: torch.Tensor) -> None:
+    """Write the updated master (and the parameters in the compute dtype) back into the
+    chunk's spans; elements outside the tensor (the padded tail) get zeros."""
+    manager = engine.manager
+    has_master = engine.plan.has_master
+    for start, end in span_ranges(engine.plan, chunk):
+        low, high = max(run.start, start), min(run.end, end)
+        into = slice(low - run.start, high - run.start)
+        here = slice(low - start, high - start)
+        kinds = [Kind.OPTIM, Kind.PARAM] if has_master else [Kind.PARAM]
+        for kind in kinds:
+            parts, copy = open_span(manager, kind, chunk, start, end, load=False)
+            try:
+                dtype = torch.float32 if kind is Kind.OPTIM else engine.dtype
+                values = parts[0].view(dtype)
+                values.zero_()
+                if low < high:
+                    values[here].copy_(master[into])
+            finally:
+                # NOTE: write-backs land in the background (keep=True), as elsewhere.
+                manager.close_host(copy, modified=True, keep=True)
