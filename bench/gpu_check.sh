@@ -22,7 +22,7 @@ timeout "${TEST_TIMEOUT:-260}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider 
 echo "tests: $(( $(date +%s) - start )) s"
 # Two batch sizes: launch-bound (4 x 512) and compute-bound (16 x 1024).
 timeout "${BENCH_TIMEOUT:-170}" $PY bench/gpu_step.py --nvme-path /tmp \
-  --rows host,host+overlap,nvme,nvme+overlap 2>&1 | grep -v USDT | tee "$OUT/gpu_step.txt"
+  --rows host,host+eager,host+overlap,nvme,nvme+overlap 2>&1 | grep -v USDT | tee "$OUT/gpu_step.txt"
 timeout "${BENCH_TIMEOUT:-170}" $PY bench/gpu_step.py --nvme-path /tmp --batch 16 --seq 1024 \
-  --rows host,host+overlap 2>&1 | grep -v USDT | tee "$OUT/gpu_step_large.txt"
+  --rows host,host+eager,host+overlap 2>&1 | grep -v USDT | tee "$OUT/gpu_step_large.txt"
 echo "all: $(( $(date +%s) - start )) s"

@@ -140,10 +140,17 @@ def run_plain(args: argparse.Namespace, data: list[torch.Tensor]) -> dict:
 
 
 def run_offloaded(
-    args: argparse.Namespace, data: list[torch.Tensor], nvme: bool, overlap: bool = False
+    args: argparse.Namespace,
+    data: list[torch.Tensor],
+    nvme: bool,
+    overlap: bool = False,
+    eager: bool = False,
 ) -> dict:
     """infinity on the GPU: states on host, or beyond a small host budget on NVMe;
-    ``overlap``: each chunk's update runs during backward (``overlap_optimizer``)."""
+    ``overlap``: each chunk's update runs during backward (``overlap_optimizer``);
+    ``eager``: host-homed updates run inside ``optimizer.step()`` rather than
+    behind the next forward (NOTE [host updates behind the forward]), for an A/B
+    in one run."""
     model = build(args)
     n = sum(p.numel() for p in model.parameters())
     # bf16 parameter and gradient, fp32 master and two fp32 moments
@@ -162,6 +169,8 @@ def run_offloaded(
     _reset_peak(args.device)
     model = infinity.offload(model, cfg)
     engine = engine_of(model)
+    if eager:
+        engine.queue.defer_host = False
     opt = CPUAdam(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
 
     def step(ids: torch.Tensor) -> float:
@@ -174,7 +183,8 @@ def run_offloaded(
     try:
         _timed(step, data[: args.warmup], args.warmup, args.device)
         before = infinity.stats(model)
-        with _profiled(args, ("nvme" if nvme else "host") + ("_overlap" if overlap else "")):
+        label = ("nvme" if nvme else "host") + ("_overlap" if overlap else "")
+        with _profiled(args, label + ("_eager" if eager else "")):
             seconds, losses = _timed(step, data[args.warmup :], 0, args.device)
         after = infinity.stats(model)
         per_step = {k: (after[k] - before[k]) / args.steps for k in COUNTERS}
@@ -210,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rows",
         default="host,nvme",
-        help="offloaded rows beside plain: host, nvme, host+overlap, nvme+overlap",
+        help="offloaded rows beside plain: host or nvme, then +overlap and/or +eager "
+        "(e.g. host,host+eager,nvme+overlap)",
     )
     p.add_argument("--profile", default="", help="folder for torch.profiler tables of each row")
     args = p.parse_args(argv)
@@ -223,10 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the plain model's memory, before infinity's peak is read
     for row in args.rows.split(","):
-        tier, _, overlap = row.partition("+")
-        if tier not in ("host", "nvme") or overlap not in ("", "overlap"):
-            p.error(f"--rows: {row!r} is not host, nvme, host+overlap or nvme+overlap")
-        rows[row] = run_offloaded(args, data, nvme=tier == "nvme", overlap=bool(overlap))
+        tier, *mods = row.split("+")
+        if tier not in ("host", "nvme") or not set(mods) <= {"overlap", "eager"}:
+            p.error(f"--rows: {row!r} is not host or nvme with +overlap and/or +eager")
+        rows[row] = run_offloaded(
+            args, data, nvme=tier == "nvme", overlap="overlap" in mods, eager="eager" in mods
+        )
     if args.json:
         print(json.dumps({"params": n, "args": vars(args), "rows": rows}, indent=1))
         return 0
@@ -237,11 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     base = rows["plain"]["seconds"]
     print(
-        f"{'row':<12} {'step s':>8} {'x plain':>8} {'loss':>8} {'GPU peak':>10}  PCIe/step (plan)"
+        f"{'row':<20} {'step s':>8} {'x plain':>8} {'loss':>8} {'GPU peak':>10}  PCIe/step (plan)"
     )
     for name, row in rows.items():
         line = (
-            f"{name:<12} {row['seconds']:8.3f} {row['seconds'] / base:8.2f} {row['loss']:8.4f} "
+            f"{name:<20} {row['seconds']:8.3f} {row['seconds'] / base:8.2f} {row['loss']:8.4f} "
             f"{format_size(row['gpu_peak']):>10}"
         )
         if "measured" in row:
