@@ -27,7 +27,7 @@ from infinity.cli import train_ranks
 from infinity.cli.main import CommandError
 from infinity.cli.train_args import DEFAULT_CHECKPOINT_DIR, add_arguments
 from infinity.cli.train_loop import Session, StopSignals
-from infinity.cli.train_optimizers import CHOICES
+from infinity.cli.train_optimizers import CHOICES, check_processes, tensor_state_bytes
 from infinity.cli.train_pretrained import PretrainedModel, save_model
 from infinity.cli.train_pretrained import describe as describe_pretrained
 from infinity.cli.train_pretrained import load_corpus as load_pretrained_corpus
@@ -136,6 +136,7 @@ def _header(run: _Run, session: Session) -> list[str]:
     """What will run, on what text, and where its states live."""
     s, m, corpus = run.settings, run.settings.model, run.corpus
     stats = {**infinity.stats(session.model), "nvme_path": run.config.nvme_path}
+    per_tensor = tensor_state_bytes(session.optimizer, session.model.parameters())
     return [
         f"infinity train: {describe(m)}, context {m.seq_len} {corpus.unit}, {s.dtype}, "
         f"device {stats['device']}",
@@ -147,7 +148,7 @@ def _header(run: _Run, session: Session) -> list[str]:
         f"(warmup {s.warmup}, cosine to "
         f"{s.lr * s.min_lr_ratio:g}), {s.optimizer_state_dtype} moments, clip {s.clip_grad:g}, "
         f"seed {s.seed}",
-        *budget_lines(s.state_bytes(), stats, bool(run.derived)),
+        *budget_lines(s.state_bytes(), stats, bool(run.derived), per_tensor),
         *train_ranks.header_line(run.ranks, s.batch_size * s.grad_accum),
         "plan:",
         *("  " + line for line in engine_of(session.model).plan.describe().splitlines()),
@@ -228,6 +229,8 @@ def _decide(
         except infinity.CheckpointError as exc:
             raise CommandError(f"--resume: {exc}") from None
     settings = resolve_settings(args, resumed.settings if resumed else None)
+    processes, launched = train_ranks.processes(args)
+    check_processes(settings.optimizer, processes, launched=launched)
     if resumed is not None and resumed.step >= settings.steps:
         raise CommandError(
             f"--resume: {resume_from} is at step {resumed.step}, the end of a "

@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LR",
         type=float,
         help="peak learning rate (warmup, then cosine to 10%%); default: the preset's, "
-        "scaled for --optimizer (lion: / 3, sgd: x 30)",
+        "scaled for --optimizer (lion: / 3, sgd: x 30, adafactor: x 30)",
     )
     train.add_argument(
         "--warmup",
@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=STATE_DTYPES,
         help="how the optimizer's states (Adam's moments, Lion's and SGD's momentum) are "
         "stored: fp32 (exact), bf16, or int8 (block-quantised, about a quarter of the bytes; "
-        "not for sgd); default fp32, or the resumed run's",
+        "not for sgd); adafactor: fp32 only; default fp32, or the resumed run's",
     )
     memory.add_argument(
         "--activations",

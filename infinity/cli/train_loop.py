@@ -2,8 +2,8 @@
 
 Only public API: ``infinity.offload`` builds the model straight into chunks
 (from the ``meta`` device, so it never exists whole in RAM), ``CPUAdam`` (or
-``CPULion``, ``CPUSGD``: ``--optimizer``) steps it, a torch ``LambdaLR`` drives
-warmup + cosine, and ``infinity.stats`` gives the bytes each step moved.
+``CPULion``, ``CPUSGD``, ``CPUAdafactor``: ``--optimizer``) steps it, a torch
+``LambdaLR`` drives warmup + cosine, and ``infinity.stats`` gives the bytes each step moved.
 """
 
 from __future__ import annotations

@@ -72,11 +72,23 @@ def postfix(record: StepRecord) -> str:
     )
 
 
-def budget_lines(state_bytes: int, stats: dict[str, Any], demo: bool) -> list[str]:
-    """Model-state bytes against each tier's budget (what makes this run 'beyond memory')."""
+def budget_lines(
+    state_bytes: int, stats: dict[str, Any], demo: bool, tensor_state_bytes: int = 0
+) -> list[str]:
+    """Model-state bytes against each tier's budget (what makes this run 'beyond memory');
+    ``tensor_state_bytes``: the optimizer's per-tensor states (Adafactor's factors), kept
+    in host memory outside the budgets, so not in ``state_bytes``."""
     dev, host = stats["device_budget_bytes"], stats["host_budget_bytes"]
     lines = [
         f"model states  {format_size(state_bytes):>12}  (parameters, gradients, optimizer)",
+        *(
+            [
+                f"+ per tensor  {format_size(tensor_state_bytes):>12}  (the optimizer's "
+                "factored states: host memory, outside the budgets)"
+            ]
+            if tensor_state_bytes
+            else []
+        ),
         f"device budget {format_size(dev):>12}  = {dev / state_bytes:6.1%} of the states",
         f"host budget   {format_size(host):>12}  = {host / state_bytes:6.1%} of the states",
         f"nvme swap     {format_size(stats['nvme_bytes']):>12}  in {stats.get('nvme_path') or '-'}",
@@ -119,6 +131,11 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
         f"waiting on NVMe {wait_nvme / train:.1%}, on device copies {wait_dev / train:.1%}, "
         f"the rest computing"
     )
+    if stats.get("optimizer_tensor_state_bytes"):
+        rows.append(
+            f"optimizer per-tensor states: {format_size(stats['optimizer_tensor_state_bytes'])} "
+            "in host memory, outside the budgets (not in the host peak)"
+        )
     rows.extend(rank_rows(summary.ranks))
     if summary.train_seconds > 0:
         rows.append(f"throughput: {summary.tokens / summary.train_seconds / 1000:.1f}k tokens/s")

@@ -103,7 +103,12 @@ class RunSettings:
     def state_bytes(self) -> int:
         """Bytes of model states: parameters, gradients, fp32 master (16-bit only), and
         the optimizer's states as stored (Adam's two moments, Lion's and SGD's one
-        momentum; int8: with one fp32 scale per QBLOCK elements)."""
+        momentum; int8: with one fp32 scale per QBLOCK elements).
+
+        NOTE: Adafactor has no state in the chunks (none here, so its demo budgets
+        are those of the parameters, gradients and master alone): its factors,
+        about (rows + columns) x 4 bytes per matrix, live in host memory outside
+        the budgets; the header shows them on a line of their own."""
         element = BYTES_PER_ELEMENT[self.dtype]
         master = 4 if element < 4 else 0
         n = self.model.num_params
@@ -190,11 +195,7 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
         optimizer_state_dtype=pick("optimizer_state_dtype", "fp32"),
         optimizer=optimizer,
     )
-    if settings.optimizer_state_dtype not in choice.state_dtypes:
-        raise CommandError(
-            f"--optimizer {optimizer} stores its state as {' or '.join(choice.state_dtypes)}, "
-            f"not {settings.optimizer_state_dtype}; pick one of those for --optimizer-state-dtype"
-        )
+    check_state_dtype(optimizer, settings.optimizer_state_dtype)
     preset_shape = (preset.layers, preset.hidden, preset.heads, preset.seq_len)
     if resumed is not None and args.preset is not None:
         m = resumed.model
@@ -210,6 +211,23 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
             "--checkpoint-dir to start a new run"
         )
     return settings
+
+
+def check_state_dtype(optimizer: str, dtype: str, source: str | None = None) -> None:
+    """Refuse optimizer states stored as ``dtype`` where ``optimizer`` cannot store them
+    so; ``source``: the ``--config`` file that asks for it (None: the flag)."""
+    allowed = " or ".join(CHOICES[optimizer].state_dtypes)
+    if dtype in CHOICES[optimizer].state_dtypes:
+        return
+    if source is None:
+        asked, fix = f"--optimizer-state-dtype {dtype}", "or drop the flag"
+    else:
+        asked, fix = f"optimizer_state_dtype {dtype} in {source}", "which overrides it"
+    raise CommandError(
+        f"--optimizer {optimizer} keeps {CHOICES[optimizer].states} in {allowed} only, not "
+        f"{asked}; "
+        f"pass --optimizer-state-dtype {allowed.split(' or ')[0]} ({fix})"
+    )
 
 
 def _optimizer(args: argparse.Namespace, resumed: RunSettings | None) -> str:
@@ -287,6 +305,8 @@ def build_config(args: argparse.Namespace, settings: RunSettings) -> tuple[Confi
     given["dtype"] = settings.dtype
     if args.optimizer_state_dtype is not None or "optimizer_state_dtype" not in given:
         given["optimizer_state_dtype"] = settings.optimizer_state_dtype
+    if given["optimizer_state_dtype"] != settings.optimizer_state_dtype:  # from --config
+        check_state_dtype(settings.optimizer, given["optimizer_state_dtype"], args.config)
     if getattr(args, "activations", None) is not None:
         given["activations"] = args.activations
     given.setdefault("nvme_path", DEFAULT_NVME_PATH)

@@ -1,5 +1,6 @@
-"""``infinity train --optimizer {adamw,lion,sgd}``: each one trains, the reports and the
-checkpoints name it, and a resume cannot switch to another one."""
+"""``infinity train --optimizer {adamw,lion,sgd,adafactor}``: each one trains, the reports
+and the checkpoints name it, and a resume cannot switch to another one; Adafactor's
+limits (fp32 states, one process) are clear errors."""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ def _only(events: list[dict], kind: str) -> dict:
 
 @pytest.mark.parametrize(
     ("optimizer", "label", "front_end"),
-    [("lion", "Lion lr 0.001 ", "CPULion"), ("sgd", "SGD (momentum 0.9) lr 0.09 ", "CPUSGD")],
+    [
+        ("lion", "Lion lr 0.001 ", "CPULion"),
+        ("sgd", "SGD (momentum 0.9) lr 0.09 ", "CPUSGD"),
+        ("adafactor", "Adafactor lr 0.09 ", "CPUAdafactor"),
+    ],
 )
 def test_trains_with_the_optimizer_and_names_it(
     tmp_path, capsys, monkeypatch, optimizer, label, front_end
@@ -36,9 +41,14 @@ def test_trains_with_the_optimizer_and_names_it(
     assert main([*TINY, *flags, "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
     events = _events(capsys)
     # The header names it with its default LR (the tiny preset's 3e-3, scaled).
-    assert any(label in line for line in _only(events, "start")["lines"])
+    header = _only(events, "start")["lines"]
+    assert any(label in line for line in header)
     summary = _only(events, "summary")
     assert summary["optimizer"] == optimizer
+    # Adafactor's factors live in host memory outside the budgets: said, and counted.
+    per_tensor = summary["stats"]["optimizer_tensor_state_bytes"]
+    assert any(line.startswith("+ per tensor") for line in header) == (optimizer == "adafactor")
+    assert (per_tensor > 0) == (optimizer == "adafactor")
     losses = [summary["losses"][str(step)] for step in range(1, STEPS + 1)]
     assert losses[0] > 5.0  # bytes start near ln(256) = 5.55
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
@@ -69,3 +79,46 @@ def test_sgd_refuses_int8_states(tmp_path, capsys, monkeypatch):
     assert main([*TINY, "--optimizer", "sgd", "--optimizer-state-dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert "--optimizer sgd" in err and "fp32 or bf16" in err
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_adafactor_refuses_16_and_8_bit_states_naming_the_fix(tmp_path, capsys, monkeypatch, dtype):
+    monkeypatch.chdir(tmp_path)
+    assert main([*TINY, "--optimizer", "adafactor", "--optimizer-state-dtype", dtype]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("infinity: error: --optimizer adafactor keeps its factored")
+    assert f"fp32 only, not --optimizer-state-dtype {dtype}" in err
+    assert "pass --optimizer-state-dtype fp32" in err
+    # The same from a --config file (which the flag overrides).
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"optimizer_state_dtype": dtype}))
+    assert main([*TINY, "--optimizer", "adafactor", "--config", str(config)]) == 2
+    assert f"optimizer_state_dtype {dtype} in {config}" in capsys.readouterr().err
+
+
+def test_adafactor_refuses_several_processes_before_starting_them(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def launch(args):
+        raise AssertionError("the processes were started")
+
+    monkeypatch.setattr("infinity.cli.train_ranks.launch", launch)
+    assert main([*TINY, "--optimizer", "adafactor", "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--optimizer adafactor runs on one process only" in err
+    assert "drop --nproc, or pick --optimizer adamw, lion or sgd" in err
+
+
+def test_adafactor_resumes_on_the_same_loss_curve(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = [*TINY, "--steps", "4", "--nvme-path", str(tmp_path / "n")]
+    assert main([*run, "--optimizer", "adafactor", "--checkpoint-dir", "none"]) == 0
+    reference = _only(_events(capsys), "summary")["losses"]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert main([*run, *ckpt, "--optimizer", "adafactor", "--stop-after", "2"]) == 0
+    first = _only(_events(capsys), "summary")
+    # Resumed without the flag: it keeps Adafactor, its factors restored from the checkpoint.
+    assert main([*run, *ckpt, "--resume"]) == 0
+    second = _only(_events(capsys), "summary")
+    assert second["optimizer"] == "adafactor" and second["first_step"] == 3
+    assert {**first["losses"], **second["losses"]} == reference  # exactly equal floats
