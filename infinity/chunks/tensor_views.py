@@ -13,7 +13,7 @@ into it. Either way the caller sees one flat tensor per slot.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ def tensor_values(
     fill: bool = True,
     copy: bool = False,
     gather: bool = True,
-) -> Iterator[torch.Tensor]:
+) -> Generator[torch.Tensor, None, None]:
     """Flat values (``dtype``) of each of ``slots`` (all in ``chunk``) of ``kind``, in order.
 
     ``write``: what the caller leaves in an item is stored (an oversize chunk's
