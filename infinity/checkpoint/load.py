@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -168,44 +169,78 @@ def _load(
 def _write_chunks(
     engine: OffloadEngine, meta: CheckpointMeta, fp: io.BufferedReader, fo: io.BufferedReader
 ) -> None:
-    """Second pass: read every tensor into its chunk region, chunk by chunk."""
+    """Second pass: read every tensor into its chunk, window by window (the whole chunk,
+    or an oversize chunk's spans: staging stays chunk-sized)."""
     manager = engine.manager
-    esize = engine.plan.element_size
     optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
+    esize = engine.plan.element_size
     for chunk, spec in enumerate(engine.layout.chunks):
-        members = engine.chunk_members[chunk]
-        if is_split(engine.plan, chunk):
-            _write_split(engine, meta, fp, fo, chunk)
-            continue
-        region, copy = open_whole(manager, (Kind.PARAM, chunk), load=False)
-        try:
-            region.zero_()
-            for entry in members:
-                slot = engine.layout.slots[entry.index]
-                dst = region[slot.offset * esize : (slot.offset + slot.numel) * esize]
-                _read_into(fp, meta.tensors[entry.name].param_offset, dst)
-        finally:
-            close_whole(manager, copy, modified=True)
-        manager.drop_param(chunk)
-        if not spec.trainable:
-            continue
-        region, copy = open_whole(manager, (Kind.OPTIM, chunk), load=False)
-        try:
-            region.zero_()
-            for entry in members:
-                slot = engine.layout.slots[entry.index]
-                rec = meta.tensors[entry.name]
-                assert rec.optim_offset is not None  # _match: trainable in the checkpoint too
-                # NOTE: the same ranges, in the checkpoint's layout and in this one:
-                # the stored bytes (int8 codes and block scales included) are copied.
-                saved = optimizer.tensor_ranges(
-                    rec.chunk_capacity, has_master, rec.element_offset, rec.numel
-                )
-                here = optimizer.tensor_ranges(spec.capacity, has_master, slot.offset, slot.numel)
-                for (src, size), (at, _size) in zip(saved, here, strict=True):
-                    _read_into(fo, rec.optim_offset + src, region[at : at + size])
-        finally:
-            close_whole(manager, copy, modified=True)
+        kinds = [Kind.PARAM, Kind.OPTIM] if spec.trainable else [Kind.PARAM]
+        for kind in kinds:
+            for at, end, parts in _windows(engine, kind, chunk):
+                for entry in engine.chunk_members[chunk]:
+                    slot = engine.layout.slots[entry.index]
+                    first, last = max(at, slot.offset), min(end, slot.offset + slot.numel)
+                    if first >= last:
+                        continue
+                    rec = meta.tensors[entry.name]
+                    into = first - slot.offset  # elements into the tensor
+                    if kind is Kind.PARAM:
+                        dst = parts[0][(first - at) * esize : (last - at) * esize]
+                        _read_into(fp, rec.param_offset + into * esize, dst)
+                        continue
+                    assert rec.optim_offset is not None  # _match: trainable in the checkpoint too
+                    # NOTE: the same pieces (master, each slot's values and int8
+                    # scales) in the checkpoint's layout and in this window's: the
+                    # stored bytes are copied.
+                    n = last - first
+                    saved = optimizer.tensor_ranges(
+                        rec.chunk_capacity, has_master, rec.element_offset + into, n
+                    )
+                    width = end - at
+                    here = optimizer.tensor_ranges(width, has_master, first - at, n)
+                    whole = optimizer.tensor_ranges(width, has_master, 0, width)
+                    for part, (src, size), (offset, _n), (base, _w) in zip(
+                        parts, saved, here, whole, strict=True
+                    ):
+                        dst = part[offset - base : offset - base + size]
+                        _read_into(fo, rec.optim_offset + src, dst)
+            if kind is Kind.PARAM:
+                manager.drop_param(chunk)
+
+
+def _windows(
+    engine: OffloadEngine, kind: Kind, chunk: int
+) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
+    """``(start, end, parts)`` of ``(kind, chunk)`` opened for writing (not read first):
+    the whole chunk as one window, or each span of an oversize one; ``parts`` are each
+    piece's bytes (one for parameters; master, slot values and int8 scales for an
+    optimizer unit), zeroed (padding too, so the stored bytes never depend on what a
+    staging slot held). A window is stored when the next one is drawn."""
+    manager = engine.manager
+    if is_split(engine.plan, chunk):
+        for at, end in span_ranges(engine.plan, chunk):
+            parts, copy = open_span(manager, kind, chunk, at, end, load=False)
+            try:
+                for part in parts:
+                    part.zero_()
+                yield at, end, parts
+            finally:
+                manager.close_host(copy, modified=True)
+        return
+    capacity = engine.layout.chunks[chunk].capacity
+    region, handle = open_whole(manager, (kind, chunk), load=False)
+    try:
+        region.zero_()
+        if kind is Kind.PARAM:
+            yield 0, capacity, [region]
+        else:
+            ranges = engine.chunk_optimizer.tensor_ranges(
+                capacity, engine.plan.has_master, 0, capacity
+            )
+            yield 0, capacity, [region[base : base + size] for base, size in ranges]
+    finally:
+        close_whole(manager, handle, modified=True)
 
 
 def _write_tensor_states(
@@ -219,53 +254,3 @@ def _write_tensor_states(
         offsets = meta.tensors[entry.name].tensor_state
         for name, value in engine.chunks.tensor_state(entry.index).items():
             _read_into(fo, offsets[name], value.view(-1).view(torch.uint8))
-
-
-def _write_split(
-    engine: OffloadEngine,
-    meta: CheckpointMeta,
-    fp: io.BufferedReader,
-    fo: io.BufferedReader,
-    chunk: int,
-) -> None:
-    """:func:`_write_chunks` for an oversize chunk, span by span (staging stays chunk-sized)."""
-    manager = engine.manager
-    spec = engine.layout.chunks[chunk]
-    optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
-    esize = engine.plan.element_size
-    kinds = [Kind.PARAM, Kind.OPTIM] if spec.trainable else [Kind.PARAM]
-    for kind in kinds:
-        for at, end in span_ranges(engine.plan, chunk):
-            parts, copy = open_span(manager, kind, chunk, at, end, load=False)
-            try:
-                for part in parts:
-                    part.zero_()
-                for entry in engine.chunk_members[chunk]:
-                    slot = engine.layout.slots[entry.index]
-                    first, last = max(at, slot.offset), min(end, slot.offset + slot.numel)
-                    if first >= last:
-                        continue
-                    rec = meta.tensors[entry.name]
-                    into = first - slot.offset  # elements into the tensor
-                    if kind is Kind.PARAM:
-                        dst = parts[0][(first - at) * esize : (last - at) * esize]
-                        _read_into(fp, rec.param_offset + into * esize, dst)
-                        continue
-                    assert rec.optim_offset is not None  # trainable in the checkpoint too
-                    # NOTE: the same pieces (master, each slot's values and int8
-                    # scales) in the checkpoint's layout and in this span's.
-                    n = last - first
-                    saved = optimizer.tensor_ranges(
-                        rec.chunk_capacity, has_master, rec.element_offset + into, n
-                    )
-                    width = end - at
-                    here = optimizer.tensor_ranges(width, has_master, first - at, n)
-                    whole = optimizer.tensor_ranges(width, has_master, 0, width)
-                    for part, (src, size), (offset, _n), (base, _w) in zip(
-                        parts, saved, here, whole, strict=True
-                    ):
-                        dst = part[offset - base : offset - base + size]
-                        _read_into(fo, rec.optim_offset + src, dst)
-            finally:
-                manager.close_host(copy, modified=True)
-    manager.drop_param(chunk)

@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 
-from infinity.optim import offloaded
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews
-from infinity.optim.dense import check_dense_param, check_grad, step_dtype
+from infinity.optim.dense import step_dtype
 from infinity.optim.front_end import CPUOptimizer
 from infinity.optim.hyper import hyper_value
 
@@ -214,15 +213,7 @@ class CPUAdafactor(CPUOptimizer[AdafactorHyperParams]):
     def _step_dense(self, group: dict[str, Any]) -> None:
         """Step the plain CPU tensors of one group, each on its own states (what
         ``state_dict`` shows, shaped as torch's)."""
-        owner = type(self).__name__
-        todo = []
-        for p in group["params"]:
-            grad = p.grad
-            if grad is None or offloaded.engine_of_param(p) is not None:
-                continue
-            check_dense_param(owner, p)
-            check_grad(owner, p, grad)
-            todo.append((p, grad))
+        todo = self._dense_todo(group)
         if not todo:
             return
         hyper = self.hyper_of(group)

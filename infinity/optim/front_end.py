@@ -171,9 +171,9 @@ class CPUOptimizer(Optimizer, Generic[H]):
             )
 
     # --- plain CPU tensors ----------------------------------------------------------------
-    def _step_dense(self, group: dict[str, Any]) -> None:
-        """Step the plain CPU tensors of one param group through the chunk optimizer,
-        each on fp32 state tensors shaped like it (what ``state_dict`` shows)."""
+    def _dense_todo(self, group: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The plain CPU tensors of ``group`` with a gradient, and their gradients, every
+        one checked (before any tensor changes)."""
         owner = type(self).__name__
         todo = []
         for p in group["params"]:
@@ -183,6 +183,12 @@ class CPUOptimizer(Optimizer, Generic[H]):
             check_dense_param(owner, p)
             check_grad(owner, p, grad)
             todo.append((p, grad))
+        return todo
+
+    def _step_dense(self, group: dict[str, Any]) -> None:
+        """Step the plain CPU tensors of one param group through the chunk optimizer,
+        each on fp32 state tensors shaped like it (what ``state_dict`` shows)."""
+        todo = self._dense_todo(group)
         if not todo:
             return
         hyper = self.hyper_of(group)
