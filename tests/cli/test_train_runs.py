@@ -121,12 +121,12 @@ def test_checkpoint_dir_it_cannot_own_is_refused_before_training(tmp_path, capsy
 def test_full_disk_at_save_is_a_clear_error_and_no_checkpoint(tmp_path, capsys, monkeypatch):
     real_stream, calls = save_mod._stream, []
 
-    def disk_full_on_second_save(engine, kind, chunks, file):
+    def disk_full_on_second_save(engine, kind, chunks, file, *rest):
         calls.append(file)
         if len(calls) > 2:  # two files per save: the second save fails
             file.write_bytes(b"\0" * 100)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_stream(engine, kind, chunks, file)
+        return real_stream(engine, kind, chunks, file, *rest)
 
     monkeypatch.setattr(save_mod, "_stream", disk_full_on_second_save)
     ckpt = tmp_path / "ckpt"
