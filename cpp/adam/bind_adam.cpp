@@ -14,6 +14,7 @@
 #include "adam/bandwidth.hpp"
 #include "adam/isa.hpp"
 #include "adam/kernels.hpp"
+#include "adam/bind_codes.hpp"
 #include "common/error.hpp"
 #include "common/thread_pool.hpp"
 
@@ -22,18 +23,9 @@ namespace py = pybind11;
 namespace infinity {
 namespace {
 
-template <class T>
-T* as_ptr(uintptr_t address) {
-    return reinterpret_cast<T*>(address);
-}
-
-adam::DType to_dtype(int code, const char* what) {
-    for (const adam::DTypeInfo& t : adam::kDTypes) {
-        if (static_cast<int>(t.code) == code) return t.code;
-    }
-    throw_error<std::invalid_argument>(std::string(what) +
-                                       ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
-}
+using bind::as_ptr;
+using bind::to_dtype;
+using bind::to_state;
 
 py::dict dtype_codes(bool out16_only) {
     py::dict codes;
@@ -69,13 +61,6 @@ adam::AdamHyper make_hyper(int64_t step_count, double lr, double beta1, double b
     h.adamw = adamw;
     h.grad_scale = grad_scale;
     return h;
-}
-
-adam::StateFormat to_state(int code) {
-    for (const adam::StateFormatInfo& f : adam::kStateFormats) {
-        if (static_cast<int>(f.code) == code) return f.code;
-    }
-    throw_error<std::invalid_argument>("state_format code must be 0 (fp32), 1 (bf16) or 2 (int8)");
 }
 
 void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "adam/bind_codes.hpp"
 #include "common/error.hpp"
 #include "lion/lion_kernels.hpp"
 #include "lion/lion_step.hpp"
@@ -17,25 +18,9 @@ namespace py = pybind11;
 namespace infinity {
 namespace {
 
-template <class T>
-T* as_ptr(uintptr_t address) {
-    return reinterpret_cast<T*>(address);
-}
-
-adam::DType to_dtype(int code, const char* what) {
-    for (const adam::DTypeInfo& t : adam::kDTypes) {
-        if (static_cast<int>(t.code) == code) return t.code;
-    }
-    throw_error<std::invalid_argument>(std::string(what) +
-                                       ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
-}
-
-adam::StateFormat to_state(int code) {
-    for (const adam::StateFormatInfo& f : adam::kStateFormats) {
-        if (static_cast<int>(f.code) == code) return f.code;
-    }
-    throw_error<std::invalid_argument>("state_format code must be 0 (fp32), 1 (bf16) or 2 (int8)");
-}
+using bind::as_ptr;
+using bind::to_dtype;
+using bind::to_state;
 
 void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t out16,
           int out_dtype, int64_t n, double lr, double beta1, double beta2, double weight_decay,
