@@ -13,7 +13,6 @@ device's slots, so that no prefetch is pushed out again before its use.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Callable, Mapping
 
@@ -84,7 +83,11 @@ class Prefetcher:
                 grads.add(current)
         chosen: list[int] = []
         ahead = spent = 0
-        for phase, chunk in itertools.islice(self._accesses, max(position + 1, 0), None):
+        accesses = self._accesses
+        # NOTE: indexed, not islice: islice walks from the trace's start on every
+        # call, and this runs after every access.
+        for k in range(max(position + 1, 0), len(accesses)):
+            phase, chunk = accesses[k]
             if phase == Phase.GRAD:
                 need = self._grad_bytes(chunk)
                 if chunk not in grads and need > (grad_slot or 0):
