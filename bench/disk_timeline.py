@@ -32,8 +32,7 @@ import infinity
 from infinity.bench.scale import _init_weights
 from infinity.bench.scale_shapes import pick_shape
 from infinity.bench.step_profile import cpu_delta, thread_cpu
-from infinity.cli.bench_scale import parse_count
-from infinity.config import AioConfig, Config
+from infinity.cli.bench_scale import parse_count, scale_config
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 
@@ -57,16 +56,7 @@ def main() -> int:
     import transformers
 
     shape = pick_shape(vocab=args.vocab, dtype=args.dtype, max_params=parse_count(args.params))
-    config = Config(
-        dtype=args.dtype,
-        optimizer_state_dtype=args.optimizer_state_dtype,
-        overlap_optimizer=args.overlap_optimizer,
-        device="cpu",
-        device_memory=args.device_memory,
-        host_memory=args.host_memory,
-        nvme_path=args.nvme_path,
-        aio=AioConfig(),
-    )
+    config = scale_config(args)
     print(f"... building and offloading {shape.describe()}", file=sys.stderr, flush=True)
     with infinity.init_empty():
         model = transformers.LlamaForCausalLM(shape.llama_config(args.seq_len))

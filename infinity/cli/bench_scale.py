@@ -89,7 +89,8 @@ def _size(flag: str, text: str) -> int:
         raise CommandError(str(exc)) from None
 
 
-def _config(args: argparse.Namespace) -> Config:
+def scale_config(args: argparse.Namespace) -> Config:
+    """The offload ``Config`` of a scale run from its flags (``add_arguments``)."""
     try:
         return Config(
             dtype=args.dtype,
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         return tqdm(range(steps), desc="bench scale", unit="step", file=sys.stderr)
 
     scale_run = ScaleRun(
-        shape, _config(args), args.steps, args.batch_size, args.seq_len, measure_bytes=measure
+        shape, scale_config(args), args.steps, args.batch_size, args.seq_len, measure_bytes=measure
     )
     try:
         report = run_scale(scale_run, lambda m: print(f"... {m}", file=sys.stderr), bar)

@@ -27,7 +27,7 @@ import torch
 
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews
 from infinity.optim.dense import step_dtype
-from infinity.optim.front_end import CPUOptimizer
+from infinity.optim.front_end import CPUOptimizer, check_state_shape
 from infinity.optim.hyper import hyper_value
 
 __all__ = ["ADAFACTOR", "AdafactorChunks", "AdafactorHyperParams", "CPUAdafactor"]
@@ -224,12 +224,7 @@ class CPUAdafactor(CPUOptimizer[AdafactorHyperParams]):
             for name, shape in factored_shapes(tuple(p.shape)).items():
                 if state.get(name) is None:
                     state[name] = torch.zeros(shape, dtype=p.dtype)
-                elif tuple(state[name].shape) != shape:
-                    raise ValueError(
-                        f"optimizer state {name!r} of a parameter of shape {tuple(p.shape)} "
-                        f"has shape {tuple(state[name].shape)}: the state dict is from another "
-                        "model"
-                    )
+                check_state_shape(name, p, state[name], shape)
         for p, grad in todo:
             state = self.state[p]
             state["step"] += 1

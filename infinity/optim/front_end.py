@@ -38,6 +38,17 @@ from infinity.optim.stepper import ChunkStepper
 H = TypeVar("H")
 
 
+def check_state_shape(
+    name: str, param: torch.Tensor, value: torch.Tensor, want: tuple[int, ...]
+) -> None:
+    """Raise if a loaded state ``value`` of ``param`` does not have the shape ``want``."""
+    if tuple(value.shape) != want:
+        raise ValueError(
+            f"optimizer state {name!r} of a parameter of shape {tuple(param.shape)} "
+            f"has shape {tuple(value.shape)}: the state dict is from another model"
+        )
+
+
 class CPUOptimizer(Optimizer, Generic[H]):
     """A torch optimizer for CPU fp32 tensors and offloaded parameters, over one
     :class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`.
@@ -204,12 +215,7 @@ class CPUOptimizer(Optimizer, Generic[H]):
                 if state.get(name) is None:
                     state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for name in slots:  # NOTE: all checked before any tensor changes
-                if state[name].shape != p.shape:
-                    raise ValueError(
-                        f"optimizer state {name!r} of a parameter of shape {tuple(p.shape)} "
-                        f"has shape {tuple(state[name].shape)}: the state dict is from another "
-                        "model"
-                    )
+                check_state_shape(name, p, state[name], tuple(p.shape))
         for p, grad in todo:
             state = self.state[p]
             tensors = [p, grad, *(state[name] for name in slots)]

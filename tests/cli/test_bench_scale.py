@@ -141,13 +141,13 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
 
 
 def test_overlap_flag_reaches_the_config(tmp_path):
-    from infinity.cli.bench_scale import _config, add_arguments
+    from infinity.cli.bench_scale import add_arguments, scale_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     for flags, overlap in (([], False), (["--overlap-optimizer"], True)):
         args = parser.parse_args(["--nvme-path", str(tmp_path), *flags])
-        assert _config(args).overlap_optimizer is overlap
+        assert scale_config(args).overlap_optimizer is overlap
 
 
 @pytest.mark.parametrize(
