@@ -45,6 +45,7 @@ FEATURES = (
     "device",
     "betas",
     "optimizer",
+    "defer_host",
 )
 
 

@@ -116,6 +116,8 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
     model = llama(case)
     model = infinity.offload(model, config(case, model, nvme_dir))
     engine = engine_of(model)
+    if case.defer_host:
+        engine.queue.defer_host = True
     try:
         opt = offloaded_optimizer(case, model.parameters())
         data = batches(case)
