@@ -27,7 +27,7 @@ from infinity.cli import train_ranks
 from infinity.cli.main import CommandError
 from infinity.cli.train_args import DEFAULT_CHECKPOINT_DIR, add_arguments
 from infinity.cli.train_loop import Session, StopSignals
-from infinity.cli.train_optimizers import CHOICES, check_processes, tensor_state_bytes
+from infinity.cli.train_optimizers import CHOICES, tensor_state_bytes
 from infinity.cli.train_pretrained import PretrainedModel, save_model
 from infinity.cli.train_pretrained import describe as describe_pretrained
 from infinity.cli.train_pretrained import load_corpus as load_pretrained_corpus
@@ -229,8 +229,6 @@ def _decide(
         except infinity.CheckpointError as exc:
             raise CommandError(f"--resume: {exc}") from None
     settings = resolve_settings(args, resumed.settings if resumed else None)
-    processes, launched = train_ranks.processes(args)
-    check_processes(settings.optimizer, processes, launched=launched)
     if resumed is not None and resumed.step >= settings.steps:
         raise CommandError(
             f"--resume: {resume_from} is at step {resumed.step}, the end of a "

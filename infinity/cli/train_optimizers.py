@@ -22,8 +22,9 @@ what differs is the peak LR it is given by default, relative to the preset's
   behind, 100x spiked). Its weight decay is decoupled (``p *= 1 - LR x
   decay``), so it is 0.1 / 30: the decay per step stays AdamW's. Its states
   (a row and a column factor of the second moment per matrix) are fp32, per
-  tensor, in host memory outside the budgets (no state in the chunks), and
-  its update reads whole tensors, so it runs on one process only.
+  tensor, in host memory outside the budgets (no state in the chunks); with
+  ``--nproc`` every process keeps them whole and gathers each chunk for its
+  update (its update reads whole tensors).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from typing import Any
 
 import torch
 
-from infinity.cli.main import CommandError
 from infinity.optim import CPUSGD, CPUAdafactor, CPUAdam, CPULion
 from infinity.optim.front_end import CPUOptimizer
 
@@ -49,7 +49,6 @@ class OptimizerChoice:
     weight_decay: float
     state_slots: int  # state tensors per parameter (the demo budgets count them)
     state_dtypes: tuple[str, ...]  # --optimizer-state-dtype values it supports
-    data_parallel: bool = True  # may run on several processes (--nproc)
     states: str = "its states"  # what its states are, in errors
 
     def default_lr(self, preset_lr: float) -> float:
@@ -62,7 +61,7 @@ CHOICES: dict[str, OptimizerChoice] = {
     "lion": OptimizerChoice("Lion", 1 / 3, 0.3, 1, ("fp32", "bf16", "int8")),
     "sgd": OptimizerChoice("SGD (momentum 0.9)", 30.0, 0.0, 1, ("fp32", "bf16")),
     "adafactor": OptimizerChoice(
-        "Adafactor", 30.0, 0.1 / 30, 0, ("fp32",), False, "its factored second moments"
+        "Adafactor", 30.0, 0.1 / 30, 0, ("fp32",), "its factored second moments"
     ),
 }
 DEFAULT_OPTIMIZER = "adamw"
@@ -72,24 +71,8 @@ HELP = (
     "update wants a smaller LR and a larger decay), sgd (momentum 0.9, default LR 30x "
     "the preset's, no weight decay) or adafactor (torch's defaults, default LR 30x the "
     "preset's: its LR is relative to each tensor's RMS; weight decay 0.1/30; fp32 factored "
-    "states in host memory; one process only). A resumed run keeps its own"
+    "states in host memory). A resumed run keeps its own"
 )
-
-
-def check_processes(name: str, processes: int, *, launched: bool) -> None:
-    """Refuse an optimizer that cannot run on ``processes`` (before any of them starts).
-
-    NOTE: ``CPUAdafactor`` refuses a sharded model itself (a ``ConfigError``), but only
-    once every process has started and built its model; refusing here says it once.
-    """
-    if processes > 1 and not CHOICES[name].data_parallel:
-        how = "run it without the launcher" if launched else "drop --nproc"
-        *others, last = [n for n, c in CHOICES.items() if c.data_parallel]
-        raise CommandError(
-            f"--optimizer {name} runs on one process only (its update reads whole tensors, "
-            f"which {processes} processes would shard): {how}, or pick "
-            f"--optimizer {', '.join(others)} or {last}"
-        )
 
 
 def tensor_state_bytes(optimizer: CPUOptimizer[Any], params: Iterable[torch.Tensor]) -> int:

@@ -88,12 +88,6 @@ def wants_launch(args: argparse.Namespace) -> bool:
     return args.nproc > 1 and world == 1
 
 
-def processes(args: argparse.Namespace) -> tuple[int, bool]:
-    """How many processes the run trains on, and whether a launcher started them."""
-    world = _launched_world()
-    return (world, True) if world > 1 else (args.nproc, False)
-
-
 def _without_nproc(argv: list[str]) -> list[str]:
     out, skip = [], False
     for token in argv:

@@ -26,7 +26,7 @@ from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
 from infinity.runtime.oversize_step import step_chunk_in_spans
 from infinity.runtime.step_context import Run, StepContext, step_runs
-from infinity.runtime.whole_tensor_step import step_tensor_in_spans
+from infinity.runtime.whole_tensor_step import step_chunk_gathered, step_tensor_in_spans
 
 
 def plan_runs(
@@ -105,6 +105,9 @@ def step_chunk(
     engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
 ) -> None:
     """Update one chunk in place in its homes (see module docstring)."""
+    if engine.plan.sharded and engine.chunk_optimizer.whole_tensors:
+        step_chunk_gathered(engine, chunk, runs, covered, grad_scale)
+        return
     if is_split(engine.plan, chunk):
         if engine.chunk_optimizer.whole_tensors:
             step_tensor_in_spans(engine, chunk, runs, grad_scale)

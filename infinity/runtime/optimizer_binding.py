@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from infinity.chunks.spans import is_split
 from infinity.config import Config, ConfigError
 from infinity.core.plan import Plan
 from infinity.optim.chunk_optimizer import ChunkOptimizer
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.update_queue import UpdateQueue
 from infinity.schedule.units import units_for
+from infinity.utils.sizes import format_size
 
 
 def same_layout(a: ChunkOptimizer[Any], b: ChunkOptimizer[Any]) -> bool:
@@ -64,7 +66,7 @@ def lay_out_units(
             "infinity.offload(...) and infinity.load_pretrained(model, dir)"
         )
     if wanted.whole_tensors:
-        _check_whole_tensors(chunks, owner)
+        _check_whole_tensors(chunks, owner, overlap=config.overlap_optimizer is True)
     plan = units_for(home_plan, wanted, consume_grads=config.overlap_optimizer is True)
     # NOTE: writes of the initial values (offload) may still be landing, and
     # staged copies of units are cut the old way: both are settled first.
@@ -75,19 +77,33 @@ def lay_out_units(
     chunks.tensor_states.clear()  # NOTE: no tensor has stepped: nothing is lost
 
 
-def _check_whole_tensors(chunks: ModelChunks, owner: str) -> None:
-    """Raise :class:`~infinity.config.ConfigError` if no process steps whole tensors, as
-    an optimizer that reads them (``ChunkOptimizer.whole_tensors``) needs.
+def _check_whole_tensors(chunks: ModelChunks, owner: str, *, overlap: bool) -> None:
+    """Raise :class:`~infinity.config.ConfigError` where the whole tensors an optimizer
+    reads in its step (``ChunkOptimizer.whole_tensors``) cannot be brought together.
 
     NOTE: an oversize chunk staged in spans holds one tensor, which the step
-    gathers (``runtime/whole_tensor_step.py``); a shard holds a window of each
-    chunk, and a tensor may straddle two ranks.
+    gathers from its spans; a sharded chunk is gathered from every rank
+    (``runtime/whole_tensor_step.py``). Each such update is then collective and
+    runs where every rank runs it, see
+    NOTE [collective updates run in a fixed order]: not during backward, where
+    chunks complete at different moments on each rank, and not over a shard in spans.
     """
     plan = chunks.plan
-    if plan.sharded:
+    if not plan.sharded:
+        return
+    if overlap:
         raise ConfigError(
-            f"{owner} reads whole tensors in its step (norms, row and column means), but this "
-            f"model's chunks are sharded over {plan.shard_count} processes, each stepping its "
-            "shard: it is not supported with data parallelism yet. Train on one process, or "
-            "use CPUAdam, CPULion or CPUSGD"
+            f"{owner} reads whole tensors in its step, which on a model sharded over "
+            f"{plan.shard_count} processes gathers each chunk from every rank: that cannot "
+            "run during backward. Use Config(overlap_optimizer=False) (the default), or "
+            "CPUAdam, CPULion or CPUSGD with overlap_optimizer=True"
+        )
+    split = [i for i in range(plan.layout.num_chunks) if is_split(plan, i)]
+    if split:
+        raise ConfigError(
+            f"{owner} reads whole tensors in its step, but chunk {split[0]} (of "
+            f"{format_size(plan.param_bytes(split[0]))} per process) is staged in spans on a "
+            f"model sharded over {plan.shard_count} processes: gathering it from every rank "
+            "is not supported. Give Config(chunk_size=...) at least the largest tensor's "
+            "share per process, or use CPUAdam, CPULion or CPUSGD"
         )

@@ -253,9 +253,17 @@ class UpdateQueue:
         a deferred host-homed one's chunk is at most ``HOST_LOOKAHEAD`` chunks past
         the one needed (earlier it would take the host from the forward's launches)."""
         if work.chunk not in self._host_only:
-            return chunk_ready(self.chunks, work)
+            # NOTE [collective updates run in a fixed order]: whether a read has
+            # landed differs between ranks; an update that gathers must run at
+            # the same access on every rank, so it waits until its chunk is needed.
+            return not self._collective_updates() and chunk_ready(self.chunks, work)
         rank = self._forward_rank
         return needed in rank and rank[work.chunk] <= rank[needed] + HOST_LOOKAHEAD
+
+    def _collective_updates(self) -> bool:
+        """Each chunk update is collective: sharded chunks stepped by an optimizer that
+        reads whole tensors (``runtime/whole_tensor_step.py`` gathers them)."""
+        return self.chunks.plan.sharded and self.chunks.chunk_optimizer.whole_tensors
 
     def before_access(self, phase: Phase, chunk: int) -> None:
         """An access of ``chunk`` is about to read it: run what must run first."""

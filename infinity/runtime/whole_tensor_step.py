@@ -1,7 +1,8 @@
-"""The update of an oversize chunk staged in spans, for an optimizer that reads whole
-tensors (``ChunkOptimizer.whole_tensors``: Adafactor's norms and row and column means).
+"""Updates for an optimizer that reads whole tensors (``ChunkOptimizer.whole_tensors``:
+Adafactor's norms and row and column means), where a chunk is not in host memory whole.
 
-Such an update cannot run span by span. An oversize chunk holds one tensor, so
+Oversize chunks staged in spans (:func:`step_tensor_in_spans`): such an update
+cannot run span by span. An oversize chunk holds one tensor, so
 its update gathers the tensor: a first pass over the spans copies its
 gradient and fp32 master (the parameters, for fp32) into one transient tensor
 each, the optimizer steps the whole tensor, and a second pass writes the
@@ -10,17 +11,27 @@ again. Each span's bytes still cross the disk once each way, as in the
 element-wise path (``oversize_step.py``); host staging stays span-sized, and
 the transient copies are outside the budgets, like the temporaries of the
 optimizer's own step and the whole-tensor accessors (``state_dict``).
+
+Sharded chunks (data parallel, :func:`step_chunk_gathered`): a tensor may
+straddle two ranks' shards, so every rank gathers the whole chunk (its
+gradient, unit and, unless rewritten, parameters), steps every tensor of it
+alike and keeps its own shard of the result. Each rank keeps a whole copy of
+the per-tensor states (Adafactor's factors), updated identically everywhere
+from the same values: the result is the one process's, bit for bit. The
+gathers are collective; see NOTE [collective updates run in a fixed order].
 """
 
 from __future__ import annotations
 
 import torch
 
+from infinity.chunks.manager import typed
+from infinity.chunks.shards import WholeChunk, close_whole, open_whole
 from infinity.chunks.span_access import open_span
 from infinity.chunks.spans import span_key, span_ranges
 from infinity.core.names import Kind
 from infinity.optim.chunk_optimizer import StepViews
-from infinity.runtime.step_context import Run, StepContext
+from infinity.runtime.step_context import Run, StepContext, step_runs
 
 
 def step_tensor_in_spans(
@@ -91,3 +102,38 @@ def _scatter(engine: StepContext, chunk: int, run: Run, master: torch.Tensor) ->
             finally:
                 # NOTE: write-backs land in the background (keep=True), as elsewhere.
                 manager.close_host(copy, modified=True, keep=True)
+
+
+def step_chunk_gathered(
+    engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
+) -> None:
+    """Update sharded ``chunk`` whole on every rank, each keeping its own shard (see the
+    module docstring). Collective: every rank calls it for the same chunks in the
+    same order."""
+    manager = engine.manager
+    plan = engine.plan
+    has_master = plan.has_master
+    optimizer = engine.chunk_optimizer
+    capacity = engine.layout.chunks[chunk].capacity
+    grad_bytes, grad_handle = open_whole(manager, (Kind.GRAD, chunk), writable=False)
+    optim_bytes, optim_handle = open_whole(manager, (Kind.OPTIM, chunk))
+    # 16-bit: the parameters are only written (unless some tensors keep old values).
+    param_bytes, param_handle = open_whole(
+        manager, (Kind.PARAM, chunk), load=not (has_master and covered)
+    )
+    try:
+        params = typed(param_bytes, engine.dtype)
+        unit = optimizer.unit_views(typed(optim_bytes, torch.float32), capacity, has_master)
+        master = unit.master if unit.master is not None else params
+        if has_master and covered:
+            params[runs[-1].end :].zero_()  # not read: the tail keeps its zeros
+        out16 = params if has_master else None
+        grads = typed(grad_bytes, engine.dtype)
+        step_runs(optimizer, unit, master, grads, out16, runs, (0, capacity), grad_scale, engine)
+    finally:
+        close_whole(manager, grad_handle, modified=False, keep=True)
+        close_whole(manager, optim_handle, modified=True, keep=True)
+        close_whole(manager, param_handle, modified=True, keep=True)
+    assert isinstance(grad_handle, WholeChunk)  # sharded: open_whole gathers
+    manager.consume_grad(grad_handle.copy)
+    manager.drop_param(chunk)

@@ -96,19 +96,6 @@ def test_adafactor_refuses_16_and_8_bit_states_naming_the_fix(tmp_path, capsys, 
     assert f"optimizer_state_dtype {dtype} in {config}" in capsys.readouterr().err
 
 
-def test_adafactor_refuses_several_processes_before_starting_them(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-
-    def launch(args):
-        raise AssertionError("the processes were started")
-
-    monkeypatch.setattr("infinity.cli.train_ranks.launch", launch)
-    assert main([*TINY, "--optimizer", "adafactor", "--nproc", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "--optimizer adafactor runs on one process only" in err
-    assert "drop --nproc, or pick --optimizer adamw, lion or sgd" in err
-
-
 def test_adafactor_resumes_on_the_same_loss_curve(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = [*TINY, "--steps", "4", "--nvme-path", str(tmp_path / "n")]
