@@ -70,9 +70,7 @@ def ours(p, grads, *, buf_dtype, grad_scale, out_dtype=None, **hyper):
     p, buf = p.clone(), torch.zeros(p.numel(), dtype=buf_dtype)
     out = None if out_dtype is None else torch.empty(p.numel(), dtype=out_dtype)
     for step, g in enumerate(grads, start=1):
-        sgd_step(
-            p, g, buf, lr=LR, first_step=step == 1, grad_scale=grad_scale, out16=out, **hyper
-        )
+        sgd_step(p, g, buf, lr=LR, first_step=step == 1, grad_scale=grad_scale, out16=out, **hyper)
     return p, buf, out
 
 
