@@ -5,6 +5,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -28,6 +30,11 @@ inline size_t state_bytes(StateFormat f) {
     }
     return 0;
 }
+
+/// Whether `x` converts to a finite float. NOTE: converting a double beyond
+/// the float range is undefined behaviour in C++, so a hyper-parameter must
+/// pass this before make_*_coeffs rounds it.
+inline bool fits_float(double x) { return std::isfinite(x) && std::fabs(x) <= FLT_MAX; }
 
 /// The bytes [begin, end) of one named buffer.
 struct BufferSpan {

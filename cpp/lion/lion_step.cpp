@@ -1,6 +1,5 @@
 #include "lion/lion_step.hpp"
 
-#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -25,8 +24,10 @@ void validate(const LionBuffers& b, const LionHyper& h) {
     require(adam::state_bytes(b.state) != 0, "unknown optimizer state format code");
     require(b.out16 == nullptr || adam::out16_dtype(b.out_dtype), "out16 dtype must be bf16 or fp16");
     for (double x : {h.lr, h.beta1, h.beta2, h.weight_decay, h.grad_scale}) {
-        require(std::isfinite(x), "hyper-parameters must be finite");
+        require(adam::fits_float(x), "hyper-parameters must be finite fp32 values");
     }
+    require(adam::fits_float(1.0 - h.lr * h.weight_decay),
+            "1 - lr * weight_decay must be a finite fp32 value");
     if (b.n == 0) return;
     require(b.param && b.grad && b.exp_avg, "null buffer pointer for a non-empty step");
     require(b.state != StateFormat::kQ8 || b.exp_avg_scale, "int8 momentum needs its block scales");

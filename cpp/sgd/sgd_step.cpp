@@ -1,6 +1,5 @@
 // The fused SGD step over flat buffers: validation, then the active ISA's
 // kernel spread over the compute pool.
-#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -26,7 +25,7 @@ void validate(const SgdBuffers& b, const SgdHyper& h) {
             "momentum_buffer state format must be fp32 or bf16");
     require(b.out16 == nullptr || adam::out16_dtype(b.out_dtype), "out16 dtype must be bf16 or fp16");
     for (double x : {h.lr, h.momentum, h.dampening, h.weight_decay, h.grad_scale}) {
-        require(std::isfinite(x), "hyper-parameters must be finite");
+        require(adam::fits_float(x), "hyper-parameters must be finite fp32 values");
     }
     if (b.n == 0) return;
     const bool uses_buffer = h.momentum != 0.0;

@@ -193,6 +193,8 @@ def test_arguments_are_checked_before_the_native_code() -> None:
         sgd_step(p, g, buf, lr=0.1, weight_decay=-1.0)
     with pytest.raises(ValueError, match="dampening=inf must be finite"):
         sgd_step(p, g, buf, lr=0.1, dampening=float("inf"))
+    with pytest.raises(ValueError, match="sgd_step: hyper-parameters must be finite fp32 values"):
+        sgd_step(p, g, buf, lr=1e39)  # finite as a double, but no float
     with pytest.raises(TypeError, match="grad_scale must be a float"):
         sgd_step(p, g, buf, lr=0.1, grad_scale="2")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="nesterov must be a bool"):
