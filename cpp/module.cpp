@@ -13,6 +13,7 @@ namespace infinity {
 void bind_io(pybind11::module_& m);    // cpp/io/bind_io.cpp
 void bind_adam(pybind11::module_& m);  // cpp/adam/bind_adam.cpp
 void bind_lion(pybind11::module_& m);  // cpp/lion/bind_lion.cpp
+void bind_sgd(pybind11::module_& m);   // cpp/sgd/bind_sgd.cpp
 void bind_devices(pybind11::module_& m);  // cpp/devices/bind_devices.cpp
 
 namespace {
@@ -55,13 +56,15 @@ void translate_error(std::exception_ptr p) {
 
 PYBIND11_MODULE(_C, m) {
     py::register_exception_translator(&infinity::translate_error);
-    m.doc() = "infinity native core: async NVMe I/O, vectorized CPU Adam and Lion, host copy queue";
+    m.doc() = "infinity native core: async NVMe I/O, vectorized CPU Adam, Lion and SGD, host copy queue";
     auto io = m.def_submodule("io", "asynchronous O_DIRECT file I/O");
     auto adam = m.def_submodule("adam", "fused CPU Adam/AdamW kernels");
     infinity::bind_io(io);
     infinity::bind_adam(adam);
     auto lion = m.def_submodule("lion", "fused CPU Lion kernel");
     infinity::bind_lion(lion);
+    auto sgd = m.def_submodule("sgd", "fused CPU SGD kernel");
+    infinity::bind_sgd(sgd);
     auto devices = m.def_submodule("devices", "the CPU backend's native copy queue");
     infinity::bind_devices(devices);
 }

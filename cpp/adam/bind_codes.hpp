@@ -1,4 +1,4 @@
-// What the optimizer bindings (`bind_adam.cpp`, `bind_lion.cpp`) share: buffer
+// What the optimizer bindings (`bind_adam.cpp`, `bind_lion.cpp`, `bind_sgd.cpp`) share: buffer
 // addresses from Python and the dtype and state-format codes Python passes
 // (`_C.adam.dtype_codes`, `_C.adam.state_formats`), checked with an error that
 // names the bad code. See NOTE [raw pointers into native code].

@@ -1,6 +1,6 @@
 // The AVX2 "Ops" backend of the CPU optimizer kernels (8 floats per
-// vector), shared by the Adam kernel (kernel_avx2.cpp) and the Lion kernel
-// (cpp/lion/kernel_avx2.cpp).
+// vector), shared by the Adam kernel (kernel_avx2.cpp), the Lion kernel
+// (cpp/lion/kernel_avx2.cpp) and the SGD kernel (cpp/sgd/kernel_avx2.cpp).
 //
 // NOTE: include it only inside the target region of a per-ISA translation
 // unit (see kernel_avx2.cpp): its intrinsics need the target's features. In an

@@ -1,8 +1,8 @@
 // The scalar "Ops" backend of the CPU optimizer kernels: one float per
 // "vector". The reference every vector backend must match bit for bit, the
 // fallback on CPUs without AVX2, and the tail of the vector kernels. Used by
-// the Adam kernels (adam_math.hpp, q8_codec.hpp) and the Lion kernels
-// (cpp/lion/lion_math.hpp).
+// the Adam kernels (adam_math.hpp, q8_codec.hpp), the Lion kernels
+// (cpp/lion/lion_math.hpp) and the SGD kernels (cpp/sgd/sgd_math.hpp).
 //
 // NOTE: in an unnamed namespace, like the vector backends (ops_avx2.hpp): every
 // translation unit that includes it gets its own internal copy, so no inline

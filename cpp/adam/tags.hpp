@@ -1,5 +1,6 @@
 // Tag types naming the element type of a buffer in the CPU optimizer kernels'
-// templates (Adam: adam_math.hpp, Lion: cpp/lion/lion_math.hpp) and their
+// templates (Adam: adam_math.hpp, Lion: cpp/lion/lion_math.hpp, SGD:
+// cpp/sgd/sgd_math.hpp) and their
 // "Ops" backends (ops_scalar.hpp, ops_avx2.hpp, ops_avx512.hpp).
 #pragma once
 

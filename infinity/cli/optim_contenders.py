@@ -3,9 +3,8 @@ counterpart on the same buffers, and the memory-bandwidth probes.
 
 Every optimizer gets four contenders:
 
-- ``ours fp32``: our step with fp32 gradients (Adam and Lion: the fused native
-  kernels; SGD: :class:`~infinity.optim.sgd.SGDChunks`, torch's single-tensor
-  operations over the chunk's views).
+- ``ours fp32``: our step with fp32 gradients (the fused native kernels of
+  Adam, Lion and SGD).
 - ``torch fp32``: torch's counterpart on the same parameter tensor and
   gradient: ``torch.optim.AdamW(fused=True)``, Lion written in torch
   operations (torch has no Lion; this is the update of the paper as
@@ -32,9 +31,9 @@ import torch
 from infinity._native import native
 from infinity._native.adam import BANDWIDTH_KERNELS
 from infinity.optim import kernels
-from infinity.optim.chunk_optimizer import StepViews
 from infinity.optim.lion_kernel import lion_step
-from infinity.optim.sgd import SGD, SGDHyperParams
+from infinity.optim.sgd import SGDHyperParams
+from infinity.optim.sgd_kernel import sgd_step
 
 OPTIMIZERS = ("adam", "lion", "sgd")
 BYTES_PER_PARAM = {"adam": 28, "lion": 20, "sgd": 20}
@@ -131,14 +130,16 @@ def lion(b: Buffers) -> dict[str, Fn]:
 
 
 def sgd(b: Buffers) -> dict[str, Fn]:
-    """Our SGD (torch's single-tensor operations over chunk views) against
-    ``torch.optim.SGD(momentum=0.9, foreach=True)``."""
+    """Our fused SGD kernel against ``torch.optim.SGD(momentum=0.9, foreach=True)``."""
     buf = torch.rand(b.n)
     step = _counter()
+    hyper: dict[str, Any] = dict(
+        lr=SGD_HYPER.lr, momentum=SGD_HYPER.momentum, dampening=SGD_HYPER.dampening,
+        weight_decay=SGD_HYPER.weight_decay, nesterov=SGD_HYPER.nesterov,
+    )  # fmt: skip
 
     def ours(grad: torch.Tensor, out: torch.Tensor | None) -> None:
-        views = StepViews(master=b.p, grad=grad, state={"momentum_buffer": buf}, out16=out)
-        SGD.step(views, SGD_HYPER, step=step(), grad_scale=1.0)
+        sgd_step(b.p, grad, buf, first_step=step() == 1, out16=out, **hyper)
 
     opt = torch.optim.SGD(
         [b.p], lr=SGD_HYPER.lr, momentum=SGD_HYPER.momentum,

@@ -1,14 +1,16 @@
 """``infinity.optim.CPUSGD``: ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
-decay, maximize) for CPU tensors and offloaded models, in this one module.
+decay, maximize) for CPU tensors and offloaded models, in this module and its fused
+kernel (:mod:`infinity.optim.sgd_kernel`).
 
 It is the smallest optimizer on the generic front-end and shows the whole recipe
 (docs/ARCHITECTURE.md, "Adding an optimizer"): validated hyper-parameters of a
 param group (:class:`SGDHyperParams`), the per-element update over a run of
 tensors inside a chunk and its state slot (:class:`SGDChunks`: one
 ``momentum_buffer``, as torch names it), and the front-end users construct
-(:class:`CPUSGD`). The update is torch's own single-tensor SGD, operation for
-operation, so results match ``torch.optim.SGD(foreach=False)`` bit for bit on
-fp32 tensors.
+(:class:`CPUSGD`). The update runs on a fused native kernel
+(:mod:`infinity.optim.sgd_kernel`, ``cpp/sgd/``) that does torch's single-tensor
+SGD operation for operation, so results match ``torch.optim.SGD(foreach=False)``
+bit for bit on fp32 tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews
 from infinity.optim.front_end import CPUOptimizer
 from infinity.optim.hyper import hyper_value
+from infinity.optim.sgd_kernel import sgd_step
 
 __all__ = ["CPUSGD", "SGD", "SGDChunks", "SGDHyperParams"]
 
@@ -68,7 +71,7 @@ class SGDHyperParams:
 
 class SGDChunks(ChunkOptimizer[SGDHyperParams]):
     """SGD over chunks: one state slot, the momentum buffer (fp32 or bf16), updated
-    with torch ops in torch's order."""
+    by the fused kernel in torch's order."""
 
     name = "sgd"
     front_end = "infinity.optim.CPUSGD"
@@ -78,29 +81,21 @@ class SGDChunks(ChunkOptimizer[SGDHyperParams]):
     def step(
         self, views: StepViews, hyper: SGDHyperParams, *, step: int, grad_scale: float
     ) -> None:
-        """One SGD update of the run, as ``torch.optim.SGD``'s single-tensor step."""
-        p = views.master
-        # NOTE: the gradient chunk is only read: every change below makes a new tensor.
-        g = views.grad if views.grad.dtype is torch.float32 else views.grad.float()
-        if grad_scale != 1.0:
-            g = g * grad_scale
-        if hyper.maximize:
-            g = -g
-        if hyper.weight_decay != 0:
-            g = g.add(p, alpha=hyper.weight_decay)
-        if hyper.momentum != 0:
-            stored = views.state["momentum_buffer"]
-            buf = stored if stored.dtype is torch.float32 else stored.float()
-            if step == 1:
-                buf.copy_(g)  # NOTE: torch starts the buffer as the gradient itself
-            else:
-                buf.mul_(hyper.momentum).add_(g, alpha=1 - hyper.dampening)
-            if buf is not stored:
-                stored.copy_(buf)  # bf16: rounded to nearest even, as Tensor.to
-            g = g.add(buf, alpha=hyper.momentum) if hyper.nesterov else buf
-        p.add_(g, alpha=-hyper.lr)
-        if views.out16 is not None:
-            views.out16.copy_(p)
+        """One SGD update of the run (see :func:`~infinity.optim.sgd_kernel.sgd_step`)."""
+        sgd_step(
+            views.master,
+            views.grad,
+            views.state["momentum_buffer"],
+            lr=hyper.lr,
+            momentum=hyper.momentum,
+            dampening=hyper.dampening,
+            weight_decay=hyper.weight_decay,
+            nesterov=hyper.nesterov,
+            maximize=hyper.maximize,
+            first_step=step == 1,  # NOTE: torch starts the buffer as the gradient itself
+            grad_scale=grad_scale,
+            out16=views.out16,
+        )
 
 
 SGD = SGDChunks()

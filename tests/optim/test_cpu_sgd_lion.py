@@ -1,7 +1,8 @@
 """CPUSGD and CPULion on plain CPU tensors, against ``torch.optim.SGD`` and Lion in torch ops.
 
-CPUSGD runs torch's own single-tensor SGD operations, so its parameters and
-momentum buffers equal ``torch.optim.SGD(foreach=False)``'s bit for bit, and
+CPUSGD runs the fused SGD kernel, torch's single-tensor SGD operation for
+operation (tests/optim/test_sgd_kernel.py), so its parameters and momentum
+buffers equal ``torch.optim.SGD(foreach=False)``'s bit for bit, and
 state dicts move between the two both ways. CPULion runs the fused kernel:
 close to the reference written in torch ops (``lion_reference.ReferenceLion``).
 """

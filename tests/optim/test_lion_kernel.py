@@ -168,3 +168,5 @@ def test_arguments_are_checked_before_the_native_code() -> None:
         lion_step(p, g, m, **{**HYPER, "beta1": 1.0})
     with pytest.raises(ValueError, match="lr=nan must be finite"):
         lion_step(p, g, m, **{**HYPER, "lr": float("nan")})
+    with pytest.raises(ValueError, match="1 - lr \\* weight_decay must be a finite fp32 value"):
+        lion_step(p, g, m, **{**HYPER, "lr": 1e30, "weight_decay": 1e30})

@@ -1,0 +1,90 @@
+// What the one-tensor optimizer steps share (Lion: cpp/lion/lion_step.cpp,
+// SGD: cpp/sgd/sgd_step.cpp): element sizes of the dtype and state-format
+// codes, the check that a step's buffers are disjoint, and the run of a range
+// kernel over the compute pool with the Adam kernels' task split.
+#pragma once
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "adam/adam_types.hpp"
+#include "adam/fp_env.hpp"
+#include "adam/partition.hpp"
+#include "common/thread_pool.hpp"
+
+namespace infinity::adam {
+
+/// Bytes of one element of a buffer of dtype `d` (a known code).
+inline size_t dtype_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+/// Bytes of one element of a state in format `f`; 0 for an unknown code.
+inline size_t state_bytes(StateFormat f) {
+    for (const StateFormatInfo& info : kStateFormats) {
+        if (info.code == f) return static_cast<size_t>(info.element_bytes);
+    }
+    return 0;
+}
+
+/// Whether `x` converts to a finite float. NOTE: converting a double beyond
+/// the float range is undefined behaviour in C++, so a hyper-parameter must
+/// pass this before make_*_coeffs rounds it.
+inline bool fits_float(double x) { return std::isfinite(x) && std::fabs(x) <= FLT_MAX; }
+
+/// The bytes [begin, end) of one named buffer.
+struct BufferSpan {
+    uintptr_t begin, end;
+    const char* name;
+};
+
+/// The span of `count` elements of `elem` bytes at `p` (pointer arithmetic only).
+inline BufferSpan buffer_span(const void* p, int64_t count, size_t elem, const char* name) {
+    const auto at = reinterpret_cast<uintptr_t>(p);
+    return BufferSpan{at, at + static_cast<uintptr_t>(count) * elem, name};
+}
+
+/// "A and B overlap in memory" for the first two of `spans` that share a
+/// byte, or "" if all are disjoint. A one-pass update reads and writes every
+/// buffer element by element, so none may overlap another.
+inline std::string find_overlap(std::vector<BufferSpan> spans) {
+    std::sort(spans.begin(), spans.end(), [](const BufferSpan& x, const BufferSpan& y) {
+        return std::tie(x.begin, x.end) < std::tie(y.begin, y.end);
+    });
+    for (size_t i = 1; i < spans.size(); ++i) {
+        if (spans[i].begin < spans[i - 1].end) {
+            return std::string(spans[i - 1].name) + " and " + spans[i].name + " overlap in memory";
+        }
+    }
+    return "";
+}
+
+/// Calls `kernel(begin, end)` over all `n` elements of one tensor on the
+/// compute pool, with the Adam kernels' task split: segments start on kBlock
+/// boundaries, so an int8 block is one thread's and vectors never straddle
+/// two tasks, and each element is updated by exactly one call. Workers run
+/// with the caller's floating-point environment.
+template <class Kernel>
+void run_on_pool(int64_t n, const Kernel& kernel) {
+    const TaskPlan plan = plan_tasks({n}, compute_threads());
+    const auto run_task = [&](int64_t task) {
+        for (size_t s = plan.offsets[task]; s < plan.offsets[task + 1]; ++s) {
+            kernel(plan.segments[s].begin, plan.segments[s].end);
+        }
+    };
+    if (plan.num_tasks() <= 1) {
+        if (plan.num_tasks() == 1) run_task(0);
+        return;
+    }
+    const unsigned csr = current_fp_env();
+    compute_pool()->run(static_cast<int64_t>(plan.num_tasks()), [&](int64_t task) {
+        ScopedFpEnv env(csr);
+        run_task(task);
+    });
+}
+
+}  // namespace infinity::adam

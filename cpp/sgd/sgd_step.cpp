@@ -1,0 +1,57 @@
+// The fused SGD step over flat buffers: validation, then the active ISA's
+// kernel spread over the compute pool.
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "adam/flat_step.hpp"
+#include "adam/isa.hpp"
+#include "common/error.hpp"
+#include "sgd/sgd_kernels.hpp"
+
+namespace infinity::sgd {
+namespace {
+
+// The location is the caller's (see NOTE [errors name their source line]).
+void require(bool ok, const std::string& message, SourceLocation where = SourceLocation()) {
+    if (!ok) throw_error<std::invalid_argument>("sgd_step: " + message, where);
+}
+
+void validate(const SgdBuffers& b, const SgdHyper& h) {
+    require(b.n >= 0, "n must be >= 0");
+    require(adam::known_dtype(b.grad_dtype), "unknown grad dtype code");
+    require(b.state == StateFormat::kF32 || b.state == StateFormat::kBF16,
+            "momentum_buffer state format must be fp32 or bf16");
+    require(b.out16 == nullptr || adam::out16_dtype(b.out_dtype), "out16 dtype must be bf16 or fp16");
+    for (double x : {h.lr, h.momentum, h.dampening, h.weight_decay, h.grad_scale}) {
+        require(adam::fits_float(x), "hyper-parameters must be finite fp32 values");
+    }
+    if (b.n == 0) return;
+    const bool uses_buffer = h.momentum != 0.0;
+    require(b.param && b.grad, "null buffer pointer for a non-empty step");
+    require(!uses_buffer || b.momentum_buffer, "momentum != 0 needs a momentum_buffer");
+    // NOTE: pointer arithmetic only (Python checked the same before calling).
+    std::vector<adam::BufferSpan> spans = {
+        adam::buffer_span(b.param, b.n, 4, "master"),
+        adam::buffer_span(b.grad, b.n, adam::dtype_bytes(b.grad_dtype), "grad")};
+    if (uses_buffer) {
+        spans.push_back(
+            adam::buffer_span(b.momentum_buffer, b.n, adam::state_bytes(b.state), "momentum_buffer"));
+    }
+    if (b.out16 != nullptr) spans.push_back(adam::buffer_span(b.out16, b.n, 2, "out16"));
+    const std::string overlap = adam::find_overlap(std::move(spans));
+    require(overlap.empty(), overlap);
+}
+
+}  // namespace
+
+void sgd_step(const SgdBuffers& b, const SgdHyper& h) {
+    validate(b, h);
+    if (b.n == 0) return;
+    const SgdCoeffs c = make_sgd_coeffs(h);
+    const SgdRangeFn kernel = sgd_range_fn(adam::active_isa());
+    adam::run_on_pool(b.n, [&](int64_t begin, int64_t end) { kernel(b, c, begin, end); });
+}
+
+}  // namespace infinity::sgd
