@@ -35,6 +35,7 @@ from infinity.checkpoint.optimizer_groups import hyper_updates
 from infinity.checkpoint.schema import CheckpointMeta, parse_meta
 from infinity.core.names import Kind
 from infinity.offload import engine_of
+from infinity.runtime.chunk_io import Window
 from infinity.runtime.engine import OffloadEngine
 
 
@@ -175,31 +176,31 @@ def _write_chunks(
         chunk = spec.index
         kinds = [Kind.PARAM, Kind.OPTIM] if spec.trainable else [Kind.PARAM]
         for kind in kinds:
-            for at, end, parts in _windows(engine, kind, chunk):
+            for window in _windows(engine, kind, chunk):
+                at, parts = window.start, window.parts
                 for entry in engine.chunk_members[chunk]:
                     slot = chunk_io.slot(entry.index)
-                    first, last = max(at, slot.offset), min(end, slot.offset + slot.numel)
-                    if first >= last:
+                    where = window.overlap(slot.offset, slot.numel)
+                    if where is None:
                         continue
                     rec = meta.tensors[entry.name]
-                    into = first - slot.offset  # elements into the tensor
+                    into, here, n = where[0].start, where[1].start, where[1].stop - where[1].start
                     if kind is Kind.PARAM:
-                        dst = parts[0][(first - at) * esize : (last - at) * esize]
+                        dst = parts[0][here * esize : (here + n) * esize]
                         _read_into(fp, rec.param_offset + into * esize, dst)
                         continue
                     assert rec.optim_offset is not None  # _match: trainable in the checkpoint too
                     # NOTE: the same pieces (master, each slot's values and int8
                     # scales) in the checkpoint's layout and in this window's: the
                     # stored bytes are copied.
-                    n = last - first
                     saved = optimizer.tensor_ranges(
                         rec.chunk_capacity, has_master, rec.element_offset + into, n
                     )
-                    width = end - at
-                    here = optimizer.tensor_ranges(width, has_master, first - at, n)
+                    width = window.end - at
+                    inside = optimizer.tensor_ranges(width, has_master, here, n)
                     whole = optimizer.tensor_ranges(width, has_master, 0, width)
                     for part, (src, size), (offset, _n), (base, _w) in zip(
-                        parts, saved, here, whole, strict=True
+                        parts, saved, inside, whole, strict=True
                     ):
                         dst = part[offset - base : offset - base + size]
                         _read_into(fo, rec.optim_offset + src, dst)
@@ -207,10 +208,8 @@ def _write_chunks(
                 chunk_io.params_written(chunk)
 
 
-def _windows(
-    engine: OffloadEngine, kind: Kind, chunk: int
-) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
-    """``(start, end, parts)`` of each window of ``(kind, chunk)`` opened for writing (not
+def _windows(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[Window]:
+    """Each window of ``(kind, chunk)`` opened for writing (not
     read first; see :func:`infinity.chunks.pieces.windows`), zeroed (padding too, so
     the stored bytes never depend on what a staging slot held). A window is stored
     when the next one is drawn."""

@@ -44,6 +44,14 @@ class Window(NamedTuple):
     end: int
     parts: list[torch.Tensor]  # uint8: one per piece, in home order
 
+    def overlap(self, offset: int, numel: int) -> tuple[slice, slice] | None:
+        """Where elements ``[offset, offset + numel)`` of the chunk (a tensor) meet this
+        window: ``(elements of the tensor, elements of the window)``, or ``None``."""
+        first, last = max(self.start, offset), min(self.end, offset + numel)
+        if first >= last:
+            return None
+        return slice(first - offset, last - offset), slice(first - self.start, last - self.start)
+
 
 def windows(
     manager: ChunkManager,
