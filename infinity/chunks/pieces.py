@@ -107,7 +107,10 @@ def home_bytes(
     piece after piece, each window after window.
 
     A window is opened once per piece, so at most one span is staged at a time;
-    a window that covers the whole chunk gives every piece from one opening.
+    a window that covers the whole chunk gives every piece from one opening. A
+    unit without pieces (no master and no state slot: CPUAdafactor in fp32) has
+    no bytes wherever it is homed (an NVMe staging slot, sized for Adam's unit,
+    is not its bytes).
     """
     piece, count = 0, 1
     while piece < count:
