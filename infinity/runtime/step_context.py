@@ -109,7 +109,6 @@ def step_window(
     grads: torch.Tensor,
     unit: UnitViews,
     params: torch.Tensor,
-    *,
     params_unread: bool,
     grad_scale: float,
 ) -> None:
