@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from infinity.core.names import HOST, NVME
 from infinity.offload import engine_of
+from infinity.runtime.tier_stats import io_stats, tier_stats
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
@@ -24,23 +24,10 @@ def stats(model: nn.Module) -> dict[str, Any]:
     host memory beside the units (Adafactor's factors), outside the budgets.
     """
     engine = engine_of(model)
-    manager = engine.manager
-    plan = engine.plan
     out: dict[str, Any] = {
         "device": engine.backend.name,
         "dtype": engine.config.dtype,
-        "chunk_size": plan.layout.chunk_bytes,
-        "num_chunks": plan.layout.num_chunks,
-        "device_budget_bytes": plan.budgets.device,
-        "device_reserved_bytes": manager.device_account.reserved,
-        "device_peak_bytes": manager.device_account.peak,
-        "host_budget_bytes": plan.budgets.host,
-        "host_reserved_bytes": manager.host_account.reserved,
-        "host_peak_bytes": manager.host_account.peak,
-        "nvme_budget_bytes": plan.budgets.nvme,
-        "nvme_bytes": manager.nvme_account.used,
-        # staging slabs registered with io_uring (no page pinning per transfer)
-        "nvme_registered_buffers": manager.fixed_buffers is None,
+        **tier_stats(engine.chunks),
         "steps": engine.step_count,
         # per-tensor optimizer states in host memory, outside the budgets (Adafactor's
         # factors; 0 for the others): see NOTE [per-tensor optimizer state]
@@ -49,19 +36,9 @@ def stats(model: nn.Module) -> dict[str, Any]:
             for states in engine.chunks.tensor_states.values()
             for value in states.values()
         ),
-        "placement": {
-            kind: {tier: sum(h == tier for h in homes) for tier in (HOST, NVME)}
-            for kind, homes in (
-                ("param", plan.param_home),
-                ("grad", plan.grad_home),
-                ("optim", plan.optim_home),
-            )
-        },
         "last_step": dict(engine.step_timer.last),
+        **io_stats(engine.chunks),
     }
-    if manager.fixed_buffers is not None and manager.fixed_buffers.startswith("io_uring"):
-        out["nvme_registration_error"] = manager.fixed_buffers  # the kernel refused
-    out.update(manager.traffic.snapshot())
     out["world"] = {
         "rank": engine.world.rank,
         "size": engine.world.size,

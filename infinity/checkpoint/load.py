@@ -33,11 +33,9 @@ from infinity.checkpoint.format import (
 )
 from infinity.checkpoint.optimizer_groups import hyper_updates
 from infinity.checkpoint.schema import CheckpointMeta, parse_meta
-from infinity.chunks.homes import Kind
-from infinity.chunks.shards import close_whole, open_whole
-from infinity.chunks.span_access import open_span
-from infinity.chunks.spans import is_split, span_ranges
+from infinity.core.names import Kind
 from infinity.offload import engine_of
+from infinity.runtime.chunk_io import Window
 from infinity.runtime.engine import OffloadEngine
 
 
@@ -171,76 +169,54 @@ def _write_chunks(
 ) -> None:
     """Second pass: read every tensor into its chunk, window by window (the whole chunk,
     or an oversize chunk's spans: staging stays chunk-sized)."""
-    manager = engine.manager
-    optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
-    esize = engine.plan.element_size
-    for chunk, spec in enumerate(engine.layout.chunks):
+    chunk_io = engine.chunk_io
+    optimizer, has_master = engine.chunk_optimizer, chunk_io.has_master
+    esize = chunk_io.element_size
+    for spec in chunk_io.chunk_specs:
+        chunk = spec.index
         kinds = [Kind.PARAM, Kind.OPTIM] if spec.trainable else [Kind.PARAM]
         for kind in kinds:
-            for at, end, parts in _windows(engine, kind, chunk):
+            for window in _windows(engine, kind, chunk):
+                at, parts = window.start, window.parts
                 for entry in engine.chunk_members[chunk]:
-                    slot = engine.layout.slots[entry.index]
-                    first, last = max(at, slot.offset), min(end, slot.offset + slot.numel)
-                    if first >= last:
+                    slot = chunk_io.slot(entry.index)
+                    where = window.overlap(slot.offset, slot.numel)
+                    if where is None:
                         continue
                     rec = meta.tensors[entry.name]
-                    into = first - slot.offset  # elements into the tensor
+                    into, here, n = where[0].start, where[1].start, where[1].stop - where[1].start
                     if kind is Kind.PARAM:
-                        dst = parts[0][(first - at) * esize : (last - at) * esize]
+                        dst = parts[0][here * esize : (here + n) * esize]
                         _read_into(fp, rec.param_offset + into * esize, dst)
                         continue
                     assert rec.optim_offset is not None  # _match: trainable in the checkpoint too
                     # NOTE: the same pieces (master, each slot's values and int8
                     # scales) in the checkpoint's layout and in this window's: the
                     # stored bytes are copied.
-                    n = last - first
                     saved = optimizer.tensor_ranges(
                         rec.chunk_capacity, has_master, rec.element_offset + into, n
                     )
-                    width = end - at
-                    here = optimizer.tensor_ranges(width, has_master, first - at, n)
+                    width = window.end - at
+                    inside = optimizer.tensor_ranges(width, has_master, here, n)
                     whole = optimizer.tensor_ranges(width, has_master, 0, width)
                     for part, (src, size), (offset, _n), (base, _w) in zip(
-                        parts, saved, here, whole, strict=True
+                        parts, saved, inside, whole, strict=True
                     ):
                         dst = part[offset - base : offset - base + size]
                         _read_into(fo, rec.optim_offset + src, dst)
             if kind is Kind.PARAM:
-                manager.drop_param(chunk)
+                chunk_io.params_written(chunk)
 
 
-def _windows(
-    engine: OffloadEngine, kind: Kind, chunk: int
-) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
-    """``(start, end, parts)`` of ``(kind, chunk)`` opened for writing (not read first):
-    the whole chunk as one window, or each span of an oversize one; ``parts`` are each
-    piece's bytes (one for parameters; master, slot values and int8 scales for an
-    optimizer unit), zeroed (padding too, so the stored bytes never depend on what a
-    staging slot held). A window is stored when the next one is drawn."""
-    manager = engine.manager
-    if is_split(engine.plan, chunk):
-        for at, end in span_ranges(engine.plan, chunk):
-            parts, copy = open_span(manager, kind, chunk, at, end, load=False)
-            try:
-                for part in parts:
-                    part.zero_()
-                yield at, end, parts
-            finally:
-                manager.close_host(copy, modified=True)
-        return
-    capacity = engine.layout.chunks[chunk].capacity
-    region, handle = open_whole(manager, (kind, chunk), load=False)
-    try:
-        region.zero_()
-        if kind is Kind.PARAM:
-            yield 0, capacity, [region]
-        else:
-            ranges = engine.chunk_optimizer.tensor_ranges(
-                capacity, engine.plan.has_master, 0, capacity
-            )
-            yield 0, capacity, [region[base : base + size] for base, size in ranges]
-    finally:
-        close_whole(manager, handle, modified=True)
+def _windows(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[Window]:
+    """Each window of ``(kind, chunk)`` opened for writing (not
+    read first; see :func:`infinity.chunks.pieces.windows`), zeroed (padding too, so
+    the stored bytes never depend on what a staging slot held). A window is stored
+    when the next one is drawn."""
+    for window in engine.chunk_io.windows(kind, chunk, load=False, write=True):
+        for part in window.parts:
+            part.zero_()
+        yield window
 
 
 def _write_tensor_states(

@@ -34,10 +34,7 @@ from infinity.checkpoint.format import (
     fsync_dir,
 )
 from infinity.checkpoint.optimizer_groups import optimizer_groups
-from infinity.chunks.homes import Kind
-from infinity.chunks.shards import close_whole, open_whole
-from infinity.chunks.span_access import each_span
-from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_ranges
+from infinity.core.names import Kind
 from infinity.distributed.outcomes import rank_zero_writes
 from infinity.io.errors import NVMeIOError
 from infinity.offload import engine_of
@@ -123,25 +120,11 @@ def _tensor_states(engine: OffloadEngine) -> list[tuple[TailKey, torch.Tensor]]:
 
 
 def _chunk_bytes(engine: OffloadEngine, kind: Kind, chunk: int) -> Iterator[memoryview]:
-    """The home bytes of ``(kind, chunk)`` in order, whole or (oversize) span by span."""
-    if not is_split(engine.plan, chunk):
-        region, copy = open_whole(engine.manager, (kind, chunk), writable=False)
-        try:
-            yield memoryview(region.numpy().data)
-        finally:
-            close_whole(engine.manager, copy, modified=False)
-        return
-    # NOTE: the file holds the home's bytes in order: each piece of a unit (the
-    # master, each slot's values and int8 scales) whole, one after the other;
-    # a span holds a slice of every piece, so a unit's spans are read once per
-    # piece. Oversize capacities are multiples of the span granule, so the home
-    # has no padding between its pieces.
-    capacity = engine.layout.chunks[chunk].capacity
-    first = span_ranges(engine.plan, chunk)[0]
-    pieces = len(part_ranges(engine.plan, SpanKey(kind, chunk, *first)))
-    for piece in range(pieces):
-        for _at, views in each_span(engine.manager, kind, chunk, 0, capacity):
-            yield memoryview(views[piece].numpy().data)
+    """The home bytes of ``(kind, chunk)`` in order: each piece of a unit (the master,
+    each slot's values and int8 scales) whole, one after the other, a whole chunk's
+    padding included (see :func:`infinity.chunks.pieces.home_bytes`)."""
+    for data in engine.chunk_io.home_bytes(kind, chunk):
+        yield memoryview(data.numpy().data)
 
 
 def write_checkpoint(
@@ -155,9 +138,9 @@ def write_checkpoint(
     """
     engine = engine_of(model)
     engine.synchronize()
-    layout = engine.layout
-    all_chunks = list(range(layout.num_chunks))
-    trainable = [i for i in all_chunks if layout.chunks[i].trainable]
+    specs = engine.chunk_io.chunk_specs
+    all_chunks = list(range(len(specs)))
+    trainable = [spec.index for spec in specs if spec.trainable]
     if directory is None:
         _stream(engine, Kind.PARAM, all_chunks, None)
         _stream(engine, Kind.OPTIM, trainable, None)
@@ -179,19 +162,19 @@ def _write_meta(
     optim_info: dict[str, int],
     groups: object,
 ) -> None:
-    layout = engine.layout
+    io = engine.chunk_io
     tensors = []
     for entry in engine.registry.entries:
-        slot = layout.slots[entry.index]
+        slot = io.slot(entry.index)
         tensors.append(
             {
                 "name": entry.name,
                 "aliases": entry.aliases,
                 "shape": list(slot.shape),
                 "trainable": entry.trainable,
-                "param_offset": param_at[slot.chunk] + slot.offset * engine.plan.element_size,
+                "param_offset": param_at[slot.chunk] + slot.offset * io.element_size,
                 "optim_offset": optim_at.get(slot.chunk),
-                "chunk_capacity": layout.chunks[slot.chunk].capacity,
+                "chunk_capacity": io.chunk_specs[slot.chunk].capacity,
                 "element_offset": slot.offset,
                 "step": engine.tensor_steps[entry.index],
             }
@@ -203,7 +186,7 @@ def _write_meta(
         "format": FORMAT,
         "version": VERSION,
         "dtype": engine.config.dtype,
-        "has_master": engine.plan.has_master,
+        "has_master": io.has_master,
         "optimizer_state_dtype": engine.chunk_optimizer.state_format.name,
         "chunk_optimizer": {
             "name": engine.chunk_optimizer.name,

@@ -20,7 +20,6 @@ from infinity.chunks.homes import HomeStore
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.transfers import ChainedTransfer
-from infinity.core.layout import TensorSlot
 from infinity.core.names import HOST, Key, Kind
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
@@ -240,14 +239,6 @@ def read_elements(
         piece = parts[part].view(dtype)
         out[at : at + piece.numel()].copy_(piece)
     return out
-
-
-def read_tensor(
-    manager: ChunkManager, kind: Kind, slot: TensorSlot, dtype: torch.dtype, part: int = 0
-) -> torch.Tensor:
-    """A copy of the tensor in ``slot`` (part ``part`` of its ``kind``), in its shape."""
-    end = slot.offset + slot.numel
-    return read_elements(manager, kind, slot.chunk, part, slot.offset, end, dtype).view(slot.shape)
 
 
 def write_elements(

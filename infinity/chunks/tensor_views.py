@@ -36,6 +36,7 @@ def tensor_values(
     fill: bool = True,
     copy: bool = False,
     gather: bool = True,
+    keep: bool = False,
 ) -> Generator[torch.Tensor, None, None]:
     """Flat values (``dtype``) of each of ``slots`` (all in ``chunk``) of ``kind``, in order.
 
@@ -46,7 +47,8 @@ def tensor_values(
     ``copy``: items the caller may keep (a whole chunk's views are cloned; an
     oversize chunk's are copies already). ``gather=False`` (sharded): the whole
     chunk holds only this rank's shard, enough for writes every rank makes
-    alike (see :func:`~infinity.chunks.shards.open_whole`).
+    alike (see :func:`~infinity.chunks.shards.open_whole`). ``keep`` leaves a
+    whole chunk's NVMe staging copy cached.
 
     Wrap the iterator in :func:`contextlib.closing` where the caller may stop
     early or raise: closing it releases the chunk's staging copy at once.
@@ -70,4 +72,4 @@ def tensor_values(
             view = whole[slot.offset : slot.offset + slot.numel]
             yield view.clone() if copy else view
     finally:
-        close_whole(manager, handle, modified=write)
+        close_whole(manager, handle, modified=write, keep=keep)

@@ -223,9 +223,7 @@ def _stream_params(
     engine: OffloadEngine, reader: RangeReader, params: dict[int, TensorRecord]
 ) -> None:
     def writer(index: int, record: TensorRecord) -> Callable[[list[torch.Tensor]], None]:
-        slot = engine.layout.slots[index]
-        start, end = engine.plan.home_window(slot.chunk)
-        if slot.offset >= end or slot.offset + slot.numel <= start:
+        if not engine.chunk_io.in_shard(index):
             return lambda destinations: None  # NOTE: all in other ranks' shards
         return lambda destinations: reader.copy_into(record, destinations)
 

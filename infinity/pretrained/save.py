@@ -130,9 +130,10 @@ def _plan_files(model: nn.Module, engine: OffloadEngine, limit: int) -> _Files:
     chosen = {
         engine.registry.by_id[key].index: name for key, name in saved_names(model, names).items()
     }
+    slot = engine.chunk_io.slot
     entries = sorted(
         (engine.registry.entries[i] for i in chosen),
-        key=lambda e: (engine.layout.slots[e.index].chunk, engine.layout.slots[e.index].offset),
+        key=lambda e: (slot(e.index).chunk, slot(e.index).offset),
     )
     buffers = {
         name: buffer

@@ -49,6 +49,7 @@ from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.stepper import MomentState
 from infinity.runtime.budgets import DTYPE_OF, plan_for
+from infinity.runtime.chunk_io import ChunkIO
 from infinity.runtime.fetcher import ParamFetcher
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.grad_norms import GradientNorms
@@ -125,6 +126,7 @@ class OffloadEngine:
         self.chunks = ModelChunks(
             self.registry, plan, self.manager, self.dtype, self.device, planned
         )
+        self.chunk_io = ChunkIO(self.chunks)  # checkpoints' and pretrained weights' access
         self.trace = TraceRecorder()
         self.queue = UpdateQueue(self.chunks, self.trace)
         self.fetcher = ParamFetcher(self.chunks, self.queue, self.trace, self.policy, config)

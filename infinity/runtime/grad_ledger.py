@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from contextlib import closing
 
 import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
-from infinity.chunks.shards import close_whole, open_whole
-from infinity.chunks.span_access import each_span
-from infinity.chunks.spans import is_split
+from infinity.chunks.pieces import windows
 from infinity.chunks.update_state import UpdateState
 from infinity.runtime.errors import ModelChangedError
 from infinity.runtime.model_chunks import ModelChunks
@@ -96,23 +95,23 @@ class GradientLedger:
         """Zero some tensors' gradients inside a chunk whose other gradients stay."""
         if not self.manager.grads.home_valid(chunk):
             return  # nothing kept to zero (a later read or addition raises)
-        if is_split(self.chunks.plan, chunk):
-            for entry in entries:
-                self._each_span(chunk, entry.index, lambda grads: grads.zero_())
-            return
-        # NOTE: elementwise, so each rank changes its own shard alone (no gather).
-        region, copy = open_whole(self.manager, (Kind.GRAD, chunk), gather=False)
-        for entry in entries:
-            self.chunks.chunk_view(region, entry).zero_()
-        close_whole(self.manager, copy, modified=True)
+        self._change(chunk, {entry.index: torch.Tensor.zero_ for entry in entries})
 
-    def _each_span(self, chunk: int, index: int, change: Callable[[torch.Tensor], object]) -> None:
-        """Apply ``change`` in place to tensor ``index``'s gradient in oversize chunk
-        ``chunk``, span by span (it is never staged whole)."""
-        slot = self.chunks.layout.slots[index]
-        end = slot.offset + slot.numel
-        for _at, parts in each_span(self.manager, Kind.GRAD, chunk, slot.offset, end, modify=True):
-            change(parts[0].view(self.chunks.dtype))
+    def _change(self, chunk: int, changes: dict[int, Callable[[torch.Tensor], object]]) -> None:
+        """Apply ``changes[index]`` in place to tensor ``index``'s gradient in ``chunk``,
+        window by window (an oversize chunk is never staged whole).
+
+        NOTE: element-wise, so each rank changes its own shard alone (no gather)."""
+        layout = self.chunks.layout
+        each = windows(self.manager, Kind.GRAD, chunk, write=True, gather=False)
+        with closing(each):
+            for window in each:
+                grads = typed(window.parts[0], self.chunks.dtype)
+                for index, change in changes.items():
+                    slot = layout.slots[index]
+                    where = window.overlap(slot.offset, slot.numel)
+                    if where is not None:
+                        change(grads[where[1]])
 
     # --- pending factors -------------------------------------------------------------
     def scale(self, index: int, factor: float) -> None:
@@ -153,21 +152,8 @@ class GradientLedger:
         updates = self.manager.updates
         if updates.count(UpdateState.TRAILING) or updates.count(UpdateState.EARLY):
             raise AssertionError("gradient factors applied while updates are queued")
-        layout = self.chunks.layout
-        for chunk, group in layout.group_by_chunk(pending, int).items():
-            if is_split(self.chunks.plan, chunk):
-                for i in group:
-                    factor = pending[i]
-                    self._each_span(chunk, i, lambda grads: grads.mul_(factor))  # noqa: B023
-                continue
-            region, copy = open_whole(self.manager, (Kind.GRAD, chunk), gather=False)
-            try:
-                flat = typed(region, self.chunks.dtype)
-                for i in group:
-                    slot = layout.slots[i]
-                    flat[slot.offset : slot.offset + slot.numel].mul_(pending[i])
-            finally:
-                close_whole(self.manager, copy, modified=True)
+        for chunk, group in self.chunks.layout.group_by_chunk(pending, int).items():
+            self._change(chunk, {i: _times(pending[i]) for i in group})
         self.changed()
 
     def factor_of(self, index: int) -> float:
@@ -187,3 +173,8 @@ class GradientLedger:
         for i in range(len(self.factors)) if indices is None else indices:
             self.factors[i] = 1.0
         self.changed()
+
+
+def _times(factor: float) -> Callable[[torch.Tensor], object]:
+    """Multiply a gradient in place by ``factor``."""
+    return lambda grads: grads.mul_(factor)

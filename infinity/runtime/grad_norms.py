@@ -22,13 +22,12 @@ pending factor applied.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import closing
 
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.shards import close_whole, open_whole
-from infinity.chunks.span_access import read_tensor
-from infinity.chunks.spans import is_split
+from infinity.chunks.tensor_views import tensor_values
 from infinity.optim.loss_scale import LossScaler
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.model_chunks import ModelChunks
@@ -73,18 +72,13 @@ class GradientNorms:
         has_grad = chunks.has_grad
         with_grad = (chunks.registry.entries[i] for i in indices if has_grad[i])
         for chunk, group in chunks.layout.group_by_chunk(with_grad, tensor_index).items():
-            if is_split(chunks.plan, chunk):
-                # NOTE: an oversize chunk is never staged whole: a copy of the tensor.
-                for entry in group:
-                    slot = chunks.layout.slots[entry.index]
-                    yield entry, read_tensor(chunks.manager, Kind.GRAD, slot, chunks.dtype)
-                continue
-            region, copy = open_whole(chunks.manager, (Kind.GRAD, chunk), writable=False)
-            try:
-                for entry in group:
-                    yield entry, chunks.chunk_view(region, entry)
-            finally:
-                close_whole(chunks.manager, copy, modified=False, keep=keep)
+            # NOTE: views of a whole chunk; an oversize chunk is never staged whole: a
+            # copy of each tensor.
+            slots = [chunks.layout.slots[entry.index] for entry in group]
+            values = tensor_values(chunks.manager, Kind.GRAD, chunk, slots, chunks.dtype, keep=keep)
+            with closing(values):
+                for entry, slot, flat in zip(group, slots, values, strict=True):
+                    yield entry, flat.view(slot.shape)
 
     def grad_norm(self, index: int, norm_type: float) -> torch.Tensor:
         """The norm of tensor ``index``'s gradient as torch would see it (fp32, 0-d).

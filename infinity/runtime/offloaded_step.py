@@ -25,7 +25,7 @@ from infinity.chunks.manager import typed
 from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
 from infinity.runtime.oversize_step import step_chunk_in_spans
-from infinity.runtime.step_context import Run, StepContext, step_runs
+from infinity.runtime.step_context import Run, StepContext, step_window
 from infinity.runtime.whole_tensor_step import step_chunk_gathered, step_tensor_in_spans
 
 
@@ -120,25 +120,17 @@ def step_chunk(
     # window of the chunk, like a span's.
     start, end = engine.plan.home_window(chunk)
     has_master = engine.plan.has_master
+    # 16-bit: the parameter chunk is only written (unless some tensors keep old values).
+    unread = has_master and covered
     grad_bytes, grad_copy = manager.open_host((Kind.GRAD, chunk), writable=False)
     optim_bytes, optim_copy = manager.open_host((Kind.OPTIM, chunk))
-    # 16-bit: the parameter chunk is only written (unless some tensors keep old values).
-    param_bytes, param_copy = manager.open_host(
-        (Kind.PARAM, chunk), load=not (has_master and covered)
-    )
+    param_bytes, param_copy = manager.open_host((Kind.PARAM, chunk), load=not unread)
     try:
-        state = typed(optim_bytes, torch.float32)
-        grads = typed(grad_bytes, engine.dtype)
-        params = typed(param_bytes, engine.dtype)
-        optimizer = engine.chunk_optimizer
-        unit = optimizer.unit_views(state, end - start, has_master)
-        master = unit.master if unit.master is not None else params
-        if has_master and covered:
-            # NOTE: the parameter chunk was not read (every tensor is rewritten
-            # from its master): give the tail the zeros it had, not stale bytes.
-            params[max(runs[-1].end - start, 0) :].zero_()
-        out16 = params if has_master else None
-        step_runs(optimizer, unit, master, grads, out16, runs, (start, end), grad_scale, engine)
+        unit = engine.chunk_optimizer.unit_views(
+            typed(optim_bytes, torch.float32), end - start, has_master
+        )
+        grads, params = typed(grad_bytes, engine.dtype), typed(param_bytes, engine.dtype)
+        step_window(engine, runs, (start, end), grads, unit, params, unread, grad_scale)
     finally:
         # NOTE: write-backs finish in the background (keep=True): the slot is
         # reused only once its write has landed, so chunk i-1 is written while

@@ -12,45 +12,51 @@ state dict does. ``infinity.save_checkpoint`` streams instead.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import closing
 
 import torch
 
-from infinity.chunks.cache import Copy
 from infinity.chunks.homes import Kind
-from infinity.chunks.shards import close_whole, open_whole
-from infinity.chunks.span_access import open_span
-from infinity.chunks.spans import is_split, span_ranges
+from infinity.chunks.pieces import Window, windows
 from infinity.optim.chunk_optimizer import UnitViews
 from infinity.optim.offloaded import MomentState
 from infinity.runtime.model_chunks import ModelChunks
-
-
-def _unit(engine: ModelChunks, chunk: int, region: torch.Tensor) -> UnitViews:
-    """A chunk's optimizer unit cut into its parts (state slots in the stored format)."""
-    capacity = engine.layout.chunks[chunk].capacity
-    return engine.chunk_optimizer.unit_views(region, capacity, engine.plan.has_master)
 
 
 def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
     """``(index, (step, {slot: state}))`` copies for tensors stepped at least once
     (the caller has settled queued updates: a stale read raises ``StaleRead``)."""
     stepped = [i for i in indices if engine.tensor_steps[i] > 0]
+    optimizer = engine.chunk_optimizer
     for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
-        if is_split(engine.plan, chunk):
-            yield from _read_split(engine, chunk, group)
-            continue
-        region, copy = open_whole(engine.manager, (Kind.OPTIM, chunk), writable=False)
-        try:
-            unit = _unit(engine, chunk, region)
-            for i in group:
-                slot = engine.layout.slots[i]
-                span = slice(slot.offset, slot.offset + slot.numel)
+        slots = [engine.layout.slots[i] for i in group]
+        states = [
+            {name: torch.empty(slot.numel) for name in optimizer.state_slots} for slot in slots
+        ]
+        for unit, window in _units(engine, chunk, write=False):
+            for slot, values in zip(slots, states, strict=True):
+                where = window.overlap(slot.offset, slot.numel)
+                if where is None:
+                    continue
                 # NOTE: fp32 copies whatever the stored format (int8 decoded), as torch's.
-                values = engine.chunk_optimizer.read_state(unit, span)
-                states = {k: v.view(slot.shape) for k, v in values.items()}
-                yield i, (engine.tensor_steps[i], {**states, **_tensor_copies(engine, i)})
-        finally:
-            close_whole(engine.manager, copy, modified=False)
+                for name, value in optimizer.read_state(unit, where[1]).items():
+                    values[name][where[0]].copy_(value)
+        for i, slot, values in zip(group, slots, states, strict=True):
+            shaped = {k: v.view(slot.shape) for k, v in values.items()}
+            yield i, (engine.tensor_steps[i], {**shaped, **_tensor_copies(engine, i)})
+
+
+def _units(engine: ModelChunks, chunk: int, *, write: bool) -> Iterator[tuple[UnitViews, Window]]:
+    """Each window of ``chunk``'s optimizer unit (whole, or its spans) with its unit views
+    (state slots in the stored format).
+
+    NOTE: writing, every rank writes the same states and keeps its shard: no gather
+    (an int8 block never straddles two shards)."""
+    optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
+    each = windows(engine.manager, Kind.OPTIM, chunk, write=write, gather=not write)
+    with closing(each):
+        for window in each:
+            yield optimizer.piece_views(window.parts, has_master), window
 
 
 def check_moments(engine: ModelChunks, values: dict[int, MomentState | None]) -> None:
@@ -93,88 +99,31 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
     stepped); check with :func:`check_moments` first. The caller has settled."""
     for i, value in values.items():
         _set_tensor_state(engine, i, value[1] if value is not None else {})
+    optimizer = engine.chunk_optimizer
     for chunk, group in engine.layout.group_by_chunk(values, int).items():
-        if is_split(engine.plan, chunk):
-            _write_split(engine, chunk, {i: values[i] for i in group})
-            continue
-        # NOTE: every rank writes the same states and keeps its shard: no gather
-        # (an int8 block never straddles two shards).
-        region, copy = open_whole(engine.manager, (Kind.OPTIM, chunk), gather=False)
-        try:
-            unit = _unit(engine, chunk, region)
-            optimizer = engine.chunk_optimizer
-            for i in group:
-                slot = engine.layout.slots[i]
-                span = slice(slot.offset, slot.offset + slot.numel)
-                value = values[i]
-                if value is None:
-                    zeros = torch.zeros(slot.numel)
-                    optimizer.write_state(unit, span, dict.fromkeys(optimizer.state_slots, zeros))
-                    engine.tensor_steps[i] = 0
-                    continue
-                step, states = value
-                full = _complete(optimizer.state_slots, states, slot.numel)
-                optimizer.write_state(unit, span, full)
-                engine.tensor_steps[i] = step
-        finally:
-            close_whole(engine.manager, copy, modified=True)
+        slots = [engine.layout.slots[i] for i in group]
+        flats = [
+            {
+                name: given.reshape(-1).to(torch.float32)
+                for name, given in _complete(
+                    optimizer.state_slots, _states(values[i]), slot.numel
+                ).items()
+            }
+            for i, slot in zip(group, slots, strict=True)
+        ]
+        for unit, window in _units(engine, chunk, write=True):
+            for slot, flat in zip(slots, flats, strict=True):
+                where = window.overlap(slot.offset, slot.numel)
+                if where is not None:
+                    optimizer.write_state(unit, where[1], {k: v[where[0]] for k, v in flat.items()})
+        for i in group:
+            value = values[i]
+            engine.tensor_steps[i] = value[0] if value is not None else 0
 
 
-def _each_span_unit(
-    engine: ModelChunks, chunk: int, first: int, last: int, *, load: bool = True
-) -> Iterator[tuple[slice, slice, UnitViews, Copy | None]]:
-    """For each span of oversize ``chunk`` overlapping elements ``[first, last)``:
-    (where in the range, where in the span, the span's unit views, its copy to close)."""
-    optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
-    for low, high in span_ranges(engine.plan, chunk):
-        a, b = max(low, first), min(high, last)
-        if a >= b:
-            continue
-        pieces, copy = open_span(engine.manager, Kind.OPTIM, chunk, low, high, load=load)
-        yield (
-            slice(a - first, b - first),
-            slice(a - low, b - low),
-            optimizer.piece_views(pieces, has_master),
-            copy,
-        )
-
-
-def _read_split(
-    engine: ModelChunks, chunk: int, group: list[int]
-) -> Iterator[tuple[int, MomentState]]:
-    """:func:`read_moments` of an oversize chunk, span by span (never staged whole)."""
-    optimizer = engine.chunk_optimizer
-    for i in group:
-        slot = engine.layout.slots[i]
-        states = {name: torch.empty(slot.numel) for name in optimizer.state_slots}
-        spans = _each_span_unit(engine, chunk, slot.offset, slot.offset + slot.numel)
-        for into, span, unit, copy in spans:
-            try:
-                for name, values in optimizer.read_state(unit, span).items():
-                    states[name][into].copy_(values)
-            finally:
-                engine.manager.close_host(copy, modified=False)
-        shaped = {k: v.view(slot.shape) for k, v in states.items()}
-        yield i, (engine.tensor_steps[i], {**shaped, **_tensor_copies(engine, i)})
-
-
-def _write_split(engine: ModelChunks, chunk: int, values: dict[int, MomentState | None]) -> None:
-    """:func:`write_moments` of an oversize chunk, span by span."""
-    optimizer = engine.chunk_optimizer
-    for i, value in values.items():
-        slot = engine.layout.slots[i]
-        step, states = value if value is not None else (0, None)
-        flat = {
-            name: values.reshape(-1).to(torch.float32)
-            for name, values in _complete(optimizer.state_slots, states or {}, slot.numel).items()
-        }
-        spans = _each_span_unit(engine, chunk, slot.offset, slot.offset + slot.numel)
-        for into, span, unit, copy in spans:
-            try:
-                optimizer.write_state(unit, span, {k: v[into] for k, v in flat.items()})
-            finally:
-                engine.manager.close_host(copy, modified=True)
-        engine.tensor_steps[i] = step
+def _states(value: MomentState | None) -> dict[str, torch.Tensor]:
+    """The per-element states of ``value`` (none: zeros, as never stepped)."""
+    return value[1] if value is not None else {}
 
 
 def _complete(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from infinity.chunks.span_access import open_span
 from infinity.chunks.spans import span_key, span_ranges
 from infinity.core.names import Kind
-from infinity.runtime.step_context import Run, StepContext, step_runs
+from infinity.runtime.step_context import Run, StepContext, step_window
 
 
 def step_chunk_in_spans(
@@ -29,7 +29,6 @@ def step_chunk_in_spans(
     load_params = not (has_master and covered)
     kinds = [Kind.GRAD, Kind.OPTIM] + ([Kind.PARAM] if load_params else [])
     ranges = span_ranges(engine.plan, chunk)
-    last_end = runs[-1].end
     for position, (start, end) in enumerate(ranges):
         if position + 1 < len(ranges):
             # NOTE: the next span travels while the kernel runs on this one; the
@@ -46,12 +45,9 @@ def step_chunk_in_spans(
             grads = grad_parts[0].view(engine.dtype)
             params = param_parts[0].view(engine.dtype)
             unit = optimizer.piece_views(optim_parts, has_master)
-            master = unit.master if unit.master is not None else params
-            if not load_params and last_end < end:
-                # NOTE: not read: give the chunk's tail its zeros, not stale bytes.
-                params[max(0, last_end - start) :].zero_()
-            out16 = params if has_master else None
-            step_runs(optimizer, unit, master, grads, out16, runs, (start, end), grad_scale, engine)
+            step_window(
+                engine, runs, (start, end), grads, unit, params, not load_params, grad_scale
+            )
         finally:
             # NOTE: write-backs land in the background (keep=True), as for a whole chunk.
             manager.close_host(grad_copy, modified=False, keep=True)

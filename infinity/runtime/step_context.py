@@ -100,3 +100,29 @@ def step_runs(
             tensor_state,
         )
         optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
+
+
+def step_window(
+    engine: StepContext,
+    runs: list[Run],
+    window: tuple[int, int],
+    grads: torch.Tensor,
+    unit: UnitViews,
+    params: torch.Tensor,
+    params_unread: bool,
+    grad_scale: float,
+) -> None:
+    """The update of elements ``window`` of a chunk in host memory (the whole home, or
+    one span of an oversize chunk): its gradients and parameters (compute dtype) and
+    its optimizer unit's views, all starting at ``window[0]``.
+
+    ``params_unread``: the parameters were not read (every tensor is rewritten
+    from its master), so the window's tail after the last run gets the zeros it
+    had, not a staging slot's stale bytes.
+    """
+    start = window[0]
+    if params_unread:
+        params[max(runs[-1].end - start, 0) :].zero_()
+    master = unit.master if unit.master is not None else params
+    out16 = params if engine.plan.has_master else None
+    step_runs(engine.chunk_optimizer, unit, master, grads, out16, runs, window, grad_scale, engine)

@@ -31,7 +31,7 @@ from infinity.chunks.span_access import open_span
 from infinity.chunks.spans import span_key, span_ranges
 from infinity.core.names import Kind
 from infinity.optim.chunk_optimizer import StepViews
-from infinity.runtime.step_context import Run, StepContext, step_runs
+from infinity.runtime.step_context import Run, StepContext, step_window
 
 
 def step_tensor_in_spans(
@@ -118,18 +118,12 @@ def step_chunk_gathered(
     grad_bytes, grad_handle = open_whole(manager, (Kind.GRAD, chunk), writable=False)
     optim_bytes, optim_handle = open_whole(manager, (Kind.OPTIM, chunk))
     # 16-bit: the parameters are only written (unless some tensors keep old values).
-    param_bytes, param_handle = open_whole(
-        manager, (Kind.PARAM, chunk), load=not (has_master and covered)
-    )
+    unread = has_master and covered
+    param_bytes, param_handle = open_whole(manager, (Kind.PARAM, chunk), load=not unread)
     try:
-        params = typed(param_bytes, engine.dtype)
         unit = optimizer.unit_views(typed(optim_bytes, torch.float32), capacity, has_master)
-        master = unit.master if unit.master is not None else params
-        if has_master and covered:
-            params[runs[-1].end :].zero_()  # not read: the tail keeps its zeros
-        out16 = params if has_master else None
-        grads = typed(grad_bytes, engine.dtype)
-        step_runs(optimizer, unit, master, grads, out16, runs, (0, capacity), grad_scale, engine)
+        grads, params = typed(grad_bytes, engine.dtype), typed(param_bytes, engine.dtype)
+        step_window(engine, runs, (0, capacity), grads, unit, params, unread, grad_scale)
     finally:
         close_whole(manager, grad_handle, modified=False, keep=True)
         close_whole(manager, optim_handle, modified=True, keep=True)

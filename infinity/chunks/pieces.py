@@ -1,0 +1,126 @@
+"""A chunk's pieces in host memory, whatever shape the chunk takes: one way to walk them.
+
+The home of a ``(kind, chunk)`` holds one or more *pieces*: a parameter or
+gradient chunk one, an optimizer unit its fp32 master (if any), then each state
+slot's values and, for int8, its block scales. The host reaches them in
+*windows* of elements, each with every piece's bytes over the same elements:
+
+- a whole chunk is one window, opened whole (gathered from every rank's shard
+  when sharded: :func:`~infinity.chunks.shards.open_whole`);
+- an oversize chunk moved in spans (``chunks/spans.py``) is one window per
+  span, never staged whole.
+
+Callers (the step's readers, state access, checkpoints) walk
+:func:`windows` and never ask which shape a chunk has; a checkpoint writes
+:func:`home_bytes`, the home's bytes in order.
+
+NOTE: a whole chunk's home aligns each piece (4 KiB), so a piece may be
+followed by padding; here the padding belongs to the piece before it (its
+part runs up to the next piece, the last one to the home's end). The parts of
+every window, piece after piece, are then exactly the home's bytes, and a
+window written whole (its parts zeroed first) leaves no byte to chance.
+Callers index parts from their start and never rely on their length.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Generator
+from contextlib import closing
+from typing import NamedTuple
+
+import torch
+
+from infinity.chunks.shards import HostAccess, close_whole, open_whole
+from infinity.chunks.span_access import ChunkManager, open_span
+from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_ranges
+from infinity.core.names import Kind
+
+
+class Window(NamedTuple):
+    """Elements ``[start, end)`` of a chunk in host memory, as each piece's bytes."""
+
+    start: int
+    end: int
+    parts: list[torch.Tensor]  # uint8: one per piece, in home order
+
+    def overlap(self, offset: int, numel: int) -> tuple[slice, slice] | None:
+        """Where elements ``[offset, offset + numel)`` of the chunk (a tensor) meet this
+        window: ``(elements of the tensor, elements of the window)``, or ``None``."""
+        first, last = max(self.start, offset), min(self.end, offset + numel)
+        if first >= last:
+            return None
+        return slice(first - offset, last - offset), slice(first - self.start, last - self.start)
+
+
+def windows(
+    manager: ChunkManager,
+    kind: Kind,
+    chunk: int,
+    *,
+    load: bool = True,
+    write: bool = False,
+    gather: bool = True,
+    keep: bool = False,
+) -> Generator[Window, None, None]:
+    """Every window of ``(kind, chunk)`` in order (see the module docstring).
+
+    ``load=False`` leaves a window's bytes unread (the caller writes all of
+    them); ``write``: what the caller leaves in a window is stored when the
+    next one is drawn. ``gather=False`` (sharded): a whole chunk holds only this
+    rank's shard, the rest zeros, enough for element-wise changes and for
+    writes every rank makes alike (:func:`~infinity.chunks.shards.open_whole`).
+    ``keep`` leaves NVMe staging copies cached. Wrap the iterator in
+    :func:`contextlib.closing` where the caller may stop early or raise.
+    """
+    if not is_split(manager.plan, chunk):
+        yield from _whole(manager, kind, chunk, load, write, gather, keep)
+        return
+    for start, end in span_ranges(manager.plan, chunk):
+        parts, copy = open_span(manager, kind, chunk, start, end, load=load, writable=write)
+        try:
+            yield Window(start, end, parts)
+        finally:
+            manager.close_host(copy, modified=write, keep=keep)
+
+
+def _whole(
+    manager: HostAccess, kind: Kind, chunk: int, load: bool, write: bool, gather: bool, keep: bool
+) -> Generator[Window, None, None]:
+    """The one window of a chunk that is not moved in spans."""
+    capacity = manager.plan.layout.chunks[chunk].capacity
+    region, handle = open_whole(manager, (kind, chunk), load=load, writable=write, gather=gather)
+    try:
+        starts = [
+            offset for offset, _n in part_ranges(manager.plan, SpanKey(kind, chunk, 0, capacity))
+        ]
+        bounds = [*starts, region.numel()]
+        yield Window(0, capacity, [region[a:b] for a, b in itertools.pairwise(bounds)])
+    finally:
+        close_whole(manager, handle, modified=write, keep=keep)
+
+
+def home_bytes(
+    manager: ChunkManager, kind: Kind, chunk: int
+) -> Generator[torch.Tensor, None, None]:
+    """The bytes of ``(kind, chunk)``'s home in order (every rank's shard when sharded):
+    piece after piece, each window after window.
+
+    A window is opened once per piece, so at most one span is staged at a time;
+    a window that covers the whole chunk gives every piece from one opening. A
+    unit without pieces (no master and no state slot: CPUAdafactor in fp32) has
+    no bytes wherever it is homed (an NVMe staging slot, sized for Adam's unit,
+    is not its bytes).
+    """
+    piece, count = 0, 1
+    while piece < count:
+        with closing(windows(manager, kind, chunk)) as each:
+            for window in each:
+                count = len(window.parts)
+                if piece >= count:
+                    return  # a unit without pieces (no master, no state slot)
+                if window.end - window.start == manager.plan.layout.chunks[chunk].capacity:
+                    yield from window.parts
+                    return
+                yield window.parts[piece]
+        piece += 1
