@@ -69,8 +69,8 @@ def _budgets(model: torch.nn.Module, placement: str, tmp_path) -> dict:
     pbytes = param_bytes(model, 4)
     cfg = {"device_memory": pbytes * 6 // 10, "chunk_size": "24KiB"}
     if placement == "nvme":
-        # NOTE: units are planned at offload for Adam's two slots: 2x the parameters
-        # of host memory holds parameters and gradients, the units go to NVMe.
+        # NOTE: 2x the parameters of host memory holds parameters and gradients,
+        # the units (one slot) go to NVMe.
         cfg.update(host_memory=pbytes * 2, nvme_path=str(tmp_path))
     return cfg
 
@@ -86,7 +86,9 @@ def _run(name: str, placement: str, tmp_path, *, accum=1, clip=0.0, overlap=Fals
     opt = make(model.parameters())
     engine = engine_of(model)
     assert engine.plan.state_slots == SLOTS[name.split("-")[0]]
-    if placement == "nvme":
+    if placement == "nvme" and SLOTS[name.split("-")[0]]:
+        # NOTE: fp32 Adafactor's units are empty (its factors are per tensor): the
+        # homes planned again for it keep nothing on NVMe.
         assert NVME in set(engine.plan.optim_home)
     data = batches(STEPS * accum)
 
