@@ -1,7 +1,7 @@
 """Homes planned again for the optimizer constructed over an offloaded model.
 
-``offload()`` plans and allocates every home for Adam's units (NOTE [homes
-planned for the optimizer]). When the optimizer constructed over the model
+``offload()`` plans and allocates every home for Adam's units
+(NOTE [homes planned for the optimizer]). When the optimizer constructed over the model
 keeps less state per parameter (Lion, SGD, Adafactor) and nothing holds
 optimizer state yet, :func:`bind_optimizer` plans the homes again for it,
 with the budgets the first plan resolved. Where the new plan keeps every home
