@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from contextlib import closing
 from typing import Any, Protocol
 
@@ -70,6 +71,7 @@ def build_manager(
     backend: DeviceBackend,
     swap: SwapFile | None,
     collectives: Collectives,
+    alloc_device: Callable[[int], torch.Tensor] | None = None,
 ) -> ChunkManager:
     """A chunk manager allocating ``plan``'s homes and slots (the engine's policies)."""
     return ChunkManager(
@@ -80,7 +82,36 @@ def build_manager(
         device_policy=TraceDrivenPolicy(),
         host_policy=LRUPolicy,
         collectives=collectives,
+        alloc_device=alloc_device,
     )
+
+
+def _device_slabs(old: ChunkManager) -> Callable[[int], torch.Tensor] | None:
+    """An allocator of device slabs that hands out ``old``'s slabs of the asked size
+    first; ``None`` (allocate anew) if one of its slots still holds a copy.
+
+    NOTE: device slots hold copies only (at rest no gradient is there), and
+    neither manager touches the device while the values move (host homes and
+    staging only), so the new manager may take the old one's slabs: a device
+    budget near the GPU's memory (``"auto"``: 80% of it free) could not hold
+    two sets. The old manager keeps them, unused, until it is dropped.
+    """
+    old.synchronize()  # no transfer still reads or fills a slot
+    for key in old.device.keys():
+        if isinstance(key, tuple) and key[0] is Kind.PARAM:
+            old.device.discard(key)  # a clean copy: its home holds the values
+    if list(old.device.keys()):
+        return None  # a copy still in use (a live view, a transfer): not reusable
+    spare: dict[int, list[torch.Tensor]] = {}
+    for pool in old.device.pools.values():
+        if pool.slab.numel():
+            spare.setdefault(pool.slab.numel(), []).append(pool.slab)
+
+    def alloc(nbytes: int) -> torch.Tensor:
+        slabs = spare.get(nbytes)
+        return slabs.pop() if slabs else old.backend.alloc_device(nbytes)
+
+    return alloc
 
 
 class Rehomable(Protocol):
@@ -247,7 +278,9 @@ def _build(engine: Rehomable, plan: Plan) -> tuple[ChunkManager, SwapFile | None
     if swap is not None:
         engine.swaps.append(swap)  # NOTE: the finalizer removes it if the process ends now
     try:
-        return build_manager(plan, engine.dtype, engine.backend, swap, engine.collectives), swap
+        slabs = _device_slabs(engine.chunks.manager)
+        manager = build_manager(plan, engine.dtype, engine.backend, swap, engine.collectives, slabs)
+        return manager, swap
     except BaseException:
         _discard(engine, swap)
         raise

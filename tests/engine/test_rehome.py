@@ -277,3 +277,19 @@ def test_a_checkpoint_after_a_rehome_resumes_exactly(tmp_path):
     second = train(model, opt, data[2:])
     assert first + second == straight
     engine_of(model).close()
+
+
+def test_the_new_homes_take_the_old_device_slabs(tmp_path):
+    """A device budget near the GPU's memory cannot hold two sets of slots: the new
+    manager takes the old one's slabs (copies only; neither uses them during the move)."""
+    model, ref = _offload(tmp_path)
+    engine = engine_of(model)
+    old_slots = engine.home_plan.device_slots
+    slabs = {pool.slab.data_ptr() for pool in engine.manager.device.pools.values()}
+    opt = CPULion(model.parameters(), lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    assert engine.home_plan.device_slots == old_slots
+    assert {pool.slab.data_ptr() for pool in engine.manager.device.pools.values()} == slabs
+    ref_opt = ReferenceLion(ref.parameters(), lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    data = batches(2)
+    assert train(model, opt, data) == pytest.approx(train(ref, ref_opt, data), rel=1e-5)
+    engine.close()
