@@ -1,4 +1,4 @@
-"""Homes planned again for the optimizer constructed over an offloaded model (``runtime/rehome.py``).
+"""Homes planned again for the optimizer constructed over an offloaded model (rehome.py).
 
 ``offload()`` plans every home for Adam's units; an optimizer with less state
 (Lion, SGD, Adafactor) constructed before any step plans them again, and the
