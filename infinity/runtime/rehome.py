@@ -186,6 +186,8 @@ def _rehome(engine: Rehomable, wanted: ChunkOptimizer[Any]) -> bool:
         return False
     assert plan is not None
     manager, swap = built
+    # NOTE: sharded, the copy gathers and broadcasts: a rank failing in it leaves the
+    # others to fail in their next collective (DistributedError); each keeps its old homes.
     try:
         _copy_values(engine.chunks, manager)
     except BaseException:
