@@ -66,6 +66,16 @@ class Traffic:
             out[f"wait_{tier}_seconds"] = seconds
         return out
 
+    def add(self, other: Traffic) -> None:
+        """Count ``other``'s bytes and waits here too (a manager replacing another's:
+        totals stay totals since ``offload``)."""
+        self.h2d_bytes += other.h2d_bytes
+        self.d2h_bytes += other.d2h_bytes
+        self.nvme_read_bytes += other.nvme_read_bytes
+        self.nvme_write_bytes += other.nvme_write_bytes
+        for tier, seconds in other.wait_seconds.items():
+            self.wait_seconds[tier] = self.wait_seconds.get(tier, 0.0) + seconds
+
     @contextmanager
     def waiting(self, tier: str) -> Iterator[None]:
         """Time a blocking wait on ``tier``."""

@@ -59,10 +59,12 @@ class ChunkManager:
         device_policy: EvictionPolicy,
         host_policy: Callable[[], EvictionPolicy],
         collectives: Collectives | None = None,
+        alloc_device: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         """``device_policy`` ranks device copies; ``host_policy`` makes the policy of
         each kind's host staging cache (the strategies are the schedule's).
-        ``collectives`` joins the ranks of a sharded plan (``chunks/shards.py``)."""
+        ``collectives`` joins the ranks of a sharded plan (``chunks/shards.py``).
+        ``alloc_device`` allocates the device slabs (default: the backend's)."""
         if plan.sharded and collectives is None:
             raise AssertionError("a sharded plan needs the collectives of its ranks")
         self.plan = plan
@@ -79,7 +81,7 @@ class ChunkManager:
         self.nvme_account.add(plan.nvme_bytes)
         self.clock = Clock()
         device_pools = {
-            size: SlabPool("device", size, count, backend.alloc_device)
+            size: SlabPool("device", size, count, alloc_device or backend.alloc_device)
             for size, count in plan.device_slots.items()
         }
         self.device_account.reserved = sum(p.reserved_bytes for p in device_pools.values())

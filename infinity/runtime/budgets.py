@@ -188,15 +188,18 @@ def plan_for(
     device: torch.device,
     optimizer: ChunkOptimizer = ADAM,
     world: World = SINGLE,
+    budgets: Budgets | None = None,
 ) -> Plan:
     """The plan for a model's parameter registry under ``config`` (nothing is allocated);
     the optimizer's state slots are stored as ``config.optimizer_state_dtype``; homes
-    hold ``world.rank``'s shard of every chunk."""
+    hold ``world.rank``'s shard of every chunk. ``budgets``: resolved already (a plan
+    made again for the same model keeps the ones its first plan resolved: free
+    memory and disk have changed since, not the model's budgets)."""
     return choose_plan(
         registry.tensor_infos(),
         registry.working_sets,
         config=config,
-        budgets=resolve_budgets(config, device, local_ranks(world)),
+        budgets=budgets or resolve_budgets(config, device, local_ranks(world)),
         optimizer=optimizer.with_state_dtype(config.optimizer_state_dtype),
         shard_count=world.size,
         shard_rank=world.rank,

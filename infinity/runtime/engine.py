@@ -45,6 +45,7 @@ from infinity.core.names import Phase
 from infinity.core.plan import Plan
 from infinity.devices.factory import make_backend
 from infinity.distributed import Collectives, resolve_world
+from infinity.io import SwapFile
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.stepper import MomentState
@@ -56,8 +57,8 @@ from infinity.runtime.grad_norms import GradientNorms
 from infinity.runtime.gradients import GradientSink
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.offloaded_step import ChunkWork
-from infinity.runtime.optimizer_binding import lay_out_units
 from infinity.runtime.params import ParamEntry, ParamRegistry, check_model, tensor_index
+from infinity.runtime.rehome import bind_optimizer, build_manager
 from infinity.runtime.stepping import UpdatePipeline
 from infinity.runtime.swap import (
     close_activation_store,
@@ -67,7 +68,7 @@ from infinity.runtime.swap import (
     release,
 )
 from infinity.runtime.update_queue import UpdateQueue
-from infinity.schedule.eviction import LRUPolicy, TraceDrivenPolicy
+from infinity.schedule.eviction import TraceDrivenPolicy
 from infinity.schedule.trace import TraceRecorder
 
 log = logging.getLogger("infinity")
@@ -86,64 +87,30 @@ class OffloadEngine:
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
         prepare_nvme(config)
-        # See NOTE [units planned for Adam]: the homes of the optimizer units are planned
-        # at offload, before the user constructs an optimizer, for Adam's (the
-        # largest of infinity.optim's); the optimizer constructed over the model
-        # re-cuts them for its own state (use_optimizer).
+        # See NOTE [homes planned for the optimizer]: planned here for Adam's units (the
+        # largest of infinity.optim's), again for the optimizer constructed (use_optimizer).
         planned: ChunkOptimizer[Any] = ADAM.with_state_dtype(config.optimizer_state_dtype)
         # Data parallel: the processes every chunk is sharded over (one: unsharded).
         self.world = resolve_world(config.process_group)
         self.collectives = Collectives(self.world)
         plan = plan_for(self.registry, config, self.device, planned, world=self.world)
-        self.home_plan = plan  # the homes as allocated (units sized for `planned`)
-        self.layout = plan.layout
-        self.swap = open_swap(config, plan.nvme_bytes)
-        # Frees the threads and the swap file when the model is collected (or at
-        # exit) if close() was not called; it holds no reference to the model.
-        self._release = weakref.finalize(model, release, self.backend, self.swap)
-        self.policy = TraceDrivenPolicy()
-        try:
-            self.manager = ChunkManager(
-                plan,
-                self.dtype,
-                self.backend,
-                self.swap,
-                device_policy=self.policy,
-                host_policy=LRUPolicy,
-                collectives=self.collectives,
-            )
-        except BaseException:
-            self._release()  # the model lives on: its finalizer would not run soon
-            raise
         self.scaler = (
             LossScaler(config.initial_loss_scale, config.loss_scale_window, config.min_loss_scale)
             if config.dtype == "fp16"
             else None
         )
         self.overlap = config.overlap_optimizer is True
-        self.manager.grad_flow.check_overflow = self.scaler is not None
-        self.manager.grad_flow.consume_grads = self.overlap
-        self.chunks = ModelChunks(
-            self.registry, plan, self.manager, self.dtype, self.device, planned
-        )
-        self.chunk_io = ChunkIO(self.chunks)  # checkpoints' and pretrained weights' access
-        self.trace = TraceRecorder()
-        self.queue = UpdateQueue(self.chunks, self.trace)
-        self.fetcher = ParamFetcher(self.chunks, self.queue, self.trace, self.policy, config)
-        self.ledger = GradientLedger(self.chunks)
-        self.norms = GradientNorms(self.chunks, self.ledger, self.queue, self.scaler)
-        self.pipeline = UpdatePipeline(
-            self.chunks, self.queue, self.ledger, self.scaler, self.fetcher.prefetch
-        )
-        self.sink = GradientSink(
-            self.chunks,
-            self.fetcher,
-            self.queue,
-            self.ledger,
-            self.norms,
-            self.pipeline,
-            overlap=self.overlap,
-        )
+        swap = open_swap(config, plan.nvme_bytes)
+        self.swaps: list[SwapFile] = [swap] if swap is not None else []  # a re-home swaps it
+        # Frees the threads and the swap files when the model is collected (or at
+        # exit) if close() was not called; it holds no reference to the model.
+        self._release = weakref.finalize(model, release, self.backend, self.swaps)
+        try:
+            manager = build_manager(plan, self.dtype, self.backend, swap, self.collectives)
+        except BaseException:
+            self._release()  # the model lives on: its finalizer would not run soon
+            raise
+        self.assemble(plan, manager, swap, planned)
         # activations="offload": where saved tensors go (pack/unpack below).
         self.activations = open_activation_store(
             config, plan, self.backend, self.manager.host_account.reserved
@@ -159,18 +126,51 @@ class OffloadEngine:
             device_free=self.backend.free_memory,
             estimate=first_forward_estimate(model, self.dtype, self.device, config),
         )
-        self.chunk_members = self.chunks.chunk_members
-        self.states = self.chunks.states
-        self.tensor_steps = self.chunks.tensor_steps
-        self.has_grad = self.chunks.has_grad
-        self.timeline = self.chunks.timeline
-        self.step_timer = self.pipeline.step_timer
         self._param_count = len(self.registry.entries)
         self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
         # Parameters a recomputation in backward sees through a view (_stand_in), by
         # module: (attribute, the Parameter to put back at the module's end_module).
         self._stand_ins: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
         self._closed = False
+
+    def assemble(
+        self, plan: Plan, manager: ChunkManager, swap: SwapFile | None, units: ChunkOptimizer[Any]
+    ) -> None:
+        """Build the components on ``manager`` (homes allocated for ``plan``, its units
+        sized for ``units``): at offload, and again after a re-home
+        (``runtime/rehome.py``): the model's hooks hold this object, not them."""
+        self.home_plan = plan  # the homes as allocated (units sized for `units`)
+        self.layout = plan.layout
+        self.swap = swap
+        self.manager = manager
+        self.policy = cast(TraceDrivenPolicy, manager.device.policy)
+        manager.grad_flow.check_overflow = self.scaler is not None
+        manager.grad_flow.consume_grads = self.overlap
+        self.chunks = ModelChunks(self.registry, plan, manager, self.dtype, self.device, units)
+        self.chunk_io = ChunkIO(self.chunks)  # checkpoints' and pretrained weights' access
+        self.trace = TraceRecorder()
+        self.queue = UpdateQueue(self.chunks, self.trace)
+        self.fetcher = ParamFetcher(self.chunks, self.queue, self.trace, self.policy, self.config)
+        self.ledger = GradientLedger(self.chunks)
+        self.norms = GradientNorms(self.chunks, self.ledger, self.queue, self.scaler)
+        self.pipeline = UpdatePipeline(
+            self.chunks, self.queue, self.ledger, self.scaler, self.fetcher.prefetch
+        )
+        self.sink = GradientSink(
+            self.chunks,
+            self.fetcher,
+            self.queue,
+            self.ledger,
+            self.norms,
+            self.pipeline,
+            overlap=self.overlap,
+        )
+        self.chunk_members = self.chunks.chunk_members
+        self.states = self.chunks.states
+        self.tensor_steps = self.chunks.tensor_steps
+        self.has_grad = self.chunks.has_grad
+        self.timeline = self.chunks.timeline
+        self.step_timer = self.pipeline.step_timer
 
     # --- what other layers read or set ---------------------------------------------------
     @property
@@ -193,9 +193,9 @@ class OffloadEngine:
         self, chunk_optimizer: ChunkOptimizer[Any], owner: str, ref: Callable[[], Any]
     ) -> None:
         """An optimizer ``owner`` (held weakly by ``ref``) was constructed over this
-        model: lay the units out for its ``chunk_optimizer`` (see
-        :func:`~infinity.runtime.optimizer_binding.lay_out_units`)."""
-        lay_out_units(self.chunks, self.home_plan, self.queue, chunk_optimizer, owner, self.config)
+        model: plan the homes again for its ``chunk_optimizer``, or cut the units
+        for it inside them (see :func:`~infinity.runtime.rehome.bind_optimizer`)."""
+        bind_optimizer(self, chunk_optimizer, owner)
         self.pipeline.optimizer = ref
 
     @property

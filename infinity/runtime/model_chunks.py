@@ -51,8 +51,10 @@ class ModelChunks:
         self.manager = manager
         self.dtype = dtype
         self.device = device
-        # The per-element optimizer the chunks are laid out for (CPUAdam's Adam).
+        # The per-element optimizer the chunks are laid out for (CPUAdam's Adam), and
+        # the one their homes were sized for (a re-cut changes only the first).
         self.chunk_optimizer = chunk_optimizer
+        self.home_optimizer = chunk_optimizer
         self.chunk_members: list[list[ParamEntry]] = [[] for _ in range(self.layout.num_chunks)]
         for entry in registry.entries:
             self.chunk_members[self.layout.slots[entry.index].chunk].append(entry)

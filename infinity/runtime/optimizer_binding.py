@@ -1,15 +1,15 @@
 """Which optimizer a model's optimizer units are laid out for: the one constructed over it.
 
-``offload()`` runs before the user constructs an optimizer, so the homes of the
-optimizer units are planned for Adam's (NOTE [units planned for Adam] in
-``runtime/engine.py``). The optimizer front-end constructed over the model
-(:mod:`infinity.optim.front_end`) names its chunk optimizer; each unit is then
-re-cut inside its home for that optimizer's state slots (the fp32 master
-first, as in every layout, so masters written at offload stay valid): what
-crosses the disk each step is this optimizer's units, while the reserved host
-and NVMe bytes stay the planned ones. Once any tensor holds optimizer state
-(a step, a loaded checkpoint or state dict), the layout is fixed: another
-optimizer is refused, naming both.
+``offload()`` runs before the user constructs an optimizer, so the homes are
+planned for Adam's (NOTE [homes planned for the optimizer]). The optimizer
+front-end constructed over the model (:mod:`infinity.optim.front_end`) names
+its chunk optimizer; :func:`wanted_layout` checks it may take the units over,
+then the homes are planned again for it (``runtime/rehome.py``) or, where the
+new plan keeps the same homes (or cannot be moved to), :func:`recut` cuts
+each unit inside its home for that optimizer's state slots (the fp32 master
+first, as in every layout, so masters written at offload stay valid). Once
+any tensor holds optimizer state (a step, a loaded checkpoint or state dict),
+the layout is fixed: another optimizer is refused, naming both.
 """
 
 from __future__ import annotations
@@ -32,20 +32,16 @@ def same_layout(a: ChunkOptimizer[Any], b: ChunkOptimizer[Any]) -> bool:
     return a.name == b.name and a.state_format == b.state_format
 
 
-def lay_out_units(
-    chunks: ModelChunks,
-    home_plan: Plan,
-    queue: UpdateQueue,
-    chunk_optimizer: ChunkOptimizer[Any],
-    owner: str,
-    config: Config,
-) -> None:
-    """Cut ``chunks``' optimizer units for ``chunk_optimizer`` (of the optimizer class
-    ``owner``), stored as ``config.optimizer_state_dtype``.
+def wanted_layout(
+    chunks: ModelChunks, chunk_optimizer: ChunkOptimizer[Any], owner: str, config: Config
+) -> ChunkOptimizer[Any] | None:
+    """``chunk_optimizer`` (of the optimizer class ``owner``) stored as
+    ``config.optimizer_state_dtype``, if ``chunks``' units must change for it;
+    ``None`` if they are laid out for it already.
 
     Raises :class:`~infinity.config.ConfigError` if the optimizer cannot store
     its state so, and ``ValueError`` naming both optimizers if the units already
-    hold another optimizer's state. Nothing changes when it raises.
+    hold another optimizer's state. Nothing changes here.
     """
     try:
         wanted = chunk_optimizer.with_state_dtype(config.optimizer_state_dtype)
@@ -53,7 +49,7 @@ def lay_out_units(
         raise ConfigError(str(exc)) from None
     current = chunks.chunk_optimizer
     if same_layout(wanted, current):
-        return
+        return None
     stepped = sum(1 for steps in chunks.tensor_steps if steps)
     if stepped:
         raise ValueError(
@@ -67,7 +63,28 @@ def lay_out_units(
         )
     if wanted.whole_tensors:
         _check_whole_tensors(chunks, owner, overlap=config.overlap_optimizer is True)
-    plan = units_for(home_plan, wanted, consume_grads=config.overlap_optimizer is True)
+    return wanted
+
+
+def recut(
+    chunks: ModelChunks,
+    home_plan: Plan,
+    queue: UpdateQueue,
+    wanted: ChunkOptimizer[Any],
+    config: Config,
+) -> None:
+    """Cut ``chunks``' optimizer units for ``wanted`` (from :func:`wanted_layout`) inside
+    the homes of ``home_plan``.
+
+    Raises ``ValueError`` naming the chunk if a unit does not fit its home;
+    nothing changes then.
+    """
+    plan = units_for(
+        home_plan,
+        wanted,
+        consume_grads=config.overlap_optimizer is True,
+        planned_for=chunks.home_optimizer,
+    )
     # NOTE: writes of the initial values (offload) may still be landing, and
     # staged copies of units are cut the old way: both are settled first.
     queue.settle()

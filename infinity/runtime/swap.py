@@ -115,20 +115,36 @@ def close_activation_store(store: ActivationStore | None) -> None:
             signals.unguard(path)
 
 
-def release(backend: DeviceBackend, swap: SwapFile | None) -> None:
-    """Stop the copy thread, remove the swap file and stop its I/O workers.
+def release(backend: DeviceBackend, swaps: list[SwapFile]) -> None:
+    """Stop the copy thread, remove the swap files and stop their I/O workers.
 
-    Each step waits for the transfers it owns and runs even if the one before
-    raised. NOTE: this is the model's finalizer, so it takes only the resources:
-    a finalizer that reached the engine would reach the model (the engine's
-    registry holds its parameters) and keep both alive until exit.
+    ``swaps`` is the engine's own list: a re-home (``runtime/rehome.py``) adds
+    the new file and takes out the old one. Each step waits for the transfers
+    it owns and runs even if the one before raised. NOTE: this is the model's
+    finalizer, so it takes only the resources: a finalizer that reached the
+    engine would reach the model (the engine's registry holds its parameters)
+    and keep both alive until exit.
     """
     try:
         backend.close()
     finally:
-        if swap is not None:
-            try:
-                swap.close()
-            finally:
-                signals.unguard(swap.path)
-                swap.engine.close()
+        _release_all(swaps)
+
+
+def _release_all(swaps: list[SwapFile]) -> None:
+    """Release every swap file of ``swaps`` (emptying it), even if one raises."""
+    if not swaps:
+        return
+    try:
+        release_swap(swaps.pop())
+    finally:
+        _release_all(swaps)
+
+
+def release_swap(swap: SwapFile) -> None:
+    """Remove one swap file (with its signal guard) and stop its I/O workers."""
+    try:
+        swap.close()
+    finally:
+        signals.unguard(swap.path)
+        swap.engine.close()

@@ -285,7 +285,9 @@ def _place(
         if trainable[i]:
             consumed = consume_grads and pbytes[i] <= normal["grad"]
             (free if consumed else paid).append(("grad", i))
-    moves = free + [("optim", i) for i in reversed(range(n)) if trainable[i]] + paid
+    # NOTE: an empty unit (fp32 Adafactor: its factors are per tensor) frees nothing.
+    units = [("optim", i) for i in reversed(range(n)) if trainable[i] and obytes[i]]
+    moves = free + units + paid
     moves += [("param", i) for i in reversed(range(n))]
     param_slots = max(prefetch_depth + 2, OPTIM_PIPELINE_SLOTS)
     for kind, i in moves:

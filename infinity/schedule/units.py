@@ -1,10 +1,11 @@
 """A plan's optimizer units re-cut for another optimizer, inside the same homes.
 
-Pure: the plan of an offloaded model, made before its optimizer was known
-(NOTE [units planned for Adam], ``runtime/engine.py``), with every unit sized
-for another :class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`. Homes,
+Pure: the plan of an offloaded model, made for one optimizer (Adam's at
+offload, NOTE [homes planned for the optimizer]), with every unit sized for
+another :class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`. Homes,
 staging slots and the layout stay; only what a unit holds (and so what each
-step moves) changes. Used by ``runtime/optimizer_binding.py``.
+step moves) changes. Used by ``runtime/optimizer_binding.py`` where planning
+the homes again would keep them, or they cannot move.
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from infinity.schedule.traffic import estimate_traffic
 from infinity.utils.sizes import format_size
 
 
-def units_for(home_plan: Plan, optimizer: ChunkOptimizer[Any], *, consume_grads: bool) -> Plan:
+def units_for(
+    home_plan: Plan,
+    optimizer: ChunkOptimizer[Any],
+    *,
+    consume_grads: bool,
+    planned_for: ChunkOptimizer[Any] | None = None,
+) -> Plan:
     """``home_plan`` with each chunk's optimizer unit cut for ``optimizer`` (its state
     slots in the plan's state format) and the traffic estimated again.
 
     Raises ``ValueError`` naming the chunk if a unit would not fit the home the
-    plan gave it (an optimizer with more state than the one planned for).
+    plan gave it (an optimizer with more state than ``planned_for``, the one the
+    homes were planned for: Adam's when not given).
     """
     if optimizer.state_format.name != home_plan.state_dtype:
         raise AssertionError(
@@ -34,16 +42,36 @@ def units_for(home_plan: Plan, optimizer: ChunkOptimizer[Any], *, consume_grads:
     for i, home in enumerate(home_plan.optim_home):
         size = optimizer.unit_bytes(home_plan.home_elems(i), home_plan.has_master)
         if home is not None and size > home_plan.optim_bytes(i):
-            planned = format_size(home_plan.optim_bytes(i))
-            raise ValueError(
-                f"{optimizer.front_end or optimizer.name} needs {format_size(size)} of "
-                f"optimizer state for chunk {i}, more than the {planned} "
-                "that offload() planned (Adam's: two state slots per parameter); an optimizer "
-                "with more state per parameter than Adam cannot run on infinity.offload yet"
-            )
+            raise ValueError(_too_large(optimizer, size, home_plan.optim_bytes(i), i, planned_for))
         sizes.append(size if home is not None else home_plan.optim_bytes(i))
     plan = dataclasses.replace(
         home_plan, state_slots=optimizer.state_slots, optim_unit_bytes=tuple(sizes), traffic={}
     )
     object.__setattr__(plan, "traffic", estimate_traffic(plan, consume_grads=consume_grads))
     return plan
+
+
+def _too_large(
+    optimizer: ChunkOptimizer[Any],
+    size: int,
+    home: int,
+    chunk: int,
+    planned_for: ChunkOptimizer[Any] | None,
+) -> str:
+    """Why ``optimizer``'s unit of ``size`` bytes does not fit chunk ``chunk``'s home."""
+    name = optimizer.front_end or optimizer.name
+    head = (
+        f"{name} needs {format_size(size)} of optimizer state for chunk {chunk}, more than "
+        f"the {format_size(home)} "
+    )
+    if planned_for is None or planned_for.name == "adam":
+        return head + (
+            "that offload() planned (Adam's: two state slots per parameter); an optimizer "
+            "with more state per parameter than Adam cannot run on infinity.offload yet"
+        )
+    return head + (
+        f"its home holds: the homes were planned for {planned_for.front_end or planned_for.name} "
+        f"(slots {', '.join(planned_for.state_slots) or 'none'}), constructed first, and could "
+        f"not be planned again for {name} (see the warning logged before this). Construct "
+        f"{name} alone over the offloaded model, or raise the budgets"
+    )

@@ -69,8 +69,8 @@ def _budgets(model: torch.nn.Module, placement: str, tmp_path) -> dict:
     pbytes = param_bytes(model, 4)
     cfg = {"device_memory": pbytes * 6 // 10, "chunk_size": "24KiB"}
     if placement == "nvme":
-        # NOTE: units are planned at offload for Adam's two slots: 2x the parameters
-        # of host memory holds parameters and gradients, the units go to NVMe.
+        # NOTE: 2x the parameters of host memory holds parameters and gradients,
+        # the units (one slot) go to NVMe.
         cfg.update(host_memory=pbytes * 2, nvme_path=str(tmp_path))
     return cfg
 
@@ -86,7 +86,9 @@ def _run(name: str, placement: str, tmp_path, *, accum=1, clip=0.0, overlap=Fals
     opt = make(model.parameters())
     engine = engine_of(model)
     assert engine.plan.state_slots == SLOTS[name.split("-")[0]]
-    if placement == "nvme":
+    if placement == "nvme" and SLOTS[name.split("-")[0]]:
+        # NOTE: fp32 Adafactor's units are empty (its factors are per tensor): the
+        # homes planned again for it keep nothing on NVMe.
         assert NVME in set(engine.plan.optim_home)
     data = batches(STEPS * accum)
 
@@ -149,7 +151,7 @@ def _nvme_bytes_per_step(make, tmp_path) -> tuple[int, int]:
 
 def test_the_optimizer_decides_the_bytes_that_cross_the_disk(tmp_path):
     """Lion and SGD with momentum move one fp32 state per parameter, Adam two: with the
-    same budgets (the same homes) the units they read and write per step shrink."""
+    same budgets the units they read and write per step shrink."""
     adam = _nvme_bytes_per_step(lambda ps: CPUAdam(ps, lr=1e-3), tmp_path / "adam")
     lion = _nvme_bytes_per_step(lambda ps: CPULion(ps, lr=1e-4), tmp_path / "lion")
     sgd = _nvme_bytes_per_step(lambda ps: CPUSGD(ps, lr=0.1, momentum=0.9), tmp_path / "sgd")
@@ -173,11 +175,12 @@ def test_the_optimizer_decides_the_bytes_that_cross_the_disk(tmp_path):
     model = tiny_gpt()
     model = infinity.offload(model, config(**_budgets(model, "nvme", tmp_path / "plan")))
     engine = engine_of(model)
-    adam_units = sum(engine.plan.optim_bytes(i) for i in range(engine.layout.num_chunks))
+    adams = engine.plan
+    adam_units = sum(adams.optim_bytes(i) for i in range(engine.layout.num_chunks))
     CPULion(model.parameters())
     lion_units = sum(engine.plan.optim_bytes(i) for i in range(engine.layout.num_chunks))
     assert lion_units * 2 == adam_units
-    assert engine.plan.traffic["nvme_read_bytes"] < engine.home_plan.traffic["nvme_read_bytes"]
+    assert engine.plan.traffic["nvme_read_bytes"] < adams.traffic["nvme_read_bytes"]
     engine.close()
 
 
