@@ -135,7 +135,9 @@ def step_chunk(
             # from its master): give the tail the zeros it had, not stale bytes.
             params[max(runs[-1].end - start, 0) :].zero_()
         out16 = params if has_master else None
-        step_runs(optimizer, unit, master, grads, out16, runs, (start, end), grad_scale, engine)
+        step_runs(
+            optimizer, unit, master, grads, out16, runs, (start, end), grad_scale, engine, chunk
+        )
     finally:
         # NOTE: write-backs finish in the background (keep=True): the slot is
         # reused only once its write has landed, so chunk i-1 is written while

@@ -51,7 +51,9 @@ def step_chunk_in_spans(
                 # NOTE: not read: give the chunk's tail its zeros, not stale bytes.
                 params[max(0, last_end - start) :].zero_()
             out16 = params if has_master else None
-            step_runs(optimizer, unit, master, grads, out16, runs, (start, end), grad_scale, engine)
+            step_runs(
+                optimizer, unit, master, grads, out16, runs, (start, end), grad_scale, engine, chunk
+            )
         finally:
             # NOTE: write-backs land in the background (keep=True), as for a whole chunk.
             manager.close_host(grad_copy, modified=False, keep=True)

@@ -70,10 +70,14 @@ def step_runs(
     window: tuple[int, int],
     grad_scale: float,
     engine: StepContext,
+    chunk: int,
 ) -> None:
-    """Run the optimizer over the parts of ``runs`` inside elements ``window`` of a
-    chunk, whose views (``unit``, ``master``, ``grads``, ``out16``) start at
-    ``window[0]``: a whole chunk is the window ``(0, capacity)``, a span its range.
+    """Run the optimizer over the parts of ``runs`` inside elements ``window`` of
+    chunk ``chunk``, whose views (``unit``, ``master``, ``grads``, ``out16``) start at
+    ``window[0]``: a whole chunk is the window ``(0, capacity)``, a span or a data-parallel
+    shard its range. Each part is numbered by its chunk and its offset in the chunk
+    (``StepViews.rounding``), the same in every window, so a chunk stepped whole, in spans
+    or in shards stores the same bytes.
     A run naming its tensor gets the tensor's shape and per-tensor states from
     ``engine``, and must lie wholly inside the window."""
     start, end = window
@@ -98,5 +102,6 @@ def step_runs(
             unit.scale_span(span),
             shape,
             tensor_state,
+            rounding=(chunk, low),
         )
         optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
