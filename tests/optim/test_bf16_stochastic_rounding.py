@@ -12,6 +12,8 @@ follows its EMA (under round-to-nearest it only ratchets up).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -72,7 +74,7 @@ def _adam_bf16(
 ) -> tuple[torch.Tensor, ...]:
     """The bf16-state kernel over pieces [cuts[k], cuts[k+1]), each told its offset."""
     p, g, m, v = (t.clone() for t in tensors)
-    for a, b in zip(cuts, cuts[1:], strict=False):
+    for a, b in itertools.pairwise(cuts):
         kernels.adam_step(
             p[a:b], g[a:b], m[a:b], v[a:b], step=step, **HYPER,
             round_stream=stream, round_offset=offset + a,
