@@ -1,7 +1,7 @@
 // Stochastic rounding of fp32 to bf16 for optimizer moments, with random bits
 // from a counter-based hash, written once over an "Ops" backend (scalar, AVX2,
-// AVX-512) so every ISA stores the same bytes. See NOTE [bf16 stochastic
-// rounding] (docs/NOTES.md) for why the moments are rounded this way and what
+// AVX-512) so every ISA stores the same bytes. See
+// NOTE [bf16 stochastic rounding] (docs/NOTES.md) for why the moments are rounded this way and what
 // the caller's element index is.
 //
 // The random bits of element `index` of a step are

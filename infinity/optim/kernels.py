@@ -108,8 +108,8 @@ def adam_step(
         master: fp32 master parameters, updated in place.
         grad: gradients, fp32, bf16 or fp16; only read.
         exp_avg, exp_avg_sq: first and second moments, updated in place: fp32,
-            bf16 (rounded stochastically on every store, NOTE [bf16 stochastic
-            rounding] in docs/NOTES.md), or uint8 int8 codes
+            bf16 (rounded stochastically on every store, see
+            NOTE [bf16 stochastic rounding] in docs/NOTES.md), or uint8 int8 codes
             with one fp32 scale per 256 elements in ``exp_avg_scale`` /
             ``exp_avg_sq_scale`` (see ``cpp/adam/q8_codec.hpp``); both the same dtype.
             The update itself runs in fp32.
