@@ -176,9 +176,10 @@ class Config:
             scaling (scale halves on overflow, doubles after ``loss_scale_window``
             good steps).
         optimizer_state_dtype: how the optimizer's moments are stored: ``"fp32"``
-            (exact, the default), ``"bf16"`` (half the bytes; rounded to nearest
-            even) or ``"int8"`` (about a quarter: 8-bit codes with one fp32 scale per
-            256 elements, as in 8-bit Adam). The update runs in fp32 and master
+            (exact, the default), ``"bf16"`` (half the bytes; rounded
+            stochastically, so small decays survive) or ``"int8"`` (about a
+            quarter: 8-bit codes with one fp32 scale per 256 elements, as in 8-bit
+            Adam). The update runs in fp32 and master
             weights stay fp32 either way; checkpoints keep the stored format.
         process_group: the ``torch.distributed`` group to shard chunks over.
             ``None``: the default group if one is initialised (under ``torchrun``),

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "adam/adam_types.hpp"
+#include "adam/stochastic_round.hpp"
 #include "adam/tags.hpp"
 
 namespace infinity::adam {
@@ -76,9 +77,13 @@ inline __attribute__((always_inline)) typename Ops::V load_moment(const void* ba
     }
 }
 
-/// Stores one vector of a moment as S (bf16: round-to-nearest-even) at element i.
+/// Stores one vector of a state as S at element i, bf16 rounded to nearest even:
+/// SGD's momentum buffer, whose bf16 values match torch's own rounding (a buffer
+/// at momentum 0.9 moves by 10% a step, far more than half a bf16 step, so
+/// nearest rounding does not freeze it as it would Adam's second moment).
 template <class Ops, class S>
-inline __attribute__((always_inline)) void store_moment(void* base, int64_t i, typename Ops::V x) {
+inline __attribute__((always_inline)) void store_moment_nearest(void* base, int64_t i,
+                                                                typename Ops::V x) {
     if constexpr (std::is_same_v<S, F32Tag>) {
         Ops::store(static_cast<float*>(base) + i, x);
     } else {
@@ -86,11 +91,38 @@ inline __attribute__((always_inline)) void store_moment(void* base, int64_t i, t
     }
 }
 
+/// Stores one vector of a moment as S at element i; bf16: rounded stochastically
+/// with the 16 random bits in the low half of each lane of `r16`
+/// (NOTE [bf16 stochastic rounding]).
+template <class Ops, class S>
+inline __attribute__((always_inline)) void store_moment(void* base, int64_t i, typename Ops::V x,
+                                                        typename Ops::I r16) {
+    if constexpr (std::is_same_v<S, F32Tag>) {
+        Ops::store(static_cast<float*>(base) + i, x);
+    } else {
+        Ops::store_u16(static_cast<uint16_t*>(base) + i, bf16_stochastic<Ops>(x, r16));
+    }
+}
+
+/// The random bits of elements [i, i + kWidth) of `b` under `key` (zeros when
+/// S is fp32: nothing is rounded, nothing is hashed).
+template <class Ops, class S, class B>
+inline __attribute__((always_inline)) typename Ops::I moment_bits(const B& b, uint32_t key,
+                                                                  int64_t i) {
+    if constexpr (std::is_same_v<S, F32Tag>) {
+        return Ops::iset1(0);
+    } else {
+        // NOTE: unsigned, so no offset a caller passes can overflow a signed sum.
+        return random_bits<Ops>(key, static_cast<uint64_t>(b.round_offset) + static_cast<uint64_t>(i));
+    }
+}
+
 /// Updates elements [i, i + Ops::kWidth); kStream: write out16 with streaming
-/// stores; S: how the moments are stored (F32Tag or BF16Tag).
+/// stores; S: how the moments are stored (F32Tag or BF16Tag); key: round_key().
 template <class Ops, class G, class O, class S, bool kL2, bool kStream>
 inline __attribute__((always_inline)) void adam_vector(const AdamBuffers& b,
-                                                       const VecCoeffs<Ops>& k, int64_t i) {
+                                                       const VecCoeffs<Ops>& k, uint32_t key,
+                                                       int64_t i) {
     using V = typename Ops::V;
     const auto* const grad = static_cast<const typename G::Storage*>(b.grad);
     V p = Ops::load(b.param + i);
@@ -98,9 +130,12 @@ inline __attribute__((always_inline)) void adam_vector(const AdamBuffers& b,
     V v = load_moment<Ops, S>(b.exp_avg_sq, i);
     adam_update<Ops, kL2>(p, Ops::template load_grad<G>(grad + i), m, v, k);
     Ops::store(b.param + i, p);
-    store_moment<Ops, S>(b.exp_avg, i, m);
-    store_moment<Ops, S>(b.exp_avg_sq, i, v);
+    const typename Ops::I r = moment_bits<Ops, S>(b, key, i);
+    store_moment<Ops, S>(b.exp_avg, i, m, low16<Ops>(r));
+    store_moment<Ops, S>(b.exp_avg_sq, i, v, high16<Ops>(r));
     if constexpr (!std::is_same_v<O, NoOutTag>) {
+        // NOTE: the parameters' 16-bit copy stays round-to-nearest: it is
+        // rewritten from the fp32 master every step, so its error never accumulates.
         Ops::template store_out<O, kStream>(static_cast<typename O::Storage*>(b.out16) + i, p);
     }
 }
@@ -120,6 +155,7 @@ inline __attribute__((always_inline)) int64_t adam_loop(const AdamBuffers& b, co
     // elements all did about as well, 0 clearly worse.
     constexpr int64_t kAhead = 256;
     const VecCoeffs<Ops> k(c);
+    const uint32_t key = round_key(c.step, b.round_stream);
     const auto* const grad = static_cast<const typename G::Storage*>(b.grad);
     const int64_t prefetch_end = b.n - kAhead;  // never form a pointer past the buffers
     int64_t i = begin;
@@ -131,10 +167,10 @@ inline __attribute__((always_inline)) int64_t adam_loop(const AdamBuffers& b, co
                 __builtin_prefetch(static_cast<typename S::Storage*>(b.exp_avg_sq) + i + kAhead, 1, 3);
                 __builtin_prefetch(grad + i + kAhead, 0, 3);
             }
-            for (int64_t j = 0; j < kLine; j += Ops::kWidth) adam_vector<Ops, G, O, S, kL2, kStream>(b, k, i + j);
+            for (int64_t j = 0; j < kLine; j += Ops::kWidth) adam_vector<Ops, G, O, S, kL2, kStream>(b, k, key, i + j);
         }
     }
-    for (; i + Ops::kWidth <= end; i += Ops::kWidth) adam_vector<Ops, G, O, S, kL2, kStream>(b, k, i);
+    for (; i + Ops::kWidth <= end; i += Ops::kWidth) adam_vector<Ops, G, O, S, kL2, kStream>(b, k, key, i);
     return i;
 }
 

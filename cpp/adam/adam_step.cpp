@@ -39,6 +39,7 @@ size_t state_size(StateFormat f) {
 
 void validate(const AdamBuffers& b, const AdamHyper& h, const std::string& where) {
     require(b.n >= 0, where + "n must be >= 0");
+    require(b.round_offset >= 0, where + "round_offset must be >= 0");
     require(h.step >= 1, where + "step must be >= 1 (the step count after the increment)");
     require(known_dtype(b.grad_dtype), where + "unknown grad dtype code");
     require(known_state(b.state), where + "unknown optimizer state format code");

@@ -40,7 +40,7 @@ constexpr bool out16_dtype(DType d) {
 /// update itself always runs in fp32.
 enum class StateFormat : int {
     kF32 = 0,   ///< fp32, exact
-    kBF16 = 1,  ///< bfloat16, round-to-nearest-even on every store
+    kBF16 = 1,  ///< bfloat16, stochastic rounding on every store (stochastic_round.hpp)
     kQ8 = 2,    ///< 8-bit codes per element plus one fp32 absmax per kQBlock elements (q8_codec.hpp)
 };
 
@@ -73,6 +73,11 @@ struct AdamBuffers {
     DType grad_dtype = DType::kF32;
     DType out_dtype = DType::kBF16;  ///< only read when out16 != nullptr
     StateFormat state = StateFormat::kF32;
+    // kBF16: where the elements are in the caller's numbering, for the random
+    // bits of the stochastic rounding (NOTE [bf16 stochastic rounding]):
+    // element i of these buffers is element round_offset + i of stream round_stream.
+    uint64_t round_stream = 0;
+    int64_t round_offset = 0;
 };
 
 /// Hyper-parameters of one step as the user gives them (double, like Python floats).
@@ -102,6 +107,7 @@ struct AdamCoeffs {
     float bc2_sqrt;       ///< sqrt(1 - beta2^step)
     float eps;
     float neg_step_size;  ///< -lr / (1 - beta1^step)
+    int64_t step;         ///< the step count, for the random bits of bf16 moments
 };
 
 /// Derives the float constants of one call (see AdamCoeffs).

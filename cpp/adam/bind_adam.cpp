@@ -66,12 +66,15 @@ adam::AdamHyper make_hyper(int64_t step_count, double lr, double beta1, double b
 void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq,
           uintptr_t out16, int out_dtype, int64_t n, int64_t step_count, double lr, double beta1,
           double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
-          int state_format, uintptr_t exp_avg_scale, uintptr_t exp_avg_sq_scale) {
+          int state_format, uintptr_t exp_avg_scale, uintptr_t exp_avg_sq_scale,
+          uint64_t round_stream, int64_t round_offset) {
     adam::AdamBuffers b =
         make_buffers(param, grad, grad_dtype, exp_avg, exp_avg_sq, out16, out_dtype, n);
     b.state = to_state(state_format);
     b.exp_avg_scale = as_ptr<float>(exp_avg_scale);
     b.exp_avg_sq_scale = as_ptr<float>(exp_avg_sq_scale);
+    b.round_stream = round_stream;
+    b.round_offset = round_offset;
     adam::adam_step(b, make_hyper(step_count, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale));
 }
 
@@ -133,10 +136,11 @@ void bind_adam(py::module_& m) {
           py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
           py::arg("grad_scale"), py::arg("state_format") = 0, py::arg("exp_avg_scale") = 0,
-          py::arg("exp_avg_sq_scale") = 0,
+          py::arg("exp_avg_sq_scale") = 0, py::arg("round_stream") = 0, py::arg("round_offset") = 0,
           "Fused Adam/AdamW step over raw, validated buffers (dtype codes: 0 fp32, 1 bf16, 2 "
           "fp16; out16=0 for none; state_format from state_formats, int8 with the two block-"
-          "scale buffers). Releases the GIL.");
+          "scale buffers; bf16 moments: element i is element round_offset + i of stream "
+          "round_stream for the stochastic rounding's random bits). Releases the GIL.");
     m.def(
         "q8_encode_moments",
         [](uintptr_t m, uintptr_t v, uintptr_t m_code, uintptr_t m_scale, uintptr_t v_code,

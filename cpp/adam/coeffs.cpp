@@ -29,6 +29,7 @@ AdamCoeffs make_coeffs(const AdamHyper& h) {
     c.bc2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));  // Python: bc2 ** 0.5
     c.eps = static_cast<float>(h.eps);
     c.neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
+    c.step = h.step;
     return c;
 }
 

@@ -44,6 +44,9 @@ struct Avx2Ops {
     static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
     static I iand(I a, I b) { return _mm256_and_si256(a, b); }
     static I ior(I a, I b) { return _mm256_or_si256(a, b); }
+    static I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
+    static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+    static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
     template <int k>
     static I shr(I a) { return _mm256_srli_epi32(a, k); }
     template <int k>
@@ -69,6 +72,13 @@ struct Avx2Ops {
         const __m256i b = _mm256_shuffle_epi8(x, pick);
         const __m128i lo = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(p), lo);
+    }
+
+    /// Stores the low 16 bits of each lane; every lane must be <= 0xffff.
+    static void store_u16(uint16_t* p, I x) {
+        // The unsigned saturating pack is exact for lanes <= 0xffff.
+        const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
     }
 
     template <class G>

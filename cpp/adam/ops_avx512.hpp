@@ -44,6 +44,9 @@ struct Avx512Ops {
     static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
     static I iand(I a, I b) { return _mm512_and_si512(a, b); }
     static I ior(I a, I b) { return _mm512_or_si512(a, b); }
+    static I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+    static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+    static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
     template <int k>
     static I shr(I a) { return _mm512_srli_epi32(a, k); }
     template <int k>
@@ -67,6 +70,11 @@ struct Avx512Ops {
     }
     static void store_u8(uint8_t* p, I x) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+    }
+
+    /// Stores the low 16 bits of each lane (the truncating 32->16 narrowing).
+    static void store_u16(uint16_t* p, I x) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
     }
 
     template <class G>

@@ -59,6 +59,9 @@ struct ScalarOps {
     static I isub(I a, I b) { return a - b; }
     static I iand(I a, I b) { return a & b; }
     static I ior(I a, I b) { return a | b; }
+    static I ixor(I a, I b) { return a ^ b; }
+    static I imul(I a, I b) { return a * b; }  ///< the low 32 bits of the product
+    static I iota() { return 0; }              ///< lane indices 0 .. kWidth-1
     template <int k>
     static I shr(I a) { return a >> k; }
     template <int k>
@@ -73,6 +76,7 @@ struct ScalarOps {
     static float hmax(V a) { return a; }
     static I load_u8(const uint8_t* p) { return *p; }
     static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+    static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
 
     template <class G>
     static V load_grad(const typename G::Storage* p) {

@@ -24,7 +24,8 @@ using bind::to_state;
 
 void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t out16,
           int out_dtype, int64_t n, double lr, double beta1, double beta2, double weight_decay,
-          double grad_scale, int state_format, uintptr_t exp_avg_scale) {
+          double grad_scale, int state_format, uintptr_t exp_avg_scale, int64_t step_count,
+          uint64_t round_stream, int64_t round_offset) {
     lion::LionBuffers b;
     b.param = as_ptr<float>(param);
     b.grad = as_ptr<const void>(grad);
@@ -35,7 +36,10 @@ void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, ui
     if (out16 != 0) b.out_dtype = to_dtype(out_dtype, "out16");
     b.n = n;
     b.state = to_state(state_format);
+    b.round_stream = round_stream;
+    b.round_offset = round_offset;
     lion::LionHyper h;
+    h.step = step_count;
     h.lr = lr;
     h.beta1 = beta1;
     h.beta2 = beta2;
@@ -51,9 +55,11 @@ void bind_lion(py::module_& m) {
           py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("out16"),
           py::arg("out_dtype"), py::arg("n"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("weight_decay"), py::arg("grad_scale"), py::arg("state_format") = 0,
-          py::arg("exp_avg_scale") = 0,
+          py::arg("exp_avg_scale") = 0, py::arg("step") = 1, py::arg("round_stream") = 0,
+          py::arg("round_offset") = 0,
           "Fused Lion step over raw, validated buffers (codes as _C.adam's; out16=0 for none; "
-          "int8 momentum with its block-scale buffer). Releases the GIL.");
+          "int8 momentum with its block-scale buffer; step, round_stream and round_offset draw "
+          "the random bits of a bf16 momentum's stochastic rounding). Releases the GIL.");
     m.def(
         "q8_encode_signed",
         [](uintptr_t values, uintptr_t code, uintptr_t scale, int64_t n) {

@@ -12,7 +12,8 @@
 // `Ops::keep` stops the compiler from fusing the products into anything else,
 // so the scalar path and the vector paths agree bit for bit.
 //
-// The momentum is stored as fp32, bf16 (round-to-nearest-even) or int8: the
+// The momentum is stored as fp32, bf16 (stochastic rounding, as the Adam
+// moments: adam/stochastic_round.hpp) or int8: the
 // signed block-wise codes of the Adam kernel's first moment (adam/q8_codec.hpp),
 // decoded into an L1 buffer per block of kQBlock elements, updated, re-encoded
 // with the block's new absmax.
@@ -81,6 +82,7 @@ template <class Ops, class G, class O, class S, bool kDecay>
 inline __attribute__((always_inline)) int64_t lion_loop(const LionBuffers& b, const LionCoeffs& c,
                                                         int64_t begin, int64_t end) {
     const LionVec<Ops> k(c);
+    const uint32_t key = adam::round_key(c.step, b.round_stream);
     const auto* const grad = static_cast<const typename G::Storage*>(b.grad);
     int64_t i = begin;
     for (; i + Ops::kWidth <= end; i += Ops::kWidth) {
@@ -88,7 +90,8 @@ inline __attribute__((always_inline)) int64_t lion_loop(const LionBuffers& b, co
         typename Ops::V m = adam::load_moment<Ops, S>(b.exp_avg, i);
         lion_update<Ops, kDecay>(p, Ops::template load_grad<G>(grad + i), m, k);
         Ops::store(b.param + i, p);
-        adam::store_moment<Ops, S>(b.exp_avg, i, m);
+        const auto r = adam::moment_bits<Ops, S>(b, key, i);
+        adam::store_moment<Ops, S>(b.exp_avg, i, m, adam::low16<Ops>(r));
         if constexpr (!std::is_same_v<O, NoOutTag>) {
             Ops::template store_out<O, false>(static_cast<typename O::Storage*>(b.out16) + i, p);
         }

@@ -20,6 +20,8 @@ void require(bool ok, const std::string& message, SourceLocation where = SourceL
 
 void validate(const LionBuffers& b, const LionHyper& h) {
     require(b.n >= 0, "n must be >= 0");
+    require(h.step >= 1, "step must be >= 1 (the step count after the increment)");
+    require(b.round_offset >= 0, "round_offset must be >= 0");
     require(adam::known_dtype(b.grad_dtype), "unknown grad dtype code");
     require(adam::state_bytes(b.state) != 0, "unknown optimizer state format code");
     require(b.out16 == nullptr || adam::out16_dtype(b.out_dtype), "out16 dtype must be bf16 or fp16");

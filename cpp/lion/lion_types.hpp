@@ -24,6 +24,10 @@ struct LionBuffers {
     DType grad_dtype = DType::kF32;
     DType out_dtype = DType::kBF16;  ///< only read when out16 != nullptr
     StateFormat state = StateFormat::kF32;
+    // kBF16: element i is element round_offset + i of stream round_stream, for the
+    // random bits of the stochastic rounding (as AdamBuffers; NOTE [bf16 stochastic rounding]).
+    uint64_t round_stream = 0;
+    int64_t round_offset = 0;
 };
 
 /// Hyper-parameters of one step as the user gives them (double, like Python floats).
@@ -33,6 +37,7 @@ struct LionHyper {
     double beta2 = 0.99;
     double weight_decay = 0.0;
     double grad_scale = 1.0;
+    int64_t step = 1;  ///< 1-based step count: only draws the random bits of a bf16 momentum
 };
 
 /// Per-call float constants, each rounded to float once from the double that
@@ -46,6 +51,7 @@ struct LionCoeffs {
     float beta2;
     float one_minus_beta2;
     float neg_lr;            ///< p += neg_lr * sign(c)
+    int64_t step;            ///< for the random bits of a bf16 momentum
 };
 
 /// Derives the float constants of one call (see LionCoeffs).
@@ -59,6 +65,7 @@ inline LionCoeffs make_lion_coeffs(const LionHyper& h) {
     c.beta2 = static_cast<float>(h.beta2);
     c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
     c.neg_lr = static_cast<float>(-h.lr);
+    c.step = h.step;
     return c;
 }
 

@@ -78,7 +78,7 @@ inline __attribute__((always_inline)) int64_t sgd_loop(const SgdBuffers& b, cons
         if constexpr (kMode == Momentum::kRunning) buf = adam::load_moment<Ops, S>(b.momentum_buffer, i);
         sgd_update<Ops, kMode, kNesterov, kDecay>(p, Ops::template load_grad<G>(grad + i), buf, k);
         Ops::store(b.param + i, p);
-        if constexpr (kMode != Momentum::kNone) adam::store_moment<Ops, S>(b.momentum_buffer, i, buf);
+        if constexpr (kMode != Momentum::kNone) adam::store_moment_nearest<Ops, S>(b.momentum_buffer, i, buf);
         if constexpr (!std::is_same_v<O, NoOutTag>) {
             Ops::template store_out<O, false>(static_cast<typename O::Storage*>(b.out16) + i, p);
         }

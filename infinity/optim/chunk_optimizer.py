@@ -52,6 +52,11 @@ class StepViews:
     # per-tensor states (see :meth:`ChunkOptimizer.tensor_state_shapes`).
     shape: tuple[int, ...] | None = None
     tensor_state: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    # (stream, offset): these elements are elements offset.. of stream (the engine:
+    # the chunk index and the run's offset in the chunk, whether the chunk is stepped
+    # whole, in spans or as a shard), for the random bits of bf16 state's stochastic
+    # rounding (NOTE [bf16 stochastic rounding]).
+    rounding: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,8 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
             out16=views.out16,
             exp_avg_scale=views.scales.get("exp_avg"),
             exp_avg_sq_scale=views.scales.get("exp_avg_sq"),
+            round_stream=views.rounding[0],
+            round_offset=views.rounding[1],
             **hyper.kernel_kwargs(),
         )
 

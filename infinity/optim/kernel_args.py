@@ -155,6 +155,19 @@ def check_step(name: str, step: object) -> int:
     return value
 
 
+def check_rounding(stream: object, offset: object) -> tuple[int, int]:
+    """Validated ``round_stream`` (uint64) and ``round_offset`` (int64, >= 0) of a step
+    with bf16 state (NOTE [bf16 stochastic rounding] in docs/NOTES.md)."""
+    values = []
+    for name, value, high in (("round_stream", stream, 2**64), ("round_offset", offset, 2**63)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= value < high:
+            raise ValueError(f"{name}={value} must be in [0, {high})")
+        values.append(value)
+    return values[0], values[1]
+
+
 def check_hyper(
     lr: object,
     beta1: object,

@@ -33,6 +33,7 @@ from infinity.optim.kernel_args import (
     check_disjoint,
     check_four,
     check_hyper,
+    check_rounding,
     check_step,
     check_tensor,
 )
@@ -84,6 +85,8 @@ def adam_step(
     out16: torch.Tensor | None = None,
     exp_avg_scale: torch.Tensor | None = None,
     exp_avg_sq_scale: torch.Tensor | None = None,
+    round_stream: int = 0,
+    round_offset: int = 0,
 ) -> None:
     """Apply one Adam or AdamW step in place, in one pass over the buffers.
 
@@ -105,7 +108,8 @@ def adam_step(
         master: fp32 master parameters, updated in place.
         grad: gradients, fp32, bf16 or fp16; only read.
         exp_avg, exp_avg_sq: first and second moments, updated in place: fp32,
-            bf16 (rounded to nearest even on every store), or uint8 int8 codes
+            bf16 (rounded stochastically on every store, see
+            NOTE [bf16 stochastic rounding] in docs/NOTES.md), or uint8 int8 codes
             with one fp32 scale per 256 elements in ``exp_avg_scale`` /
             ``exp_avg_sq_scale`` (see ``cpp/adam/q8_codec.hpp``); both the same dtype.
             The update itself runs in fp32.
@@ -114,6 +118,12 @@ def adam_step(
         adamw: decoupled weight decay (AdamW) if True, L2 (Adam) if False.
         grad_scale: factor applied to every gradient before the update.
         out16: optional bf16/fp16 buffer that receives the updated parameters.
+        round_stream, round_offset: bf16 moments only: element ``i`` of the
+            buffers is element ``round_offset + i`` of the caller's stream
+            ``round_stream`` (the engine: chunk index and offset in the chunk),
+            which with ``step`` draws the random bits of its rounding. Stepping
+            a buffer in pieces with matching offsets stores the same bytes as
+            stepping it whole.
 
     All buffers must be contiguous CPU tensors with the same number of
     elements (any shapes; they are treated as flat) that do not overlap.
@@ -161,6 +171,7 @@ def adam_step(
         *hyper,
         _STATE_OF_DTYPE[exp_avg.dtype],
         *scale_ptrs,
+        *check_rounding(round_stream, round_offset),
     )
 
 

@@ -84,6 +84,9 @@ class LionChunks(ChunkOptimizer[LionHyperParams]):
             grad_scale=grad_scale,
             out16=views.out16,
             exp_avg_scale=views.scales.get("exp_avg"),
+            step=step,
+            round_stream=views.rounding[0],
+            round_offset=views.rounding[1],
         )
 
 

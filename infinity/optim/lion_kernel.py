@@ -20,7 +20,15 @@ import torch
 
 from infinity._native import native
 from infinity._native.adam import GRAD_CODES, OUT16_CODES, QBLOCK, STATE_FORMATS
-from infinity.optim.kernel_args import FP32, GRAD_DTYPES, check_disjoint, check_tensor, finite
+from infinity.optim.kernel_args import (
+    FP32,
+    GRAD_DTYPES,
+    check_disjoint,
+    check_rounding,
+    check_step,
+    check_tensor,
+    finite,
+)
 
 __all__ = ["lion_step", "q8_encode_signed"]
 
@@ -55,6 +63,9 @@ def lion_step(
     grad_scale: float = 1.0,
     out16: torch.Tensor | None = None,
     exp_avg_scale: torch.Tensor | None = None,
+    step: int = 1,
+    round_stream: int = 0,
+    round_offset: int = 0,
 ) -> None:
     """Apply one Lion step in place, in one pass over the buffers.
 
@@ -68,13 +79,17 @@ def lion_step(
     Args:
         master: fp32 master parameters, updated in place.
         grad: gradients, fp32, bf16 or fp16; only read.
-        exp_avg: the momentum, updated in place: fp32, bf16 (rounded to nearest
-            even on every store), or uint8 int8 codes with one fp32 scale per
-            256 elements in ``exp_avg_scale`` (the Adam kernel's signed codes,
-            ``cpp/adam/q8_codec.hpp``). The update itself runs in fp32.
+        exp_avg: the momentum, updated in place: fp32, bf16 (rounded
+            stochastically on every store, as Adam's moments), or uint8 int8
+            codes with one fp32 scale per 256 elements in ``exp_avg_scale``
+            (the Adam kernel's signed codes, ``cpp/adam/q8_codec.hpp``). The
+            update itself runs in fp32.
         lr, beta1, beta2, weight_decay: as in the Lion paper (and ``lion_pytorch``).
         grad_scale: factor applied to every gradient before the update.
         out16: optional bf16/fp16 buffer that receives the updated parameters.
+        step, round_stream, round_offset: draw the random bits of a bf16
+            momentum's rounding, as for :func:`infinity.optim.kernels.adam_step`
+            (Lion's update itself does not depend on the step).
 
     All buffers must be contiguous CPU tensors with the same number of
     elements that do not overlap.
@@ -118,6 +133,8 @@ def lion_step(
         finite("grad_scale", grad_scale),
         _STATE_OF_DTYPE[exp_avg.dtype],
         scale_ptr,
+        check_step("step", step),
+        *check_rounding(round_stream, round_offset),
     )
 
 

@@ -1,8 +1,9 @@
 """How an optimizer's per-element state is stored: ``Config(optimizer_state_dtype=...)``.
 
 ``"fp32"`` keeps every moment exact. ``"bf16"`` stores each moment in bfloat16
-(round-to-nearest-even on every store, half the bytes). ``"int8"`` stores one
-byte per element plus one fp32 scale per block of :data:`QBLOCK` elements:
+(half the bytes; rounded stochastically on every store, unbiased, see
+NOTE [bf16 stochastic rounding] in docs/NOTES.md). ``"int8"`` stores one byte per element
+plus one fp32 scale per block of :data:`QBLOCK` elements:
 8-bit Adam's block-wise dynamic quantisation (signed codes for the first
 moment, unsigned for the second), decoded and re-encoded inside the fused
 kernel (``cpp/adam/q8_codec.hpp`` documents the codes, the rounding and the

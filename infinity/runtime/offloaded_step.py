@@ -130,7 +130,7 @@ def step_chunk(
             typed(optim_bytes, torch.float32), end - start, has_master
         )
         grads, params = typed(grad_bytes, engine.dtype), typed(param_bytes, engine.dtype)
-        step_window(engine, runs, (start, end), grads, unit, params, unread, grad_scale)
+        step_window(engine, chunk, runs, (start, end), grads, unit, params, unread, grad_scale)
     finally:
         # NOTE: write-backs finish in the background (keep=True): the slot is
         # reused only once its write has landed, so chunk i-1 is written while

@@ -46,7 +46,7 @@ def step_chunk_in_spans(
             params = param_parts[0].view(engine.dtype)
             unit = optimizer.piece_views(optim_parts, has_master)
             step_window(
-                engine, runs, (start, end), grads, unit, params, not load_params, grad_scale
+                engine, chunk, runs, (start, end), grads, unit, params, not load_params, grad_scale
             )
         finally:
             # NOTE: write-backs land in the background (keep=True), as for a whole chunk.

@@ -70,10 +70,14 @@ def step_runs(
     window: tuple[int, int],
     grad_scale: float,
     engine: StepContext,
+    chunk: int,
 ) -> None:
-    """Run the optimizer over the parts of ``runs`` inside elements ``window`` of a
-    chunk, whose views (``unit``, ``master``, ``grads``, ``out16``) start at
-    ``window[0]``: a whole chunk is the window ``(0, capacity)``, a span its range.
+    """Run the optimizer over the parts of ``runs`` inside elements ``window`` of
+    chunk ``chunk``, whose views (``unit``, ``master``, ``grads``, ``out16``) start at
+    ``window[0]``: a whole chunk is the window ``(0, capacity)``, a span or a data-parallel
+    shard its range. Each part is numbered by its chunk and its offset in the chunk
+    (``StepViews.rounding``), the same in every window, so a chunk stepped whole, in spans
+    or in shards stores the same bytes.
     A run naming its tensor gets the tensor's shape and per-tensor states from
     ``engine``, and must lie wholly inside the window."""
     start, end = window
@@ -98,12 +102,14 @@ def step_runs(
             unit.scale_span(span),
             shape,
             tensor_state,
+            rounding=(chunk, low),
         )
         optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
 
 
 def step_window(
     engine: StepContext,
+    chunk: int,
     runs: list[Run],
     window: tuple[int, int],
     grads: torch.Tensor,
@@ -112,9 +118,9 @@ def step_window(
     params_unread: bool,
     grad_scale: float,
 ) -> None:
-    """The update of elements ``window`` of a chunk in host memory (the whole home, or
-    one span of an oversize chunk): its gradients and parameters (compute dtype) and
-    its optimizer unit's views, all starting at ``window[0]``.
+    """The update of elements ``window`` of chunk ``chunk`` in host memory (the whole
+    home, a shard's or one span of an oversize chunk): its gradients and parameters
+    (compute dtype) and its optimizer unit's views, all starting at ``window[0]``.
 
     ``params_unread``: the parameters were not read (every tensor is rewritten
     from its master), so the window's tail after the last run gets the zeros it
@@ -125,4 +131,5 @@ def step_window(
         params[max(runs[-1].end - start, 0) :].zero_()
     master = unit.master if unit.master is not None else params
     out16 = params if engine.plan.has_master else None
-    step_runs(engine.chunk_optimizer, unit, master, grads, out16, runs, window, grad_scale, engine)
+    optimizer = engine.chunk_optimizer
+    step_runs(optimizer, unit, master, grads, out16, runs, window, grad_scale, engine, chunk)

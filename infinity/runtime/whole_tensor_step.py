@@ -123,7 +123,7 @@ def step_chunk_gathered(
     try:
         unit = optimizer.unit_views(typed(optim_bytes, torch.float32), capacity, has_master)
         grads, params = typed(grad_bytes, engine.dtype), typed(param_bytes, engine.dtype)
-        step_window(engine, runs, (0, capacity), grads, unit, params, unread, grad_scale)
+        step_window(engine, chunk, runs, (0, capacity), grads, unit, params, unread, grad_scale)
     finally:
         close_whole(manager, grad_handle, modified=False, keep=True)
         close_whole(manager, optim_handle, modified=True, keep=True)

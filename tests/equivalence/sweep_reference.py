@@ -3,12 +3,14 @@
 
 The update is torch's single-tensor AdamW (decoupled decay, ``lerp`` for the
 first moment, bias corrections as in ``torch.optim.AdamW``). Between steps the
-moments are kept only in their stored form: bf16 by round-to-nearest-even
-(``Tensor.to``), int8 by the independent NumPy model of the format in
-``tests/optim/q8_reference.py`` (blocks of 256 from each tensor's first element,
-as the layout aligns every tensor to a block). A step decodes them, updates in
-``math`` precision, uses the unrounded moments for the parameter update (as the
-fused kernel does) and stores the rounded ones.
+moments are kept only in their stored form: bf16 by stochastic rounding with the
+reference's own random bits (``tests/optim/bf16_reference.py``; the kernel's are a
+hash of chunk and offset, so every element may round differently), int8 by the
+independent NumPy model of the format in ``tests/optim/q8_reference.py`` (blocks of
+256 from each tensor's first element, as the layout aligns every tensor to a
+block). A step decodes them, updates in ``math`` precision, uses the unrounded
+moments for the parameter update (as the fused kernel does) and stores the
+rounded ones.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from collections.abc import Iterable
 import numpy as np
 import q8_reference as q8
 import torch
+from bf16_reference import round_stochastic
 
 
-def _store(m: torch.Tensor, v: torch.Tensor, state_dtype: str) -> tuple:
+def _store(m: torch.Tensor, v: torch.Tensor, state_dtype: str, gen: torch.Generator) -> tuple:
     if state_dtype == "bf16":
-        return m.float().to(torch.bfloat16), v.float().to(torch.bfloat16)
+        return round_stochastic(m, gen), round_stochastic(v, gen)
     m_code, m_scale, v_code, v_scale = q8.encode(
         m.float().flatten().numpy(), v.float().flatten().numpy()
     )
@@ -62,6 +65,7 @@ class QuantisedAdamW(torch.optim.Optimizer):
         )
         self.state_dtype = state_dtype
         self.math = math
+        self.generator = torch.Generator().manual_seed(0)  # bf16's rounding bits
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
@@ -85,4 +89,4 @@ class QuantisedAdamW(torch.optim.Optimizer):
                 den = (v.sqrt() / (1 - b2**t) ** 0.5).add_(group["eps"])
                 w.addcdiv_(m, den, value=-lr / (1 - b1**t))
                 p.copy_(w)
-                state["moments"] = _store(m, v, self.state_dtype)
+                state["moments"] = _store(m, v, self.state_dtype, self.generator)

@@ -4,8 +4,9 @@ reference of ``CPULion`` in tests/optim, tests/engine and the equivalence sweep.
 
 Per step: ``p *= 1 - lr * wd``; ``p -= lr * sign(beta1 * m + (1 - beta1) * g)``;
 ``m = beta2 * m + (1 - beta2) * g``. Between steps the momentum ``exp_avg`` is
-kept in ``state_dtype``: fp32, bf16 (torch's rounding) or int8 (the signed codes
-of the independent NumPy codec, ``q8_reference.encode_signed``).
+kept in ``state_dtype``: fp32, bf16 (stochastic rounding with its own random bits,
+``bf16_reference.py``) or int8 (the signed codes of the independent NumPy codec,
+``q8_reference.encode_signed``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 import q8_reference as q8
 import torch
+from bf16_reference import round_stochastic
 
 
 class ReferenceLion(torch.optim.Optimizer):
@@ -35,6 +37,7 @@ class ReferenceLion(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
         self.state_dtype = state_dtype
         self.math = math
+        self.generator = torch.Generator().manual_seed(0)  # bf16's rounding bits
 
     def _load(self, stored: object, p: torch.Tensor) -> torch.Tensor:
         if stored is None:
@@ -48,7 +51,9 @@ class ReferenceLion(torch.optim.Optimizer):
     def _store(self, m: torch.Tensor) -> object:
         if self.state_dtype == "int8":
             return q8.encode_signed(m.float().flatten().numpy())
-        return m.to(torch.bfloat16 if self.state_dtype == "bf16" else torch.float32)
+        if self.state_dtype == "bf16":
+            return round_stochastic(m, self.generator)
+        return m.to(torch.float32)
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
