@@ -11,16 +11,7 @@
 
 #include "adam/adam_types.hpp"
 
-// NOTE: a target region instead of -mavx2 on the command line: every function
-// defined below (including the instantiated templates of adam_math.hpp) gets
-// these target attributes, everything else in the module stays baseline
-// x86-64. adam_math.hpp must be included here and nowhere before in this file.
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+#include "common/target_avx2_begin.hpp"  // the region ends at target_end.hpp
 
 #include "adam/adam_dispatch.hpp"
 #include "adam/ops_avx2.hpp"
@@ -37,10 +28,6 @@ void adam_range_avx2(const AdamBuffers& b, const AdamCoeffs& c, int64_t begin, i
 
 }  // namespace infinity::adam
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "common/target_end.hpp"
 
 #endif  // __x86_64__

@@ -17,15 +17,7 @@
 
 #include "adam/adam_types.hpp"
 
-// NOTE: see kernel_avx2.cpp for why this is a target region rather than a
-// compiler flag; adam_math.hpp must be included inside it.
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-#endif
+#include "common/target_avx512_begin.hpp"  // the region ends at target_end.hpp
 
 #include "adam/adam_dispatch.hpp"
 #include "adam/ops_avx512.hpp"
@@ -42,10 +34,6 @@ void adam_range_avx512(const AdamBuffers& b, const AdamCoeffs& c, int64_t begin,
 
 }  // namespace infinity::adam
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "common/target_end.hpp"
 
 #endif  // __x86_64__

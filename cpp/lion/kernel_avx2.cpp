@@ -8,14 +8,7 @@
 
 #include <cstdint>
 
-// NOTE: a target region, as in adam/kernel_avx2.cpp: the backend and the
-// templates of lion_math.hpp must be included inside it and nowhere before.
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+#include "common/target_avx2_begin.hpp"  // the region ends at target_end.hpp
 
 #include "adam/ops_avx2.hpp"
 #include "lion/lion_math.hpp"
@@ -29,10 +22,6 @@ void lion_range_avx2(const LionBuffers& b, const LionCoeffs& c, int64_t begin, i
 
 }  // namespace infinity::lion
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "common/target_end.hpp"
 
 #endif  // __x86_64__

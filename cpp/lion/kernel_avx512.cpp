@@ -13,14 +13,7 @@
 
 #include <cstdint>
 
-// NOTE: a target region, as in adam/kernel_avx2.cpp: the backend and the
-// templates of lion_math.hpp must be included inside it and nowhere before.
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-#endif
+#include "common/target_avx512_begin.hpp"  // the region ends at target_end.hpp
 
 #include "adam/ops_avx512.hpp"
 #include "lion/lion_math.hpp"
@@ -34,10 +27,6 @@ void lion_range_avx512(const LionBuffers& b, const LionCoeffs& c, int64_t begin,
 
 }  // namespace infinity::lion
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "common/target_end.hpp"
 
 #endif  // __x86_64__
