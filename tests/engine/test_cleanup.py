@@ -252,7 +252,7 @@ def test_a_failed_offload_frees_what_it_made_while_the_model_lives(tmp_path, mon
 
     gc.collect()
     baseline = native_threads()
-    monkeypatch.setattr(engine_module, "ChunkManager", no_memory)
+    monkeypatch.setattr(engine_module, "build_manager", no_memory)
     model = tiny_gpt()  # kept alive: its finalizer cannot be what cleans up
     pbytes = param_bytes(model, 4)
     budgets = {"device_memory": pbytes * 6 // 10, "host_memory": pbytes * 2}
