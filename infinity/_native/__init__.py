@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 
@@ -15,3 +16,10 @@ def native() -> ModuleType:
             "(or `pip install --no-build-isolation -e .`) from the project root."
         ) from exc
     return _C
+
+
+@functools.cache
+def submodule(name: str) -> ModuleType:
+    """``infinity._C.<name>`` (``adam``, ``lion``, ``sgd``), looked up once: the kernels'
+    wrappers call it on the per-chunk path."""
+    return getattr(native(), name)

@@ -18,11 +18,10 @@ bad tensor never reaches the native code as a bad pointer
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 
 import torch
 
-from infinity._native import native
+from infinity._native import submodule
 from infinity._native.adam import GRAD_CODES as _GRAD_CODES
 from infinity._native.adam import OUT16_CODES as _OUT_CODES
 from infinity._native.adam import QBLOCK as _QBLOCK
@@ -57,15 +56,6 @@ _STATE_OF_DTYPE = {
 }
 _STATE_DTYPES = tuple(_STATE_OF_DTYPE)
 _OUT_DTYPES = tuple(_OUT_CODES)
-_module: ModuleType | None = None
-
-
-def _adam() -> ModuleType:
-    """``infinity._C.adam``, looked up once (this sits on the per-chunk path)."""
-    global _module
-    if _module is None:
-        _module = native().adam
-    return _module
 
 
 def adam_step(
@@ -158,7 +148,7 @@ def adam_step(
 
     step = check_step("step", step)
     hyper = check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
-    _adam().step(
+    submodule("adam").step(
         master.data_ptr(),
         grad.data_ptr(),
         _GRAD_CODES[grad.dtype],
@@ -234,7 +224,7 @@ def adam_step_many(
             out_codes.append(_OUT_CODES[out.dtype])
     # NOTE: overlaps are checked natively (sorting every buffer's address
     # range); it is pointer arithmetic only, nothing is dereferenced first.
-    _adam().step_many(
+    submodule("adam").step_many(
         [t.data_ptr() for t in masters],
         [t.data_ptr() for t in grads],
         grad_codes,
@@ -250,12 +240,12 @@ def adam_step_many(
 
 def available_isas() -> list[str]:
     """ISAs this CPU can run the kernel with, widest first (the last is always ``"scalar"``)."""
-    return list(_adam().available_isas())
+    return list(submodule("adam").available_isas())
 
 
 def active_isa() -> str:
     """The ISA the next :func:`adam_step` uses: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
-    return str(_adam().active_isa())
+    return str(submodule("adam").active_isa())
 
 
 def force_isa(name: str | None) -> None:
@@ -269,21 +259,21 @@ def force_isa(name: str | None) -> None:
             raise ValueError(
                 f"ISA {name!r} is not available on this CPU; available: {', '.join(available)}"
             )
-    _adam().force_isa(name)
+    submodule("adam").force_isa(name)
 
 
 def set_num_threads(n: int) -> None:
     """Use ``n`` threads (the caller plus ``n - 1`` pool workers) for every following step."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} must be a positive int")
-    _adam().set_num_threads(n)
+    submodule("adam").set_num_threads(n)
 
 
 def get_num_threads() -> int:
     """Threads a step uses (default: :func:`default_num_threads`)."""
-    return int(_adam().get_num_threads())
+    return int(submodule("adam").get_num_threads())
 
 
 def default_num_threads() -> int:
     """Physical cores among the CPUs this process may use (``sched_getaffinity``), at most 64."""
-    return int(_adam().default_num_threads())
+    return int(submodule("adam").default_num_threads())

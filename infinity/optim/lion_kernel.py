@@ -14,11 +14,9 @@ Every argument is validated here, with an error that names it
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from infinity._native import native
+from infinity._native import submodule
 from infinity._native.adam import GRAD_CODES, OUT16_CODES, QBLOCK, STATE_FORMATS
 from infinity.optim.kernel_args import (
     FP32,
@@ -40,15 +38,6 @@ _STATE_OF_DTYPE = {
 }
 _STATE_DTYPES = tuple(_STATE_OF_DTYPE)
 _OUT_DTYPES = tuple(OUT16_CODES)
-_module: ModuleType | None = None
-
-
-def _lion() -> ModuleType:
-    """``infinity._C.lion``, looked up once (this sits on the per-chunk path)."""
-    global _module
-    if _module is None:
-        _module = native().lion
-    return _module
 
 
 def lion_step(
@@ -118,7 +107,7 @@ def lion_step(
         check_tensor("out16", out16, _OUT_DTYPES, n, fn=_FN)
         buffers.append(("out16", out16))
     check_disjoint(tuple(buffers), _FN)
-    _lion().step(
+    submodule("lion").step(
         master.data_ptr(),
         grad.data_ptr(),
         GRAD_CODES[grad.dtype],
@@ -145,4 +134,4 @@ def q8_encode_signed(values: torch.Tensor, code: torch.Tensor, scale: torch.Tens
     check_tensor("code", code, (torch.uint8,), n, "values", "q8_encode_signed")
     check_tensor("scale", scale, FP32, -(-n // QBLOCK), f"{n} values in blocks", "q8_encode_signed")
     check_disjoint((("values", values), ("code", code), ("scale", scale)), "q8_encode_signed")
-    _lion().q8_encode_signed(values.data_ptr(), code.data_ptr(), scale.data_ptr(), n)
+    submodule("lion").q8_encode_signed(values.data_ptr(), code.data_ptr(), scale.data_ptr(), n)

@@ -16,11 +16,9 @@ Every argument is validated here, with an error that names it
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from infinity._native import native
+from infinity._native import submodule
 from infinity._native.adam import GRAD_CODES, OUT16_CODES, STATE_FORMATS
 from infinity.optim.kernel_args import FP32, GRAD_DTYPES, check_disjoint, check_tensor, finite
 
@@ -30,15 +28,6 @@ _FN = "sgd_step"
 _STATE_OF_DTYPE = {torch.float32: STATE_FORMATS["fp32"], torch.bfloat16: STATE_FORMATS["bf16"]}
 _STATE_DTYPES = tuple(_STATE_OF_DTYPE)
 _OUT_DTYPES = tuple(OUT16_CODES)
-_module: ModuleType | None = None
-
-
-def _sgd() -> ModuleType:
-    """``infinity._C.sgd``, looked up once (this sits on the per-chunk path)."""
-    global _module
-    if _module is None:
-        _module = native().sgd
-    return _module
 
 
 def sgd_step(
@@ -104,7 +93,7 @@ def sgd_step(
         check_tensor("out16", out16, _OUT_DTYPES, n, fn=_FN)
         buffers.append(("out16", out16))
     check_disjoint(tuple(buffers), _FN)
-    _sgd().step(
+    submodule("sgd").step(
         master.data_ptr(),
         grad.data_ptr(),
         GRAD_CODES[grad.dtype],
