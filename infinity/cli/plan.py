@@ -19,11 +19,25 @@ from infinity.devices.base import resolve_device
 from infinity.distributed import World
 from infinity.models.gpt import GPT, describe
 from infinity.models.presets import PRESETS, preset
+from infinity.optim.adafactor import ADAFACTOR
+from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.optim.lion import LION
+from infinity.optim.sgd import SGD
 from infinity.optim.state_formats import STATE_DTYPES
 from infinity.runtime.budgets import plan_for
 from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import PlanError
 from infinity.utils.sizes import format_size
+
+# The optimizer the plan is made for (NOTE [homes planned for the optimizer]): the
+# names of `infinity train --optimizer`, each with the chunk optimizer its front-end
+# (CPUAdam, CPULion, CPUSGD, CPUAdafactor) binds.
+OPTIMIZERS: dict[str, ChunkOptimizer] = {
+    "adamw": ADAM,
+    "lion": LION,
+    "sgd": SGD,
+    "adafactor": ADAFACTOR,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=1,
         help="sequences per step, for the activation estimate (with --seq-len)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=sorted(OPTIMIZERS),
+        help="plan for this optimizer's state (the homes the optimizer constructed over the "
+        "model gets); default adamw",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -140,9 +161,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         # NOTE: planning needs no process group: every rank's shard has the same size.
         world = World(rank=0, size=args.nproc)
-        plan = plan_for(ParamRegistry.from_model(model), config, device, world=world)
+        registry = ParamRegistry.from_model(model)
+        plan = plan_for(registry, config, device, OPTIMIZERS[args.optimizer], world=world)
     except PlanError as exc:
         raise CommandError(str(exc)) from None
+    except ValueError as exc:  # a state dtype the optimizer cannot store
+        raise CommandError(f"--optimizer {args.optimizer}: {exc}") from None
     seq_len = args.seq_len or _seq_len_of(model)
     act = activations_at(model, plan, config, args.batch_size, seq_len)
     if args.json:
@@ -168,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
                         "optim": list(plan.optim_home),
                     },
                     "traffic_per_step": plan.traffic,
+                    "optimizer": args.optimizer,
                     "optimizer_state_dtype": plan.state_dtype,
                     "optim_bytes": sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i]),
                     "activations": act,

@@ -97,3 +97,24 @@ def test_gpt2_config_plans_on_768mib_and_names_both_minimums(tmp_path):
     assert plan["host_bytes"] <= 768 << 20
     assert 0 < plan["min_host_bytes"] < 147 << 20  # below the embedding's own 147 MiB
     assert plan["staging_bytes"] <= 16 * plan["chunk_size"]
+
+
+def test_plan_for_a_smaller_optimizer_moves_fewer_bytes(tmp_path):
+    # The homes the optimizer constructed over the model gets (NOTE [homes planned for
+    # the optimizer]): Lion keeps one state slot, Adafactor none in the chunks.
+    small = ("--model", "small", "--device-memory", "512MiB", "--host-memory", "512MiB")
+    plans = {}
+    for name in ("adamw", "lion", "adafactor"):
+        out = _plan(*small, "--nvme-path", str(tmp_path), "--optimizer", name, "--json")
+        assert out.returncode == 0, out.stderr
+        plans[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        assert plans[name]["optimizer"] == name
+    moved = {
+        n: sum(p["traffic_per_step"][k] for k in ("nvme_read_bytes", "nvme_write_bytes"))
+        for n, p in plans.items()
+    }
+    assert moved["adafactor"] < moved["lion"] < moved["adamw"]
+    assert plans["adafactor"]["optim_bytes"] < plans["lion"]["optim_bytes"]
+    assert plans["lion"]["optim_bytes"] < plans["adamw"]["optim_bytes"]
+    bad = _plan("--model", "tiny", "--optimizer", "sgd", "--optimizer-state-dtype", "int8")
+    assert bad.returncode == 2 and "--optimizer sgd" in bad.stderr and "int8" in bad.stderr
