@@ -21,6 +21,10 @@ from infinity.core.names import HOST, NVME, Key, Kind
 from infinity.core.plan import Plan
 from infinity.io import IORequest, SwapFile
 
+# Starts reading a swap file region (offset) into a buffer: ``SwapFile.read``, or
+# a backend's reader straight into device memory (``DeviceBackend.nvme_reader``).
+Reader = Callable[[torch.Tensor, int], IORequest]
+
 
 class HomeStore:
     """Host arenas and the NVMe swap file holding every chunk's home copy."""
@@ -123,13 +127,14 @@ class HomeStore:
         assert self.swap_file is not None
         return self.swap_file
 
-    def read(self, key: Key, dst: torch.Tensor) -> Pending:
-        """Start reading an NVMe-homed key into ``dst`` (uint8, aligned); returns the
-        transfer. It starts only once a write of the same key still in flight has landed."""
+    def read(self, key: Key, dst: torch.Tensor, reader: Reader | None = None) -> Pending:
+        """Start reading an NVMe-homed key into ``dst`` (uint8, aligned) with ``reader``
+        (default: the swap file's own, into host memory); returns the transfer. It
+        starts only once a write of the same key still in flight has landed."""
         ranges = self._ranges(key)
         self.traffic.nvme_read_bytes += sum(n for _o, n in ranges)
-        swap = self._swap()
-        return self._after_write(key, lambda: _each(swap.read, dst, ranges))
+        read = reader or self._swap().read
+        return self._after_write(key, lambda: _each(read, dst, ranges))
 
     def write(self, key: Key, src: torch.Tensor) -> Pending:
         """Start writing ``src`` to an NVMe-homed key; returns the transfer (issued

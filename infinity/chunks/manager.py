@@ -24,14 +24,15 @@ from infinity.chunks.grad_flow import GradientFlow, chunk_key
 from infinity.chunks.grad_flow import typed as typed  # NOTE: re-exported (runtime uses it)
 from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
+from infinity.chunks.movers import device_mover
 from infinity.chunks.pools import SlabPool
-from infinity.chunks.span_access import SpanFill, write_initial
-from infinity.chunks.spans import first_span, is_split
+from infinity.chunks.span_access import write_initial
+from infinity.chunks.spans import first_span
 from infinity.chunks.staging import HostStaging
-from infinity.chunks.transfers import ChainedTransfer
 from infinity.chunks.update_state import UpdateStates
-from infinity.core.names import HOST
+from infinity.core.names import HOST, NVME
 from infinity.core.plan import Plan
+from infinity.core.routes import Purpose, Stop, route_table
 from infinity.devices.base import DeviceBackend
 from infinity.distributed import Collectives
 from infinity.io import SwapFile
@@ -76,6 +77,11 @@ class ChunkManager:
         self.host_account = TierAccount("host", plan.budgets.host)
         self.nvme_account = TierAccount("nvme", plan.budgets.nvme)
         self.homes = HomeStore(plan, backend.alloc_host, self.host_account, self.traffic, swap_file)
+        # NOTE [routes are data]: how bytes travel between the homes and the
+        # device; a backend that reads NVMe into device memory shortens one.
+        self.nvme_reader = backend.nvme_reader(swap_file) if swap_file is not None else None
+        self.routes = route_table(nvme_to_device=self.nvme_reader is not None)
+        device_mover(self.routes(Purpose.COMPUTE, NVME))  # NOTE: a route no mover runs fails here
         self.failures = self.homes.failures  # the sticky first NVMe error
         self.nvme_account.reserved = plan.nvme_bytes
         self.nvme_account.add(plan.nvme_bytes)
@@ -215,21 +221,15 @@ class ChunkManager:
                 return None
         else:
             copy = self.device.insert(key, nbytes, self.moment)
-        if self.homes.tier(key) == HOST:
-            copy.pending.append(self.backend.copy_async(copy.tensor, self.homes.host(key)))
-        elif is_split(self.plan, i):
-            copy.pending.append(SpanFill(self, i, copy.tensor))
-        else:
-            staged = self.host.staged(key, load=True, wait=False, prefetch=prefetch)
-            if staged is None:
-                self.device.remove(key)
-                return None
-            dst, src = copy.tensor, staged.tensor
-            chain = ChainedTransfer(staged.fill, lambda: self.backend.copy_async(dst, src))
-            copy.pending.append(chain)
-            staged.pending.append(chain)  # the staging slot is read until the copy ends
+        route = self.routes(Purpose.COMPUTE, self.homes.tier(key))
+        fill = device_mover(route)(self, i, copy, prefetch)
+        if fill is None:
+            self.device.remove(key)
+            return None
+        copy.pending.append(fill)
         copy.filled = True
-        self.traffic.h2d_bytes += nbytes
+        if route.stops[-2] is not Stop.NVME:  # NOTE: h2d counts bytes from host memory
+            self.traffic.h2d_bytes += nbytes  # (a direct mover counts what it copies)
         return copy
 
     def prefetch_param(self, i: int) -> bool:

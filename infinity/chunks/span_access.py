@@ -1,25 +1,22 @@
 """Moving an oversize chunk through host memory span by span (see ``chunks/spans.py``).
 
 Functions over a :class:`~infinity.chunks.manager.ChunkManager`: open one span
-of a key for the optimizer or a checkpoint, fill a device parameter slot from
-NVMe span by span, flush a device gradient chunk home span by span, and write
-a chunk's initial values. Each holds at most a couple of normal-size staging
-slots at a time, whatever the chunk's size.
+of a key for the optimizer or a checkpoint, and write a chunk's initial values
+(a device fill span by span is ``chunks/movers.py``'s ``SpanFill``). Each holds
+at most a couple of normal-size staging slots at a time, whatever the chunk's size.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 
-from infinity.chunks.cache import Copy, Pending
+from infinity.chunks.cache import Copy
 from infinity.chunks.homes import HomeStore
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
 from infinity.chunks.staging import HostStaging
-from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import HOST, Key, Kind
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
@@ -42,11 +39,6 @@ class ChunkManager(Protocol):
         self, key: Key, *, load: bool = True, writable: bool = True
     ) -> tuple[torch.Tensor, Copy | None]: ...
     def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None: ...
-
-
-# Spans of one device fill in flight at once: one landing from NVMe while the
-# previous one is copied to the device.
-FILL_WINDOW = 2
 
 
 def open_span(
@@ -83,59 +75,6 @@ def open_span(
         parts.append(region[at : at + nbytes])
         at += nbytes
     return parts, copy
-
-
-class SpanFill:
-    """Fill a device parameter slot of an NVMe-homed oversize chunk, span by span
-    through host staging; advances whenever polled (``done``) or waited on."""
-
-    def __init__(self, manager: ChunkManager, chunk: int, dst: torch.Tensor) -> None:
-        self._manager = manager
-        self._chunk = chunk
-        self._dst = dst
-        self._ranges = span_ranges(manager.plan, chunk)
-        self._next = 0
-        self._in_flight: deque[Pending] = deque()
-        self._advance(block=False)
-
-    def _start(self, block: bool) -> Pending | None:
-        start, end = self._ranges[self._next]
-        manager = self._manager
-        key = span_key(Kind.PARAM, self._chunk, start, end)
-        staged = manager.host.staged(key, load=True, wait=False, prefetch=not block)
-        if staged is None:
-            return None
-        size = manager.plan.element_size
-        dst, src = self._dst[start * size : end * size], staged.tensor
-        chain = ChainedTransfer(staged.fill, lambda: manager.backend.copy_async(dst, src))
-        staged.pending.append(chain)  # the staging slot is read until the copy ends
-        return chain
-
-    def _advance(self, *, block: bool) -> None:
-        while self._in_flight and self._in_flight[0].done():
-            self._in_flight.popleft().wait()  # NOTE: raises a failed read here
-        while self._next < len(self._ranges) and len(self._in_flight) < FILL_WINDOW:
-            pending = self._start(block)
-            if pending is None:
-                return
-            self._in_flight.append(pending)
-            self._next += 1
-
-    def done(self) -> bool:
-        """Every span has reached the device (starts the next spans that can start)."""
-        self._advance(block=False)
-        return self._next == len(self._ranges) and not self._in_flight
-
-    def wait(self) -> None:
-        """Bring every remaining span, waiting for staging slots and transfers."""
-        while self._next < len(self._ranges) or self._in_flight:
-            self._advance(block=True)
-            if self._in_flight:
-                self._in_flight.popleft().wait()
-
-    def wait_for_compute(self) -> None:
-        """Like :meth:`wait` (the spans' copies are waited for on the host)."""
-        self.wait()
 
 
 def write_initial(

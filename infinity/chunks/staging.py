@@ -126,8 +126,8 @@ class HostStaging:
         it from under the caller, and the caller of ``pin`` holds it from its
         first instant. Deciding where a parameter's bytes come from polls its
         device copy, whose transfers may advance a span fill that stages spans
-        (``SpanFill``): that is done *before* a slot is taken, never while a
-        copy nobody holds yet sits in it unfilled.
+        (``SpanFill``, ``chunks/movers.py``): that is done *before* a slot is
+        taken, never while a copy nobody holds yet sits in it unfilled.
         """
         cache = self.caches[key[0]]
         copy = cache.get(key)

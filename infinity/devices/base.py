@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # NOTE: infinity.io loads the native module; `infinity plan` needs none
+    from infinity.io import IORequest, SwapFile
 
 
 class TransferHandle(abc.ABC):
@@ -61,6 +66,13 @@ class DeviceBackend(abc.ABC):
         every alias of a slot is dead, no tensor anywhere can still read it, so
         the slot may be reused (this is checked with a storage weak reference).
         """
+
+    def nvme_reader(self, swap_file: SwapFile) -> Callable[[torch.Tensor, int], IORequest] | None:
+        """A reader of ``swap_file`` regions straight into device memory (GPU-direct
+        storage), or ``None`` (the default): NVMe bytes reach the device through
+        host staging. With one, parameters homed on NVMe take the route
+        nvme -> device (NOTE [routes are data], docs/NOTES.md)."""
+        return None
 
     def free_memory(self) -> int | None:
         """Bytes the device could still allocate now, or ``None`` if not known."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from infinity._C import devices as _native
 from infinity.devices.base import DeviceBackend, TransferHandle
-from infinity.io import aligned_empty
+from infinity.io import IORequest, SwapFile, aligned_empty
 
 
 class _CopyHandle(TransferHandle):
@@ -58,9 +59,13 @@ class CpuBackend(DeviceBackend):
 
     name = "cpu"
 
-    def __init__(self, copy_delay_s: float = 0.0) -> None:
+    def __init__(self, copy_delay_s: float = 0.0, *, nvme_direct: bool = False) -> None:
+        """``nvme_direct``: read NVMe homes straight into device slots, the route a
+        GPU with GPU-direct storage takes (tests run it here; see :meth:`nvme_reader`)."""
         self.device = torch.device("cpu")
         self.copy_delay_s = copy_delay_s
+        self.nvme_direct = nvme_direct
+        self.direct_reads = 0  # requests issued by the reader (tests check the route ran)
         self._queue = _native.CopyQueue()
         self._inflight: deque[_CopyHandle] = deque()  # submission order = completion order
 
@@ -79,6 +84,19 @@ class CpuBackend(DeviceBackend):
         handle = _CopyHandle(job, dst, src)
         self._inflight.append(handle)
         return handle
+
+    def nvme_reader(self, swap_file: SwapFile) -> Callable[[torch.Tensor, int], IORequest] | None:
+        # NOTE: the device slots are RAM here, so the swap file's own reader can fill
+        # them: the nvme -> device route with nothing but this method, as GPU-direct
+        # storage would be on a GPU (NOTE [routes are data]).
+        if not self.nvme_direct:
+            return None
+
+        def read(dst: torch.Tensor, offset: int) -> IORequest:
+            self.direct_reads += 1
+            return swap_file.read(dst, offset)
+
+        return read
 
     def alias(self, region: torch.Tensor) -> torch.Tensor:
         # NOTE: frombuffer over a ctypes array at the region's address gives a

@@ -48,6 +48,8 @@ class CudaBackend(DeviceBackend):
 
     name = "cuda"
     computes_apart = True  # NOTE [host updates behind the forward]
+    # NOTE [routes are data]: no `nvme_reader` yet, so NVMe bytes reach the GPU
+    # through host staging; GPU-direct storage (cuFile) would be that one method.
 
     def __init__(self, device: torch.device) -> None:
         # NOTE: "cuda" means the current GPU (what torch.cuda.set_device(local_rank)

@@ -2,7 +2,7 @@
 
 The interleaving behind an intermittent ``KeyError: SpanKey(...)`` at
 ``close_host``: a state read stages a parameter span while the next forward's
-device fill of that chunk (a :class:`~infinity.chunks.span_access.SpanFill`)
+device fill of that chunk (a :class:`~infinity.chunks.movers.SpanFill`)
 is still streaming spans through the same host staging slots. Staging the
 span used to poll the device copy (to decide whether its bytes could come from
 there), which advanced the fill *inside* the staging call: the fill took the
@@ -19,7 +19,8 @@ import torch
 from engine_helpers import config, tiny_llama
 
 import infinity
-from infinity.chunks.span_access import SpanFill, read_elements
+from infinity.chunks.movers import SpanFill
+from infinity.chunks.span_access import read_elements
 from infinity.chunks.spans import is_split, span_key, span_ranges
 from infinity.core.names import NVME, Kind
 from infinity.offload import engine_of

@@ -78,6 +78,9 @@ class Case:
     # Host-homed updates trail into the next forward (NOTE [host updates behind the
     # forward]): a GPU backend's default, forced on the CPU backend here.
     defer_host: bool = False
+    # Parameters homed on NVMe read straight into device memory (the route GPU-direct
+    # storage gives a GPU: NOTE [routes are data]); the CPU backend's `nvme_direct`.
+    nvme_direct: bool = False
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -106,6 +109,8 @@ class Case:
             parts.append(f"llama{self.layers}x{self.hidden}")
         if self.defer_host:
             parts.append("defer")
+        if self.nvme_direct:
+            parts.append("direct")
         if self.backend != "cpu":
             parts.append(self.backend)
         return "-".join(parts)
@@ -165,7 +170,11 @@ def draw(rng: random.Random) -> Case:
         case = dataclasses.replace(case, device=CHECKPOINT_DEVICE, world=1)
     # NOTE: from the case itself, not the generator, so that every other draw of
     # the list stays what it was before this field existed.
-    return dataclasses.replace(case, defer_host=zlib.crc32(case.name().encode()) % 2 == 1)
+    case = dataclasses.replace(case, defer_host=zlib.crc32(case.name().encode()) % 2 == 1)
+    # NOTE: the direct route exists for unsharded parameters on NVMe (a sharded
+    # chunk is gathered from every rank's shard); half of those cases take it.
+    direct = case.world == 1 and case.nvme and zlib.crc32(case.name().encode()) % 4 >= 2
+    return dataclasses.replace(case, nvme_direct=direct)
 
 
 def draw_cases(seed: int, count: int) -> list[Case]:
@@ -183,6 +192,17 @@ def draw_cases(seed: int, count: int) -> list[Case]:
 # world size in every `make test` (the drawn cases vary the rest).
 PINNED: tuple[Case, ...] = (
     Case(host=0.12, device=0.6, chunk_size="16KiB"),
+    # Parameters read from NVMe straight into device memory (NOTE [routes are data]),
+    # 16-bit copies written home by each update, accumulation and clipping.
+    Case(
+        nvme_direct=True,
+        dtype="bf16",
+        host=0.12,
+        device=0.35,
+        chunk_size="16KiB",
+        accumulation=2,
+        clip=0.5,
+    ),
     # Host-homed updates behind the forward: all in host memory with accumulation
     # and clipping, and two ranks with NVMe.
     Case(defer_host=True, dtype="bf16", accumulation=2, clip=0.5, chunk_size="16KiB", device=0.6),

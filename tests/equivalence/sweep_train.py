@@ -18,12 +18,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 from sweep_cases import Case
 from sweep_optimizers import offloaded_optimizer, reference_optimizer
 
 import infinity
+from infinity.core.names import NVME
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Bytes per parameter kept in host homes, by (compute dtype, state dtype):
@@ -114,7 +116,10 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
     from infinity.runtime.state_access import read_params
 
     model = llama(case)
-    model = infinity.offload(model, config(case, model, nvme_dir))
+    if case.nvme_direct:
+        model = _offload_reading_nvme_directly(model, config(case, model, nvme_dir))
+    else:
+        model = infinity.offload(model, config(case, model, nvme_dir))
     engine = engine_of(model)
     if case.defer_host:
         engine.queue.defer_host = True
@@ -140,9 +145,24 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
         entries = engine.registry.entries
         state = {entry.name: value for entry, value in read_params(engine, entries, master=True)}
         stats = infinity.stats(model)
+        if case.nvme_direct and engine.plan.param_home.count(NVME):
+            # NOTE: a case that claims the direct route must have run it.
+            assert engine.backend.direct_reads > 0, "parameters on NVMe never read directly"
         return Trained(state, losses, stats["placement"])
     finally:
         engine.close()
+
+
+def _offload_reading_nvme_directly(model: torch.nn.Module, cfg: infinity.Config) -> torch.nn.Module:
+    """``infinity.offload`` on a CPU backend that reads NVMe homes into device slots
+    (``CpuBackend(nvme_direct=True)``)."""
+    from infinity.devices.cpu import CpuBackend
+    from infinity.runtime import engine as engine_module
+
+    backend = CpuBackend(nvme_direct=True)
+    with mock.patch.object(engine_module, "make_backend", lambda _device: backend):
+        model = infinity.offload(model, cfg)
+    return model
 
 
 def train_reference(case: Case, *, variant: str = "single", steps: int | None = None) -> Trained:

@@ -1,0 +1,191 @@
+"""Movers: the code that runs each route a parameter chunk takes to the device.
+
+:func:`device_mover` maps a route of ``core/routes.py`` (data) to the function
+that starts it; :meth:`ChunkManager.fetch_param` looks the route of a chunk's
+home up and calls its mover, which fills the device copy and returns the
+transfer (``None``: a prefetch found no room now). See NOTE [routes are data].
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from infinity.chunks.accounting import Traffic
+from infinity.chunks.cache import Copy, Pending, TierCache
+from infinity.chunks.homes import HomeStore, Reader
+from infinity.chunks.spans import AllOf, is_split, span_key, span_ranges
+from infinity.chunks.staging import HostStaging
+from infinity.chunks.transfers import ChainedTransfer
+from infinity.core.names import Key, Kind
+from infinity.core.plan import Plan
+from infinity.core.routes import HOST_TO_DEVICE, NVME_TO_DEVICE, NVME_VIA_STAGING_TO_DEVICE, Route
+from infinity.devices.base import DeviceBackend
+
+
+class ChunkManager(Protocol):
+    """What movers use of :class:`~infinity.chunks.manager.ChunkManager`
+    (a protocol: the manager imports this module)."""
+
+    plan: Plan
+    backend: DeviceBackend
+    homes: HomeStore
+    host: HostStaging
+    staging: dict[Kind, TierCache]
+    traffic: Traffic
+    nvme_reader: Reader | None
+
+
+# A mover starts filling ``copy`` (a device slot of parameter chunk ``chunk``);
+# with ``prefetch`` it never blocks, and returns None where it would have to.
+Mover = Callable[[ChunkManager, int, Copy, bool], Pending | None]
+
+# Spans of one device fill in flight at once: one landing from NVMe while the
+# previous one is copied to the device.
+FILL_WINDOW = 2
+
+
+def from_host_home(manager: ChunkManager, chunk: int, copy: Copy, prefetch: bool) -> Pending:
+    """host -> device: one copy from the chunk's host home."""
+    return manager.backend.copy_async(copy.tensor, manager.homes.host((Kind.PARAM, chunk)))
+
+
+def through_staging(
+    manager: ChunkManager, chunk: int, copy: Copy, prefetch: bool
+) -> Pending | None:
+    """nvme -> staging -> device: read into a staging slot, then copy (an oversize
+    chunk span by span, a few staging slots at a time)."""
+    if is_split(manager.plan, chunk):
+        return SpanFill(manager, chunk, copy.tensor)
+    return staged_copy(manager, (Kind.PARAM, chunk), copy.tensor, prefetch=prefetch)
+
+
+def nvme_to_device(manager: ChunkManager, chunk: int, copy: Copy, prefetch: bool) -> Pending:
+    """nvme -> device: the backend's reader puts the home's bytes in the device slot
+    (an oversize chunk span by span, as its spans are written home).
+
+    NOTE: a piece already in host staging (the optimizer just updated it
+    there) is nearer than the disk, and may be newer than what has landed on
+    it: it is copied from there. Pieces are the keys their writes used, so
+    each read waits for the write of its own bytes still in flight.
+    """
+    assert manager.nvme_reader is not None
+    pieces: list[tuple[Key, torch.Tensor]] = [((Kind.PARAM, chunk), copy.tensor)]
+    if is_split(manager.plan, chunk):
+        size = manager.plan.element_size
+        pieces = [
+            (span_key(Kind.PARAM, chunk, start, end), copy.tensor[start * size : end * size])
+            for start, end in span_ranges(manager.plan, chunk)
+        ]
+    reads: list[Pending] = []
+    for key, dst in pieces:
+        if key in manager.staging[Kind.PARAM]:
+            staged = staged_copy(manager, key, dst, prefetch=False)
+            assert staged is not None  # cached: no slot to wait for
+            manager.traffic.h2d_bytes += dst.numel()
+            reads.append(staged)
+        else:
+            reads.append(manager.homes.read(key, dst, reader=manager.nvme_reader))
+    return _WaitedByHost(reads[0] if len(reads) == 1 else AllOf(reads))
+
+
+class _WaitedByHost:
+    """A disk read into a device slot: compute waits for it on the host (the reader
+    has no stream to order compute after)."""
+
+    __slots__ = ("_read",)
+
+    def __init__(self, read: Pending) -> None:
+        self._read = read
+
+    def done(self) -> bool:
+        """The bytes have landed."""
+        return self._read.done()
+
+    def wait(self) -> None:
+        """Block until they have; raises if the read failed."""
+        self._read.wait()
+
+    def wait_for_compute(self) -> None:
+        """As :meth:`wait`."""
+        self._read.wait()
+
+
+_DEVICE_MOVERS: dict[Route, Mover] = {
+    HOST_TO_DEVICE: from_host_home,
+    NVME_VIA_STAGING_TO_DEVICE: through_staging,
+    NVME_TO_DEVICE: nvme_to_device,
+}
+
+
+def device_mover(route: Route) -> Mover:
+    """The mover of a route to the device; a route no mover runs is a clear error."""
+    mover = _DEVICE_MOVERS.get(route)
+    if mover is None:
+        known = ", ".join(str(r) for r in _DEVICE_MOVERS)
+        raise AssertionError(f"no mover runs the route {route} (movers exist for {known})")
+    return mover
+
+
+def staged_copy(
+    manager: ChunkManager, key: Key, dst: torch.Tensor, *, prefetch: bool
+) -> Pending | None:
+    """Read ``key`` (a parameter chunk or span) into host staging, then copy it to ``dst``
+    on the device; None if ``prefetch`` found no staging slot."""
+    staged = manager.host.staged(key, load=True, wait=False, prefetch=prefetch)
+    if staged is None:
+        return None
+    src = staged.tensor
+    chain = ChainedTransfer(staged.fill, lambda: manager.backend.copy_async(dst, src))
+    staged.pending.append(chain)  # the staging slot is read until the copy ends
+    return chain
+
+
+class SpanFill:
+    """Fill a device parameter slot of an NVMe-homed oversize chunk, span by span
+    through host staging; advances whenever polled (``done``) or waited on."""
+
+    def __init__(self, manager: ChunkManager, chunk: int, dst: torch.Tensor) -> None:
+        self._manager = manager
+        self._chunk = chunk
+        self._dst = dst
+        self._ranges = span_ranges(manager.plan, chunk)
+        self._next = 0
+        self._in_flight: deque[Pending] = deque()
+        self._advance(block=False)
+
+    def _start(self, block: bool) -> Pending | None:
+        start, end = self._ranges[self._next]
+        key = span_key(Kind.PARAM, self._chunk, start, end)
+        size = self._manager.plan.element_size
+        dst = self._dst[start * size : end * size]
+        return staged_copy(self._manager, key, dst, prefetch=not block)
+
+    def _advance(self, *, block: bool) -> None:
+        while self._in_flight and self._in_flight[0].done():
+            self._in_flight.popleft().wait()  # NOTE: raises a failed read here
+        while self._next < len(self._ranges) and len(self._in_flight) < FILL_WINDOW:
+            pending = self._start(block)
+            if pending is None:
+                return
+            self._in_flight.append(pending)
+            self._next += 1
+
+    def done(self) -> bool:
+        """Every span has reached the device (starts the next spans that can start)."""
+        self._advance(block=False)
+        return self._next == len(self._ranges) and not self._in_flight
+
+    def wait(self) -> None:
+        """Bring every remaining span, waiting for staging slots and transfers."""
+        while self._next < len(self._ranges) or self._in_flight:
+            self._advance(block=True)
+            if self._in_flight:
+                self._in_flight.popleft().wait()
+
+    def wait_for_compute(self) -> None:
+        """Like :meth:`wait` (the spans' copies are waited for on the host)."""
+        self.wait()
