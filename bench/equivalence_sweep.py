@@ -46,6 +46,7 @@ FEATURES = (
     "betas",
     "optimizer",
     "defer_host",
+    "nvme_direct",
 )
 
 
@@ -95,12 +96,24 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=200, help="cases to draw")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draw")
     parser.add_argument("--world", choices=("1", "2", "both"), default="both")
+    parser.add_argument(
+        "--where",
+        action="append",
+        default=[],
+        metavar="FEATURE=VALUE",
+        help="keep only drawn cases with this feature value (e.g. nvme_direct=True); repeatable",
+    )
     parser.add_argument("--json", help="also write every verdict to this file")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     cases = draw_cases(args.seed, args.cases)
     if args.world != "both":
         cases = [c for c in cases if c.world == int(args.world)]
+    for condition in args.where:
+        name, _, value = condition.partition("=")
+        if name not in Case.__dataclass_fields__:
+            parser.error(f"--where {condition}: {name!r} is not a case feature")
+        cases = [c for c in cases if str(getattr(c, name)) == value]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="infinity-sweep-") as root:
         outcomes = run_all(cases, root)

@@ -17,7 +17,7 @@ import torch
 from infinity.chunks.accounting import Traffic
 from infinity.chunks.cache import Copy, Pending, TierCache
 from infinity.chunks.homes import HomeStore, Reader
-from infinity.chunks.spans import AllOf, is_split, span_key, span_ranges
+from infinity.chunks.spans import AllOf, SpanKey, is_split, span_key, span_ranges, transfer_keys
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import Key, Kind
@@ -73,13 +73,11 @@ def nvme_to_device(manager: ChunkManager, chunk: int, copy: Copy, prefetch: bool
     each read waits for the write of its own bytes still in flight.
     """
     assert manager.nvme_reader is not None
-    pieces: list[tuple[Key, torch.Tensor]] = [((Kind.PARAM, chunk), copy.tensor)]
-    if is_split(manager.plan, chunk):
-        size = manager.plan.element_size
-        pieces = [
-            (span_key(Kind.PARAM, chunk, start, end), copy.tensor[start * size : end * size])
-            for start, end in span_ranges(manager.plan, chunk)
-        ]
+    size = manager.plan.element_size
+    pieces = [
+        (key, copy.tensor[start * size : end * size] if isinstance(key, SpanKey) else copy.tensor)
+        for key, start, end in transfer_keys(manager.plan, Kind.PARAM, chunk)
+    ]
     reads: list[Pending] = []
     for key, dst in pieces:
         if key in manager.staging[Kind.PARAM]:

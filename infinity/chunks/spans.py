@@ -72,6 +72,16 @@ def span_ranges(plan: Plan, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, capacity)) for start in range(0, capacity, step)]
 
 
+def transfer_keys(plan: Plan, kind: Kind, chunk: int) -> list[tuple[Key, int, int]]:
+    """The keys ``(kind, chunk)``'s home is staged under, with their element ranges:
+    the chunk's own key, or one span key per span of an oversize chunk. A read
+    under the key its bytes were written under waits for that write in flight."""
+    ranges = span_ranges(plan, chunk)
+    if len(ranges) == 1:  # NOTE: not split (a split chunk has two spans or more)
+        return [((kind, chunk), *ranges[0])]
+    return [(span_key(kind, chunk, a, b), a, b) for a, b in ranges]
+
+
 def part_ranges(plan: Plan, key: SpanKey) -> list[tuple[int, int]]:
     """(byte offset in the home, bytes) of each contiguous piece of a span, in home order.
 

@@ -15,6 +15,8 @@ from infinity.cli.main import CommandError
 from infinity.cli.plan_activations import activation_lines, activations_at
 from infinity.config import Config, ConfigError
 from infinity.core.names import HOST, NVME
+from infinity.core.plan import Plan
+from infinity.core.routes import Purpose, route_table
 from infinity.devices.base import resolve_device
 from infinity.distributed import World
 from infinity.models.gpt import GPT, describe
@@ -192,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
                         "optim": list(plan.optim_home),
                     },
                     "traffic_per_step": plan.traffic,
+                    "routes": dict(_routes(plan)),
                     "optimizer": args.optimizer,
                     "optimizer_state_dtype": plan.state_dtype,
                     "optim_bytes": sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i]),
@@ -204,9 +207,26 @@ def run(args: argparse.Namespace) -> int:
     states = format_size(plan.home_bytes(HOST) + plan.home_bytes(NVME))
     print(f"model states: {states}" + (" per rank" if plan.sharded else ""))
     print(plan.describe())
+    print("routes (how the bytes of each home travel):")
+    for name, route in _routes(plan):
+        print(f"  {name:<24}{route}")
     for line in activation_lines(act):
         print(line)
     return 0
+
+
+def _routes(plan: Plan) -> list[tuple[str, str]]:
+    """The route of each (purpose, home tier) the plan uses: how its bytes travel."""
+    table = route_table()  # NOTE: neither backend reads NVMe into the device yet
+    used = [
+        *((Purpose.COMPUTE, t) for t in plan.param_home),
+        *((Purpose.FLUSH, t) for t in plan.grad_home if t is not None),
+        *((Purpose.STEP, t) for t in (*plan.param_home, *plan.optim_home) if t is not None),
+    ]
+    return [
+        (f"{purpose} from {tier}", str(table(purpose, tier)))
+        for purpose, tier in dict.fromkeys(used)
+    ]
 
 
 def _seq_len_of(model: torch.nn.Module) -> int:

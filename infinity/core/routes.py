@@ -49,6 +49,8 @@ class Route:
         return Stop.STAGING in self.stops
 
     def __str__(self) -> str:
+        if len(self.stops) == 1:
+            return f"{self.stops[0]} (in place)"
         return " -> ".join(str(stop) for stop in self.stops)
 
 

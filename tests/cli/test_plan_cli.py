@@ -31,6 +31,10 @@ def test_plan_puts_optimizer_state_on_nvme_first(tmp_path):
     assert plan["host_bytes"] <= 512 << 20 and plan["device_bytes"] <= 512 << 20
     assert plan["traffic_per_step"]["nvme_write_bytes"] > 0
     assert "nvme" in homes["grad"]
+    # How each home's bytes travel (core/routes.py): NVMe homes through host staging.
+    assert plan["routes"]["flush from nvme"] == "device -> staging -> nvme"
+    assert plan["routes"]["step from nvme"] == "nvme -> staging"
+    assert plan["routes"]["step from host"] == "host (in place)"
     # Overlapped, the gradients homed on NVMe are neither written nor read back:
     # they leave the host first, and optimizer units stay home instead.
     out = _plan(*small, "--nvme-path", str(tmp_path), "--overlap-optimizer", "--json")
@@ -50,6 +54,8 @@ def test_plan_table_and_errors(tmp_path):
     out = _plan("--model", "tiny", "--device-memory", "8MiB", "--host-memory", "64MiB")
     assert out.returncode == 0, out.stderr
     assert "parameters" in out.stdout and "bytes moved per step" in out.stdout
+    assert "compute from host       host -> device" in out.stdout
+    assert "from nvme" not in out.stdout  # no NVMe tier, no route from it
     bad = _plan("--model", "small", "--device-memory", "1GiB", "--host-memory", "1GiB")
     assert bad.returncode == 2
     assert "set nvme_path" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
