@@ -47,6 +47,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--optimizer-state-dtype", default="int8", choices=("fp32", "bf16", "int8"))
     parser.add_argument("--overlap-optimizer", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--device-memory", default="3GiB")
     parser.add_argument("--host-memory", default="4GiB")
     parser.add_argument("--seq-len", type=int, default=16)
@@ -66,9 +67,11 @@ def main() -> int:
     optimizer = CPUAdam(model.parameters(), lr=1e-4)
     tokens = torch.randint(
         0, shape.vocab, (1, args.seq_len), generator=torch.Generator().manual_seed(0)
-    )
+    ).to(config.device)
 
     def mark() -> dict[str, float]:
+        if config.device.startswith("cuda"):
+            torch.cuda.synchronize()  # the phase's GPU work belongs to the phase
         return {"t": time.perf_counter(), **traffic.snapshot()}
 
     steps = []

@@ -26,6 +26,17 @@ python bench/state_dtype.py --no-nvme-case --loss-steps 0 --scale-params 2B \
    (``nvme_busy_seconds``: a step that computes with no transfer in flight
    moves fewer GB/s without the disk being any slower). ``--scale-dtype fp32``
    keeps the compute small on a CPU without fast bf16 matmuls.
+   ``--scale-device cuda`` computes on the GPU (the states beyond the budgets
+   still live on the disk); ``--scale-modes default,overlap`` runs both steps,
+   round 1 of each first; ``--scale-io-seconds S`` measures the disk first and
+   takes the largest model (at most ``--scale-params``) whose fp32-moment step
+   the planner gives an I/O bound of at most S seconds; ``--scale-budget-seconds``
+   starts no round that would end past it. Each round's runs print one line
+   each as the round ends. ``bench/gpu_check.sh`` runs it on a lent GPU:
+
+   python bench/state_dtype.py --no-nvme-case --loss-steps 0 --scale-device cuda \
+       --scale-params 1B --scale-io-seconds 5 --scale-dtypes fp32,int8 \
+       --scale-modes default,overlap --scale-budget-seconds 170 ...
 3. The demo (``infinity train``, the "small" preset: 300 steps) once per state
    dtype, each in its own process: the loss curve against fp32's.
 4. With ``--anchors`` (only this part runs): the loss grid of
@@ -45,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import state_dtype_anchors as grid  # bench/ is the script's directory
 import torch
@@ -129,32 +141,180 @@ def disk(report: dict) -> float:
     return report["nvme_read_bytes_per_step"] + report["nvme_write_bytes_per_step"]
 
 
-def scale_case(args: argparse.Namespace) -> dict:
-    """Step time, NVMe bytes and disk rates of ``infinity bench scale`` for each state dtype."""
-    dtypes = args.scale_dtypes.split(",")
-    runs: dict[str, list[dict]] = {name: [] for name in dtypes}
-    for r in range(args.scale_rounds):
+def size_for_disk(args: argparse.Namespace, overlap: bool) -> dict:
+    """``--scale-io-seconds``: measure this disk (``disk_mix``, the rates the runs'
+    bound is made of), then pick the largest model of the scale family, at most
+    ``--scale-params``, whose fp32-moment step the planner (``Plan.traffic``) gives
+    at most that I/O bound (``io_bound_seconds``); the smallest member if none does."""
+    from infinity.bench.disk_mix import io_bound_seconds, measure_mix
+    from infinity.bench.scale import planned_nvme_bytes
+    from infinity.bench.scale_shapes import family
+    from infinity.cli.bench_scale import parse_count
+    from infinity.config import AioConfig
+    from infinity.utils.sizes import parse_size
+
+    os.makedirs(args.nvme_path, exist_ok=True)
+    rates = measure_mix(args.nvme_path, parse_size(args.scale_measure_size), AioConfig())
+    print(f"disk under {args.nvme_path}: {rates.read_gbps:.2f} GB/s reading, "
+          f"{rates.write_gbps:.2f} overwriting, {rates.both_gbps:.2f} doing both, "
+          f"{rates.first_write_gbps:.2f} writing a fresh file (infinity/bench/disk_mix.py, "
+          f"{args.scale_measure_size} per pass)", flush=True)  # fmt: skip
+    config = Config(
+        dtype=args.scale_dtype,
+        optimizer_state_dtype="fp32",
+        overlap_optimizer=overlap,
+        device=args.scale_device,
+        device_memory=args.scale_device_memory,
+        host_memory=args.scale_host_memory,
+        nvme_path=args.nvme_path,
+    )
+    cap = parse_count(args.scale_params)
+    members = [m for m in family(args.scale_vocab) if m.num_params <= cap]
+    if not members:
+        raise SystemExit(f"state_dtype: no scale model has at most {args.scale_params} parameters")
+
+    def bound(i: int) -> tuple[float, int]:
+        read_b, write_b = planned_nvme_bytes(members[i], config)
+        return io_bound_seconds(read_b, write_b, rates), read_b + write_b
+
+    # NOTE: a larger member moves more bytes per step: bisect for the largest
+    # within the target (the smallest one if even it is above).
+    lo, hi = 0, len(members) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if bound(mid)[0] <= args.scale_io_seconds:
+            lo = mid
+        else:
+            hi = mid - 1
+    seconds, nbytes = bound(lo)
+    shape = members[lo]
+    print(f"sized for it: {shape.describe()}; the planner gives its fp32-moment step "
+          f"{nbytes / 1e9:.2f} GB of NVMe I/O, an I/O bound of {seconds:.2f} s at these rates "
+          f"(target {args.scale_io_seconds:g} s, at most {args.scale_params} parameters)",
+          flush=True)  # fmt: skip
+    return {
+        "params": shape.num_params,
+        "model": shape.describe(),
+        "disk": rates.as_dict(),
+        "planned_fp32_nvme_bytes": nbytes,
+        "planned_fp32_io_bound_seconds": seconds,
+    }
+
+
+def _scale_run(args: argparse.Namespace, name: str, params: str, overlap: bool) -> dict:
+    """One ``infinity bench scale`` process; its report, or a loud exit showing its stderr."""
+    with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
+        cmd = [
+            sys.executable, "-m", "infinity", "bench", "scale", "--json",
+            "--nvme-path", tmp, "--params", params, "--device", args.scale_device,
+            "--vocab", str(args.scale_vocab), "--optimizer-state-dtype", name,
+            "--dtype", args.scale_dtype, "--device-memory", args.scale_device_memory,
+            "--host-memory", args.scale_host_memory, "--steps", str(args.scale_steps),
+            "--seq-len", str(args.scale_seq_len),
+            "--measure-size", args.scale_measure_size,
+        ]  # fmt: skip
+        if overlap:
+            cmd.append("--overlap-optimizer")
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-6000:])
+        raise SystemExit(
+            f"state_dtype: `{' '.join(cmd)}` failed (exit {done.returncode}); its stderr is above"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+RUN_HEADER = (
+    f"{'step':<8}{'round':>5} {'moments':<8}{'step s':>7}{'NVMe/step':>12}{'I/O bound':>10}"
+    f"{'x bound':>8}{'busy s':>8}{'GB/s':>7}{'busy GB/s':>10}{'GB/s x fp32':>12}"
+    f"{'busy x fp32':>12}{'disk r/w/both GB/s':>20}"
+)
+
+
+def run_row(mode: str, r: int, name: str, rep: dict, fp32: dict) -> str:
+    """One run's line: its step against its I/O bound, its GB/s, and its GB/s against
+    the fp32 run of the same round (the disk drifts over minutes)."""
+    rates = "/".join(f"{rep[f'disk_{k}_gbps']:.2f}" for k in ("read", "write", "both"))
+    ratio = rep["nvme_gbps"] / fp32["nvme_gbps"] if fp32["nvme_gbps"] else float("nan")
+    busy = (
+        rep["nvme_busy_gbps"] / fp32["nvme_busy_gbps"] if fp32["nvme_busy_gbps"] else float("nan")
+    )
+    return (f"{mode:<8}{r + 1:>5} {name:<8}{rep['step_seconds']:>7.2f}{disk(rep) / 1e9:>9.2f} GB"
+            f"{rep['io_bound_seconds']:>9.2f}s{rep['vs_io_bound']:>8.2f}"
+            f"{rep['nvme_busy_seconds']:>8.2f}{rep['nvme_gbps']:>7.2f}"
+            f"{rep['nvme_busy_gbps']:>10.2f}{ratio:>12.2f}{busy:>12.2f}{rates:>20}")  # fmt: skip
+
+
+def scale_modes(args: argparse.Namespace) -> list[str]:
+    """Part 2's steps: ``default`` (updates trail into the next forward) and/or
+    ``overlap`` (``overlap_optimizer=True``)."""
+    modes = ["overlap"] if args.scale_overlap else args.scale_modes.split(",")
+    if not modes or not set(modes) <= {"default", "overlap"} or len(set(modes)) < len(modes):
+        raise SystemExit(f"state_dtype: --scale-modes {args.scale_modes!r}: default and/or overlap")
+    return modes
+
+
+def scale_cases(args: argparse.Namespace) -> dict[str, dict]:
+    """``infinity bench scale`` once per round, step mode and state dtype, each in its own
+    process: the rounds of each mode in turn (round 1 of every mode first), the dtypes
+    in a rotating order; each round's lines printed as it ends. The summary per mode."""
+    dtypes, modes = args.scale_dtypes.split(","), scale_modes(args)
+    start = time.monotonic()
+    sizing = size_for_disk(args, modes[0] == "overlap") if args.scale_io_seconds else None
+    params = str(sizing["params"]) if sizing else args.scale_params
+    runs: dict[str, dict[str, list[dict]]] = {m: {name: [] for name in dtypes} for m in modes}
+    longest = 0.0
+    jobs = [(r, mode) for r in range(args.scale_rounds) for mode in modes]
+    for k, (r, mode) in enumerate(jobs):
+        elapsed = time.monotonic() - start
+        if k and args.scale_budget_seconds and elapsed + longest > args.scale_budget_seconds:
+            print(f"... stopping after {k} of {len(jobs)} rounds: one more ({longest:.0f} s, "
+                  f"the longest so far) would end past --scale-budget-seconds "
+                  f"{args.scale_budget_seconds:g}", file=sys.stderr, flush=True)  # fmt: skip
+            break
+        began = time.monotonic()
         for name in dtypes[r % len(dtypes) :] + dtypes[: r % len(dtypes)]:
-            print(f"... scale, round {r + 1}, {name} moments", file=sys.stderr, flush=True)
-            with tempfile.TemporaryDirectory(dir=args.nvme_path) as tmp:
-                cmd = [
-                    sys.executable, "-m", "infinity", "bench", "scale", "--json",
-                    "--nvme-path", tmp, "--params", args.scale_params,
-                    "--vocab", str(args.scale_vocab), "--optimizer-state-dtype", name,
-                    "--dtype", args.scale_dtype, "--device-memory", args.scale_device_memory,
-                    "--host-memory", args.scale_host_memory, "--steps", str(args.scale_steps),
-                    "--seq-len", str(args.scale_seq_len),
-                    "--measure-size", args.scale_measure_size,
-                ]  # fmt: skip
-                if args.scale_overlap:
-                    cmd.append("--overlap-optimizer")
-                done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"... scale, {mode} step, round {r + 1}, {name} moments", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            rep = _scale_run(args, name, params, mode == "overlap")
+            if not disk(rep):
+                raise SystemExit(
+                    f"state_dtype: {name} moments moved no NVMe bytes: the budgets held every "
+                    "state; lower --scale-host-memory / --scale-device-memory"
+                )
+            runs[mode][name].append(rep)
+            done = (f"... {rep['step_seconds']:.2f} s a step, {disk(rep) / 1e9:.2f} GB of NVMe "
+                    f"I/O, {rep['vs_io_bound']:.2f}x its I/O bound")  # fmt: skip
+            print(done, file=sys.stderr, flush=True)
+        longest = max(longest, time.monotonic() - began)
+        if k == 0:
+            rep = runs[mode]["fp32"][0]
+            print(f"{rep['model']}, {rep['dtype']} on {rep['device']}, batch 1 x "
+                  f"{args.scale_seq_len}, states beyond device {args.scale_device_memory} + "
+                  f"host {args.scale_host_memory} on NVMe; step s: median of steps 2-"
+                  f"{args.scale_steps}; a round took {longest:.0f} s")  # fmt: skip
+            print(RUN_HEADER)
+        # NOTE: each round's lines as it ends: those survive a timeout's kill.
+        for name in dtypes:
+            print(run_row(mode, r, name, runs[mode][name][r], runs[mode]["fp32"][r]), flush=True)
+    return {
+        mode: summarize_scale(args, by_dtype, mode == "overlap", sizing)
+        for mode, by_dtype in runs.items()
+        if by_dtype["fp32"]
+    }
+
+
+def summarize_scale(
+    args: argparse.Namespace, runs: dict[str, list[dict]], overlap: bool, sizing: dict | None
+) -> dict:
+    """Medians over one step mode's rounds; ratios to fp32 are medians of paired ratios."""
     first = runs["fp32"][0]
     out: dict = {
         "model": f"{first['model']}, batch 1 x {args.scale_seq_len}",
+        "device": first["device"],
         "dtype": args.scale_dtype,
-        "overlap_optimizer": args.scale_overlap,
+        "overlap_optimizer": overlap,
+        "sizing": sizing,
         "runs": runs,
         "cases": {},
     }
@@ -189,17 +349,19 @@ def scale_case(args: argparse.Namespace) -> dict:
 
 def _print_scale(scale: dict) -> None:
     """The table of part 2 and the two numbers of issue 26 part 4."""
-    print(f"{scale['model']}, {scale['dtype']}, optimizer states beyond RAM on NVMe"
-          + (", overlapped step" if scale["overlap_optimizer"] else ""))  # fmt: skip
+    step = "overlapped step" if scale["overlap_optimizer"] else "default step"
+    rounds = len(scale["runs"]["fp32"])
+    print(f"{scale['model']}, {scale['dtype']} on {scale['device']}, {step}: medians over "
+          f"{rounds} round{'s' if rounds != 1 else ''}")  # fmt: skip
     print(f"{'moments':<9}{'steps s':>16}{'x fp32':>8}{'NVMe wait':>10}{'NVMe/step':>12}"
           f"{'x fp32':>8}{'I/O bound':>10}{'x bound':>8}{'busy s':>8}{'GB/s':>7}"
           f"{'busy GB/s':>10}")  # fmt: skip
     for name, c in scale["cases"].items():
-        steps = " ".join(f"{x:.1f}" for x in c["step_seconds"])
-        print(f"{name:<9}{steps:>16}{c['time_vs_fp32']:>8.2f}{c['wait_nvme_seconds']:>10.1f}"
-              f"{c['nvme_bytes_per_step'] / 1e9:>9.1f} GB{c['bytes_vs_fp32']:>8.2f}"
-              f"{c['io_bound_seconds']:>9.1f}s{c['vs_io_bound']:>8.2f}"
-              f"{c['nvme_busy_seconds']:>8.1f}{c['nvme_gbps']:>7.2f}"
+        steps = " ".join(f"{x:.2f}" for x in c["step_seconds"])
+        print(f"{name:<9}{steps:>16}{c['time_vs_fp32']:>8.2f}{c['wait_nvme_seconds']:>10.2f}"
+              f"{c['nvme_bytes_per_step'] / 1e9:>9.2f} GB{c['bytes_vs_fp32']:>8.2f}"
+              f"{c['io_bound_seconds']:>9.2f}s{c['vs_io_bound']:>8.2f}"
+              f"{c['nvme_busy_seconds']:>8.2f}{c['nvme_gbps']:>7.2f}"
               f"{c['nvme_busy_gbps']:>10.2f}")  # fmt: skip
     rates = scale["cases"]["fp32"]["disk_gbps"]
     print(f"(the disk in the fp32 runs: {rates['read']:.2f} GB/s reading, {rates['write']:.2f} "
@@ -208,8 +370,8 @@ def _print_scale(scale: dict) -> None:
     int8 = scale["cases"].get("int8")
     if int8 is not None:
         print(f"int8 step / its I/O bound: {int8['vs_io_bound']:.2f}x "
-              f"({statistics.median(int8['step_seconds']):.1f} s against "
-              f"{int8['io_bound_seconds']:.1f} s)")  # fmt: skip
+              f"({statistics.median(int8['step_seconds']):.2f} s against "
+              f"{int8['io_bound_seconds']:.2f} s)")  # fmt: skip
         fp32 = scale["cases"]["fp32"]
         busy = (int8["nvme_busy_gbps"], fp32["nvme_busy_gbps"])
         print(f"int8 GB/s / fp32 GB/s: {int8['gbps_vs_fp32']:.2f} over the step "
@@ -324,8 +486,14 @@ def main() -> int:
         "--scale-seq-len", type=int, default=256, help="part 2's tokens per step (batch 1)"
     )
     parser.add_argument(
-        "--scale-overlap", action="store_true", help="part 2 with overlap_optimizer=True"
-    )
+        "--scale-overlap", action="store_true",
+        help="part 2 with overlap_optimizer=True only (= --scale-modes overlap)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scale-modes", default="default",
+        help="part 2's steps, rounds of each in turn: default (updates trail into the next "
+        "forward) and/or overlap (overlap_optimizer=True), e.g. default,overlap",
+    )  # fmt: skip
     parser.add_argument(
         "--scale-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
         help="part 2's compute dtype (fp32: the least compute on a CPU without bf16 matmuls)",
@@ -333,6 +501,22 @@ def main() -> int:
     parser.add_argument(
         "--scale-dtypes", default=",".join(DTYPES), help="part 2's state dtypes (fp32 among them)"
     )
+    parser.add_argument(
+        "--scale-device", default="cpu", choices=("cpu", "cuda"),
+        help="part 2's compute device (cuda: the GPU computes, the states beyond the budgets "
+        "still live on the disk)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scale-io-seconds", type=float, default=0.0,
+        help="part 2: measure the disk first and take the largest model (at most "
+        "--scale-params) whose fp32-moment step the planner gives this I/O bound at most "
+        "(0: --scale-params as it is)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scale-budget-seconds", type=float, default=0.0,
+        help="part 2: start no round that would end past this many seconds, going by the "
+        "longest round so far (at least one round; 0: all --scale-rounds)",
+    )  # fmt: skip
     parser.add_argument("--scale-device-memory", default="2GiB", help="part 2's device budget")
     parser.add_argument("--scale-host-memory", default="4GiB", help="part 2's host budget")
     parser.add_argument("--scale-steps", type=int, default=4, help="part 2's steps (1 warms up)")
@@ -367,6 +551,8 @@ def main() -> int:
         return 0
     if args.scale_params and "fp32" not in args.scale_dtypes.split(","):
         parser.error("--scale-dtypes must include fp32 (the ratios are to it)")
+    if args.scale_params and args.scale_device == "cuda" and not torch.cuda.is_available():
+        parser.error("--scale-device cuda: no CUDA GPU here (torch.cuda.is_available() is False)")
     shapes = {"nvme": (4, 256), "nvme_small_batch": (1, 32)}
     if not args.small_batch:
         shapes.pop("nvme_small_batch")
@@ -376,8 +562,9 @@ def main() -> int:
         report[key] = nvme_case(args, batch, tokens)
         _print_case(report[key])
     if args.scale_params:
-        report["scale"] = scale_case(args)
-        _print_scale(report["scale"])
+        report["scale"] = scale_cases(args)
+        for scale in report["scale"].values():
+            _print_scale(scale)
     if args.loss_steps:
         curves = demo_losses(args)
         report["demo_losses"] = curves

@@ -8,7 +8,10 @@ the peak RSS against the budgets, the step time against the disk's I/O bound
 (the time this disk needs for one step's NVMe reads and writes, from rates
 measured in the same run with :mod:`infinity.bench.disk_mix`), and the time
 the disk was busy against the step (``nvme_busy_seconds``: the disk idles
-while the step computes without a transfer in flight).
+while the step computes without a transfer in flight). ``Config.device`` may
+be ``cuda``: the GPU computes, the states still go through the host budget to
+the disk. :func:`planned_nvme_bytes` is the planner's estimate of one step's
+NVMe bytes, to size a run for a disk before building anything.
 """
 
 from __future__ import annotations
@@ -62,6 +65,28 @@ def _init_weights(model: torch.nn.Module) -> Callable[[torch.nn.Module], None]:
     return init
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work (a step's wall time must include it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or ``cpu``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def planned_nvme_bytes(shape: Shape, config: Config) -> tuple[int, int]:
+    """NVMe bytes (read, written) per step the planner estimates (``Plan.traffic``)
+    for ``shape`` under ``config``: a meta model, nothing allocated or written."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(shape.llama_config())
+    plan = plan_for(ParamRegistry.from_model(model), config, torch.device(config.device))
+    return plan.traffic["nvme_read_bytes"], plan.traffic["nvme_write_bytes"]
+
+
 def _planner_seconds(model: torch.nn.Module, config: Config) -> float:
     """Time of one plan for the meta model (the engine plans once more inside offload)."""
     start = time.perf_counter()
@@ -74,6 +99,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     import transformers
 
     config = run.config
+    device = torch.device(config.device)
     base_rss = psutil.Process().memory_info().rss
     note(f"measuring the disk ({run.measure_bytes / GB:.1f} GB written and read)")
     before = measure_mix(str(config.nvme_path), run.measure_bytes, config.aio)
@@ -96,6 +122,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
         # that the offloaded states round-trip through the disk intact.
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, run.shape.vocab, (run.batch, run.seq_len), generator=g)
+        tokens = tokens.to(device)
         steps: list[dict[str, float]] = []
         losses: list[float] = []
         for _ in bar(run.steps):
@@ -104,6 +131,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            _sync(device)
             lap = dict(engine.step_timer.last)
             lap["wall_seconds"] = time.perf_counter() - start
             steps.append(lap)
@@ -142,6 +170,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
         "intermediate": run.shape.intermediate,
         "heads": run.shape.heads,
         "dtype": config.dtype,
+        "device": device_name(device),
         "optimizer_state_dtype": config.optimizer_state_dtype,
         "overlap_optimizer": config.overlap_optimizer,
         "params": params,

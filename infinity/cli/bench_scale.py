@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="update each chunk as soon as its gradients are complete "
         "(Config.overlap_optimizer: gradients homed on NVMe never go to the disk)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="compute device (cuda: the GPU computes; the states beyond the device and "
+        "host budgets still live on the disk; default cpu)",
+    )
     parser.add_argument("--device-memory", default="1GiB", help="device budget (default 1GiB)")
     parser.add_argument("--host-memory", default="4GiB", help="host budget (default 4GiB)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (the first warms up)")
@@ -96,7 +103,7 @@ def scale_config(args: argparse.Namespace) -> Config:
             dtype=args.dtype,
             optimizer_state_dtype=args.optimizer_state_dtype,
             overlap_optimizer=args.overlap_optimizer,
-            device="cpu",
+            device=args.device,
             device_memory=args.device_memory,
             host_memory=args.host_memory,
             nvme_path=args.nvme_path,
@@ -111,7 +118,7 @@ def table(report: dict[str, Any]) -> str:
     r = report
     rss_over = r["peak_rss_bytes"] / (r["device_budget_bytes"] + r["host_budget_bytes"])
     rows = [
-        f"{r['model']}, {r['dtype']}: {r['params']:,} parameters",
+        f"{r['model']}, {r['dtype']} on {r['device']}: {r['params']:,} parameters",
         f"states       {format_size(r['states_bytes']):>10} ({r['bytes_per_param']:.4g} B/param, "
         f"moments {r['optimizer_state_dtype']}"
         f"{', overlapped step' if r.get('overlap_optimizer') else ''}) = "
@@ -149,6 +156,13 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--steps, --batch-size and --seq-len must be >= 1, --vocab >= 2")
     if not 0 <= args.margin < 1:
         raise CommandError(f"--margin {args.margin} must be in [0, 1)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CommandError(
+                "--device cuda: no CUDA GPU here (torch.cuda.is_available() is False)"
+            )
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -132,6 +132,17 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
     gbps = (read_b + write_b) / 1e9
     assert report["nvme_gbps"] == pytest.approx(gbps / report["step_seconds"], rel=1e-12)
     assert report["nvme_busy_gbps"] == pytest.approx(gbps / report["nvme_busy_seconds"], rel=1e-12)
+    # The planner's estimate that bench/state_dtype.py --scale-io-seconds sizes a run
+    # by: the same scale as what the step moved (the plan counts no cached re-reads).
+    from infinity.bench.scale import planned_nvme_bytes
+    from infinity.config import Config
+
+    config = Config(
+        dtype="bf16", device="cpu", device_memory="2MiB", host_memory="2MiB", nvme_path=str(nvme)
+    )
+    planned = sum(planned_nvme_bytes(Shape(report["hidden"], report["layers"], 256), config))
+    assert 0.75 * planned <= read_b + write_b <= 1.1 * planned
+    assert report["device"] == "cpu"
     # Training on one repeated batch: finite losses near ln(256) that fall.
     losses = report["losses"]
     assert all(x == x and 0 < x < 10 for x in losses)
@@ -140,7 +151,7 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
     assert [p for p in nvme.rglob("*") if p.is_file()] == []
 
 
-def test_overlap_flag_reaches_the_config(tmp_path):
+def test_overlap_and_device_flags_reach_the_config(tmp_path):
     from infinity.cli.bench_scale import add_arguments, scale_config
 
     parser = argparse.ArgumentParser()
@@ -148,6 +159,21 @@ def test_overlap_flag_reaches_the_config(tmp_path):
     for flags, overlap in (([], False), (["--overlap-optimizer"], True)):
         args = parser.parse_args(["--nvme-path", str(tmp_path), *flags])
         assert scale_config(args).overlap_optimizer is overlap
+        assert scale_config(args).device == "cpu"
+    args = parser.parse_args(["--nvme-path", str(tmp_path), "--device", "cuda"])
+    assert scale_config(args).device == "cuda"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
+    from infinity.cli.bench_scale import add_arguments, run
+    from infinity.cli.main import CommandError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--nvme-path", str(tmp_path), "--device", "cuda"])
+    with pytest.raises(CommandError, match="--device cuda: no CUDA GPU here"):
+        run(args)
 
 
 @pytest.mark.parametrize(
