@@ -8,6 +8,7 @@
 
 #include "adam/adam_math.hpp"
 #include "adam/adam_types.hpp"
+#include "adam/flat_dispatch.hpp"
 #include "adam/q8_codec.hpp"
 
 namespace infinity::adam {
@@ -30,26 +31,16 @@ inline __attribute__((always_inline)) int64_t adam_dispatch(const AdamBuffers& b
         }
         return begin;  // unreachable: formats are validated before any kernel runs
     };
-    auto with_out = [&](auto grad_tag, auto l2_tag) -> int64_t {
-        if (b.out16 == nullptr) return with_state(grad_tag, NoOutTag{}, l2_tag, std::false_type{});
-        const bool stream = b.state != StateFormat::kQ8 && stream_out<Ops>(b, begin);
-        if (b.out_dtype == DType::kBF16) {
-            return stream ? with_state(grad_tag, BF16Tag{}, l2_tag, std::true_type{})
-                          : with_state(grad_tag, BF16Tag{}, l2_tag, std::false_type{});
+    auto with_stream = [&](auto grad_tag, auto out_tag, auto l2_tag) -> int64_t {
+        if constexpr (std::is_same_v<decltype(out_tag), NoOutTag>) {
+            return with_state(grad_tag, out_tag, l2_tag, std::false_type{});
+        } else {
+            const bool stream = b.state != StateFormat::kQ8 && stream_out<Ops>(b, begin);
+            return stream ? with_state(grad_tag, out_tag, l2_tag, std::true_type{})
+                          : with_state(grad_tag, out_tag, l2_tag, std::false_type{});
         }
-        return stream ? with_state(grad_tag, F16Tag{}, l2_tag, std::true_type{})
-                      : with_state(grad_tag, F16Tag{}, l2_tag, std::false_type{});
     };
-    auto with_grad = [&](auto l2_tag) -> int64_t {
-        switch (b.grad_dtype) {
-            case DType::kF32: return with_out(F32Tag{}, l2_tag);
-            case DType::kBF16: return with_out(BF16Tag{}, l2_tag);
-            case DType::kF16: return with_out(F16Tag{}, l2_tag);
-        }
-        return begin;  // unreachable: dtypes are validated before any kernel runs
-    };
-    if (c.use_l2) return with_grad(std::true_type{});
-    return with_grad(std::false_type{});
+    return flat_dispatch(b, c.use_l2, begin, with_stream);
 }
 
 }  // namespace infinity::adam

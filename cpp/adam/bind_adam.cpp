@@ -12,9 +12,9 @@
 
 #include "adam/adam_step.hpp"
 #include "adam/bandwidth.hpp"
+#include "adam/bind_args.hpp"
 #include "adam/isa.hpp"
 #include "adam/kernels.hpp"
-#include "adam/bind_codes.hpp"
 #include "common/error.hpp"
 #include "common/thread_pool.hpp"
 
@@ -24,7 +24,7 @@ namespace infinity {
 namespace {
 
 using bind::as_ptr;
-using bind::to_dtype;
+using bind::to_count;
 using bind::to_state;
 
 py::dict dtype_codes(bool out16_only) {
@@ -37,15 +37,9 @@ py::dict dtype_codes(bool out16_only) {
 
 adam::AdamBuffers make_buffers(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
                                uintptr_t exp_avg_sq, uintptr_t out16, int out_dtype, int64_t n) {
-    adam::AdamBuffers b;
-    b.param = as_ptr<float>(param);
-    b.grad = as_ptr<const void>(grad);
-    b.grad_dtype = to_dtype(grad_dtype, "grad");
+    auto b = bind::flat_buffers<adam::AdamBuffers>(param, grad, grad_dtype, out16, out_dtype, n);
     b.exp_avg = as_ptr<void>(exp_avg);
     b.exp_avg_sq = as_ptr<void>(exp_avg_sq);
-    b.out16 = as_ptr<void>(out16);
-    if (out16 != 0) b.out_dtype = to_dtype(out_dtype, "out16");
-    b.n = n;
     return b;
 }
 
@@ -145,10 +139,10 @@ void bind_adam(py::module_& m) {
         "q8_encode_moments",
         [](uintptr_t m, uintptr_t v, uintptr_t m_code, uintptr_t m_scale, uintptr_t v_code,
            uintptr_t v_scale, int64_t n) {
-            if (n < 0) throw_error<std::invalid_argument>("q8_encode_moments: n must be >= 0");
             adam::q8_encode_moments(as_ptr<const float>(m), as_ptr<const float>(v),
                                     as_ptr<uint8_t>(m_code), as_ptr<float>(m_scale),
-                                    as_ptr<uint8_t>(v_code), as_ptr<float>(v_scale), n);
+                                    as_ptr<uint8_t>(v_code), as_ptr<float>(v_scale),
+                                    to_count(n, "q8_encode_moments"));
         },
         py::call_guard<py::gil_scoped_release>(), py::arg("m"), py::arg("v"), py::arg("m_code"),
         py::arg("m_scale"), py::arg("v_code"), py::arg("v_scale"), py::arg("n"),
@@ -156,9 +150,8 @@ void bind_adam(py::module_& m) {
     m.def(
         "q8_decode",
         [](uintptr_t code, uintptr_t scale, uintptr_t out, int64_t n, bool is_signed) {
-            if (n < 0) throw_error<std::invalid_argument>("q8_decode: n must be >= 0");
             adam::q8_decode(as_ptr<const uint8_t>(code), as_ptr<const float>(scale),
-                            as_ptr<float>(out), n, is_signed);
+                            as_ptr<float>(out), to_count(n, "q8_decode"), is_signed);
         },
         py::call_guard<py::gil_scoped_release>(), py::arg("code"), py::arg("scale"), py::arg("out"),
         py::arg("n"), py::arg("is_signed"),

@@ -1,7 +1,8 @@
 // What the one-tensor optimizer steps share (Lion: cpp/lion/lion_step.cpp,
 // SGD: cpp/sgd/sgd_step.cpp): element sizes of the dtype and state-format
 // codes, the check that a step's buffers are disjoint, and the run of a range
-// kernel over the compute pool with the Adam kernels' task split.
+// kernel over the compute pool with the Adam kernels' task split. The kernels'
+// entry templates share their dtype dispatch too (adam/flat_dispatch.hpp).
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "adam/adam_types.hpp"
@@ -63,6 +65,18 @@ inline std::string find_overlap(std::vector<BufferSpan> spans) {
     return "";
 }
 
+/// find_overlap over the buffers of one step `b` (lion::LionBuffers,
+/// sgd::SgdBuffers): the fp32 master, the gradient, the kernel's own `states`
+/// and, if given, the 16-bit copy. Pointer arithmetic only: nothing is read.
+template <class Buffers>
+std::string find_step_overlap(const Buffers& b, const std::vector<BufferSpan>& states) {
+    std::vector<BufferSpan> spans = {buffer_span(b.param, b.n, 4, "master"),
+                                     buffer_span(b.grad, b.n, dtype_bytes(b.grad_dtype), "grad")};
+    spans.insert(spans.end(), states.begin(), states.end());
+    if (b.out16 != nullptr) spans.push_back(buffer_span(b.out16, b.n, 2, "out16"));
+    return find_overlap(std::move(spans));
+}
+
 /// Calls `kernel(begin, end)` over all `n` elements of one tensor on the
 /// compute pool, with the Adam kernels' task split: segments start on kBlock
 /// boundaries, so an int8 block is one thread's and vectors never straddle
@@ -85,6 +99,13 @@ void run_on_pool(int64_t n, const Kernel& kernel) {
         ScopedFpEnv env(csr);
         run_task(task);
     });
+}
+
+/// Runs `kernel(b, c, begin, end)` (a per-ISA range function) over all
+/// `b.n` elements of a validated step on the compute pool (run_on_pool).
+template <class Buffers, class Coeffs, class RangeFn>
+void run_step_on_pool(const Buffers& b, const Coeffs& c, RangeFn kernel) {
+    run_on_pool(b.n, [&](int64_t begin, int64_t end) { kernel(b, c, begin, end); });
 }
 
 }  // namespace infinity::adam

@@ -6,10 +6,8 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
-#include <string>
 
-#include "adam/bind_codes.hpp"
-#include "common/error.hpp"
+#include "adam/bind_args.hpp"
 #include "lion/lion_kernels.hpp"
 #include "lion/lion_step.hpp"
 
@@ -19,22 +17,16 @@ namespace infinity {
 namespace {
 
 using bind::as_ptr;
-using bind::to_dtype;
+using bind::to_count;
 using bind::to_state;
 
 void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t out16,
           int out_dtype, int64_t n, double lr, double beta1, double beta2, double weight_decay,
           double grad_scale, int state_format, uintptr_t exp_avg_scale, int64_t step_count,
           uint64_t round_stream, int64_t round_offset) {
-    lion::LionBuffers b;
-    b.param = as_ptr<float>(param);
-    b.grad = as_ptr<const void>(grad);
-    b.grad_dtype = to_dtype(grad_dtype, "grad");
+    auto b = bind::flat_buffers<lion::LionBuffers>(param, grad, grad_dtype, out16, out_dtype, n);
     b.exp_avg = as_ptr<void>(exp_avg);
     b.exp_avg_scale = as_ptr<float>(exp_avg_scale);
-    b.out16 = as_ptr<void>(out16);
-    if (out16 != 0) b.out_dtype = to_dtype(out_dtype, "out16");
-    b.n = n;
     b.state = to_state(state_format);
     b.round_stream = round_stream;
     b.round_offset = round_offset;
@@ -63,9 +55,8 @@ void bind_lion(py::module_& m) {
     m.def(
         "q8_encode_signed",
         [](uintptr_t values, uintptr_t code, uintptr_t scale, int64_t n) {
-            if (n < 0) throw_error<std::invalid_argument>("q8_encode_signed: n must be >= 0");
             lion::q8_encode_signed(as_ptr<const float>(values), as_ptr<uint8_t>(code),
-                                   as_ptr<float>(scale), n);
+                                   as_ptr<float>(scale), to_count(n, "q8_encode_signed"));
         },
         py::call_guard<py::gil_scoped_release>(), py::arg("values"), py::arg("code"),
         py::arg("scale"), py::arg("n"),

@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "adam/adam_math.hpp"
+#include "adam/flat_dispatch.hpp"
 #include "adam/q8_codec.hpp"
 #include "adam/tags.hpp"
 #include "lion/lion_types.hpp"
@@ -30,7 +31,6 @@
 namespace infinity::lion {
 
 using adam::BF16Tag;
-using adam::F16Tag;
 using adam::F32Tag;
 using adam::kQBlock;
 using adam::NoOutTag;
@@ -173,21 +173,7 @@ inline __attribute__((always_inline)) int64_t lion_dispatch(const LionBuffers& b
         }
         return begin;  // unreachable: formats are validated before any kernel runs
     };
-    auto with_out = [&](auto grad_tag, auto decay_tag) -> int64_t {
-        if (b.out16 == nullptr) return with_state(grad_tag, NoOutTag{}, decay_tag);
-        if (b.out_dtype == DType::kBF16) return with_state(grad_tag, BF16Tag{}, decay_tag);
-        return with_state(grad_tag, F16Tag{}, decay_tag);
-    };
-    auto with_grad = [&](auto decay_tag) -> int64_t {
-        switch (b.grad_dtype) {
-            case DType::kF32: return with_out(F32Tag{}, decay_tag);
-            case DType::kBF16: return with_out(BF16Tag{}, decay_tag);
-            case DType::kF16: return with_out(F16Tag{}, decay_tag);
-        }
-        return begin;  // unreachable: dtypes are validated before any kernel runs
-    };
-    if (c.use_decay) return with_grad(std::true_type{});
-    return with_grad(std::false_type{});
+    return adam::flat_dispatch(b, c.use_decay, begin, with_state);
 }
 
 }  // namespace infinity::lion

@@ -2,7 +2,6 @@
 
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "adam/flat_step.hpp"
@@ -34,16 +33,13 @@ void validate(const LionBuffers& b, const LionHyper& h) {
     require(b.param && b.grad && b.exp_avg, "null buffer pointer for a non-empty step");
     require(b.state != StateFormat::kQ8 || b.exp_avg_scale, "int8 momentum needs its block scales");
     // NOTE: pointer arithmetic only (Python checked the same before calling).
-    std::vector<adam::BufferSpan> spans = {
-        adam::buffer_span(b.param, b.n, 4, "master"),
-        adam::buffer_span(b.grad, b.n, adam::dtype_bytes(b.grad_dtype), "grad"),
+    std::vector<adam::BufferSpan> states = {
         adam::buffer_span(b.exp_avg, b.n, adam::state_bytes(b.state), "exp_avg")};
     if (b.state == StateFormat::kQ8) {
-        spans.push_back(adam::buffer_span(b.exp_avg_scale, (b.n + adam::kQBlock - 1) / adam::kQBlock,
-                                          4, "exp_avg_scale"));
+        states.push_back(adam::buffer_span(b.exp_avg_scale, (b.n + adam::kQBlock - 1) / adam::kQBlock,
+                                           4, "exp_avg_scale"));
     }
-    if (b.out16 != nullptr) spans.push_back(adam::buffer_span(b.out16, b.n, 2, "out16"));
-    const std::string overlap = adam::find_overlap(std::move(spans));
+    const std::string overlap = adam::find_step_overlap(b, states);
     require(overlap.empty(), overlap);
 }
 
@@ -52,9 +48,7 @@ void validate(const LionBuffers& b, const LionHyper& h) {
 void lion_step(const LionBuffers& b, const LionHyper& h) {
     validate(b, h);
     if (b.n == 0) return;
-    const LionCoeffs c = make_lion_coeffs(h);
-    const LionRangeFn kernel = lion_range_fn(adam::active_isa());
-    adam::run_on_pool(b.n, [&](int64_t begin, int64_t end) { kernel(b, c, begin, end); });
+    adam::run_step_on_pool(b, make_lion_coeffs(h), lion_range_fn(adam::active_isa()));
 }
 
 }  // namespace infinity::lion

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "adam/bind_codes.hpp"
+#include "adam/bind_args.hpp"
 #include "sgd/sgd_kernels.hpp"
 
 namespace py = pybind11;
@@ -16,22 +16,15 @@ namespace infinity {
 namespace {
 
 using bind::as_ptr;
-using bind::to_dtype;
 using bind::to_state;
 
 void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t momentum_buffer,
           int state_format, uintptr_t out16, int out_dtype, int64_t n, double lr, double momentum,
           double dampening, double weight_decay, bool nesterov, bool maximize, bool first_step,
           double grad_scale) {
-    sgd::SgdBuffers b;
-    b.param = as_ptr<float>(param);
-    b.grad = as_ptr<const void>(grad);
-    b.grad_dtype = to_dtype(grad_dtype, "grad");
+    auto b = bind::flat_buffers<sgd::SgdBuffers>(param, grad, grad_dtype, out16, out_dtype, n);
     b.momentum_buffer = as_ptr<void>(momentum_buffer);
     b.state = to_state(state_format);
-    b.out16 = as_ptr<void>(out16);
-    if (out16 != 0) b.out_dtype = to_dtype(out_dtype, "out16");
-    b.n = n;
     sgd::SgdHyper h;
     h.lr = lr;
     h.momentum = momentum;

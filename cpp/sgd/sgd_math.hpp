@@ -22,13 +22,13 @@
 #include <type_traits>
 
 #include "adam/adam_math.hpp"
+#include "adam/flat_dispatch.hpp"
 #include "adam/tags.hpp"
 #include "sgd/sgd_types.hpp"
 
 namespace infinity::sgd {
 
 using adam::BF16Tag;
-using adam::F16Tag;
 using adam::F32Tag;
 using adam::NoOutTag;
 
@@ -118,21 +118,7 @@ inline __attribute__((always_inline)) int64_t sgd_dispatch(const SgdBuffers& b, 
         }
         return begin;  // unreachable: make_sgd_coeffs sets a known mode
     };
-    auto with_out = [&](auto grad_tag, auto decay_tag) -> int64_t {
-        if (b.out16 == nullptr) return with_mode(grad_tag, NoOutTag{}, decay_tag);
-        if (b.out_dtype == DType::kBF16) return with_mode(grad_tag, BF16Tag{}, decay_tag);
-        return with_mode(grad_tag, F16Tag{}, decay_tag);
-    };
-    auto with_grad = [&](auto decay_tag) -> int64_t {
-        switch (b.grad_dtype) {
-            case DType::kF32: return with_out(F32Tag{}, decay_tag);
-            case DType::kBF16: return with_out(BF16Tag{}, decay_tag);
-            case DType::kF16: return with_out(F16Tag{}, decay_tag);
-        }
-        return begin;  // unreachable: dtypes are validated before any kernel runs
-    };
-    if (c.use_decay) return with_grad(std::true_type{});
-    return with_grad(std::false_type{});
+    return adam::flat_dispatch(b, c.use_decay, begin, with_mode);
 }
 
 }  // namespace infinity::sgd

@@ -2,7 +2,6 @@
 // kernel spread over the compute pool.
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "adam/flat_step.hpp"
@@ -32,15 +31,12 @@ void validate(const SgdBuffers& b, const SgdHyper& h) {
     require(b.param && b.grad, "null buffer pointer for a non-empty step");
     require(!uses_buffer || b.momentum_buffer, "momentum != 0 needs a momentum_buffer");
     // NOTE: pointer arithmetic only (Python checked the same before calling).
-    std::vector<adam::BufferSpan> spans = {
-        adam::buffer_span(b.param, b.n, 4, "master"),
-        adam::buffer_span(b.grad, b.n, adam::dtype_bytes(b.grad_dtype), "grad")};
+    std::vector<adam::BufferSpan> states;
     if (uses_buffer) {
-        spans.push_back(
+        states.push_back(
             adam::buffer_span(b.momentum_buffer, b.n, adam::state_bytes(b.state), "momentum_buffer"));
     }
-    if (b.out16 != nullptr) spans.push_back(adam::buffer_span(b.out16, b.n, 2, "out16"));
-    const std::string overlap = adam::find_overlap(std::move(spans));
+    const std::string overlap = adam::find_step_overlap(b, states);
     require(overlap.empty(), overlap);
 }
 
@@ -49,9 +45,7 @@ void validate(const SgdBuffers& b, const SgdHyper& h) {
 void sgd_step(const SgdBuffers& b, const SgdHyper& h) {
     validate(b, h);
     if (b.n == 0) return;
-    const SgdCoeffs c = make_sgd_coeffs(h);
-    const SgdRangeFn kernel = sgd_range_fn(adam::active_isa());
-    adam::run_on_pool(b.n, [&](int64_t begin, int64_t end) { kernel(b, c, begin, end); });
+    adam::run_step_on_pool(b, make_sgd_coeffs(h), sgd_range_fn(adam::active_isa()));
 }
 
 }  // namespace infinity::sgd

@@ -1,9 +1,12 @@
 """Argument checks of the fused CPU kernels' entry points (Adam: :mod:`infinity.optim.kernels`,
-Lion: :mod:`infinity.optim.lion_kernel`).
+Lion: :mod:`infinity.optim.lion_kernel`, SGD: :mod:`infinity.optim.sgd_kernel`).
 
 Every argument is validated in Python with an error that names it, so a bad
 tensor never reaches the native code as a bad pointer
 (see NOTE [raw pointers into native code] in docs/NOTES.md).
+:func:`check_flat_buffers` checks the buffers of one flat step (master, grad,
+the optimizer's states, their int8 block scales, the 16-bit copy) the same way
+for every kernel; each wrapper passes its own names.
 """
 
 from __future__ import annotations
@@ -11,15 +14,25 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Collection, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
-from infinity._native.adam import GRAD_CODES
+from infinity._native.adam import GRAD_CODES, OUT16_CODES, QBLOCK, STATE_FORMATS
 
 _F32 = torch.float32
 _STRIDED = torch.strided
 FP32 = (torch.float32,)
 GRAD_DTYPES = tuple(GRAD_CODES)
+OUT16_DTYPES = tuple(OUT16_CODES)
+STATE_OF_DTYPE: Mapping[torch.dtype, int] = {
+    torch.float32: STATE_FORMATS["fp32"],
+    torch.bfloat16: STATE_FORMATS["bf16"],
+    torch.uint8: STATE_FORMATS["int8"],  # int8 codes are stored as bytes
+}
+"""The kernels' state-format code of each storage dtype of an optimizer state."""
+_FP32_STATE = STATE_FORMATS["fp32"]
 
 # NOTE: the checks below run on every call (the chunk engine calls once per
 # chunk), so they use the cheapest tensor attributes: `is_cpu` instead of
@@ -29,7 +42,7 @@ GRAD_DTYPES = tuple(GRAD_CODES)
 def check_tensor(
     name: str,
     t: object,
-    dtypes: tuple[torch.dtype, ...],
+    dtypes: Collection[torch.dtype],
     numel: int | None,
     reference: str = "master",
     fn: str = "adam_step",
@@ -75,6 +88,106 @@ def check_disjoint(buffers: tuple[tuple[str, torch.Tensor], ...], fn: str = "ada
                     "buffers (it reads and writes them in one pass)"
                 )
             end, previous = start + size, name
+
+
+class FlatBuffers(NamedTuple):
+    """The buffers of one flat step after :func:`check_flat_buffers`: the addresses
+    and codes the native entry points take (0 for a buffer that is not there)."""
+
+    n: int
+    """Elements of every buffer."""
+    master: int
+    grad: int
+    grad_code: int
+    states: tuple[int, ...]
+    """The state buffers' addresses, in the order they were given."""
+    state_code: int
+    """Their state format (fp32's when there is no state)."""
+    scales: tuple[int, ...]
+    """The int8 block-scale buffers' addresses, in the order given; 0 each otherwise."""
+    out16: int
+    out16_code: int
+
+    def leading_args(self) -> tuple[int, ...]:
+        """``param, grad, grad_dtype, <the states>, out16, out_dtype, n``: how
+        ``_C.adam.step`` and ``_C.lion.step`` begin (``_C.sgd.step`` orders its own)."""
+        return (
+            self.master,
+            self.grad,
+            self.grad_code,
+            *self.states,
+            self.out16,
+            self.out16_code,
+            self.n,
+        )
+
+
+def check_flat_buffers(
+    fn: str,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    states: Sequence[tuple[str, torch.Tensor]],
+    out16: torch.Tensor | None,
+    *,
+    state_codes: Mapping[torch.dtype, int] = STATE_OF_DTYPE,
+    scales: Sequence[tuple[str, torch.Tensor | None]] = (),
+    int8_state: str = "an int8 (uint8) state",
+) -> FlatBuffers:
+    """Check the buffers of one step of kernel ``fn``, each with an error naming it.
+
+    ``master`` is fp32 and sets the element count, ``grad`` is fp32, bf16 or
+    fp16. ``states`` are the optimizer's (name, tensor) pairs: the first one's
+    dtype is a key of ``state_codes``, every later one has the first one's dtype.
+    With an int8 (uint8) state, every buffer of ``scales`` is required (the
+    error says it is ``required with {int8_state}``) and holds one fp32 per
+    block of ``QBLOCK`` elements. ``out16`` is ``None`` or a bf16/fp16 tensor.
+    No two buffers may overlap in memory. The checks run in that order, so
+    the first bad argument is the one named.
+
+    NOTE: the annotations say what a caller should pass; every value is still
+    checked (``check_tensor`` raises ``TypeError`` for a non-tensor).
+    """
+    n = check_tensor("master", master, FP32, None, fn=fn)
+    check_tensor("grad", grad, GRAD_DTYPES, n, fn=fn)
+    buffers = [("master", master), ("grad", grad)]
+    state_ptrs: tuple[int, ...] = ()
+    state_code, scale_ptrs = _FP32_STATE, (0,) * len(scales)
+    if states:
+        first, first_tensor = states[0]
+        check_tensor(first, first_tensor, state_codes, n, fn=fn)
+        dtype = first_tensor.dtype
+        for name, tensor in states[1:]:
+            check_tensor(name, tensor, (dtype,), n, first, fn)
+        buffers.extend(states)
+        state_ptrs = tuple([t.data_ptr() for _, t in states])
+        state_code = state_codes[dtype]
+        if dtype is torch.uint8:
+            blocks = -(-n // QBLOCK)
+            ptrs = []
+            for name, scale in scales:
+                if scale is None:
+                    raise ValueError(f"{name} is required with {int8_state}")
+                check_tensor(name, scale, FP32, blocks, f"{n} elements in blocks of {QBLOCK}", fn)
+                buffers.append((name, scale))
+                ptrs.append(scale.data_ptr())
+            scale_ptrs = tuple(ptrs)
+    out_ptr, out_code = 0, 0
+    if out16 is not None:
+        check_tensor("out16", out16, OUT16_DTYPES, n, fn=fn)
+        buffers.append(("out16", out16))
+        out_ptr, out_code = out16.data_ptr(), OUT16_CODES[out16.dtype]
+    check_disjoint(tuple(buffers), fn)
+    return FlatBuffers(
+        n,
+        master.data_ptr(),
+        grad.data_ptr(),
+        GRAD_CODES[grad.dtype],
+        state_ptrs,
+        state_code,
+        scale_ptrs,
+        out_ptr,
+        out_code,
+    )
 
 
 def finite(

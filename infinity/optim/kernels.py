@@ -24,12 +24,9 @@ import torch
 from infinity._native import submodule
 from infinity._native.adam import GRAD_CODES as _GRAD_CODES
 from infinity._native.adam import OUT16_CODES as _OUT_CODES
-from infinity._native.adam import QBLOCK as _QBLOCK
-from infinity._native.adam import STATE_FORMATS as _STATE_CODES
 from infinity.optim.kernel_args import (
-    FP32,
-    GRAD_DTYPES,
-    check_disjoint,
+    OUT16_DTYPES,
+    check_flat_buffers,
     check_four,
     check_hyper,
     check_rounding,
@@ -47,15 +44,6 @@ __all__ = [
     "get_num_threads",
     "set_num_threads",
 ]
-
-# The moments' storage dtype names the kernel's state format (int8 codes are bytes).
-_STATE_OF_DTYPE = {
-    torch.float32: _STATE_CODES["fp32"],
-    torch.bfloat16: _STATE_CODES["bf16"],
-    torch.uint8: _STATE_CODES["int8"],
-}
-_STATE_DTYPES = tuple(_STATE_OF_DTYPE)
-_OUT_DTYPES = tuple(_OUT_CODES)
 
 
 def adam_step(
@@ -124,43 +112,23 @@ def adam_step(
         ValueError: wrong device, layout, contiguity or size, overlapping
             buffers, ``step < 1``, or a hyper-parameter out of range.
     """
-    n = check_tensor("master", master, FP32, None)
-    check_tensor("grad", grad, GRAD_DTYPES, n)
-    check_tensor("exp_avg", exp_avg, _STATE_DTYPES, n)
-    check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n, "exp_avg")
-    buffers = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    scale_ptrs = (0, 0)
-    if exp_avg.dtype is torch.uint8:
-        blocks = -(-n // _QBLOCK)
-        for name, scale in (
-            ("exp_avg_scale", exp_avg_scale),
-            ("exp_avg_sq_scale", exp_avg_sq_scale),
-        ):
-            if scale is None:
-                raise ValueError(f"{name} is required with int8 (uint8) moments")
-            check_tensor(name, scale, FP32, blocks, f"{n} elements in blocks of {_QBLOCK}")
-            buffers.append((name, scale))
-        scale_ptrs = (exp_avg_scale.data_ptr(), exp_avg_sq_scale.data_ptr())  # type: ignore[union-attr]
-    if out16 is not None:
-        check_tensor("out16", out16, _OUT_DTYPES, n)
-        buffers.append(("out16", out16))
-    check_disjoint(tuple(buffers))
-
+    b = check_flat_buffers(
+        "adam_step",
+        master,
+        grad,
+        (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)),
+        out16,
+        scales=(("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)),
+        int8_state="int8 (uint8) moments",
+    )
     step = check_step("step", step)
     hyper = check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
     submodule("adam").step(
-        master.data_ptr(),
-        grad.data_ptr(),
-        _GRAD_CODES[grad.dtype],
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        0 if out16 is None else out16.data_ptr(),
-        0 if out16 is None else _OUT_CODES[out16.dtype],
-        n,
+        *b.leading_args(),
         step,
         *hyper,
-        _STATE_OF_DTYPE[exp_avg.dtype],
-        *scale_ptrs,
+        b.state_code,
+        *b.scales,
         *check_rounding(round_stream, round_offset),
     )
 
@@ -219,7 +187,7 @@ def adam_step_many(
             out_ptrs.append(0)
             out_codes.append(0)
         else:
-            check_tensor(f"out16s[{i}]", out, _OUT_DTYPES, n, "masters")
+            check_tensor(f"out16s[{i}]", out, OUT16_DTYPES, n, "masters")
             out_ptrs.append(out.data_ptr())
             out_codes.append(_OUT_CODES[out.dtype])
     # NOTE: overlaps are checked natively (sorting every buffer's address

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from infinity._native import submodule
-from infinity._native.adam import GRAD_CODES, OUT16_CODES, QBLOCK, STATE_FORMATS
+from infinity._native.adam import QBLOCK
 from infinity.optim.kernel_args import (
     FP32,
-    GRAD_DTYPES,
     check_disjoint,
+    check_flat_buffers,
     check_rounding,
     check_step,
     check_tensor,
@@ -29,15 +29,6 @@ from infinity.optim.kernel_args import (
 )
 
 __all__ = ["lion_step", "q8_encode_signed"]
-
-_FN = "lion_step"
-_STATE_OF_DTYPE = {
-    torch.float32: STATE_FORMATS["fp32"],
-    torch.bfloat16: STATE_FORMATS["bf16"],
-    torch.uint8: STATE_FORMATS["int8"],
-}
-_STATE_DTYPES = tuple(_STATE_OF_DTYPE)
-_OUT_DTYPES = tuple(OUT16_CODES)
 
 
 def lion_step(
@@ -89,39 +80,24 @@ def lion_step(
         ValueError: wrong device, layout, contiguity or size, overlapping
             buffers, or a hyper-parameter out of range.
     """
-    n = check_tensor("master", master, FP32, None, fn=_FN)
-    check_tensor("grad", grad, GRAD_DTYPES, n, fn=_FN)
-    check_tensor("exp_avg", exp_avg, _STATE_DTYPES, n, fn=_FN)
-    buffers = [("master", master), ("grad", grad), ("exp_avg", exp_avg)]
-    scale_ptr = 0
-    if exp_avg.dtype is torch.uint8:
-        if exp_avg_scale is None:
-            raise ValueError("exp_avg_scale is required with an int8 (uint8) momentum")
-        blocks = -(-n // QBLOCK)
-        check_tensor(
-            "exp_avg_scale", exp_avg_scale, FP32, blocks, f"{n} elements in blocks of {QBLOCK}", _FN
-        )
-        buffers.append(("exp_avg_scale", exp_avg_scale))
-        scale_ptr = exp_avg_scale.data_ptr()
-    if out16 is not None:
-        check_tensor("out16", out16, _OUT_DTYPES, n, fn=_FN)
-        buffers.append(("out16", out16))
-    check_disjoint(tuple(buffers), _FN)
+    b = check_flat_buffers(
+        "lion_step",
+        master,
+        grad,
+        (("exp_avg", exp_avg),),
+        out16,
+        scales=(("exp_avg_scale", exp_avg_scale),),
+        int8_state="an int8 (uint8) momentum",
+    )
     submodule("lion").step(
-        master.data_ptr(),
-        grad.data_ptr(),
-        GRAD_CODES[grad.dtype],
-        exp_avg.data_ptr(),
-        0 if out16 is None else out16.data_ptr(),
-        0 if out16 is None else OUT16_CODES[out16.dtype],
-        n,
+        *b.leading_args(),
         finite("lr", lr, low=0.0),
         finite("beta1", beta1, low=0.0, high=1.0),
         finite("beta2", beta2, low=0.0, high=1.0),
         finite("weight_decay", weight_decay, low=0.0),
         finite("grad_scale", grad_scale),
-        _STATE_OF_DTYPE[exp_avg.dtype],
-        scale_ptr,
+        b.state_code,
+        *b.scales,
         check_step("step", step),
         *check_rounding(round_stream, round_offset),
     )

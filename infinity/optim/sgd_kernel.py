@@ -19,15 +19,12 @@ from __future__ import annotations
 import torch
 
 from infinity._native import submodule
-from infinity._native.adam import GRAD_CODES, OUT16_CODES, STATE_FORMATS
-from infinity.optim.kernel_args import FP32, GRAD_DTYPES, check_disjoint, check_tensor, finite
+from infinity.optim.kernel_args import STATE_OF_DTYPE, check_flat_buffers, finite
 
 __all__ = ["sgd_step"]
 
-_FN = "sgd_step"
-_STATE_OF_DTYPE = {torch.float32: STATE_FORMATS["fp32"], torch.bfloat16: STATE_FORMATS["bf16"]}
-_STATE_DTYPES = tuple(_STATE_OF_DTYPE)
-_OUT_DTYPES = tuple(OUT16_CODES)
+# The momentum buffer is fp32 or bf16 (no int8 format).
+_STATE_OF_DTYPE = {d: code for d, code in STATE_OF_DTYPE.items() if d is not torch.uint8}
 
 
 def sgd_step(
@@ -78,30 +75,23 @@ def sgd_step(
         ValueError: wrong device, layout, contiguity or size, overlapping
             buffers, a missing momentum buffer, or a hyper-parameter out of range.
     """
-    n = check_tensor("master", master, FP32, None, fn=_FN)
-    check_tensor("grad", grad, GRAD_DTYPES, n, fn=_FN)
-    buffers = [("master", master), ("grad", grad)]
+    # NOTE: the momentum is checked first: whether the buffer is used depends on it.
     momentum = finite("momentum", momentum, low=0.0)
-    buf_ptr, state = 0, STATE_FORMATS["fp32"]
+    states: tuple[tuple[str, torch.Tensor], ...] = ()
     if momentum != 0:
         if momentum_buffer is None:
             raise ValueError(f"momentum_buffer is required with momentum={momentum} (!= 0)")
-        check_tensor("momentum_buffer", momentum_buffer, _STATE_DTYPES, n, fn=_FN)
-        buffers.append(("momentum_buffer", momentum_buffer))
-        buf_ptr, state = momentum_buffer.data_ptr(), _STATE_OF_DTYPE[momentum_buffer.dtype]
-    if out16 is not None:
-        check_tensor("out16", out16, _OUT_DTYPES, n, fn=_FN)
-        buffers.append(("out16", out16))
-    check_disjoint(tuple(buffers), _FN)
+        states = (("momentum_buffer", momentum_buffer),)
+    b = check_flat_buffers("sgd_step", master, grad, states, out16, state_codes=_STATE_OF_DTYPE)
     submodule("sgd").step(
-        master.data_ptr(),
-        grad.data_ptr(),
-        GRAD_CODES[grad.dtype],
-        buf_ptr,
-        state,
-        0 if out16 is None else out16.data_ptr(),
-        0 if out16 is None else OUT16_CODES[out16.dtype],
-        n,
+        b.master,
+        b.grad,
+        b.grad_code,
+        b.states[0] if b.states else 0,
+        b.state_code,
+        b.out16,
+        b.out16_code,
+        b.n,
         finite("lr", lr, low=0.0),
         momentum,
         finite("dampening", dampening),
