@@ -197,7 +197,7 @@ PINNED: tuple[Case, ...] = (
     Case(
         nvme_direct=True,
         dtype="bf16",
-        host=0.12,
+        host=0.25,
         device=0.35,
         chunk_size="16KiB",
         accumulation=2,
