@@ -58,23 +58,30 @@ def test_a_route_visits_each_stop_once_and_an_unknown_one_names_itself():
         device_mover(Route((Stop.HOST, Stop.STAGING, Stop.DEVICE)))
 
 
-def _train_on_nvme(tmp_path, monkeypatch, *, direct: bool):
-    """A tiny GPT with its parameters and states on NVMe, trained on the CPU backend
-    with or without the direct route; (model, reference, backend, traffic)."""
+def _on_nvme(tmp_path, monkeypatch, *, direct: bool, lr: float = 1e-3, device_part: int = 2):
+    """A tiny GPT with its parameters and states on NVMe on the CPU backend, with or
+    without the direct route: (model, reference, its AdamW, backend)."""
     backend = CpuBackend(nvme_direct=direct)
     monkeypatch.setattr(engine_module, "make_backend", lambda _device: backend)
     model = tiny_gpt(hidden=64)
-    ref, ref_opt = reference_pair(model)
+    ref, ref_opt = reference_pair(model, lr=lr)
     pbytes = param_bytes(model, 4)
     cfg = config(
-        device_memory=pbytes // 2,
+        device_memory=pbytes // device_part,
         host_memory=int(pbytes * 0.5),
         nvme_path=str(tmp_path),
         chunk_size="32KiB",
     )
     model = infinity.offload(model, cfg)
+    assert engine_of(model).plan.param_home.count(NVME) > 0, "parameters must be on NVMe"
+    return model, ref, ref_opt, backend
+
+
+def _train_on_nvme(tmp_path, monkeypatch, *, direct: bool):
+    """:func:`_on_nvme` trained a few steps beside its reference; (model, reference,
+    backend, traffic)."""
+    model, ref, ref_opt, backend = _on_nvme(tmp_path, monkeypatch, direct=direct)
     engine = engine_of(model)
-    assert engine.plan.param_home.count(NVME) > 0, "the budgets must put parameters on NVMe"
     data = batches(STEPS)
     train(model, CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1), data)
     train(ref, ref_opt, data)
@@ -96,8 +103,7 @@ def test_parameters_read_straight_into_device_memory_train_like_plain_pytorch(
 
     model, _ref, staged_backend, staged = _train_on_nvme(tmp_path / "b", monkeypatch, direct=False)
     assert staged_backend.direct_reads == 0
-    # The same bytes come off the disk less often through host memory: parameters
-    # read straight to the device never cross the host -> device link.
+    # Parameters read straight into device memory never cross the host -> device link.
     assert direct["h2d_bytes"] < staged["h2d_bytes"]
     engine_of(model).close()
 
@@ -108,19 +114,10 @@ def test_an_update_staged_on_the_host_is_what_the_device_gets(tmp_path, monkeypa
     # whether it comes from that copy or from the disk (an oversize chunk's
     # spans are written as spans: a whole read would not wait for them). Steps
     # of a large learning rate make a stale read change the next loss visibly.
-    backend = CpuBackend(nvme_direct=True)
-    monkeypatch.setattr(engine_module, "make_backend", lambda _device: backend)
-    model = tiny_gpt(hidden=64)
-    initial = copy.deepcopy(model)
-    ref, ref_opt = reference_pair(model, lr=0.1)
-    pbytes = param_bytes(model, 4)
-    cfg = config(
-        device_memory=pbytes // 3,
-        host_memory=int(pbytes * 0.5),
-        nvme_path=str(tmp_path),
-        chunk_size="32KiB",
+    model, ref, ref_opt, backend = _on_nvme(
+        tmp_path, monkeypatch, direct=True, lr=0.1, device_part=3
     )
-    model = infinity.offload(model, cfg)
+    initial = copy.deepcopy(ref)
     data = batches(3)
     losses = train(model, CPUAdam(model.parameters(), lr=0.1, weight_decay=0.1), data)
     ref_losses = train(ref, ref_opt, data)
