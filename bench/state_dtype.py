@@ -43,7 +43,9 @@ python bench/state_dtype.py --no-nvme-case --loss-steps 0 --scale-params 2B \
    ``bench/state_dtype_anchors.py`` — torch AdamW, torchao's and bitsandbytes'
    AdamW8bit, and infinity with fp32 / bf16 / int8 moments, on a GPT and a
    ``transformers`` Llama, over beta2 x learning rate; one process per cell,
-   ``--jobs`` at a time (one torch thread each).
+   ``--jobs`` at a time (one torch thread each). ``--seeds N`` runs each cell
+   with seeds 0..N-1 (initialisation and batch order, every optimizer alike) and
+   judges the goal on the tail losses averaged over the seeds.
 """
 
 from __future__ import annotations
@@ -426,10 +428,11 @@ def anchors_grid(args: argparse.Namespace) -> dict:
     for name, package in missing.items():
         print(f"anchor {name} skipped: `pip install {package}` (bench only; not a dependency)")
     cells = [
-        grid.Cell(model, opt, lr, beta2, args.anchor_steps, args.anchor_compute)
+        grid.Cell(model, opt, lr, beta2, args.anchor_steps, args.anchor_compute, seed=seed)
         for model in args.anchor_models.split(",")
         for beta2 in (float(x) for x in args.anchor_beta2s.split(","))
         for lr in (float(x) for x in args.anchor_lrs.split(","))
+        for seed in range(args.seeds)
         for opt in grid.OPTIMIZERS
         if opt not in missing and opt in args.anchor_optimizers.split(",")
     ]
@@ -455,6 +458,7 @@ def anchors_grid(args: argparse.Namespace) -> dict:
     print(
         f"mean loss of the last {grid.TAIL} of {args.anchor_steps} steps, batch 8 x 128 bytes, "
         f"infinity computing in {args.anchor_compute}"
+        + (f", seeds 0..{args.seeds - 1}" if args.seeds > 1 else "")
     )
     for line in grid.table(results, cells):
         print(line)
@@ -540,8 +544,15 @@ def main() -> int:
         default="bf16",
         help="part 4: Config.dtype of the infinity cells (bf16: the default users get)",
     )
+    parser.add_argument(
+        "--seeds", type=int, default=1,
+        help="part 4: seeds 0..N-1 per cell (initialisation and batches); with N > 1 a row "
+        "per seed and the goal judged on the means over the seeds",
+    )  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2, help="part 4: cells run at once")
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
     torch.manual_seed(0)
     report: dict = {}
     if args.anchors:

@@ -5,7 +5,7 @@
 
 Every cell trains the same model from the same initialisation on the same
 batches (the byte-level Python standard-library corpus of
-``infinity.data.text``, batches a pure function of the step) with AdamW
+``infinity.data.text``, batches a pure function of the seed and the step) with AdamW
 (``weight_decay=0.1``, ``beta1=0.9``) and compares the mean loss of the last
 20 steps:
 
@@ -23,6 +23,11 @@ Models: ``llama``, a ``transformers`` Llama (vocabulary 256, hidden 256,
 intermediate 688, 4 layers, 4 heads, 2 KV heads, tied embeddings), batches of
 8 x 128 bytes; ``gpt``, ``infinity.models.gpt.GPT`` in the shape of the demo's
 "small" preset (4 layers, hidden 256, 4 heads, tied), batches of 8 x 128.
+
+A cell's optional seventh field is its seed (default 0): ``torch.manual_seed``
+before the model is built and the seed of the batches, the same for every
+optimizer of a seed, so a seed is one more draw of initialisation and batch
+order. (bf16's stochastic rounding keeps its fixed hash seed.)
 """
 
 from __future__ import annotations
@@ -55,18 +60,24 @@ class Cell:
     compute: str = "bf16"  # Config.dtype of the infinity cells
     batch: int = 8
     seq_len: int = 128
+    seed: int = 0  # the model's initialisation and the batches (every optimizer alike)
 
     def key(self) -> str:
-        """The run's name on the command line and in the JSON report."""
-        return (
-            f"{self.model}:{self.optimizer}:{self.lr:g}:{self.beta2:g}:{self.steps}:{self.compute}"
-        )
+        """The run's name on the command line and in the JSON report (seed 0: no seed field)."""
+        key = f"{self.model}:{self.optimizer}:{self.lr:g}:{self.beta2:g}:{self.steps}"
+        key += f":{self.compute}"
+        return key if self.seed == 0 else f"{key}:{self.seed}"
 
     @classmethod
     def parse(cls, key: str) -> Cell:
-        """Inverse of :meth:`key`."""
-        model, optimizer, lr, beta2, steps, compute = key.split(":")
-        return cls(model, optimizer, float(lr), float(beta2), int(steps), compute)
+        """Inverse of :meth:`key`: ``model:optimizer:lr:beta2:steps:compute[:seed]``."""
+        model, optimizer, lr, beta2, steps, compute, *seed = key.split(":")
+        if len(seed) > 1:
+            raise ValueError(f"{key!r}: model:optimizer:lr:beta2:steps:compute[:seed]")
+        return cls(
+            model, optimizer, float(lr), float(beta2), int(steps), compute,
+            seed=int(seed[0]) if seed else 0,
+        )  # fmt: skip
 
 
 def missing_anchors() -> dict[str, str]:
@@ -74,8 +85,8 @@ def missing_anchors() -> dict[str, str]:
     return {opt: mod for opt, mod in ANCHORS.items() if importlib.util.find_spec(mod) is None}
 
 
-def _model(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
+def _model(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     if name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -127,8 +138,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     from infinity.data.text import Batches, load_corpus
 
     torch.set_num_threads(1)  # the grid runs one cell per core
-    data = Batches(load_corpus().train, cell.seq_len, cell.batch, seed=0)
-    model, opt = _optimizer(cell, _model(cell.model))
+    data = Batches(load_corpus().train, cell.seq_len, cell.batch, seed=cell.seed)
+    model, opt = _optimizer(cell, _model(cell.model, cell.seed))
     losses = []
     start = time.perf_counter()
     for step in range(cell.steps):
@@ -149,35 +160,100 @@ def tail(losses: list[float]) -> float:
     return sum(losses[-TAIL:]) / len(losses[-TAIL:])
 
 
-def table(results: dict[str, dict[str, Any]], cells: list[Cell]) -> list[str]:
-    """Rows of the grid: per (model, lr, beta2), each optimizer's tail loss, the
-    worse anchor's excess over torch, and bf16's / int8's excess over fp32."""
-    groups: dict[tuple[str, float, float], dict[str, float]] = {}
+def tails(results: dict[str, dict[str, Any]], cells: list[Cell]) -> dict[tuple, dict[str, float]]:
+    """Each optimizer's tail loss per (model, lr, beta2, seed) of the cells that ran."""
+    groups: dict[tuple, dict[str, float]] = {}
     for cell in cells:
         res = results.get(cell.key())
         if res is not None:
-            groups.setdefault((cell.model, cell.lr, cell.beta2), {})[cell.optimizer] = tail(
-                res["losses"]
-            )
-    head = f"{'model':<6}{'lr':>7}{'beta2':>7}" + "".join(f"{o:>9}" for o in OPTIMIZERS)
-    lines = [head + f"{'anchor':>9}{'bf16':>9}{'int8':>9}{'goal':>7}"]
-    for (model, lr, beta2), row in groups.items():
+            group = groups.setdefault((cell.model, cell.lr, cell.beta2, cell.seed), {})
+            group[cell.optimizer] = tail(res["losses"])
+    return groups
+
+
+def mean_tails(groups: dict[tuple, dict[str, float]]) -> dict[tuple, dict[str, float]]:
+    """The tail losses of :func:`tails` averaged over the seeds, per (model, lr, beta2)
+    and optimizer (an optimizer's mean over the seeds it ran)."""
+    runs: dict[tuple, dict[str, list[float]]] = {}
+    for (model, lr, beta2, _seed), row in groups.items():
+        for opt, loss in row.items():
+            runs.setdefault((model, lr, beta2), {}).setdefault(opt, []).append(loss)
+    return {
+        key: {opt: sum(losses) / len(losses) for opt, losses in row.items()}
+        for key, row in runs.items()
+    }
+
+
+def judge(row: dict[str, float]) -> dict[str, float | bool]:
+    """The goal on one row of tail losses: the worse anchor's excess over torch, bf16's and
+    int8's over fp32, the limit min(1%, anchor + 0.5%) and whether both are within it."""
+    anchors = [row[o] / row["torch"] - 1 for o in ANCHORS if o in row and "torch" in row]
+    worst = max(anchors) if anchors else math.nan
+    excess = {d: row[d] / row["fp32"] - 1 if d in row and "fp32" in row else math.nan
+              for d in ("bf16", "int8")}  # fmt: skip
+    limit = min(0.01, worst + 0.005) if anchors else 0.01
+    ok = all(e <= limit for e in excess.values() if not math.isnan(e))
+    return {"anchor": worst, "bf16": excess["bf16"], "int8": excess["int8"], "limit": limit,
+            "ok": ok}  # fmt: skip
+
+
+def rows(groups: dict[tuple, dict[str, float]], limit: bool = False) -> list[str]:
+    """Rows of a table of tail losses keyed (model, lr, beta2[, seed]): each optimizer's
+    tail loss, the worse anchor's excess over torch, and bf16's / int8's over fp32
+    (``limit``: and the goal's limit on those two)."""
+    seeds = any(len(key) > 3 for key in groups)
+    head = f"{'model':<6}{'lr':>7}{'beta2':>7}" + (f"{'seed':>5}" if seeds else "")
+    lines = [head + "".join(f"{o:>9}" for o in OPTIMIZERS)
+             + f"{'anchor':>9}{'bf16':>9}{'int8':>9}" + (f"{'limit':>9}" if limit else "")
+             + f"{'goal':>7}"]  # fmt: skip
+    for key, row in groups.items():
+        model, lr, beta2 = key[:3]
         cols = "".join(f"{row[o]:>9.4f}" if o in row else f"{'-':>9}" for o in OPTIMIZERS)
-        anchors = [row[o] / row["torch"] - 1 for o in ANCHORS if o in row and "torch" in row]
-        worst = max(anchors) if anchors else math.nan
-        excess = {d: row[d] / row["fp32"] - 1 if d in row and "fp32" in row else math.nan
-                  for d in ("bf16", "int8")}  # fmt: skip
-        limit = min(0.01, worst + 0.005) if anchors else 0.01
-        ok = all(e <= limit for e in excess.values() if not math.isnan(e))
+        goal = judge(row)
         lines.append(
-            f"{model:<6}{lr:>7g}{beta2:>7g}{cols}{worst:>+9.2%}{excess['bf16']:>+9.2%}"
-            f"{excess['int8']:>+9.2%}{'ok' if ok else 'MISS':>7}"
-        )
-    lines.append(
-        "anchor: the worse 8-bit anchor's loss over torch's; bf16, int8: over infinity fp32's; "
-        "goal: both at most min(1%, anchor + 0.5%)"
-    )
+            f"{model:<6}{lr:>7g}{beta2:>7g}" + (f"{key[3]:>5}" if seeds else "") + cols
+            + f"{goal['anchor']:>+9.2%}{goal['bf16']:>+9.2%}{goal['int8']:>+9.2%}"
+            + (f"{goal['limit']:>+9.2%}" if limit else "")
+            + f"{'ok' if goal['ok'] else 'MISS':>7}"
+        )  # fmt: skip
     return lines
+
+
+LEGEND = (
+    "anchor: the worse 8-bit anchor's loss over torch's; bf16, int8: over infinity fp32's; "
+    "goal: both at most min(1%, anchor + 0.5%)"
+)
+
+
+def table(results: dict[str, dict[str, Any]], cells: list[Cell]) -> list[str]:
+    """Rows of the grid: per (model, lr, beta2), each optimizer's tail loss, the
+    worse anchor's excess over torch, and bf16's / int8's excess over fp32.
+
+    With one seed per (model, lr, beta2), one row each (no seed column). With
+    several: a row per seed, then the rows of the means over the seeds (each
+    optimizer's tail loss averaged), on which the goal is judged."""
+    groups = tails(results, cells)
+    seeds = sorted({key[3] for key in groups})
+    if len(seeds) <= 1:
+        return [*rows({key[:3]: row for key, row in groups.items()}), LEGEND]
+    means = mean_tails(groups)
+    spread = []
+    for model, lr, beta2 in means:
+        gap = [row["fp32"] / row["torch"] - 1 for key, row in groups.items()
+               if key[:3] == (model, lr, beta2) and "fp32" in row and "torch" in row]  # fmt: skip
+        if gap:
+            spread.append(
+                f"{model} {lr:g} {beta2:g}: fp32 moments vs torch per seed "
+                + ", ".join(f"{g:+.2%}" for g in gap)
+                + f" (spread {max(gap) - min(gap):.2%})"
+            )
+    return [
+        *rows(dict(sorted(groups.items())), limit=True),
+        f"mean over seeds {', '.join(map(str, seeds))} (the goal is judged on these rows):",
+        *rows(means, limit=True),
+        LEGEND,
+        *spread,
+    ]
 
 
 def main() -> int:
