@@ -10,7 +10,8 @@ once per step) move to NVMe chunk by chunk from the back, then gradients
 (written once per micro-batch, read once per step), then parameters (read in
 forward and backward). With ``overlap_optimizer`` gradient chunks leave first:
 they are used from host staging and never written, so spilling them costs no
-disk bytes. Room the staging leaves goes to homes (the hottest states back to
+disk bytes. The optimizer's per-tensor states (Adafactor's factors) are a fixed
+host cost. Room the staging leaves goes to homes (the hottest states back to
 the host) before parameter staging deeper than the optimizer pipeline's. The
 device tier is a cache of parameter and gradient chunks.
 """
@@ -26,6 +27,7 @@ from infinity.core.plan import Budgets, Plan, PlanError
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.schedule.device_slots import add_device_slots, min_device_slots
 from infinity.schedule.traffic import estimate_traffic
+from infinity.schedule.units import tensor_state_bytes
 from infinity.utils.sizes import format_size
 
 # Host staging slots: optimizer pipeline = read i+1, compute i, write back i-1.
@@ -200,11 +202,14 @@ def _place(
     if trainable_bytes:
         staging["grad"][min(max(trainable_bytes), normal["grad"])] = GRAD_STAGING_SLOTS
 
+    # The optimizer's per-tensor states stay on the host whatever the homes.
+    per_tensor = tensor_state_bytes(layout, optimizer)
+
     def host_need() -> int:
         homes = sum(pbytes[i] for i in range(n) if param_home[i] == HOST)
         homes += sum(pbytes[i] for i in range(n) if grad_home[i] == HOST)
         homes += sum(obytes[i] for i in range(n) if optim_home[i] == HOST)
-        return homes + sum(s * c for pool in staging.values() for s, c in pool.items())
+        return per_tensor + homes + sum(s * c for pool in staging.values() for s, c in pool.items())
 
     def add_staging(kind: str, size: int, count: int) -> None:
         # NOTE: a chunk fits any larger slot, so one set of slots of the largest
@@ -293,10 +298,15 @@ def _place(
                 f"{format_size(need)} on the host. Raise host_memory to at least {need} bytes, "
                 "or set nvme_path to a directory on a fast disk so states can spill to NVMe."
             )
+        factors = (
+            f" and the optimizer's per-tensor states ({format_size(per_tensor)})"
+            if per_tensor
+            else ""
+        )
         raise PlanError(
             f"host_memory={format_size(budgets.host)} is too small even with every state on "
-            f"NVMe: staging buffers alone need {format_size(need)}. Raise host_memory to at "
-            f"least {need} bytes, or use a smaller chunk_size.",
+            f"NVMe: staging buffers{factors} alone need {format_size(need)}. Raise host_memory "
+            f"to at least {need} bytes, or use a smaller chunk_size.",
             needed=need,
         )
     plan = Plan(
@@ -317,6 +327,7 @@ def _place(
         shard_rank=shard_rank,
         spare_device_slots=device.get(largest_slot, 0) - minimum_large,
         min_device_bytes=device_need,
+        tensor_state_bytes=per_tensor,
     )
     if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
         raise PlanError(

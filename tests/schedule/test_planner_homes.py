@@ -1,13 +1,16 @@
-"""Host room and the optimizer: homes before staging depth.
+"""Host room and the optimizer: homes before staging depth, per-tensor states in the budget.
 
 Where states live on NVMe, a host home saves two or three transfers of its
 bytes per step, a parameter staging slot beyond the pipelines' minimum only
 lets a read start earlier: the planner gives room to homes first. An optimizer with
 less state per parameter than Adam (Lion, SGD) frees room that must become
-homes.
+homes. And the host budget holds the optimizer's per-tensor states too
+(Adafactor's row and column factors), which live beside the homes.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -25,6 +28,7 @@ from infinity.optim.sgd import SGD
 from infinity.runtime.budgets import plan_for
 from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import MIN_PARAM_STAGING, PlanError
+from infinity.schedule.units import units_for
 
 CPU = torch.device("cpu")
 # bench/train_overhead.py's model (GPT 25.5M, fp32) and budgets.
@@ -144,3 +148,88 @@ def test_staging_depth_never_holds_room_a_home_would_take(name, overlap, tmp_pat
         if _extra_param_slots(plan):
             assert all(home > room for home in _nvme_homes(plan)), (percent, plan.host_staging)
     assert spilled >= 5  # the sweep reaches budgets where parameters stage from NVMe
+
+
+def _factor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of torch.optim.Adafactor's state for ``model`` after one step (its factors)."""
+    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.Adafactor(params, foreach=False)
+    opt.step()
+    return sum(
+        value.nbytes
+        for state in opt.state.values()
+        for key, value in state.items()
+        if key != "step"
+    )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_adafactors_factors_are_inside_the_host_budget(dtype, tmp_path):
+    model = tiny_gpt()
+    registry = ParamRegistry.from_model(model)
+    factors = _factor_bytes(model)
+    pbytes = param_bytes(model, 4)
+    planned = 0
+    for percent in range(40, 300, 3):
+        config = Config(
+            device="cpu",
+            dtype=dtype,
+            device_memory=pbytes * 6 // 10,
+            chunk_size="24KiB",
+            host_memory=pbytes * percent // 100,
+            nvme_path=str(tmp_path),
+            nvme_memory="1GiB",
+        )
+        try:
+            plan = plan_for(registry, config, CPU, ADAFACTOR)
+        except PlanError:
+            continue
+        planned += 1
+        assert plan.tensor_state_bytes == factors
+        held = plan.home_bytes(HOST) + plan.staging_bytes + factors
+        assert plan.host_bytes == held <= plan.budgets.host, percent
+    assert planned > 50
+    # The other optimizers keep nothing per tensor.
+    for opt in (ADAM, LION, SGD):
+        assert plan_for(registry, config, CPU, opt).tensor_state_bytes == 0
+
+
+def test_a_host_budget_below_the_factors_names_them(tmp_path):
+    model = tiny_gpt()
+    registry = ParamRegistry.from_model(model)
+    config = Config(
+        device="cpu",
+        dtype="fp32",
+        device_memory=param_bytes(model, 4),
+        chunk_size="24KiB",
+        host_memory=_factor_bytes(model) - 1,
+        nvme_path=str(tmp_path),
+        nvme_memory="1GiB",
+    )
+    with pytest.raises(PlanError, match="per-tensor states"):
+        plan_for(registry, config, CPU, ADAFACTOR)
+
+
+def test_units_recut_inside_homes_too_small_for_the_factors_is_an_error(tmp_path):
+    """Homes kept for another optimizer (``units_for``): the per-tensor states must
+    fit beside them too, or the optimizer's constructor says so."""
+    model = tiny_gpt()
+    registry = ParamRegistry.from_model(model)
+    config = Config(
+        device="cpu",
+        dtype="bf16",
+        device_memory=param_bytes(model, 4),
+        chunk_size="24KiB",
+        host_memory=param_bytes(model, 4) * 3,
+        nvme_path=str(tmp_path),
+        nvme_memory="1GiB",
+    )
+    plan = plan_for(registry, config, CPU, ADAFACTOR)
+    assert units_for(plan, ADAFACTOR, consume_grads=False).host_bytes == plan.host_bytes
+    tight = dataclasses.replace(
+        plan, budgets=dataclasses.replace(plan.budgets, host=plan.host_bytes - 1)
+    )
+    with pytest.raises(ValueError, match="per-tensor states .* do not fit host_memory"):
+        units_for(tight, ADAFACTOR, consume_grads=False)
