@@ -21,7 +21,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
     NVMe bytes written and read, and the reads backward waited for. ``world``: this process's rank
     among the processes its chunks are sharded over, and what it communicated.
     ``optimizer_tensor_state_bytes``: the optimizer's per-tensor states kept in
-    host memory beside the units (Adafactor's factors), outside the budgets.
+    host memory beside the units (Adafactor's factors): the plan reserves them in
+    the host budget, beside the chunks the host peak counts.
     """
     engine = engine_of(model)
     out: dict[str, Any] = {
@@ -29,8 +30,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "dtype": engine.config.dtype,
         **tier_stats(engine.chunks),
         "steps": engine.step_count,
-        # per-tensor optimizer states in host memory, outside the budgets (Adafactor's
-        # factors; 0 for the others): see NOTE [per-tensor optimizer state]
+        # per-tensor optimizer states in host memory, inside the host budget but not
+        # chunks (Adafactor's factors; 0 for the others): see NOTE [per-tensor optimizer state]
         "optimizer_tensor_state_bytes": sum(
             value.nbytes
             for states in engine.chunks.tensor_states.values()

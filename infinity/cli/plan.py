@@ -198,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
                     "optimizer": args.optimizer,
                     "optimizer_state_dtype": plan.state_dtype,
                     "optim_bytes": sum(plan.optim_bytes(i) for i in range(n) if plan.optim_home[i]),
+                    # the optimizer's per-tensor states (Adafactor's factors), in host_bytes
+                    "tensor_state_bytes": plan.tensor_state_bytes,
                     "activations": act,
                 }
             )

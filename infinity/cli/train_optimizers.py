@@ -22,7 +22,7 @@ what differs is the peak LR it is given by default, relative to the preset's
   behind, 100x spiked). Its weight decay is decoupled (``p *= 1 - LR x
   decay``), so it is 0.1 / 30: the decay per step stays AdamW's. Its states
   (a row and a column factor of the second moment per matrix) are fp32, per
-  tensor, in host memory outside the budgets (no state in the chunks); with
+  tensor, in host memory inside the host budget (no state in the chunks); with
   ``--nproc`` every process keeps them whole and gathers each chunk for its
   update (its update reads whole tensors).
 """
@@ -77,7 +77,8 @@ HELP = (
 
 def tensor_state_bytes(optimizer: CPUOptimizer[Any], params: Iterable[torch.Tensor]) -> int:
     """Bytes of the per-tensor (fp32) states ``optimizer`` will keep in host memory for
-    ``params``, outside the budgets: Adafactor's factors; 0 for the others."""
+    ``params``, which the plan reserves in the host budget: Adafactor's factors; 0 for
+    the others."""
     update = optimizer.make_chunk_optimizer()
     return 4 * sum(
         math.prod(shape)

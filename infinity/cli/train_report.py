@@ -77,14 +77,14 @@ def budget_lines(
 ) -> list[str]:
     """Model-state bytes against each tier's budget (what makes this run 'beyond memory');
     ``tensor_state_bytes``: the optimizer's per-tensor states (Adafactor's factors), kept
-    in host memory outside the budgets, so not in ``state_bytes``."""
+    in host memory inside the host budget but not in chunks, so not in ``state_bytes``."""
     dev, host = stats["device_budget_bytes"], stats["host_budget_bytes"]
     lines = [
         f"model states  {format_size(state_bytes):>12}  (parameters, gradients, optimizer)",
         *(
             [
                 f"+ per tensor  {format_size(tensor_state_bytes):>12}  (the optimizer's "
-                "factored states: host memory, outside the budgets)"
+                "factored states: host memory, inside the host budget)"
             ]
             if tensor_state_bytes
             else []
@@ -134,7 +134,7 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
     if stats.get("optimizer_tensor_state_bytes"):
         rows.append(
             f"optimizer per-tensor states: {format_size(stats['optimizer_tensor_state_bytes'])} "
-            "in host memory, outside the budgets (not in the host peak)"
+            "in host memory, inside the host budget (not in the host peak, which counts chunks)"
         )
     rows.extend(rank_rows(summary.ranks))
     if summary.train_seconds > 0:

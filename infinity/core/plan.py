@@ -72,6 +72,9 @@ class Plan:
     # Slots of the largest device size beyond the minimum: what a sharded plan may
     # keep pinned for the chunks used last and prefetched ones (chunks/gathers.py).
     spare_device_slots: int = 0
+    # Host bytes of the optimizer's per-tensor states (Adafactor's factors), kept in
+    # host memory beside the homes and reserved in the host budget (0 for the others).
+    tensor_state_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.span_elems == 0:
@@ -129,8 +132,9 @@ class Plan:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes reserved on the host: homes plus staging."""
-        return self.home_bytes(HOST) + self.staging_bytes
+        """Bytes reserved on the host: homes, staging and the optimizer's per-tensor
+        states."""
+        return self.home_bytes(HOST) + self.staging_bytes + self.tensor_state_bytes
 
     @property
     def nvme_bytes(self) -> int:
@@ -184,6 +188,11 @@ class Plan:
             f"optimizer states: {self.state_dtype}, "
             f"{format_size(sum(self.optim_bytes(i) for i in trainable))} in "
             f"{len(trainable)} units"
+            + (
+                f", {format_size(self.tensor_state_bytes)} per tensor on the host"
+                if self.tensor_state_bytes
+                else ""
+            )
         )
         for tier, used, budget in (
             ("device", self.device_bytes, self.budgets.device),

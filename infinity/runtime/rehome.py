@@ -52,6 +52,7 @@ from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.optimizer_binding import recut, wanted_layout
 from infinity.runtime.params import ParamRegistry, tensor_index
 from infinity.runtime.swap import (
+    activation_host_room,
     close_activation_store,
     open_activation_store,
     open_swap,
@@ -152,6 +153,12 @@ def bind_optimizer(engine: Rehomable, chunk_optimizer: ChunkOptimizer[Any], owne
         return
     if not _rehome(engine, wanted):
         recut(engine.chunks, engine.home_plan, engine.queue, wanted, engine.config)
+        if engine.activations is not None:
+            # NOTE: the re-cut plan holds this optimizer's per-tensor states, which
+            # the host room of saved activations leaves out (nothing is saved now).
+            engine.activations.host_capacity = activation_host_room(
+                engine.chunks.plan, engine.chunks.manager.host_account.reserved
+            )
 
 
 def _rehome(engine: Rehomable, wanted: ChunkOptimizer[Any]) -> bool:

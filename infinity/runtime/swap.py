@@ -80,7 +80,8 @@ def open_activation_store(
     config: Config, plan: Plan, backend: DeviceBackend, host_reserved: int
 ) -> ActivationStore | None:
     """The store of ``activations="offload"`` (``None`` for the other policies): host
-    memory the states leave free, then swap files beside theirs."""
+    memory the states leave free (``host_reserved``: the manager's slabs; the
+    optimizer's per-tensor states are the plan's), then swap files beside theirs."""
     if config.activations not in ("offload", "auto"):
         return None
     spill = None
@@ -96,11 +97,17 @@ def open_activation_store(
     return ActivationStore(
         backend.device,
         shares_host_memory=backend.device.type == "cpu",
-        host_capacity=max(0, plan.budgets.host - host_reserved),
+        host_capacity=activation_host_room(plan, host_reserved),
         min_bytes=int(config.activation_min_bytes),
         spill=spill,
         warn_when_full=config.activations == "offload",
     )
+
+
+def activation_host_room(plan: Plan, host_reserved: int) -> int:
+    """Host bytes saved activations may hold: the budget less the manager's slabs
+    (``host_reserved``) and the optimizer's per-tensor states (Adafactor's factors)."""
+    return max(0, plan.budgets.host - host_reserved - plan.tensor_state_bytes)
 
 
 def close_activation_store(store: ActivationStore | None) -> None:

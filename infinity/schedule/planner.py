@@ -10,93 +10,37 @@ once per step) move to NVMe chunk by chunk from the back, then gradients
 (written once per micro-batch, read once per step), then parameters (read in
 forward and backward). With ``overlap_optimizer`` gradient chunks leave first:
 they are used from host staging and never written, so spilling them costs no
-disk bytes. The device tier is a cache of parameter and gradient chunks.
+disk bytes. The optimizer's per-tensor states (Adafactor's factors) are a fixed
+host cost. Room the staging leaves goes to homes (the hottest states back to
+the host) before parameter staging deeper than the optimizer pipeline's. The
+device tier is a cache of parameter and gradient chunks.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from infinity.chunks.layout import ChunkLayout
 from infinity.core.names import HOST, NVME, Tier
 from infinity.core.plan import Budgets, Plan, PlanError
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.schedule.device_slots import add_device_slots, min_device_slots
 from infinity.schedule.traffic import estimate_traffic
+from infinity.schedule.units import tensor_state_bytes
 from infinity.utils.sizes import format_size
 
 # Host staging slots: optimizer pipeline = read i+1, compute i, write back i-1.
 OPTIM_PIPELINE_SLOTS = 3
 GRAD_STAGING_SLOTS = 4
-
-
-def _classes(sizes: Iterable[int]) -> Counter[int]:
-    return Counter(sizes)
-
-
-def min_device_slots(
-    layout: ChunkLayout,
-    element_size: int,
-    working_sets: Sequence[frozenset[int]],
-    grad_slots: int = 1,
-) -> dict[int, int]:
-    """Device slots each size class needs: the largest set of chunks one module
-    holds at once (its own and its ancestors' parameters), plus ``grad_slots``
-    slots of the largest trainable size to receive gradients (a chunk fits any
-    larger slot).
-
-    NOTE: sharded, a gradient chunk stays on the device until it is complete
-    (``GradientFlow``): a tied embedding's receives gradients the whole
-    backward, beside the chunk being filled, hence two slots there."""
-    need: Counter[int] = Counter()
-    for chunk_set in working_sets:
-        per_class = _classes(layout.chunks[i].capacity * element_size for i in chunk_set)
-        for size, count in per_class.items():
-            need[size] = max(need[size], count)
-    trainable_sizes = [c.capacity * element_size for c in layout.chunks if c.trainable]
-    if trainable_sizes:
-        need[max(trainable_sizes)] += grad_slots
-    if not need and layout.chunks:
-        need[layout.chunks[0].capacity * element_size] = 1
-    return dict(need)
-
-
-def add_device_slots(
-    device: dict[int, int], chunk_bytes: Sequence[int], trainable: Sequence[bool], room: int
-) -> dict[int, int]:
-    """Spend ``room`` spare device bytes on more slots, for every chunk size alike.
-
-    Each size gets slots for the same fraction of the copies its chunks can
-    have on the device (a parameter copy each, plus a gradient copy if
-    trainable; more would sit idle); bytes left over buy the largest slots
-    still useful.
-
-    NOTE: a chunk fits only a slot at least its size. Extra slots of the
-    normal size alone left every oversize chunk (a large embedding, or every
-    matrix of a model whose tensors exceed the chunk-size cap) to be fetched
-    twice per step, however large the budget: a 70B GPT used 3.2 GiB of an
-    80 GiB device.
-    """
-    out = Counter(device)
-    wanted: Counter[int] = Counter()
-    for size, grads in zip(chunk_bytes, trainable, strict=True):
-        wanted[size] += 2 if grads else 1
-    for size in wanted:
-        wanted[size] = max(0, wanted[size] - out[size])
-    total = sum(size * count for size, count in wanted.items())
-    if total == 0 or room <= 0:
-        return dict(out)
-    share = min(1.0, room / total)
-    for size in sorted(wanted, reverse=True):
-        count = int(wanted[size] * share)
-        out[size] += count
-        wanted[size] -= count
-        room -= count * size
-    for size in sorted(wanted, reverse=True):
-        count = min(wanted[size], room // size)
-        out[size] += count
-        room -= count * size
-    return dict(out)
+# Parameter staging kept where parameters live on NVMe before host room goes to
+# homes: the update pipeline's slots (a step reads or writes each parameter chunk
+# through them) and one for a forward or backward fetch in flight beside it.
+# NOTE: with three, a tiny GPT's measured NVMe reads of a step (non-overlapped,
+# tests/engine/test_plan_estimate.py's case) ranged from 0.96x to 1.35x the
+# plan's estimate; with four, as with six, 0.94x to 1.15x on the same loaded
+# machine.
+MIN_PARAM_STAGING = OPTIM_PIPELINE_SLOTS + 1
 
 
 def make_plan(
@@ -258,11 +202,14 @@ def _place(
     if trainable_bytes:
         staging["grad"][min(max(trainable_bytes), normal["grad"])] = GRAD_STAGING_SLOTS
 
+    # The optimizer's per-tensor states stay on the host whatever the homes.
+    per_tensor = tensor_state_bytes(layout, optimizer)
+
     def host_need() -> int:
         homes = sum(pbytes[i] for i in range(n) if param_home[i] == HOST)
         homes += sum(pbytes[i] for i in range(n) if grad_home[i] == HOST)
         homes += sum(obytes[i] for i in range(n) if optim_home[i] == HOST)
-        return homes + sum(s * c for pool in staging.values() for s, c in pool.items())
+        return per_tensor + homes + sum(s * c for pool in staging.values() for s, c in pool.items())
 
     def add_staging(kind: str, size: int, count: int) -> None:
         # NOTE: a chunk fits any larger slot, so one set of slots of the largest
@@ -313,6 +260,16 @@ def _place(
         for size, count in staging[kind].items():
             staging[kind][size] = max(1, count - 1 if kind != "param" else count // 2)
 
+    # NOTE: with states on NVMe their bytes bound the step, and a home on the host
+    # saves two or three transfers of its bytes per step where a staging slot
+    # beyond the pipelines' only lets a read start earlier. So the room goes to
+    # homes first: parameter staging is cut to MIN_PARAM_STAGING before the
+    # hottest states come back, and what is left after them buys the depth
+    # back. Lion's units, half of Adam's, had freed room that went to six
+    # parameter slots instead of more homes.
+    deep = Counter(staging["param"])
+    for size, count in staging["param"].items():
+        staging["param"][size] = min(count, MIN_PARAM_STAGING)
     # Shallower staging may have freed room: bring the hottest states back.
     homes: dict[str, list[Tier] | list[Tier | None]] = {
         "optim": optim_home,
@@ -325,6 +282,13 @@ def _place(
         homes[kind][i] = HOST
         if host_need() > budgets.host:
             homes[kind][i] = NVME
+    if NVME in param_home:
+        for size, count in deep.items():
+            while staging["param"][size] < count:
+                staging["param"][size] += 1
+                if host_need() > budgets.host:
+                    staging["param"][size] -= 1
+                    break
 
     need = host_need()
     if need > budgets.host:
@@ -334,10 +298,15 @@ def _place(
                 f"{format_size(need)} on the host. Raise host_memory to at least {need} bytes, "
                 "or set nvme_path to a directory on a fast disk so states can spill to NVMe."
             )
+        factors = (
+            f" and the optimizer's per-tensor states ({format_size(per_tensor)})"
+            if per_tensor
+            else ""
+        )
         raise PlanError(
             f"host_memory={format_size(budgets.host)} is too small even with every state on "
-            f"NVMe: staging buffers alone need {format_size(need)}. Raise host_memory to at "
-            f"least {need} bytes, or use a smaller chunk_size.",
+            f"NVMe: staging buffers{factors} alone need {format_size(need)}. Raise host_memory "
+            f"to at least {need} bytes, or use a smaller chunk_size.",
             needed=need,
         )
     plan = Plan(
@@ -358,6 +327,7 @@ def _place(
         shard_rank=shard_rank,
         spare_device_slots=device.get(largest_slot, 0) - minimum_large,
         min_device_bytes=device_need,
+        tensor_state_bytes=per_tensor,
     )
     if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
         raise PlanError(

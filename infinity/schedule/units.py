@@ -1,6 +1,8 @@
-"""A plan's optimizer units re-cut for another optimizer, inside the same homes.
+"""What an optimizer keeps per chunk and per tensor, for the planner and re-cut plans.
 
-Pure: the plan of an offloaded model, made for one optimizer (Adam's at
+:func:`tensor_state_bytes`: the host bytes of an optimizer's per-tensor states
+(Adafactor's factors), which every plan reserves in the host budget.
+:func:`units_for`, pure: the plan of an offloaded model, made for one optimizer (Adam's at
 offload, NOTE [homes planned for the optimizer]), with every unit sized for
 another :class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`. Homes,
 staging slots and the layout stay; only what a unit holds (and so what each
@@ -11,12 +13,32 @@ the homes again would keep them, or they cannot move.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-from infinity.core.plan import Plan
+from infinity.core.layout import ChunkLayout
+from infinity.core.names import HOST
+from infinity.core.plan import FP32_BYTES, Plan
 from infinity.optim.chunk_optimizer import ChunkOptimizer
 from infinity.schedule.traffic import estimate_traffic
 from infinity.utils.sizes import format_size
+
+
+def tensor_state_bytes(layout: ChunkLayout, optimizer: ChunkOptimizer[Any]) -> int:
+    """Host bytes of ``optimizer``'s per-tensor states (fp32) for every trainable tensor
+    of ``layout``: Adafactor's row and column factors; 0 for the others.
+
+    NOTE: they live in host memory beside the units, whatever the homes, and a
+    sharded rank keeps them whole (``runtime/whole_tensor_step.py``): so they are
+    a fixed host cost, not divided by the shard count. See
+    NOTE [per-tensor optimizer state].
+    """
+    return FP32_BYTES * sum(
+        math.prod(shape)
+        for slot in layout.slots
+        if layout.chunks[slot.chunk].trainable
+        for shape in optimizer.tensor_state_shapes(tuple(slot.shape)).values()
+    )
 
 
 def units_for(
@@ -45,8 +67,22 @@ def units_for(
             raise ValueError(_too_large(optimizer, size, home_plan.optim_bytes(i), i, planned_for))
         sizes.append(size if home is not None else home_plan.optim_bytes(i))
     plan = dataclasses.replace(
-        home_plan, state_slots=optimizer.state_slots, optim_unit_bytes=tuple(sizes), traffic={}
+        home_plan,
+        state_slots=optimizer.state_slots,
+        optim_unit_bytes=tuple(sizes),
+        tensor_state_bytes=tensor_state_bytes(home_plan.layout, optimizer),
+        traffic={},
     )
+    if plan.host_bytes > plan.budgets.host:
+        # NOTE: the units shrink when re-cut, which almost always leaves room for
+        # the per-tensor states; the budget is a promise all the same.
+        raise ValueError(
+            f"{optimizer.front_end or optimizer.name}'s per-tensor states "
+            f"({format_size(plan.tensor_state_bytes)}) do not fit host_memory="
+            f"{format_size(plan.budgets.host)} beside the homes planned for "
+            f"{planned_for.front_end or planned_for.name if planned_for else 'Adam'} "
+            f"({format_size(plan.home_bytes(HOST) + plan.staging_bytes)}): raise host_memory"
+        )
     object.__setattr__(plan, "traffic", estimate_traffic(plan, consume_grads=consume_grads))
     return plan
 

@@ -45,7 +45,7 @@ def test_trains_with_the_optimizer_and_names_it(
     assert any(label in line for line in header)
     summary = _only(events, "summary")
     assert summary["optimizer"] == optimizer
-    # Adafactor's factors live in host memory outside the budgets: said, and counted.
+    # Adafactor's factors live in host memory beside the chunks: said, and counted.
     per_tensor = summary["stats"]["optimizer_tensor_state_bytes"]
     assert any(line.startswith("+ per tensor") for line in header) == (optimizer == "adafactor")
     assert (per_tensor > 0) == (optimizer == "adafactor")
