@@ -2,8 +2,8 @@
 // addresses from Python, the dtype and state-format codes Python passes
 // (`_C.adam.dtype_codes`, `_C.adam.state_formats`), checked with an error that
 // names the bad code, and the fields every kernel's buffers have (master,
-// gradient, optional 16-bit copy, element count). See NOTE [raw pointers into
-// native code].
+// gradient, optional 16-bit copy, element count).
+// See NOTE [raw pointers into native code].
 #pragma once
 
 #include <cstdint>
