@@ -128,15 +128,8 @@ def test_staging_depth_never_holds_room_a_home_would_take(name, overlap, tmp_pat
     pbytes = param_bytes(model, 4)
     spilled = 0
     for percent in range(40, 400, 8):
-        config = Config(
-            device="cpu",
-            dtype="fp32",
-            device_memory=pbytes * 6 // 10,
-            chunk_size="24KiB",
-            host_memory=pbytes * percent // 100,
-            nvme_path=str(tmp_path),
-            nvme_memory="1GiB",
-            overlap_optimizer=overlap,
+        config = _tiny_config(
+            tmp_path, "fp32", pbytes * 6 // 10, pbytes * percent // 100, overlap_optimizer=overlap
         )
         try:
             budgets = plan_for(registry, config, CPU).budgets
@@ -148,6 +141,20 @@ def test_staging_depth_never_holds_room_a_home_would_take(name, overlap, tmp_pat
         if _extra_param_slots(plan):
             assert all(home > room for home in _nvme_homes(plan)), (percent, plan.host_staging)
     assert spilled >= 5  # the sweep reaches budgets where parameters stage from NVMe
+
+
+def _tiny_config(tmp_path, dtype: str, device_memory: int, host_memory: int, **kw) -> Config:
+    """A CPU config for the tiny GPT: 24 KiB chunks, the rest of the states on NVMe."""
+    return Config(
+        device="cpu",
+        dtype=dtype,
+        device_memory=device_memory,
+        chunk_size="24KiB",
+        host_memory=host_memory,
+        nvme_path=str(tmp_path),
+        nvme_memory="1GiB",
+        **kw,
+    )
 
 
 def _factor_bytes(model: torch.nn.Module) -> int:
@@ -173,15 +180,7 @@ def test_adafactors_factors_are_inside_the_host_budget(dtype, tmp_path):
     pbytes = param_bytes(model, 4)
     planned = 0
     for percent in range(40, 300, 3):
-        config = Config(
-            device="cpu",
-            dtype=dtype,
-            device_memory=pbytes * 6 // 10,
-            chunk_size="24KiB",
-            host_memory=pbytes * percent // 100,
-            nvme_path=str(tmp_path),
-            nvme_memory="1GiB",
-        )
+        config = _tiny_config(tmp_path, dtype, pbytes * 6 // 10, pbytes * percent // 100)
         try:
             plan = plan_for(registry, config, CPU, ADAFACTOR)
         except PlanError:
@@ -199,15 +198,7 @@ def test_adafactors_factors_are_inside_the_host_budget(dtype, tmp_path):
 def test_a_host_budget_below_the_factors_names_them(tmp_path):
     model = tiny_gpt()
     registry = ParamRegistry.from_model(model)
-    config = Config(
-        device="cpu",
-        dtype="fp32",
-        device_memory=param_bytes(model, 4),
-        chunk_size="24KiB",
-        host_memory=_factor_bytes(model) - 1,
-        nvme_path=str(tmp_path),
-        nvme_memory="1GiB",
-    )
+    config = _tiny_config(tmp_path, "fp32", param_bytes(model, 4), _factor_bytes(model) - 1)
     with pytest.raises(PlanError, match="per-tensor states"):
         plan_for(registry, config, CPU, ADAFACTOR)
 
@@ -217,15 +208,7 @@ def test_units_recut_inside_homes_too_small_for_the_factors_is_an_error(tmp_path
     fit beside them too, or the optimizer's constructor says so."""
     model = tiny_gpt()
     registry = ParamRegistry.from_model(model)
-    config = Config(
-        device="cpu",
-        dtype="bf16",
-        device_memory=param_bytes(model, 4),
-        chunk_size="24KiB",
-        host_memory=param_bytes(model, 4) * 3,
-        nvme_path=str(tmp_path),
-        nvme_memory="1GiB",
-    )
+    config = _tiny_config(tmp_path, "bf16", param_bytes(model, 4), param_bytes(model, 4) * 3)
     plan = plan_for(registry, config, CPU, ADAFACTOR)
     assert units_for(plan, ADAFACTOR, consume_grads=False).host_bytes == plan.host_bytes
     tight = dataclasses.replace(
