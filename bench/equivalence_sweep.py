@@ -4,7 +4,8 @@ python bench/equivalence_sweep.py [--cases 200] [--seed 0] [--world 1|2|both] [-
 
 Each case (``tests/equivalence/sweep_cases.py``: world size, budgets that put
 each kind on each tier, tied/untied, fp32/bf16, accumulation, clipping, the
-overlapped step, optimizer, state dtype, chunk size, beta2) trains a small
+overlapped step, optimizer, state dtype, chunk size, beta2, a resume from a
+checkpoint into other budgets) trains a small
 ``transformers`` Llama a few steps through infinity and in plain PyTorch, and
 is judged by ``tests/equivalence/sweep_run.judge``. World-size-2 cases run in
 one pair of gloo processes. Prints one row per case, then what the sweep
@@ -47,6 +48,7 @@ FEATURES = (
     "optimizer",
     "defer_host",
     "nvme_direct",
+    "resumes",
 )
 
 
@@ -111,7 +113,9 @@ def main() -> int:
         cases = [c for c in cases if c.world == int(args.world)]
     for condition in args.where:
         name, _, value = condition.partition("=")
-        if name not in Case.__dataclass_fields__:
+        if name not in Case.__dataclass_fields__ and not isinstance(
+            getattr(Case, name, None), property
+        ):
             parser.error(f"--where {condition}: {name!r} is not a case feature")
         cases = [c for c in cases if str(getattr(c, name)) == value]
     started = time.perf_counter()

@@ -61,6 +61,7 @@ from infinity.runtime.swap import (
 )
 from infinity.runtime.update_queue import UpdateQueue
 from infinity.schedule.eviction import LRUPolicy, TraceDrivenPolicy
+from infinity.schedule.units import units_for
 from infinity.utils.sizes import format_size
 
 log = logging.getLogger("infinity")
@@ -236,9 +237,29 @@ def _new_plan(engine: Rehomable, wanted: ChunkOptimizer[Any]) -> tuple[Plan | No
         == (old.param_home, old.grad_home, old.optim_home)
         and plan.device_slots == old.device_slots
     )
-    if same:
+    if same and _recut_fits(engine, wanted):
         return None, ""
     return (None, reason) if (reason := _no_room(engine, plan)) else (plan, "")
+
+
+def _recut_fits(engine: Rehomable, wanted: ChunkOptimizer[Any]) -> bool:
+    """``wanted``'s units and per-tensor states fit the current homes and staging.
+
+    NOTE: a plan made for ``wanted`` can keep every home and still differ in
+    staging (fewer or smaller slots, to make room for per-tensor states); re-cut
+    in the old staging, those states can pass the host budget (issue 29's sweep:
+    Adafactor with every home on NVMe). Then the model re-homes.
+    """
+    try:
+        units_for(
+            engine.home_plan,
+            wanted,
+            consume_grads=engine.config.overlap_optimizer is True,
+            planned_for=engine.chunks.home_optimizer,
+        )
+    except ValueError:
+        return False
+    return True
 
 
 def _busy(engine: Rehomable) -> str:

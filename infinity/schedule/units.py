@@ -18,7 +18,7 @@ from typing import Any
 
 from infinity.core.layout import ChunkLayout
 from infinity.core.names import HOST
-from infinity.core.plan import FP32_BYTES, Plan
+from infinity.core.plan import FP32_BYTES, Plan, PlanError
 from infinity.optim.chunk_optimizer import ChunkOptimizer
 from infinity.schedule.traffic import estimate_traffic
 from infinity.utils.sizes import format_size
@@ -53,7 +53,9 @@ def units_for(
 
     Raises ``ValueError`` naming the chunk if a unit would not fit the home the
     plan gave it (an optimizer with more state than ``planned_for``, the one the
-    homes were planned for: Adam's when not given).
+    homes were planned for: Adam's when not given), and :class:`PlanError` if the
+    optimizer's per-tensor states do not fit the host budget beside the homes and
+    staging kept.
     """
     if optimizer.state_format.name != home_plan.state_dtype:
         raise AssertionError(
@@ -76,12 +78,14 @@ def units_for(
     if plan.host_bytes > plan.budgets.host:
         # NOTE: the units shrink when re-cut, which almost always leaves room for
         # the per-tensor states; the budget is a promise all the same.
-        raise ValueError(
+        raise PlanError(
+            f"host_memory={format_size(plan.budgets.host)} is too small: "
             f"{optimizer.front_end or optimizer.name}'s per-tensor states "
-            f"({format_size(plan.tensor_state_bytes)}) do not fit host_memory="
-            f"{format_size(plan.budgets.host)} beside the homes planned for "
-            f"{planned_for.front_end or planned_for.name if planned_for else 'Adam'} "
-            f"({format_size(plan.home_bytes(HOST) + plan.staging_bytes)}): raise host_memory"
+            f"({format_size(plan.tensor_state_bytes)}) do not fit beside the homes and staging "
+            f"planned for {planned_for.front_end or planned_for.name if planned_for else 'Adam'} "
+            f"({format_size(plan.home_bytes(HOST) + plan.staging_bytes)}). Raise host_memory to "
+            f"at least {plan.host_bytes} bytes",
+            needed=plan.host_bytes,
         )
     object.__setattr__(plan, "traffic", estimate_traffic(plan, consume_grads=consume_grads))
     return plan

@@ -4,7 +4,9 @@ A :class:`Case` combines the features that interact: world size, the device
 and host budgets (as fractions of what the model needs, so that every kind of
 chunk lands on each tier across cases), tied or untied embeddings, compute
 dtype, gradient accumulation, clipping, the overlapped step, the optimizer
-(Adam, Lion, SGD with Nesterov momentum, Adafactor), its state dtype and the chunk size.
+(Adam, Lion, SGD with Nesterov momentum, Adafactor), its state dtype, the chunk size,
+and a resume: a checkpoint saved part-way and loaded into a model offloaded with
+other budgets, so that states saved from one tier are loaded into another.
 :func:`draw` makes cases from a seed;
 :data:`EXAMPLES` are cases that once failed (each says which bug), kept
 verbatim so that they run in every ``make test``.
@@ -81,12 +83,38 @@ class Case:
     # Parameters homed on NVMe read straight into device memory (the route GPU-direct
     # storage gives a GPU: NOTE [routes are data]); the CPU backend's `nvme_direct`.
     nvme_direct: bool = False
+    # Save a checkpoint after this many steps, then train on in a new model offloaded
+    # with the budgets below (0: same as the first), from load_checkpoint (0: no resume).
+    resume_at: int = 0
+    resume_host: float = 0.0
+    resume_device: float = 0.0
     why: str = ""  # for kept examples: the bug it caught
 
     @property
     def nvme(self) -> bool:
         """Whether the case has an NVMe tier (host budget below the model's host bytes)."""
         return self.host < 1.0
+
+    @property
+    def resumes(self) -> bool:
+        """The case saves a checkpoint part-way and resumes from it (``resume_at``)."""
+        return self.resume_at > 0
+
+    @property
+    def host_after(self) -> float:
+        """The host fraction of the model that resumes (``resume_at``)."""
+        return self.resume_host or self.host
+
+    @property
+    def device_after(self) -> float:
+        """The device fraction of the model that resumes (``resume_at``)."""
+        return self.resume_device or self.device
+
+    def resumed(self) -> Case:
+        """The case as the model that resumes from its checkpoint is offloaded."""
+        return dataclasses.replace(
+            self, host=self.host_after, device=self.device_after, resume_host=0.0, resume_device=0.0
+        )
 
     def name(self) -> str:
         """A short, unique-enough id for test names and tables."""
@@ -111,6 +139,8 @@ class Case:
             parts.append("defer")
         if self.nvme_direct:
             parts.append("direct")
+        if self.resume_at:
+            parts.append(f"resume{self.resume_at}-host{self.host_after:g}-dev{self.device_after:g}")
         if self.backend != "cpu":
             parts.append(self.backend)
         return "-".join(parts)
@@ -174,7 +204,27 @@ def draw(rng: random.Random) -> Case:
     # NOTE: the direct route exists for unsharded parameters on NVMe (a sharded
     # chunk is gathered from every rank's shard); half of those cases take it.
     direct = case.world == 1 and case.nvme and zlib.crc32(case.name().encode()) % 4 >= 2
-    return dataclasses.replace(case, nvme_direct=direct)
+    case = dataclasses.replace(case, nvme_direct=direct)
+    return _draw_resume(case)
+
+
+def _draw_resume(case: Case) -> Case:
+    """A third of the cases save a checkpoint part-way and resume in a model offloaded
+    with other budgets (drawn from the case's name, as ``defer_host``: every other
+    field keeps its draw), so that states saved from one tier load into another.
+
+    NOTE: a checkpointed case keeps its device budget (see draw's NOTE).
+    """
+    rng = random.Random(zlib.crc32(f"resume:{case.name()}".encode()))
+    if case.steps < 2 or rng.random() >= 1 / 3:
+        return case
+    keeps_device = bool(case.checkpointing) or case.activations == "checkpoint"
+    return dataclasses.replace(
+        case,
+        resume_at=rng.randint(1, case.steps - 1),
+        resume_host=rng.choice(HOST_FRACTIONS),
+        resume_device=case.device if keeps_device else rng.choice(DEVICE_FRACTIONS),
+    )
 
 
 def draw_cases(seed: int, count: int) -> list[Case]:
@@ -294,6 +344,33 @@ PINNED: tuple[Case, ...] = (
     ),
 )
 
+# Resumed (issue 26's lesson applied to checkpoints): states saved from one tier
+# load into another, at both world sizes, for quantised moments and factored states.
+RESUMED: tuple[Case, ...] = (
+    Case(state_dtype="int8", host=0.25, chunk_size="16KiB", resume_at=1, resume_host=1.5),
+    Case(
+        world=2,
+        optimizer="lion",
+        state_dtype="bf16",
+        chunk_size="16KiB",
+        device=0.6,
+        resume_at=2,
+        resume_host=0.2,
+    ),
+    Case(
+        optimizer="adafactor",
+        dtype="bf16",
+        host=0.2,
+        device=0.6,
+        chunk_size="16KiB",
+        accumulation=2,
+        resume_at=1,
+        resume_host=0.45,
+        resume_device=1.2,
+    ),
+    Case(world=2, dtype="bf16", host=0.25, overlap=True, resume_at=1, resume_device=0.35),
+)
+
 # Cases that failed once. Each stays in the suite as it was found.
 EXAMPLES: tuple[Case, ...] = (
     Case(
@@ -312,6 +389,35 @@ EXAMPLES: tuple[Case, ...] = (
             "issue 26 part 1: sharded parameters on NVMe; a prefetch gather re-read an "
             "evicted shard from the empty device slot it was about to fill (error 4.8 "
             "after two steps)"
+        ),
+    ),
+    Case(
+        optimizer="adafactor",
+        dtype="bf16",
+        chunk_size="40KiB",
+        host=0.25,
+        device=2.5,
+        checkpointing="reentrant",
+        activations="offload",
+        defer_host=True,
+        why=(
+            "issue 29, sweep seed 38: Adafactor's plan kept every home (all on NVMe) but "
+            "not the staging; its units re-cut in Adam's staging left no room for the "
+            "per-tensor states, and constructing CPUAdafactor raised (now: re-homed)"
+        ),
+    ),
+    Case(
+        optimizer="adafactor",
+        dtype="bf16",
+        tied=False,
+        chunk_size="40KiB",
+        host=0.75,
+        device=1.2,
+        defer_host=True,
+        nvme_direct=True,
+        why=(
+            "sweep seed 38: Adafactor's homes, planned again, all fit the host (no swap "
+            "file, so no direct route); the sweep's own check asked for the route anyway"
         ),
     ),
 )

@@ -27,6 +27,7 @@ import torch
 from sweep_cases import Case
 from sweep_optimizers import step_size
 from sweep_train import (
+    ResumePlanError,
     Trained,
     element_size,
     host_bytes_per_param,
@@ -116,18 +117,23 @@ class Verdict:
     raised: list[str] = field(default_factory=list)
 
 
-def _raise_budget(case: Case, exc: infinity.PlanError, params: int) -> tuple[Case, str]:
+def _raise_budget(
+    case: Case, exc: infinity.PlanError, params: int, resume: bool = False
+) -> tuple[Case, str]:
     """The case with the budget ``exc`` names raised to what it says is needed (as a
-    fraction again, so the case stays a Case); re-raises errors of other kinds."""
+    fraction again, so the case stays a Case); re-raises errors of other kinds.
+    ``resume``: the budget of the model that resumes from the checkpoint."""
     text = str(exc)
     if text.startswith("host_memory"):
         base = params * host_bytes_per_param(case)
-        field_name, old = "host", case.host
+        field_name, old = "host", case.host_after if resume else case.host
     elif text.startswith("device_memory"):
         base = params * element_size(case)
-        field_name, old = "device", case.device
+        field_name, old = "device", case.device_after if resume else case.device
     else:
         raise exc
+    if resume:
+        field_name = f"resume_{field_name}"
     new = max(old * 1.25, 1.02 * exc.needed / base) if exc.needed else old * 1.6
     what = f"{field_name} {old:g} -> {new:.3g}"
     return dataclasses.replace(case, **{field_name: round(new, 4)}), what
@@ -142,9 +148,10 @@ def run_case(case: Case, nvme_dir: str, rank: int = 0) -> Outcome:
     for _ in range(PLAN_RETRIES + 1):
         try:
             return Outcome(case, train_offloaded(tried, nvme_dir, rank), raised=raised)
-        except infinity.PlanError as exc:
+        except (infinity.PlanError, ResumePlanError) as exc:
+            resume = isinstance(exc, ResumePlanError)
             try:
-                tried, what = _raise_budget(tried, exc, params)
+                tried, what = _raise_budget(tried, getattr(exc, "error", exc), params, resume)
             except infinity.PlanError:
                 return Outcome(case, error=traceback.format_exc(), raised=raised)
             raised.append(what)

@@ -16,6 +16,7 @@ steps its fp32 masters with torch's AdamW on the CPU, as infinity does.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from unittest import mock
@@ -27,6 +28,7 @@ from sweep_optimizers import offloaded_optimizer, reference_optimizer
 import infinity
 from infinity.core.names import NVME
 from infinity.core.routes import Purpose
+from infinity.offload import engine_of
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Bytes per parameter kept in host homes, by (compute dtype, state dtype):
@@ -111,49 +113,127 @@ def _parts(case: Case, ids: torch.Tensor, world: int) -> Iterator[torch.Tensor]:
         yield ids[r * size : (r + 1) * size]
 
 
+class ResumePlanError(Exception):
+    """The model that resumes from the checkpoint got no plan (its budgets, the case's
+    ``resume_host`` / ``resume_device``, are too small): carries the PlanError."""
+
+    def __init__(self, error: infinity.PlanError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
-    """The case through infinity on this process (rank ``rank`` of ``case.world``)."""
-    from infinity.offload import engine_of
+    """The case through infinity on this process (rank ``rank`` of ``case.world``).
+
+    With ``case.resume_at`` the first model trains that many steps and saves a
+    checkpoint; a second model (initialised differently, so that nothing it ends
+    with can come from anywhere but the checkpoint) is offloaded with the resume
+    budgets, loads it and trains the remaining steps.
+    """
+    data = batches(case)
+    first = case.resume_at or case.steps
+    engines = []  # NOTE: closed whatever happens (closing twice is a no-op)
+    try:
+        model, opt = _offloaded(case, llama(case), nvme_dir)
+        engines.append(engine_of(model))
+        losses = _train(case, model, opt, data, range(first), rank)
+        if not case.resume_at:
+            return _trained(case, model, losses)
+        assert nvme_dir is not None, "a resumed case saves its checkpoint in nvme_dir"
+        saved = os.path.join(nvme_dir, "resume-checkpoint")
+        infinity.save_checkpoint(saved, model, opt)
+        placement = infinity.stats(model)["placement"]
+        engines[0].close()
+        torch.manual_seed(1)  # NOTE: the second model's own initialisation differs
+        model = _reinitialised(llama(case))
+        try:
+            model, opt = _offloaded(case.resumed(), model, os.path.join(nvme_dir, "b"))
+        except infinity.PlanError as exc:
+            raise ResumePlanError(exc) from exc
+        engines.append(engine_of(model))
+        infinity.load_checkpoint(saved, model, opt)
+        losses += _train(case, model, opt, data, range(first, case.steps), rank)
+        return _trained(case.resumed(), model, losses, placement)
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def _reinitialised(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
+
+
+def _offloaded(
+    case: Case, model: torch.nn.Module, nvme_dir: str | None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``model`` offloaded as ``case`` says, and the case's optimizer over it."""
+    if case.nvme and nvme_dir is not None:
+        os.makedirs(nvme_dir, exist_ok=True)
+    cfg = config(case, model, nvme_dir)
+    if case.nvme_direct:
+        model = _offload_reading_nvme_directly(model, cfg)
+    else:
+        model = infinity.offload(model, cfg)
+    if case.defer_host:
+        engine_of(model).queue.defer_host = True
+    return model, offloaded_optimizer(case, model.parameters())
+
+
+def _train(
+    case: Case,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list[torch.Tensor],
+    steps: range,
+    rank: int,
+) -> list[float]:
+    """The ordinary loop over ``steps``; each step's loss on this rank."""
+    losses = []
+    for step in steps:
+        total = 0.0
+        for micro in range(case.accumulation):
+            ids = list(_parts(case, data[step * case.accumulation + micro], case.world))[rank]
+            ids = ids.to(case.backend)
+            loss = model(input_ids=ids, labels=ids).loss / case.accumulation
+            loss.backward()
+            total += float(loss.detach())
+        if case.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _trained(
+    case: Case,
+    model: torch.nn.Module,
+    losses: list[float],
+    earlier: dict[str, dict[str, int]] | None = None,
+) -> Trained:
+    """What ``model`` ended with; ``earlier``: the placement of the model it resumed from
+    (the counts are added, so a table shows every tier either used)."""
     from infinity.runtime.state_access import read_params
 
-    model = llama(case)
-    if case.nvme_direct:
-        model = _offload_reading_nvme_directly(model, config(case, model, nvme_dir))
-    else:
-        model = infinity.offload(model, config(case, model, nvme_dir))
     engine = engine_of(model)
-    if case.defer_host:
-        engine.queue.defer_host = True
-    try:
-        opt = offloaded_optimizer(case, model.parameters())
-        data = batches(case)
-        losses = []
-        for step in range(case.steps):
-            total = 0.0
-            for micro in range(case.accumulation):
-                ids = list(_parts(case, data[step * case.accumulation + micro], case.world))[rank]
-                ids = ids.to(case.backend)
-                loss = model(input_ids=ids, labels=ids).loss / case.accumulation
-                loss.backward()
-                total += float(loss.detach())
-            if case.clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-            opt.step()
-            opt.zero_grad()
-            losses.append(total)
-        # NOTE: the fp32 masters (the parameters themselves in fp32): 16-bit copies
-        # round every difference to a whole ulp, which would drown small errors.
-        entries = engine.registry.entries
-        state = {entry.name: value for entry, value in read_params(engine, entries, master=True)}
-        stats = infinity.stats(model)
-        if case.nvme_direct:
-            # NOTE: a case that claims the direct route must have had it; whether the
-            # reader ran depends on the case (a chunk the step just updated in host
-            # staging is copied from there: with fp32 parameters, often every one).
-            assert str(engine.manager.routes(Purpose.COMPUTE, NVME)) == "nvme -> device"
-        return Trained(state, losses, stats["placement"])
-    finally:
-        engine.close()
+    # NOTE: the fp32 masters (the parameters themselves in fp32): 16-bit copies
+    # round every difference to a whole ulp, which would drown small errors.
+    entries = engine.registry.entries
+    state = {entry.name: value for entry, value in read_params(engine, entries, master=True)}
+    placement = infinity.stats(model)["placement"]
+    if case.nvme_direct and any(tiers.get("nvme") for tiers in placement.values()):
+        # NOTE: a case that claims the direct route must have had it wherever its
+        # plan kept an NVMe tier (Adafactor's homes, planned again, may not); whether
+        # the reader ran depends on the case (a chunk the step just updated in host
+        # staging is copied from there: with fp32 parameters, often every one).
+        assert str(engine.manager.routes(Purpose.COMPUTE, NVME)) == "nvme -> device"
+    for kind, tiers in (earlier or {}).items():
+        for tier, count in tiers.items():
+            placement[kind][tier] = placement[kind].get(tier, 0) + count
+    return Trained(state, losses, placement)
 
 
 def _offload_reading_nvme_directly(model: torch.nn.Module, cfg: infinity.Config) -> torch.nn.Module:

@@ -214,5 +214,5 @@ def test_units_recut_inside_homes_too_small_for_the_factors_is_an_error(tmp_path
     tight = dataclasses.replace(
         plan, budgets=dataclasses.replace(plan.budgets, host=plan.host_bytes - 1)
     )
-    with pytest.raises(ValueError, match="per-tensor states .* do not fit host_memory"):
+    with pytest.raises(PlanError, match="host_memory=.* per-tensor states .* do not fit"):
         units_for(tight, ADAFACTOR, consume_grads=False)
