@@ -5,8 +5,9 @@ and host budgets (as fractions of what the model needs, so that every kind of
 chunk lands on each tier across cases), tied or untied embeddings, compute
 dtype, gradient accumulation, clipping, the overlapped step, the optimizer
 (Adam, Lion, SGD with Nesterov momentum, Adafactor), its state dtype, the chunk size,
-and a resume: a checkpoint saved part-way and loaded into a model offloaded with
-other budgets, so that states saved from one tier are loaded into another.
+a resume (a checkpoint saved part-way and loaded into a model offloaded with
+other budgets, so that states saved from one tier are loaded into another), and
+the recipes users train with: parameter groups under a schedule, frozen layers.
 :func:`draw` makes cases from a seed;
 :data:`EXAMPLES` are cases that once failed (each says which bug), kept
 verbatim so that they run in every ``make test``.
@@ -38,6 +39,7 @@ CHECKPOINTING = ("", "", "non-reentrant", "reentrant")
 # The device fraction of checkpointed cases: room for whole chunks of every block
 # at any world size (see draw's NOTE).
 CHECKPOINT_DEVICE = 2.5
+FROZEN_CHECKPOINT_DEVICE = 4.0
 # Config.activations: what infinity does with the tensors autograd saves.
 # "auto" keeps, offloads or (with neither room nor NVMe, which no drawn case has:
 # without NVMe the host budget is 1 GiB) checkpoints each block.
@@ -88,6 +90,12 @@ class Case:
     resume_at: int = 0
     resume_host: float = 0.0
     resume_device: float = 0.0
+    # Two parameter groups (no decay on the norms, at another rate) and a warm-up
+    # schedule (sweep_optimizers.param_groups, warmup), on both sides alike.
+    recipe: bool = False
+    # The first decoder layer's attention and the final norm frozen (requires_grad off
+    # before offload); every parameter still handed to the optimizer.
+    frozen: bool = False
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -139,6 +147,10 @@ class Case:
             parts.append("defer")
         if self.nvme_direct:
             parts.append("direct")
+        if self.recipe:
+            parts.append("recipe")
+        if self.frozen:
+            parts.append("frozen")
         if self.resume_at:
             parts.append(f"resume{self.resume_at}-host{self.host_after:g}-dev{self.device_after:g}")
         if self.backend != "cpu":
@@ -204,8 +216,16 @@ def draw(rng: random.Random) -> Case:
     # NOTE: the direct route exists for unsharded parameters on NVMe (a sharded
     # chunk is gathered from every rank's shard); half of those cases take it.
     direct = case.world == 1 and case.nvme and zlib.crc32(case.name().encode()) % 4 >= 2
-    case = dataclasses.replace(case, nvme_direct=direct)
-    return _draw_resume(case)
+    case = _draw_resume(dataclasses.replace(case, nvme_direct=direct))
+    # NOTE: drawn from the name as well (the resume's included), after every other field.
+    rng = random.Random(zlib.crc32(f"recipe:{case.name()}".encode()))
+    case = dataclasses.replace(case, recipe=rng.random() < 1 / 3, frozen=rng.random() < 1 / 4)
+    if case.frozen and (case.checkpointing or case.activations == "checkpoint"):
+        # NOTE: frozen tensors are chunked apart from trainable ones, so a block spans
+        # one chunk more, all of them held through its recomputation (see above).
+        device = FROZEN_CHECKPOINT_DEVICE
+        case = dataclasses.replace(case, device=device, resume_device=case.resume_device and device)
+    return case
 
 
 def _draw_resume(case: Case) -> Case:
@@ -345,9 +365,17 @@ PINNED: tuple[Case, ...] = (
 )
 
 # Resumed (issue 26's lesson applied to checkpoints): states saved from one tier
-# load into another, at both world sizes, for quantised moments and factored states.
+# load into another, at both world sizes, for quantised moments and factored states;
+# with the recipes users train with (parameter groups and a schedule, frozen layers).
 RESUMED: tuple[Case, ...] = (
-    Case(state_dtype="int8", host=0.25, chunk_size="16KiB", resume_at=1, resume_host=1.5),
+    Case(
+        state_dtype="int8",
+        host=0.25,
+        chunk_size="16KiB",
+        resume_at=1,
+        resume_host=1.5,
+        recipe=True,
+    ),
     Case(
         world=2,
         optimizer="lion",
@@ -356,6 +384,7 @@ RESUMED: tuple[Case, ...] = (
         device=0.6,
         resume_at=2,
         resume_host=0.2,
+        frozen=True,
     ),
     Case(
         optimizer="adafactor",
@@ -367,8 +396,18 @@ RESUMED: tuple[Case, ...] = (
         resume_at=1,
         resume_host=0.45,
         resume_device=1.2,
+        recipe=True,
     ),
-    Case(world=2, dtype="bf16", host=0.25, overlap=True, resume_at=1, resume_device=0.35),
+    Case(
+        world=2,
+        dtype="bf16",
+        host=0.25,
+        overlap=True,
+        resume_at=1,
+        resume_device=0.35,
+        recipe=True,
+        frozen=True,
+    ),
 )
 
 # Cases that failed once. Each stays in the suite as it was found.

@@ -12,6 +12,7 @@ path, or float64 math), which sizes the tolerance.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from lion_reference import ReferenceLion
@@ -29,6 +30,10 @@ SGD_LR_SCALE = 30.0
 # RMS): 3% a step moves a small model visibly.
 ADAFACTOR_LR_SCALE = 10.0
 SGD_MOMENTUM = 0.9
+# A recipe's second group (1-D tensors: the norms) steps at this multiple of the rate,
+# without weight decay; every rate warms up linearly from WARMUP_START of it.
+FLAT_LR_SCALE = 2.0
+WARMUP_START = 0.5
 
 
 def step_size(case: Case) -> float:
@@ -38,7 +43,35 @@ def step_size(case: Case) -> float:
     return case.lr * scale
 
 
-def offloaded_optimizer(case: Case, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+def param_groups(case: Case, model: torch.nn.Module) -> list[dict[str, Any]]:
+    """What the case hands its optimizer: every parameter (frozen ones too, as users
+    do) in one group, or with ``case.recipe`` the usual two (matrices with weight
+    decay; the norms without it, at :data:`FLAT_LR_SCALE` times the rate)."""
+    named = list(model.named_parameters())
+    if not case.recipe:
+        return [{"params": [p for _, p in named]}]
+    return [
+        {"params": [p for _, p in named if p.ndim >= 2]},
+        {
+            "params": [p for _, p in named if p.ndim < 2],
+            "weight_decay": 0.0,
+            "lr": step_size(case) * FLAT_LR_SCALE,
+        },
+    ]
+
+
+def warmup(case: Case, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """A recipe's schedule: every group's rate from :data:`WARMUP_START` of it to all
+    of it over the case's steps (``None`` without ``case.recipe``)."""
+    if not case.recipe:
+        return None
+    steps = case.steps
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: WARMUP_START + (1 - WARMUP_START) * min(s, steps) / steps
+    )
+
+
+def offloaded_optimizer(case: Case, params: Iterable[Any]) -> torch.optim.Optimizer:
     """The infinity optimizer of ``case``."""
     lr = step_size(case)
     if case.optimizer == "lion":
@@ -51,7 +84,7 @@ def offloaded_optimizer(case: Case, params: Iterable[torch.Tensor]) -> torch.opt
 
 
 def reference_optimizer(
-    case: Case, params: list[torch.Tensor], *, noise: bool = False
+    case: Case, params: list[dict[str, Any]], *, noise: bool = False
 ) -> torch.optim.Optimizer:
     """The plain-PyTorch optimizer ``case`` is judged against (``noise``: its variant
     that differs only in arithmetic)."""

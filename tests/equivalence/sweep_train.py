@@ -23,7 +23,7 @@ from unittest import mock
 
 import torch
 from sweep_cases import Case
-from sweep_optimizers import offloaded_optimizer, reference_optimizer
+from sweep_optimizers import offloaded_optimizer, param_groups, reference_optimizer, warmup
 
 import infinity
 from infinity.core.names import NVME
@@ -53,6 +53,9 @@ def llama(case: Case) -> torch.nn.Module:
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
+    if case.frozen:
+        for p in [*model.model.layers[0].self_attn.parameters(), *model.model.norm.parameters()]:
+            p.requires_grad_(False)
     if case.checkpointing:
         reentrant = case.checkpointing == "reentrant"
         model.gradient_checkpointing_enable({"use_reentrant": reentrant})
@@ -136,23 +139,30 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
     try:
         model, opt = _offloaded(case, llama(case), nvme_dir)
         engines.append(engine_of(model))
-        losses = _train(case, model, opt, data, range(first), rank)
+        schedule = warmup(case, opt)
+        losses = _train(case, model, opt, schedule, data, range(first), rank)
         if not case.resume_at:
             return _trained(case, model, losses)
         assert nvme_dir is not None, "a resumed case saves its checkpoint in nvme_dir"
         saved = os.path.join(nvme_dir, "resume-checkpoint")
         infinity.save_checkpoint(saved, model, opt)
+        # NOTE: the schedule's state travels beside the checkpoint, as users keep it.
+        schedule_state = None if schedule is None else schedule.state_dict()
         placement = infinity.stats(model)["placement"]
         engines[0].close()
-        torch.manual_seed(1)  # NOTE: the second model's own initialisation differs
         model = _reinitialised(llama(case))
         try:
             model, opt = _offloaded(case.resumed(), model, os.path.join(nvme_dir, "b"))
         except infinity.PlanError as exc:
             raise ResumePlanError(exc) from exc
         engines.append(engine_of(model))
+        # NOTE: torch's order: the schedule is made before the optimizer's state (its
+        # scheduled rates) is loaded, and its own state after.
+        schedule = warmup(case, opt)
         infinity.load_checkpoint(saved, model, opt)
-        losses += _train(case, model, opt, data, range(first, case.steps), rank)
+        if schedule is not None:
+            schedule.load_state_dict(schedule_state)
+        losses += _train(case, model, opt, schedule, data, range(first, case.steps), rank)
         return _trained(case.resumed(), model, losses, placement)
     finally:
         for engine in engines:
@@ -160,6 +170,8 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
 
 
 def _reinitialised(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter (frozen ones too) drawn again: what it trains
+    from after a resume can only be the checkpoint's."""
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.5)
@@ -179,13 +191,14 @@ def _offloaded(
         model = infinity.offload(model, cfg)
     if case.defer_host:
         engine_of(model).queue.defer_host = True
-    return model, offloaded_optimizer(case, model.parameters())
+    return model, offloaded_optimizer(case, param_groups(case, model))
 
 
 def _train(
     case: Case,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler | None,
     data: list[torch.Tensor],
     steps: range,
     rank: int,
@@ -204,6 +217,8 @@ def _train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         opt.step()
         opt.zero_grad()
+        if schedule is not None:
+            schedule.step()
         losses.append(total)
     return losses
 
@@ -268,7 +283,8 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
             p.data = p.data.to(TORCH_DTYPES[case.dtype])
     masters = list(model.parameters())
     params = list(compute.parameters())
-    opt = reference_optimizer(case, masters, noise=variant == "fused")
+    opt = reference_optimizer(case, param_groups(case, model), noise=variant == "fused")
+    schedule = warmup(case, opt)
     data = batches(case)
     split = case.world if variant == "halves" else 1
     losses = []
@@ -287,6 +303,8 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
             torch.nn.utils.clip_grad_norm_(masters, case.clip)
         opt.step()
         opt.zero_grad()
+        if schedule is not None:
+            schedule.step()
         compute.zero_grad()
         if compute is not model:
             with torch.no_grad():
@@ -294,6 +312,12 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
                     p.copy_(master)
         losses.append(total)
     state = {k: v.detach().clone() for k, v in model.named_parameters()}  # fp32 masters
+    if case.dtype != "fp32":
+        # NOTE: a frozen tensor has no fp32 master in infinity: it is kept as its
+        # 16-bit rounding, the values both sides compute with.
+        for k, v in model.named_parameters():
+            if not v.requires_grad:
+                state[k] = v.detach().to(TORCH_DTYPES[case.dtype]).float()
     return Trained(state, losses)
 
 
