@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from infinity.config import ConfigError
+from infinity.config import Config, ConfigError
 
 
 def find_blocks(
@@ -59,6 +59,25 @@ def blocks_for(
         if required or names is not None:
             raise
         return []
+
+
+def recomputed_blocks(model: nn.Module, config: Config) -> list[nn.Module]:
+    """The blocks whose forward runs again in backward: every block with
+    ``activations="checkpoint"``, or a ``transformers`` model's decoder layers when its
+    gradient checkpointing is on (``gradient_checkpointing_enable()`` before offload).
+
+    NOTE: ``"auto"`` checkpoints only blocks whose saved tensors fit nowhere (no
+    NVMe tier, host room spent), chosen after its first forward: the plan does
+    not reserve the device room their recomputation holds (too little raises
+    ``PoolExhausted`` in that backward).
+    """
+    if config.activations == "checkpoint":
+        return [module for _, module in find_blocks(model, config.activation_blocks)]
+    # transformers 5 renamed the flag (the old name warns, and goes in 6)
+    new = hasattr(type(model), "is_activation_checkpointing")
+    if getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False):
+        return [module for _, module in blocks_for(model, config.activation_blocks, False)]
+    return []
 
 
 def _outermost(pairs: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

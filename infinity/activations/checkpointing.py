@@ -19,8 +19,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-# Key-value cache arguments of transformers' decoder layers, by version.
-_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+# Key-value cache arguments of transformers' decoder layers, by version (5.x: cache).
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _is_cache(name: str, value: Any) -> bool:
+    """A key-value cache argument: by name, or anything with a cache's interface."""
+    if value is None:
+        return False
+    return name in _CACHE_ARGS or (hasattr(value, "update") and hasattr(value, "get_seq_length"))
 
 
 def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -28,11 +35,15 @@ def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # inference, generation: nothing to save
             return original(*args, **kwargs)
-        for name in _CACHE_ARGS:
+        for name, value in list(kwargs.items()):
             # NOTE: a recomputation would append this step's keys and values to the
-            # cache a second time (and the check of saved shapes would fail);
-            # training does not read the cache, so the checkpointed block fills none.
-            if kwargs.get(name) is not None:
+            # cache a second time (and the check of saved shapes would fail), and
+            # keys and values recomputed in backward would keep the autograd graph
+            # that made them, with views of the block's parameter chunks, for as
+            # long as the cache lives: two chunks pinned on the device per block
+            # until backward ends. Training does not read the cache, so the
+            # checkpointed block fills none.
+            if _is_cache(name, value):
                 kwargs[name] = None
         return checkpoint(original, *args, use_reentrant=False, **kwargs)
 

@@ -176,18 +176,17 @@ class TierCache:
         self.policy.touch(key, moment)
 
     def insert(self, key: Hashable, nbytes: int, moment: int) -> Copy:
-        """A new copy of ``key`` in the smallest free slot of at least ``nbytes``.
-
-        A chunk may sit in a larger slot than its own size (one spare slot of
-        the largest size then serves every size); if no slot is free, a copy
-        in a large-enough slot is evicted.
+        """A new copy of ``key`` in a slot of at least ``nbytes``: of its own size where
+        one is free or an idle clean copy there can give it up, else a free larger
+        one (a spare slot of the largest size serves every size); if none is
+        free, a copy in a large-enough slot is evicted.
         """
         if key in self._copies:
             raise AssertionError(f"{self.tier}: {key} is already resident")
         fitting = [pool for size, pool in sorted(self.pools.items()) if size >= nbytes]
         if not fitting:
             raise AssertionError(f"{self.tier}: no pool has slots of {nbytes} bytes")
-        slot = self._take(fitting)
+        slot = self._take_own_size(fitting, moment, lambda _key: True)
         while slot is None:
             self._evict_one(fitting, moment)
             slot = self._take(fitting)
@@ -196,15 +195,18 @@ class TierCache:
     def try_insert(
         self, key: Hashable, nbytes: int, moment: int, may_evict: Callable[[Hashable], bool]
     ) -> Copy | None:
-        """Like :meth:`insert` but never blocks: a free slot, or the eviction of the
-        copy the policy picks among evictable ones with ``may_evict``; else ``None``.
+        """Like :meth:`insert` but never blocks, and only into a slot of the chunk's own
+        size: a free one, or the eviction of the copy the policy picks among
+        evictable ones with ``may_evict``; else ``None``.
 
         Prefetching uses it: it must not wait, nor push out a chunk needed sooner.
         """
         if key in self._copies:
             raise AssertionError(f"{self.tier}: {key} is already resident")
-        fitting = [pool for size, pool in sorted(self.pools.items()) if size >= nbytes]
-        slot = self._take(fitting)
+        # NOTE: a prefetch never borrows a larger slot: the chunk it brings is used
+        # (and then held) later, when the chunks of that size may need the slot.
+        own = [pool for size, pool in sorted(self.pools.items()) if size >= nbytes][:1]
+        slot = self._take_own_size(own, moment, may_evict)
         if slot is None:
             # NOTE: filtered before the policy chooses: under Belady this is
             # the same as refusing when the farthest use is too near, and under
@@ -212,13 +214,13 @@ class TierCache:
             candidates = [
                 c.key
                 for c in self._copies.values()
-                if c.slot.pool in fitting and c.evictable() and may_evict(c.key)
+                if c.slot.pool in own and c.evictable() and may_evict(c.key)
             ]
             if not candidates:
                 return None
             victim = self.policy.choose(candidates, moment)
             self.evict(victim)
-            slot = self._take(fitting)
+            slot = self._take(own)
             if slot is None:
                 return None  # the victim's write-back is still landing
         return self._place(key, slot, nbytes, moment)
@@ -232,6 +234,36 @@ class TierCache:
         self.account.add(slot.nbytes)
         self.policy.touch(key, moment)
         return copy
+
+    def _take_own_size(
+        self, fitting: list[SlabPool], moment: int, may_evict: Callable[[Hashable], bool]
+    ) -> Slot | None:
+        """A free slot of the smallest fitting size, else one an idle clean copy of that
+        size gives up (``may_evict``), else a free larger slot; ``None`` if none.
+
+        NOTE: a chunk in a larger slot than its own takes that slot from the
+        chunks of that size for as long as it is held. A checkpointed block holds
+        every chunk of its recomputation until its backward: small chunks parked
+        in the large slots then left a large one nowhere to go (PoolExhausted at
+        budgets the plan counted per size), while idle copies sat in the small
+        slots. A free larger slot is taken only where no slot of the chunk's own
+        size can be had without waiting.
+        """
+        own = fitting[0]
+        slot = own.try_take()
+        if slot is not None:
+            return slot
+        idle = [
+            c.key
+            for c in self._copies.values()
+            if c.slot.pool is own and c.evictable() and not c.dirty and may_evict(c.key)
+        ]
+        if idle:
+            self.evict(self.policy.choose(idle, moment))
+            slot = own.try_take()
+            if slot is not None:
+                return slot
+        return self._take(fitting[1:])
 
     @staticmethod
     def _take(pools: list[SlabPool]) -> Slot | None:

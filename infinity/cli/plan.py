@@ -11,6 +11,7 @@ import json
 
 import torch
 
+from infinity.activations.blocks import recomputed_blocks
 from infinity.cli.main import CommandError
 from infinity.cli.plan_activations import activation_lines, activations_at
 from infinity.config import Config, ConfigError
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # NOTE: planning needs no process group: every rank's shard has the same size.
         world = World(rank=0, size=args.nproc)
-        registry = ParamRegistry.from_model(model)
+        registry = ParamRegistry.from_model(model, recomputed_blocks(model, config))
         plan = plan_for(registry, config, device, OPTIMIZERS[args.optimizer], world=world)
     except PlanError as exc:
         raise CommandError(str(exc)) from None

@@ -34,7 +34,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from infinity.activations.blocks import blocks_for
+from infinity.activations.blocks import blocks_for, recomputed_blocks
 from infinity.activations.policy import ActivationPolicy, first_forward_estimate
 from infinity.activations.store import SavedActivation
 from infinity.chunks.homes import Kind
@@ -83,7 +83,7 @@ class OffloadEngine:
         self.dtype = DTYPE_OF[config.dtype]
         self.backend = make_backend(config.device)
         self.device = self.backend.device
-        self.registry = ParamRegistry.from_model(model)
+        self.registry = ParamRegistry.from_model(model, recomputed_blocks(model, config))
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
         prepare_nvme(config)

@@ -8,7 +8,7 @@ storage, so metadata (``numel()``, ``shape``) works and no chunk memory is held.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -74,11 +74,14 @@ class ParamRegistry:
     owners: dict[nn.Module, list[ParamEntry]] = field(default_factory=dict)
     module_names: dict[nn.Module, str] = field(default_factory=dict)
     parents: dict[nn.Module, nn.Module | None] = field(default_factory=dict)
+    # Blocks whose forward runs again in backward (activation checkpointing).
+    recomputed: list[nn.Module] = field(default_factory=list)
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> ParamRegistry:
-        """Collect every parameter of ``model`` (tied ones once)."""
-        reg = cls()
+    def from_model(cls, model: nn.Module, recomputed: Sequence[nn.Module] = ()) -> ParamRegistry:
+        """Collect every parameter of ``model`` (tied ones once); ``recomputed``: its
+        blocks whose forward runs again in backward (see :meth:`working_sets`)."""
+        reg = cls(recomputed=list(recomputed))
         reg.parents[model] = None
         for mod_name, module in model.named_modules(remove_duplicate=True):
             reg.module_names[module] = mod_name
@@ -125,12 +128,27 @@ class ParamRegistry:
             parent = self.parents.get(parent)
 
     def working_sets(self, layout: ChunkLayout) -> list[frozenset[int]]:
-        """Chunks each module holds at once: its own and its ancestors' parameters'."""
+        """Chunks each module holds at once: its own and its ancestors' parameters';
+        and those of every recomputed block with all it contains.
+
+        NOTE: a recomputed block runs its whole forward again at the start of its
+        backward, and what that forward saves (views of every parameter inside the
+        block) lives until the block's backward nodes have run: all of its chunks
+        are held at once, beside the gradient chunks receiving.
+        """
         own = {m: {layout.slots[e.index].chunk for e in es} for m, es in self.owners.items()}
         sets = []
         for module, chunks in own.items():
             held = set(chunks)
             for parent in self.ancestors(module):
+                held |= own.get(parent, set())
+            sets.append(frozenset(held))
+        for block in self.recomputed:
+            held = set()
+            for module, chunks in own.items():
+                if module is block or block in self.ancestors(module):
+                    held |= chunks
+            for parent in self.ancestors(block):
                 held |= own.get(parent, set())
             sets.append(frozenset(held))
         return sets

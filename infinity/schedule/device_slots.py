@@ -31,13 +31,27 @@ def min_device_slots(
     (``GradientFlow``): a tied embedding's receives gradients the whole
     backward, beside the chunk being filled, hence two slots there."""
     need: Counter[int] = Counter()
+    receiving: Counter[int] = Counter()
     for chunk_set in working_sets:
         per_class = _classes(layout.chunks[i].capacity * element_size for i in chunk_set)
         for size, count in per_class.items():
             need[size] = max(need[size], count)
+        # NOTE: the set's own gradients arrive while it is held, into a slot of their
+        # size class if one is free, else into a larger one, which a parameter
+        # chunk of that class then lacks (PoolExhausted): each class the set
+        # receives gradients in gets its own receiving slot.
+        trainable = {
+            layout.chunks[i].capacity * element_size
+            for i in chunk_set
+            if layout.chunks[i].trainable
+        }
+        for size in trainable:
+            receiving[size] = max(receiving[size], per_class[size] + grad_slots)
     trainable_sizes = [c.capacity * element_size for c in layout.chunks if c.trainable]
     if trainable_sizes:
         need[max(trainable_sizes)] += grad_slots
+    for size, count in receiving.items():
+        need[size] = max(need[size], count)
     if not need and layout.chunks:
         need[layout.chunks[0].capacity * element_size] = 1
     return dict(need)

@@ -171,8 +171,9 @@ def _place(
     if device_need > budgets.device:
         largest = max(c.capacity for c in chunks) * element_size
         raise PlanError(
-            f"device_memory={format_size(budgets.device)} is too small: one module needs "
-            f"{format_size(device_need)} of chunk memory at once (its parameters' chunks plus "
+            f"device_memory={format_size(budgets.device)} is too small: one module (or a block "
+            f"recomputed in backward) needs {format_size(device_need)} of chunk memory at once "
+            "(its parameters' chunks plus "
             + (
                 "two gradient chunks, which a sharded model keeps on the device until complete"
                 if sharded

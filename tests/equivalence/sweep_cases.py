@@ -36,10 +36,6 @@ OPTIMIZERS = ("adam", "adam", "lion", "sgd", "adafactor")
 CHUNK_SIZES = ("auto", "16KiB", "40KiB")
 # Activation checkpointing of the decoder layers ("": none).
 CHECKPOINTING = ("", "", "non-reentrant", "reentrant")
-# The device fraction of checkpointed cases: room for whole chunks of every block
-# at any world size (see draw's NOTE).
-CHECKPOINT_DEVICE = 2.5
-FROZEN_CHECKPOINT_DEVICE = 4.0
 # Config.activations: what infinity does with the tensors autograd saves.
 # "auto" keeps, offloads or (with neither room nor NVMe, which no drawn case has:
 # without NVMe the host budget is 1 GiB) checkpoints each block.
@@ -202,14 +198,6 @@ def draw(rng: random.Random) -> Case:
         case = dataclasses.replace(case, dtype="fp32")
     if case.activations == "checkpoint":  # infinity's own, instead of transformers'
         case = dataclasses.replace(case, checkpointing="")
-    if case.checkpointing or case.activations == "checkpoint":
-        # NOTE: a checkpointed block's recomputation keeps every parameter chunk of
-        # the block on the device until its backward has run, which the planner
-        # does not count yet (issue 27): smaller budgets raise PoolExhausted,
-        # loudly, and so do sharded runs whose auto chunks leave too few device
-        # slots for a block and the gradient chunks (the pinned 2-rank case uses
-        # small chunks). Drawn checkpointed cases stay where that cannot happen.
-        case = dataclasses.replace(case, device=CHECKPOINT_DEVICE, world=1)
     # NOTE: from the case itself, not the generator, so that every other draw of
     # the list stays what it was before this field existed.
     case = dataclasses.replace(case, defer_host=zlib.crc32(case.name().encode()) % 2 == 1)
@@ -219,31 +207,22 @@ def draw(rng: random.Random) -> Case:
     case = _draw_resume(dataclasses.replace(case, nvme_direct=direct))
     # NOTE: drawn from the name as well (the resume's included), after every other field.
     rng = random.Random(zlib.crc32(f"recipe:{case.name()}".encode()))
-    case = dataclasses.replace(case, recipe=rng.random() < 1 / 3, frozen=rng.random() < 1 / 4)
-    if case.frozen and (case.checkpointing or case.activations == "checkpoint"):
-        # NOTE: frozen tensors are chunked apart from trainable ones, so a block spans
-        # one chunk more, all of them held through its recomputation (see above).
-        device = FROZEN_CHECKPOINT_DEVICE
-        case = dataclasses.replace(case, device=device, resume_device=case.resume_device and device)
-    return case
+    return dataclasses.replace(case, recipe=rng.random() < 1 / 3, frozen=rng.random() < 1 / 4)
 
 
 def _draw_resume(case: Case) -> Case:
     """A third of the cases save a checkpoint part-way and resume in a model offloaded
     with other budgets (drawn from the case's name, as ``defer_host``: every other
     field keeps its draw), so that states saved from one tier load into another.
-
-    NOTE: a checkpointed case keeps its device budget (see draw's NOTE).
     """
     rng = random.Random(zlib.crc32(f"resume:{case.name()}".encode()))
     if case.steps < 2 or rng.random() >= 1 / 3:
         return case
-    keeps_device = bool(case.checkpointing) or case.activations == "checkpoint"
     return dataclasses.replace(
         case,
         resume_at=rng.randint(1, case.steps - 1),
         resume_host=rng.choice(HOST_FRACTIONS),
-        resume_device=case.device if keeps_device else rng.choice(DEVICE_FRACTIONS),
+        resume_device=rng.choice(DEVICE_FRACTIONS),
     )
 
 
@@ -298,7 +277,7 @@ PINNED: tuple[Case, ...] = (
         host=0.25,
         chunk_size="16KiB",
         clip=0.5,
-        device=CHECKPOINT_DEVICE,
+        device=0.6,
     ),
     Case(
         world=2,
@@ -306,7 +285,7 @@ PINNED: tuple[Case, ...] = (
         host=0.2,
         chunk_size="16KiB",
         overlap=True,
-        device=CHECKPOINT_DEVICE,
+        device=0.6,
     ),
     Case(
         world=2,
@@ -323,7 +302,7 @@ PINNED: tuple[Case, ...] = (
         state_dtype="int8",
         host=0.45,
         chunk_size="16KiB",
-        device=CHECKPOINT_DEVICE,
+        device=0.35,
     ),
     Case(activations="offload", overlap=True, host=0.12, device=0.6, chunk_size="16KiB"),
     # auto: the first step offloads to NVMe and measures, the next ones choose per block
@@ -457,6 +436,42 @@ EXAMPLES: tuple[Case, ...] = (
         why=(
             "sweep seed 38: Adafactor's homes, planned again, all fit the host (no swap "
             "file, so no direct route); the sweep's own check asked for the route anyway"
+        ),
+    ),
+    Case(
+        state_dtype="int8",
+        tied=False,
+        host=0.75,
+        device=2.5,
+        betas=(0.9, 0.999),
+        activations="checkpoint",
+        defer_host=True,
+        resume_at=2,
+        resume_host=1.5,
+        resume_device=2.5,
+        frozen=True,
+        why=(
+            "sweep seed 26: transformers 5 passes the key-value cache as `cache`, which "
+            "the checkpointed blocks did not drop: keys and values recomputed in "
+            "backward kept views of two chunks per block until backward ended "
+            "(PoolExhausted once frozen tensors made a block span one chunk more)"
+        ),
+    ),
+    Case(
+        optimizer="adafactor",
+        accumulation=2,
+        checkpointing="reentrant",
+        chunk_size="16KiB",
+        host=0.12,
+        device=0.6,
+        recipe=True,
+        resume_at=2,
+        resume_host=0.25,
+        resume_device=0.6,
+        why=(
+            "checkpointed blocks at small device budgets: the plan did not count a "
+            "recomputed block's chunks, and small chunks parked in free large slots "
+            "left a large chunk of the block nowhere to go (PoolExhausted)"
         ),
     ),
 )

@@ -46,7 +46,7 @@ FLOOR = {"fp32": 1e-6, "bf16": 1e-4}
 # The bound must be at most this fraction of one step's movement (a skipped or
 # stale update then fails; bf16 data parallel measures noise near a quarter of it).
 MEANINGFUL = 0.5
-PLAN_RETRIES = 4
+PLAN_RETRIES = 8  # NOTE: with auto chunks a larger budget can plan larger chunks, needing more
 
 
 # Quantised moments: the relative gap between neighbouring stored values (int8:

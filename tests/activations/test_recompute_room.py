@@ -1,0 +1,144 @@
+"""A recomputed block's device room: while its backward runs it holds every chunk of
+its parameters, afterwards none; the plan reserves that room, and training at the
+budget the plan asks for runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from activation_helpers import BATCH, SEQ, VOCAB, tiny_model
+
+import infinity
+from infinity.activations.blocks import recomputed_blocks
+from infinity.core.names import Kind
+from infinity.offload import engine_of
+from infinity.optim import CPUAdam
+from infinity.runtime.budgets import plan_for
+from infinity.runtime.params import ParamRegistry
+
+pytest.importorskip("transformers")
+
+CPU = torch.device("cpu")
+
+
+def _config(device_memory: int | str, activations: str = "checkpoint") -> infinity.Config:
+    return infinity.Config(
+        dtype="fp32",
+        device_memory=device_memory,
+        host_memory="1GiB",
+        chunk_size="16KiB",  # the MLP matrices are oversize: two slot sizes
+        activations=activations,
+    )
+
+
+def _held(engine) -> set[int]:
+    """Parameter chunks whose device copies have live views now."""
+    return {
+        copy.key[1]
+        for copy in engine.manager.device
+        if copy.key[0] is Kind.PARAM and copy.has_live_views()
+    }
+
+
+def _chunks_of(engine, prefix: str) -> set[int]:
+    return {
+        engine.layout.slots[e.index].chunk
+        for e in engine.registry.entries
+        if e.name.startswith(prefix)
+    }
+
+
+def test_a_checkpointed_block_holds_no_chunk_after_its_backward() -> None:
+    """While layer 0 receives gradients, nothing of layers 1 and 2 is held.
+
+    NOTE: transformers 5 hands decoder layers the key-value cache as ``cache``;
+    left to a checkpointed block, the keys and values recomputed in backward kept
+    their autograd graph, with views of two chunks per block, until backward ended.
+    """
+    model = infinity.offload(tiny_model("llama"), _config("64MiB"))
+    engine = engine_of(model)
+    try:
+        later = _chunks_of(engine, "model.layers.1.") | _chunks_of(engine, "model.layers.2.")
+        later -= _chunks_of(engine, "model.layers.0.")
+        seen: list[set[int]] = []
+        for name, p in model.named_parameters():
+            if name.startswith("model.layers.0."):
+                p.register_post_accumulate_grad_hook(lambda _p: seen.append(_held(engine)))
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert seen, "layer 0 received no gradients"
+        assert all(not (held & later) for held in seen), (seen, later)
+    finally:
+        engine.close()
+
+
+def test_the_plan_reserves_the_largest_recomputed_block() -> None:
+    model = tiny_model("llama")
+    needs = {}
+    for policy in ("keep", "checkpoint"):
+        registry = ParamRegistry.from_model(model, recomputed_blocks(model, _config(1, policy)))
+        with pytest.raises(infinity.PlanError, match="recomputed in backward") as err:
+            plan_for(registry, _config(1, policy), CPU)
+        needs[policy] = err.value.needed
+    registry = ParamRegistry.from_model(model)
+    layout = plan_for(registry, _config(needs["checkpoint"], "keep"), CPU).layout
+    # From the layout alone: every chunk of the largest block, and a gradient chunk.
+    blocks = [
+        {layout.slots[e.index].chunk for e in registry.entries
+         if e.name.startswith(f"model.layers.{k}.")}
+        for k in range(3)
+    ]  # fmt: skip
+    size = layout.chunks
+    largest = max(sum(size[c].capacity * 4 for c in chunks) for chunks in blocks)
+    assert needs["checkpoint"] >= largest + max(c.capacity * 4 for c in size)
+    assert needs["keep"] < largest
+
+
+def test_transformers_gradient_checkpointing_counts_its_decoder_layers() -> None:
+    model = tiny_model("llama")
+    assert recomputed_blocks(model, _config(1, "keep")) == []
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
+    assert recomputed_blocks(model, _config(1, "keep")) == list(model.model.layers)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen-attention"])
+def test_training_at_the_planned_device_budget_runs(frozen: bool) -> None:
+    """At exactly the device budget the plan asks for (two slot sizes, frozen tensors
+    in chunks of their own), two steps run and move the loss like plain PyTorch's."""
+    model = tiny_model("llama")
+    if frozen:
+        for p in model.model.layers[0].self_attn.parameters():
+            p.requires_grad_(False)
+    reference = tiny_model("llama")
+    reference.load_state_dict(model.state_dict())
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        q.requires_grad_(p.requires_grad)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    registry = ParamRegistry.from_model(model, recomputed_blocks(model, _config(1)))
+    try:
+        plan_for(registry, _config(1), CPU)
+    except infinity.PlanError as exc:
+        need = exc.needed
+    else:
+        raise AssertionError("a 1-byte device budget was accepted")
+    model = infinity.offload(model, _config(need))
+    opt = CPUAdam([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad],
+        lr=1e-3,
+        weight_decay=0.1,
+        foreach=False,
+    )
+    try:
+        for _ in range(2):
+            for m, o in ((model, opt), (reference, ref_opt)):
+                m(input_ids=ids, labels=ids).loss.backward()
+                o.step()
+                o.zero_grad()
+        with torch.no_grad():
+            ours = float(model(input_ids=ids, labels=ids).loss)
+            theirs = float(reference(input_ids=ids, labels=ids).loss)
+        assert abs(ours - theirs) < 1e-4 * abs(theirs), (ours, theirs)
+    finally:
+        engine_of(model).close()
