@@ -97,6 +97,7 @@ class ChunkManager:
             device_policy,
             self.device_account,
             self._write_back_device,
+            lend_larger=not plan.recomputes_blocks,
         )
         self.host = HostStaging(
             plan,

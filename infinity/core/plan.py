@@ -75,6 +75,10 @@ class Plan:
     # Host bytes of the optimizer's per-tensor states (Adafactor's factors), kept in
     # host memory beside the homes and reserved in the host budget (0 for the others).
     tensor_state_bytes: int = 0
+    # Blocks of the model are recomputed in backward (activation checkpointing), each
+    # holding all of its chunks through its backward: a chunk then never borrows a
+    # device slot larger than its own (chunks/cache.py, TierCache._take_own_size).
+    recomputes_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.span_elems == 0:

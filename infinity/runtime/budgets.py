@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -195,7 +196,7 @@ def plan_for(
     hold ``world.rank``'s shard of every chunk. ``budgets``: resolved already (a plan
     made again for the same model keeps the ones its first plan resolved: free
     memory and disk have changed since, not the model's budgets)."""
-    return choose_plan(
+    plan = choose_plan(
         registry.tensor_infos(),
         registry.working_sets,
         config=config,
@@ -204,3 +205,4 @@ def plan_for(
         shard_count=world.size,
         shard_rank=world.rank,
     )
+    return dataclasses.replace(plan, recomputes_blocks=bool(registry.recomputed))

@@ -16,6 +16,7 @@ from torch import nn
 
 from infinity.chunks.layout import ChunkLayout, TensorInfo
 from infinity.runtime.errors import ModelChangedError
+from infinity.schedule.device_slots import HeldBlock
 
 _NAN_CELLS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -150,7 +151,7 @@ class ParamRegistry:
                     held |= chunks
             for parent in self.ancestors(block):
                 held |= own.get(parent, set())
-            sets.append(frozenset(held))
+            sets.append(HeldBlock(held))
         return sets
 
     def entry(self, param: torch.Tensor) -> ParamEntry | None:

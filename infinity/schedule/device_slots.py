@@ -12,6 +12,12 @@ from collections.abc import Iterable, Sequence
 from infinity.chunks.layout import ChunkLayout
 
 
+class HeldBlock(frozenset[int]):
+    """The chunks of a block recomputed in backward: all held at once, for as long
+    as its backward runs, while its own gradients arrive (a working set that
+    :func:`min_device_slots` gives a receiving slot in each chunk size)."""
+
+
 def _classes(sizes: Iterable[int]) -> Counter[int]:
     return Counter(sizes)
 
@@ -25,7 +31,8 @@ def min_device_slots(
     """Device slots each size class needs: the largest set of chunks one module
     holds at once (its own and its ancestors' parameters), plus ``grad_slots``
     slots of the largest trainable size to receive gradients (a chunk fits any
-    larger slot).
+    larger slot); a :class:`HeldBlock` also gets ``grad_slots`` receiving slots in
+    each size it receives gradients in.
 
     NOTE: sharded, a gradient chunk stays on the device until it is complete
     (``GradientFlow``): a tied embedding's receives gradients the whole
@@ -36,10 +43,12 @@ def min_device_slots(
         per_class = _classes(layout.chunks[i].capacity * element_size for i in chunk_set)
         for size, count in per_class.items():
             need[size] = max(need[size], count)
-        # NOTE: the set's own gradients arrive while it is held, into a slot of their
-        # size class if one is free, else into a larger one, which a parameter
-        # chunk of that class then lacks (PoolExhausted): each class the set
-        # receives gradients in gets its own receiving slot.
+        if not isinstance(chunk_set, HeldBlock):
+            continue
+        # NOTE: a held block's own gradients arrive while all of it is held, into a
+        # slot of their size if one is free, else into a larger one, which a
+        # parameter chunk of that size then lacks (PoolExhausted): each size the
+        # block receives gradients in gets its own receiving slot.
         trainable = {
             layout.chunks[i].capacity * element_size
             for i in chunk_set
