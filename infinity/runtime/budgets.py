@@ -131,20 +131,28 @@ def choose_plan(
     # does not fit retries with smaller chunks.
     cap = chunk_cap(tensors, element_size, MAX_AUTO_CHUNK_BYTES)
     max_bytes = max(MIN_SEARCH_CHUNK_BYTES, min(cap, budgets.device // 4))
+    # NOTE: the last try is always at the smallest cap, whatever the budget: the
+    # bytes its error names are then what the same search fits at that budget
+    # (halving from budget/4 ended on a cap that moved with the budget, so
+    # raising it to the bytes named could end on a larger chunk needing more).
+    caps = []
+    while max_bytes > MIN_SEARCH_CHUNK_BYTES:
+        caps.append(max_bytes)
+        max_bytes //= 2
+    caps.append(MIN_SEARCH_CHUNK_BYTES)
     last_error: PlanError | None = None
-    while max_bytes >= MIN_SEARCH_CHUNK_BYTES:
+    for cap_bytes in caps:
         elems = search_chunk_size(
             tensors,
             element_size,
-            max_bytes=max_bytes,
-            min_bytes=min(MIN_AUTO_CHUNK_BYTES, max_bytes),
+            max_bytes=cap_bytes,
+            min_bytes=min(MIN_AUTO_CHUNK_BYTES, cap_bytes),
         )
         elems = align_up(elems, unit)
         try:
             return attempt(elems)
         except PlanError as exc:
             last_error = exc
-        max_bytes //= 2
     assert last_error is not None
     if unit * element_size > MIN_SEARCH_CHUNK_BYTES:
         raise _shard_rounding_error(last_error, unit * element_size, shard_count, config) from None

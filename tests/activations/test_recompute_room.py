@@ -11,6 +11,7 @@ from activation_helpers import BATCH, SEQ, VOCAB, tiny_model
 import infinity
 from infinity.activations.blocks import recomputed_blocks
 from infinity.core.names import Kind
+from infinity.distributed import World
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.runtime.budgets import plan_for
@@ -142,3 +143,42 @@ def test_training_at_the_planned_device_budget_runs(frozen: bool) -> None:
         assert abs(ours - theirs) < 1e-4 * abs(theirs), (ours, theirs)
     finally:
         engine_of(model).close()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("policy", ["keep", "checkpoint"])
+def test_any_device_budget_from_what_an_auto_plan_asks_for_plans(world: int, policy: str) -> None:
+    """From the bytes a refused ``chunk_size="auto"`` plan names, every larger device
+    budget plans.
+
+    NOTE: the search halved its chunk cap from a quarter of the budget, so its last
+    (smallest) try moved with the budget: just above the bytes named it ended on a
+    larger chunk needing more (sweep seed 3: a 2-rank checkpointed case raised its
+    budget 9 times without a plan; here every budget from 1.02x the bytes named).
+    """
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        )
+    )  # fmt: skip
+    params = sum(p.numel() for p in model.parameters()) * 2
+    config = infinity.Config(
+        dtype="bf16", device_memory=1, host_memory=params * 3, nvme_path="/nonexistent/x",
+        chunk_size="auto", activations=policy, overlap_optimizer=True,
+        optimizer_state_dtype="bf16",
+    )  # fmt: skip
+    registry = ParamRegistry.from_model(model, recomputed_blocks(model, config))
+    ranks = World(rank=0, size=world)
+    for fraction in (0.05, 0.35, 1.0):
+        try:
+            plan_for(
+                registry, config.replace(device_memory=int(fraction * params)), CPU, world=ranks
+            )
+        except infinity.PlanError as exc:
+            for more in (1.0, 1.02, 1.1, 1.3):
+                budget = config.replace(device_memory=int(exc.needed * more))
+                plan_for(registry, budget, CPU, world=ranks)
