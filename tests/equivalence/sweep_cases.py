@@ -474,4 +474,23 @@ EXAMPLES: tuple[Case, ...] = (
             "left a large chunk of the block nowhere to go (PoolExhausted)"
         ),
     ),
+    Case(
+        world=2,
+        dtype="bf16",
+        state_dtype="bf16",
+        tied=False,
+        overlap=True,
+        host=0.75,
+        device=0.35,
+        checkpointing="reentrant",
+        activations="auto",
+        defer_host=True,
+        resume_at=1,
+        resume_host=0.12,
+        resume_device=0.35,
+        why=(
+            "sweep seed 3: chunk_size='auto' refused budgets above the bytes its error "
+            "named (its smallest try moved with the budget): no plan after 9 raises"
+        ),
+    ),
 )
