@@ -146,9 +146,8 @@ class ParamRegistry:
             sets.append(frozenset(held))
         for block in self.recomputed:
             held = set()
-            for module, chunks in own.items():
-                if module is block or block in self.ancestors(module):
-                    held |= chunks
+            for module in block.modules():  # the block itself and all inside it
+                held |= own.get(module, set())
             for parent in self.ancestors(block):
                 held |= own.get(parent, set())
             sets.append(HeldBlock(held))

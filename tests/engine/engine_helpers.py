@@ -160,6 +160,21 @@ def learnable_batches(n: int, seed: int = 1, batch: int = 4, seq: int = SEQ, voc
     return out
 
 
+def offload_on_nvme(model: nn.Module, tmp_path, host_factor: float, **overrides) -> nn.Module:
+    """``model`` offloaded with a host budget of ``host_factor`` x its fp32 parameter
+    bytes (the rest on NVMe in ``tmp_path``), 0.6x of them on the device, 24 KiB
+    chunks; ``overrides``: other ``Config`` fields."""
+    pbytes = param_bytes(model, 4)
+    cfg = {
+        "device_memory": pbytes * 6 // 10,
+        "host_memory": int(pbytes * host_factor),
+        "chunk_size": "24KiB",
+        "nvme_path": str(tmp_path),
+        **overrides,
+    }
+    return infinity.offload(model, config(**cfg))
+
+
 def nvme_pair(tmp_path, host_factor: float = 2.0, **overrides):
     """A tiny GPT offloaded with its optimizer states on NVMe (host budget
     ``host_factor`` x the parameter bytes), its CPUAdam, and the torch reference
@@ -168,15 +183,7 @@ def nvme_pair(tmp_path, host_factor: float = 2.0, **overrides):
 
     model = tiny_gpt()
     ref, ref_opt = reference_pair(model)
-    pbytes = param_bytes(model, 4)
-    cfg = {
-        "device_memory": pbytes * 6 // 10,
-        "host_memory": int(pbytes * host_factor),
-        "chunk_size": "24KiB",
-        "nvme_path": str(tmp_path),
-    }
-    cfg.update(overrides)
-    model = infinity.offload(model, config(**cfg))
+    model = offload_on_nvme(model, tmp_path, host_factor, **overrides)
     return model, CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1), ref, ref_opt
 
 

@@ -8,7 +8,7 @@ The planner side (every budget, the bench's model) is in
 from __future__ import annotations
 
 import pytest
-from engine_helpers import batches, config, param_bytes, tiny_gpt, train
+from engine_helpers import batches, offload_on_nvme, tiny_gpt, train
 
 import infinity
 from infinity.offload import engine_of
@@ -18,16 +18,7 @@ from infinity.optim import CPUAdafactor, CPUAdam, CPULion
 def _offload(tmp_path, host_factor: float, **overrides):
     """A tiny GPT offloaded with a host budget of ``host_factor`` x its fp32 parameters
     (the rest on NVMe)."""
-    model = tiny_gpt()
-    pbytes = param_bytes(model, 4)
-    cfg = {
-        "device_memory": pbytes * 6 // 10,
-        "chunk_size": "24KiB",
-        "host_memory": int(pbytes * host_factor),
-        "nvme_path": str(tmp_path),
-        **overrides,
-    }
-    return infinity.offload(model, config(**cfg))
+    return offload_on_nvme(tiny_gpt(), tmp_path, host_factor, **overrides)
 
 
 def _nvme_bytes(traffic: dict) -> float:

@@ -15,7 +15,15 @@ import os
 
 import pytest
 import torch
-from engine_helpers import batches, config, global_rel_error, param_bytes, tiny_gpt, train
+from engine_helpers import (
+    batches,
+    config,
+    global_rel_error,
+    offload_on_nvme,
+    param_bytes,
+    tiny_gpt,
+    train,
+)
 from lion_reference import ReferenceLion
 
 import infinity
@@ -49,15 +57,7 @@ def _offload(tmp_path, *, seed=0, **overrides):
     """A tiny GPT offloaded with a small host budget (the rest on NVMe), and a copy."""
     model = tiny_gpt(seed=seed)
     ref = copy.deepcopy(model)
-    pbytes = param_bytes(model, 4)
-    cfg = {
-        "device_memory": pbytes * 6 // 10,
-        "chunk_size": "24KiB",
-        "host_memory": int(pbytes * HOST_FACTOR),
-        "nvme_path": str(tmp_path),
-        **overrides,
-    }
-    return infinity.offload(model, config(**cfg)), ref
+    return offload_on_nvme(model, tmp_path, HOST_FACTOR, **overrides), ref
 
 
 def _host_homes(plan) -> int:
