@@ -79,10 +79,12 @@ test-native: setup
 	$(call san_run,asan,libasan.so,ASAN_OPTIONS=detect_leaks=0 \
 	    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1,$(SAN_TESTS))
 
-# ThreadSanitizer on the I/O engine's threads (not in CI). CPython and torch are
-# not instrumented, so TSan sees only the native module's side of each hand-off;
-# tests/tsan.supp is where a report shown to be such a blind spot would go, with
-# its reason. It holds none: see that file for the open report.
+# ThreadSanitizer on the I/O engine's threads (in CI, after test-native). CPython
+# and torch are not instrumented, so TSan sees only the native module's side of
+# each hand-off; tests/tsan.supp is where a report shown to be such a blind spot
+# would go, with its reason. It holds none. A test's child interpreter must import
+# the instrumented copy too (tests/io/io_helpers.python_child): a child that
+# loaded the plain module gave the one false report this build has had.
 test-native-tsan: setup
 	$(call san_build,thread,tsan)
 	$(call san_run,tsan,libtsan.so,TSAN_OPTIONS="halt_on_error=1 \

@@ -7,11 +7,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from io_helpers import REPO_ROOT, run_python
+from io_helpers import REPO_ROOT, python_child, run_python
 
 import infinity
 
@@ -126,9 +125,9 @@ def test_ctrl_c_removes_files(tmp_path):
         "--queue-depths", "2", "--backends", "threads", "--no-baseline",
     ]  # fmt: skip
     code = f"import sys; from infinity.cli.main import main; sys.exit(main({args!r}))"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    command, env = python_child(code)
     proc = subprocess.Popen(
-        [sys.executable, "-c", code],
+        command,
         cwd=REPO_ROOT,
         env=env,
         stderr=subprocess.PIPE,
