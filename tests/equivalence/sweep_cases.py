@@ -7,7 +7,8 @@ dtype, gradient accumulation, clipping, the overlapped step, the optimizer
 (Adam, Lion, SGD with Nesterov momentum, Adafactor), its state dtype, the chunk size,
 a resume (a checkpoint saved part-way and loaded into a model offloaded with
 other budgets, so that states saved from one tier are loaded into another), and
-the recipes users train with: parameter groups under a schedule, frozen layers.
+the recipes users train with: parameter groups under a schedule, frozen layers, a
+validation loss after every step (under ``torch.no_grad`` or ``torch.inference_mode``).
 :func:`draw` makes cases from a seed;
 :data:`EXAMPLES` are cases that once failed (each says which bug), kept
 verbatim so that they run in every ``make test``.
@@ -40,6 +41,8 @@ CHECKPOINTING = ("", "", "non-reentrant", "reentrant")
 # "auto" keeps, offloads or (with neither room nor NVMe, which no drawn case has:
 # without NVMe the host budget is 1 GiB) checkpoints each block.
 ACTIVATIONS = ("keep", "keep", "checkpoint", "offload", "offload", "auto")
+# How a validation loop between steps turns autograd off (Case.evaluate).
+EVAL_MODES = ("no_grad", "inference_mode")
 HOST_FRACTIONS = (1.5, 0.75, 0.45, 0.25, 0.12)
 DEVICE_FRACTIONS = (1.2, 0.6, 0.35)
 
@@ -92,6 +95,9 @@ class Case:
     # The first decoder layer's attention and the final norm frozen (requires_grad off
     # before offload); every parameter still handed to the optimizer.
     frozen: bool = False
+    # Evaluate a held-out batch after every step, in eval mode under this grad mode
+    # ("no_grad" or "inference_mode"; "": no evaluation), as a validation loop does.
+    evaluate: str = ""
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -147,6 +153,8 @@ class Case:
             parts.append("recipe")
         if self.frozen:
             parts.append("frozen")
+        if self.evaluate:
+            parts.append(f"eval-{self.evaluate}")
         if self.resume_at:
             parts.append(f"resume{self.resume_at}-host{self.host_after:g}-dev{self.device_after:g}")
         if self.backend != "cpu":
@@ -207,7 +215,12 @@ def draw(rng: random.Random) -> Case:
     case = _draw_resume(dataclasses.replace(case, nvme_direct=direct))
     # NOTE: drawn from the name as well (the resume's included), after every other field.
     rng = random.Random(zlib.crc32(f"recipe:{case.name()}".encode()))
-    return dataclasses.replace(case, recipe=rng.random() < 1 / 3, frozen=rng.random() < 1 / 4)
+    case = dataclasses.replace(case, recipe=rng.random() < 1 / 3, frozen=rng.random() < 1 / 4)
+    # NOTE: last, from the name again: a third of the cases evaluate after every step.
+    rng = random.Random(zlib.crc32(f"eval:{case.name()}".encode()))
+    if rng.random() >= 1 / 3:
+        return case
+    return dataclasses.replace(case, evaluate=rng.choice(EVAL_MODES))
 
 
 def _draw_resume(case: Case) -> Case:
@@ -340,6 +353,16 @@ PINNED: tuple[Case, ...] = (
         chunk_size="16KiB",
         accumulation=2,
         clip=0.5,
+    ),
+)
+
+# A validation loss after every step: the held-out forward is where updates still
+# queued (trailing NVMe updates, deferred host ones, the overlapped step's) must land.
+EVALUATED: tuple[Case, ...] = (
+    Case(evaluate="inference_mode", host=0.25, device=0.6, chunk_size="16KiB", defer_host=True),
+    Case(world=2, evaluate="no_grad", dtype="bf16", host=0.2, overlap=True, chunk_size="16KiB"),
+    Case(
+        evaluate="no_grad", activations="offload", checkpointing="reentrant", host=0.45, device=0.8
     ),
 )
 

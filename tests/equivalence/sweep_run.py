@@ -46,6 +46,10 @@ FLOOR = {"fp32": 1e-6, "bf16": 1e-4}
 # The bound must be at most this fraction of one step's movement (a skipped or
 # stale update then fails; bf16 data parallel measures noise near a quarter of it).
 MEANINGFUL = 0.5
+# Held-out losses (Case.evaluate), relative: below this, both sides' losses differ by
+# rounding (fp32: ~1e-7; bf16 computes with parameters rounded from masters that
+# differ within the noise above: up to ~2.5e-5 measured).
+EVAL_FLOOR = {"fp32": 1e-5, "bf16": 5e-5}
 PLAN_RETRIES = 8  # NOTE: with auto chunks a larger budget can plan larger chunks, needing more
 
 
@@ -205,9 +209,40 @@ def judge(outcome: Outcome) -> Verdict:
             f"(noise {noise:.2e}); losses {outcome.trained.losses} vs {ref.losses}"
         )
     else:
-        verdict.ok = True
-        verdict.message = f"error {error:.2e} <= {bound:.2e}"
+        stale = _judge_evals(case, outcome.trained.evals, ref.evals)
+        verdict.ok = stale is None
+        verdict.message = stale or f"error {error:.2e} <= {bound:.2e}"
     return verdict
+
+
+def _judge_evals(case: Case, ours: list[float], ref: list[float]) -> str | None:
+    """None if every held-out loss of ``case.evaluate`` matches the reference's.
+
+    NOTE: an evaluation that saw the weights of the step before (an update still
+    queued, trailing or deferred when the validation forward ran) is off by that
+    step's movement of the loss, so each bound is half of it, and never below the
+    rounding floor; a case where no step's bound is above that floor cannot tell.
+    """
+    if not case.evaluate:
+        return None
+    if len(ours) != case.steps or len(ref) != case.steps + 1:
+        return f"{len(ours)} held-out losses for {case.steps} steps (reference: {len(ref)} - 1)"
+    floor = EVAL_FLOOR[case.dtype]
+    telling = False
+    for k, loss in enumerate(ours):
+        now, before = ref[k + 1], ref[k]
+        moved = abs(now - before) / abs(now)
+        telling |= 0.5 * moved >= floor
+        bound = max(0.5 * moved, floor)
+        if not abs(loss - now) / abs(now) <= bound:
+            return (
+                f"held-out loss after step {k + 1} ({case.evaluate}) is {loss!r}, plain PyTorch "
+                f"{now!r} (relative {abs(loss - now) / abs(now):.2e}, bound {bound:.2e}; the "
+                f"step before gave {before!r}); all: {ours} vs {ref[1:]}"
+            )
+    if not telling:
+        return f"no step moved the held-out loss beyond {2 * floor:.1e}: cannot tell a stale one"
+    return None
 
 
 def placement_label(placement: dict[str, dict[str, int]]) -> str:

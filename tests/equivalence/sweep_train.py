@@ -72,6 +72,25 @@ def batches(case: Case) -> list[torch.Tensor]:
     ]
 
 
+def eval_batch(case: Case) -> torch.Tensor:
+    """The held-out batch a case evaluates (drawn apart from the training batches)."""
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, case.vocab, (case.batch, case.seq), generator=g)
+
+
+def evaluate(case: Case, model: torch.nn.Module) -> float:
+    """The loss of :func:`eval_batch` in eval mode under ``case.evaluate``'s grad mode,
+    as a validation loop between training steps computes it; the model trains again
+    afterwards. Every rank evaluates the whole batch."""
+    model.eval()
+    grad_mode = torch.inference_mode() if case.evaluate == "inference_mode" else torch.no_grad()
+    with grad_mode:
+        ids = eval_batch(case).to(case.backend)
+        loss = float(model(input_ids=ids, labels=ids).loss)
+    model.train()
+    return loss
+
+
 def element_size(case: Case) -> int:
     """Bytes of one parameter in the compute dtype."""
     return TORCH_DTYPES[case.dtype].itemsize
@@ -103,11 +122,13 @@ def config(case: Case, model: torch.nn.Module, nvme_dir: str | None) -> infinity
 @dataclass
 class Trained:
     """What one training run left: fp32 parameters (masters) by name, per-step losses,
-    where chunks lived."""
+    where chunks lived, and the held-out losses of ``case.evaluate`` (the reference's
+    start with the one before the first step)."""
 
     state: dict[str, torch.Tensor]
     losses: list[float]
     placement: dict[str, dict[str, int]] = field(default_factory=dict)
+    evals: list[float] = field(default_factory=list)
 
 
 def _parts(case: Case, ids: torch.Tensor, world: int) -> Iterator[torch.Tensor]:
@@ -140,9 +161,10 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
         model, opt = _offloaded(case, llama(case), nvme_dir)
         engines.append(engine_of(model))
         schedule = warmup(case, opt)
-        losses = _train(case, model, opt, schedule, data, range(first), rank)
+        evals: list[float] = []
+        losses = _train(case, model, opt, schedule, data, range(first), rank, evals)
         if not case.resume_at:
-            return _trained(case, model, losses)
+            return _trained(case, model, losses, evals=evals)
         assert nvme_dir is not None, "a resumed case saves its checkpoint in nvme_dir"
         saved = os.path.join(nvme_dir, "resume-checkpoint")
         infinity.save_checkpoint(saved, model, opt)
@@ -162,8 +184,8 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
         infinity.load_checkpoint(saved, model, opt)
         if schedule is not None:
             schedule.load_state_dict(schedule_state)
-        losses += _train(case, model, opt, schedule, data, range(first, case.steps), rank)
-        return _trained(case.resumed(), model, losses, placement)
+        losses += _train(case, model, opt, schedule, data, range(first, case.steps), rank, evals)
+        return _trained(case.resumed(), model, losses, placement, evals)
     finally:
         for engine in engines:
             engine.close()
@@ -202,8 +224,10 @@ def _train(
     data: list[torch.Tensor],
     steps: range,
     rank: int,
+    evals: list[float],
 ) -> list[float]:
-    """The ordinary loop over ``steps``; each step's loss on this rank."""
+    """The ordinary loop over ``steps``; each step's loss on this rank. With
+    ``case.evaluate`` each step is followed by an evaluation, appended to ``evals``."""
     losses = []
     for step in steps:
         total = 0.0
@@ -220,6 +244,8 @@ def _train(
         if schedule is not None:
             schedule.step()
         losses.append(total)
+        if case.evaluate:
+            evals.append(evaluate(case, model))
     return losses
 
 
@@ -228,6 +254,7 @@ def _trained(
     model: torch.nn.Module,
     losses: list[float],
     earlier: dict[str, dict[str, int]] | None = None,
+    evals: list[float] | None = None,
 ) -> Trained:
     """What ``model`` ended with; ``earlier``: the placement of the model it resumed from
     (the counts are added, so a table shows every tier either used)."""
@@ -248,7 +275,7 @@ def _trained(
     for kind, tiers in (earlier or {}).items():
         for tier, count in tiers.items():
             placement[kind][tier] = placement[kind].get(tier, 0) + count
-    return Trained(state, losses, placement)
+    return Trained(state, losses, placement, list(evals or []))
 
 
 def _offload_reading_nvme_directly(model: torch.nn.Module, cfg: infinity.Config) -> torch.nn.Module:
@@ -288,6 +315,7 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
     data = batches(case)
     split = case.world if variant == "halves" else 1
     losses = []
+    evals = [evaluate(case, compute)] if case.evaluate else []
     for step in range(steps):
         total = 0.0
         for micro in range(case.accumulation):
@@ -311,6 +339,8 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
                 for master, p in zip(masters, params, strict=True):
                     p.copy_(master)
         losses.append(total)
+        if case.evaluate:
+            evals.append(evaluate(case, compute))
     state = {k: v.detach().clone() for k, v in model.named_parameters()}  # fp32 masters
     if case.dtype != "fp32":
         # NOTE: a frozen tensor has no fp32 master in infinity: it is kept as its
@@ -318,7 +348,7 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
         for k, v in model.named_parameters():
             if not v.requires_grad:
                 state[k] = v.detach().to(TORCH_DTYPES[case.dtype]).float()
-    return Trained(state, losses)
+    return Trained(state, losses, evals=evals)
 
 
 def rel_error(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
