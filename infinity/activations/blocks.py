@@ -62,17 +62,23 @@ def blocks_for(
 
 
 def recomputed_blocks(model: nn.Module, config: Config) -> list[nn.Module]:
-    """The blocks whose forward runs again in backward: every block with
-    ``activations="checkpoint"``, or a ``transformers`` model's decoder layers when its
-    gradient checkpointing is on (``gradient_checkpointing_enable()`` before offload).
+    """The blocks whose forward may run again in backward: every block with
+    ``activations="checkpoint"``, or with ``"auto"`` and no NVMe tier; a
+    ``transformers`` model's decoder layers when its gradient checkpointing is on
+    (``gradient_checkpointing_enable()`` before offload).
 
-    NOTE: ``"auto"`` checkpoints only blocks whose saved tensors fit nowhere (no
-    NVMe tier, host room spent), chosen after its first forward: the plan does
-    not reserve the device room their recomputation holds (too little raises
-    ``PoolExhausted`` in that backward).
+    NOTE: ``"auto"`` checkpoints the blocks whose saved tensors fit nowhere, chosen
+    after its first forward, once the bytes are measured. With an NVMe tier that is
+    none (activations spill there without limit); without one it can be any block,
+    so the plan reserves the device room a recomputed block holds for all of them,
+    as for ``"checkpoint"``. It did not once: auto, no NVMe and a small host budget
+    ran out of device slots in backward at budgets the plan had accepted.
     """
     if config.activations == "checkpoint":
         return [module for _, module in find_blocks(model, config.activation_blocks)]
+    if config.activations == "auto" and config.nvme_path is None:
+        # NOTE: a model without repeated blocks has nothing auto could checkpoint.
+        return [module for _, module in blocks_for(model, config.activation_blocks, False)]
     # transformers 5 renamed the flag (the old name warns, and goes in 6)
     new = hasattr(type(model), "is_activation_checkpointing")
     if getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False):

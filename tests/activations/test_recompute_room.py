@@ -182,3 +182,48 @@ def test_any_device_budget_from_what_an_auto_plan_asks_for_plans(world: int, pol
             for more in (1.0, 1.02, 1.1, 1.3):
                 budget = config.replace(device_memory=int(exc.needed * more))
                 plan_for(registry, budget, CPU, world=ranks)
+
+
+def test_auto_without_nvme_plans_room_for_the_blocks_it_may_recompute() -> None:
+    """``activations="auto"`` with no NVMe tier checkpoints the blocks whose saved
+    tensors host memory cannot hold (here every block: 64 KiB of room beside the
+    states), chosen after the first forward. At the device budget its plan asks for,
+    three steps run like plain PyTorch's.
+
+    NOTE: the plan once counted no recomputed block for ``"auto"``: backward ran out
+    of device slots (PoolExhausted) at budgets the plan had accepted.
+    """
+    model = tiny_model("llama")
+    reference = tiny_model("llama")
+    probe = infinity.offload(tiny_model("llama"), _config("64MiB", "keep"))
+    host = infinity.stats(probe)["host_reserved_bytes"] + (64 << 10)
+    engine_of(probe).close()
+
+    def config(device_memory: int) -> infinity.Config:
+        return _config(device_memory, "auto").replace(host_memory=host, activation_min_bytes=0)
+
+    registry = ParamRegistry.from_model(model, recomputed_blocks(model, config(1)))
+    assert len(registry.recomputed) == 3
+    with pytest.raises(infinity.PlanError) as err:
+        plan_for(registry, config(1), CPU)
+    model = infinity.offload(model, config(err.value.needed))
+    opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    g = torch.Generator().manual_seed(2)
+    try:
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            losses = []
+            for m, o in ((model, opt), (reference, ref_opt)):
+                loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                losses.append(float(loss.detach()))
+            assert abs(losses[0] - losses[1]) < 1e-4 * abs(losses[1]), losses
+        assert infinity.stats(model)["activations"]["blocks"]["checkpoint"] == 3
+        ours, theirs = model.state_dict(), reference.state_dict()
+        for name, value in theirs.items():
+            torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        engine_of(model).close()

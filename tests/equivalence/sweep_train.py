@@ -103,13 +103,20 @@ def host_bytes_per_param(case: Case) -> float:
 
 
 def config(case: Case, model: torch.nn.Module, nvme_dir: str | None) -> infinity.Config:
-    """The case's budgets in bytes (see ``sweep_cases``' NOTE)."""
+    """The case's budgets in bytes (see ``sweep_cases``' NOTE).
+
+    NOTE: without NVMe the host budget is 1 GiB, room for anything, except under
+    ``activations="auto"``: there ``case.host`` of the states' bytes leaves a little
+    room beside them, so that auto offloads some blocks to host memory and
+    checkpoints the blocks that do not fit (with NVMe it never checkpoints).
+    """
     n = sum(p.numel() for p in model.parameters())
+    tight = case.nvme or case.activations == "auto"
     return infinity.Config(
         device=case.backend,
         dtype=case.dtype,
         device_memory=int(case.device * n * element_size(case)),
-        host_memory=int(case.host * n * host_bytes_per_param(case)) if case.nvme else "1GiB",
+        host_memory=int(case.host * n * host_bytes_per_param(case)) if tight else "1GiB",
         nvme_path=nvme_dir if case.nvme else None,
         chunk_size=case.chunk_size,
         overlap_optimizer=case.overlap,
