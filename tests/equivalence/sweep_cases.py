@@ -29,7 +29,7 @@ import zlib
 from dataclasses import asdict, dataclass
 
 WORLDS = (1, 2)
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16")  # and fp16, drawn from the name (see draw)
 STATE_DTYPES = ("fp32", "bf16", "int8")
 # The optimizer constructed over the model (sweep_optimizers.py); SGD stores fp32 only,
 # Adafactor keeps its factored states per tensor in host memory (fp32, no state slot).
@@ -99,6 +99,9 @@ class Case:
     # Evaluate a held-out batch after every step, in eval mode under this grad mode
     # ("no_grad" or "inference_mode"; "": no evaluation), as a validation loop does.
     evaluate: str = ""
+    # fp16: the loss scale to start from (0: Config's 2**16); a large one makes the
+    # first steps overflow, so that they are skipped and the scale halves.
+    loss_scale: float = 0.0
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -156,6 +159,8 @@ class Case:
             parts.append("frozen")
         if self.evaluate:
             parts.append(f"eval-{self.evaluate}")
+        if self.loss_scale:
+            parts.append(f"scale{self.loss_scale:g}")
         if self.resume_at:
             parts.append(f"resume{self.resume_at}-host{self.host_after:g}-dev{self.device_after:g}")
         if self.backend != "cpu":
@@ -221,6 +226,11 @@ def draw(rng: random.Random) -> Case:
     # NOTE: drawn from the name as well (the resume's included), after every other field.
     rng = random.Random(zlib.crc32(f"recipe:{case.name()}".encode()))
     case = dataclasses.replace(case, recipe=rng.random() < 1 / 3, frozen=rng.random() < 1 / 4)
+    # NOTE: a third of the 16-bit cases compute in fp16 with dynamic loss scaling
+    # (refused with the overlapped step: its overflow check needs every gradient first).
+    rng = random.Random(zlib.crc32(f"fp16:{case.name()}".encode()))
+    if case.dtype == "bf16" and not case.overlap and rng.random() < 1 / 3:
+        case = dataclasses.replace(case, dtype="fp16")
     # NOTE: last, from the name again: a third of the cases evaluate after every step.
     rng = random.Random(zlib.crc32(f"eval:{case.name()}".encode()))
     if rng.random() >= 1 / 3:
@@ -369,6 +379,23 @@ EVALUATED: tuple[Case, ...] = (
     Case(
         evaluate="no_grad", activations="offload", checkpointing="reentrant", host=0.45, device=0.8
     ),
+)
+
+# fp16 with dynamic loss scaling; at 2**20 the first step's gradients overflow, so it
+# is skipped and the scale halves, as torch.amp.GradScaler does in the reference.
+FP16: tuple[Case, ...] = (
+    Case(dtype="fp16", loss_scale=2.0**20, host=0.25, chunk_size="16KiB", accumulation=2, clip=0.5),
+    Case(
+        world=2,
+        dtype="fp16",
+        loss_scale=2.0**19,  # steps 1 and 3 of 4 overflow: the ranks' fp16 sums do
+        steps=4,
+        state_dtype="bf16",
+        host=0.2,
+        device=0.6,
+        chunk_size="16KiB",
+    ),
+    Case(dtype="fp16", optimizer="lion", state_dtype="bf16", defer_host=True, host=0.45),
 )
 
 # Resumed (issue 26's lesson applied to checkpoints): states saved from one tier

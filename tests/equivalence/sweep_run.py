@@ -42,14 +42,14 @@ import infinity
 NOISE_MULTIPLE = 4.0
 # Below this the noise measure is rounding-level in fp32; a bound there would
 # flag FMA contraction differences of the fused kernel.
-FLOOR = {"fp32": 1e-6, "bf16": 1e-4}
+FLOOR = {"fp32": 1e-6, "bf16": 1e-4, "fp16": 1e-4}
 # The bound must be at most this fraction of one step's movement (a skipped or
 # stale update then fails; bf16 data parallel measures noise near a quarter of it).
 MEANINGFUL = 0.5
 # Held-out losses (Case.evaluate), relative: below this, both sides' losses differ by
 # rounding (fp32: ~1e-7; bf16 computes with parameters rounded from masters that
 # differ within the noise above: up to ~2.5e-5 measured).
-EVAL_FLOOR = {"fp32": 1e-5, "bf16": 5e-5}
+EVAL_FLOOR = {"fp32": 1e-5, "bf16": 5e-5, "fp16": 5e-5}
 PLAN_RETRIES = 8  # NOTE: with auto chunks a larger budget can plan larger chunks, needing more
 
 

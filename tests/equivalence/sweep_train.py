@@ -30,7 +30,7 @@ from infinity.core.names import NVME
 from infinity.core.routes import Purpose
 from infinity.offload import engine_of
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Bytes per parameter kept in host homes, by (compute dtype, state dtype):
 # parameter + gradient (compute dtype), fp32 master for 16-bit compute, and the
 # two moments (int8: one byte each plus one fp32 scale per 256).
@@ -123,6 +123,7 @@ def config(case: Case, model: torch.nn.Module, nvme_dir: str | None) -> infinity
         optimizer_state_dtype=case.state_dtype,
         activations=case.activations,
         activation_min_bytes=0,
+        initial_loss_scale=case.loss_scale or infinity.Config().initial_loss_scale,
     )
 
 
@@ -242,7 +243,8 @@ def _train(
             ids = list(_parts(case, data[step * case.accumulation + micro], case.world))[rank]
             ids = ids.to(case.backend)
             loss = model(input_ids=ids, labels=ids).loss / case.accumulation
-            loss.backward()
+            # fp16: the loss times infinity's dynamic loss scale (torch's GradScaler.scale)
+            (opt.scale_loss(loss) if case.dtype == "fp16" else loss).backward()
             total += float(loss.detach())
         if case.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
@@ -321,22 +323,30 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
     schedule = warmup(case, opt)
     data = batches(case)
     split = case.world if variant == "halves" else 1
+    # fp16: torch's own dynamic loss scaling, with infinity's defaults (Config)
+    scaler = _Fp16Scaler(case.loss_scale) if case.dtype == "fp16" else None
     losses = []
     evals = [evaluate(case, compute)] if case.evaluate else []
     for step in range(steps):
         total = 0.0
         for micro in range(case.accumulation):
-            for ids in _parts(case, data[step * case.accumulation + micro], split):
+            batch = data[step * case.accumulation + micro]
+            if scaler is not None and case.world > 1:
+                total += _fp16_rank_mean(case, compute, batch, scaler.scale)
+                continue
+            for ids in _parts(case, batch, split):
                 ids = ids.to(case.backend)
                 loss = compute(input_ids=ids, labels=ids).loss / case.accumulation / split
-                loss.backward()
+                (loss * scaler.scale if scaler else loss).backward()
                 total += float(loss.detach())
         if compute is not model:
             for master, p in zip(masters, params, strict=True):
                 master.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
-        if case.clip:
+        stepped = scaler is None or scaler.unscale(masters)
+        if case.clip and stepped:
             torch.nn.utils.clip_grad_norm_(masters, case.clip)
-        opt.step()
+        if stepped:
+            opt.step()
         opt.zero_grad()
         if schedule is not None:
             schedule.step()
@@ -356,6 +366,58 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
             if not v.requires_grad:
                 state[k] = v.detach().to(TORCH_DTYPES[case.dtype]).float()
     return Trained(state, losses, evals=evals)
+
+
+def _fp16_rank_mean(
+    case: Case, compute: torch.nn.Module, batch: torch.Tensor, scale: float
+) -> float:
+    """fp16 on ``case.world`` ranks: adds to every ``.grad`` the mean over the ranks of
+    each rank's gradient of its slice's scaled loss; returns the mean of their losses.
+
+    NOTE: infinity reduces fp16 gradients as DeepSpeed does: the ranks' gradients are
+    summed in fp16, then divided by the ranks, and the step is skipped when the sum
+    holds an inf. Each rank's gradient is that of its own slice's mean loss, about
+    ``world`` times the whole batch's share, so a sum overflows at a loss scale where
+    one process's whole-batch gradient would not: the reference computes the same
+    sums to skip the same steps.
+    """
+    params = list(compute.parameters())
+    earlier = [p.grad for p in params]  # earlier micro-batches' mean gradients
+    summed: list[torch.Tensor | None] = [None] * len(params)
+    total = 0.0
+    for ids in _parts(case, batch, case.world):
+        for p in params:
+            p.grad = None
+        ids = ids.to(case.backend)
+        loss = compute(input_ids=ids, labels=ids).loss / case.accumulation
+        (loss * scale).backward()
+        total += float(loss.detach()) / case.world
+        summed = [
+            g if s is None else s if g is None else s + g
+            for s, g in zip(summed, [p.grad for p in params], strict=True)
+        ]
+    for p, before, grad in zip(params, earlier, summed, strict=True):
+        mean = None if grad is None else grad / case.world
+        p.grad = mean if before is None else before if mean is None else before + mean
+    return total
+
+
+class _Fp16Scaler:
+    """What ``torch.amp.GradScaler`` does around a step, for gradients already copied to
+    fp32 masters: divide them by the scale, or skip the step and halve the scale when
+    one is inf or NaN (growth after 1000 good steps never comes in a case)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale or infinity.Config().initial_loss_scale
+
+    def unscale(self, masters: list[torch.Tensor]) -> bool:
+        grads = [m.grad for m in masters if m.grad is not None]
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            self.scale /= 2
+            return False
+        for g in grads:
+            g.div_(self.scale)
+        return True
 
 
 def rel_error(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

@@ -14,14 +14,16 @@ import os
 
 import pytest
 from harness import run_ranks
-from sweep_cases import EVALUATED, EXAMPLES, PINNED, RESUMED, Case, draw_cases
+from sweep_cases import EVALUATED, EXAMPLES, FP16, PINNED, RESUMED, Case, draw_cases
 from sweep_run import Outcome, judge, placement_label, rank_cases, run_case
 
 pytest.importorskip("transformers")
 
 SEED = int(os.environ.get("INFINITY_SWEEP_SEED", "26"))
 DRAWN = 6
-CASES: list[Case] = [*EXAMPLES, *PINNED, *RESUMED, *EVALUATED, *draw_cases(SEED, DRAWN)]
+CASES: list[Case] = [
+    *EXAMPLES, *PINNED, *RESUMED, *EVALUATED, *FP16, *draw_cases(SEED, DRAWN)
+]  # fmt: skip
 WORLD1 = [c for c in CASES if c.world == 1]
 WORLD2 = [c for c in CASES if c.world == 2]
 
