@@ -53,6 +53,7 @@ FEATURES = (
     "recipe",
     "frozen",
     "evaluate",
+    "model",
 )
 
 

@@ -35,14 +35,15 @@ def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # inference, generation: nothing to save
             return original(*args, **kwargs)
+        # NOTE: a recomputation would append this step's keys and values to the
+        # cache a second time (and the check of saved shapes would fail), and keys
+        # and values recomputed in backward would keep the autograd graph that made
+        # them, with views of the block's parameter chunks, for as long as the cache
+        # lives: two chunks pinned on the device per block until backward ends.
+        # Training does not read the cache, so the checkpointed block fills none.
+        # Llama hands it by keyword, GPT-2 by position (transformers 5).
+        args = tuple(None if _is_cache("", value) else value for value in args)
         for name, value in list(kwargs.items()):
-            # NOTE: a recomputation would append this step's keys and values to the
-            # cache a second time (and the check of saved shapes would fail), and
-            # keys and values recomputed in backward would keep the autograd graph
-            # that made them, with views of the block's parameter chunks, for as
-            # long as the cache lives: two chunks pinned on the device per block
-            # until backward ends. Training does not read the cache, so the
-            # checkpointed block fills none.
             if _is_cache(name, value):
                 kwargs[name] = None
         return checkpoint(original, *args, use_reentrant=False, **kwargs)

@@ -49,21 +49,23 @@ def _chunks_of(engine, prefix: str) -> set[int]:
     }
 
 
-def test_a_checkpointed_block_holds_no_chunk_after_its_backward() -> None:
+@pytest.mark.parametrize(("kind", "layers"), [("llama", "model.layers"), ("gpt2", "transformer.h")])
+def test_a_checkpointed_block_holds_no_chunk_after_its_backward(kind: str, layers: str) -> None:
     """While layer 0 receives gradients, nothing of layers 1 and 2 is held.
 
-    NOTE: transformers 5 hands decoder layers the key-value cache as ``cache``;
-    left to a checkpointed block, the keys and values recomputed in backward kept
-    their autograd graph, with views of two chunks per block, until backward ended.
+    NOTE: transformers 5 hands decoder layers the key-value cache, Llama's as the
+    keyword ``cache``, GPT-2's by position; left to a checkpointed block, the keys and
+    values recomputed in backward kept their autograd graph, with views of two
+    chunks per block, until backward ended (GPT-2's exhausted the device slots).
     """
-    model = infinity.offload(tiny_model("llama"), _config("64MiB"))
+    model = infinity.offload(tiny_model(kind), _config("64MiB"))
     engine = engine_of(model)
     try:
-        later = _chunks_of(engine, "model.layers.1.") | _chunks_of(engine, "model.layers.2.")
-        later -= _chunks_of(engine, "model.layers.0.")
+        later = _chunks_of(engine, f"{layers}.1.") | _chunks_of(engine, f"{layers}.2.")
+        later -= _chunks_of(engine, f"{layers}.0.")
         seen: list[set[int]] = []
         for name, p in model.named_parameters():
-            if name.startswith("model.layers.0."):
+            if name.startswith(f"{layers}.0."):
                 p.register_post_accumulate_grad_hook(lambda _p: seen.append(_held(engine)))
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         model(input_ids=ids, labels=ids).loss.backward()

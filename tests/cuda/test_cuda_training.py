@@ -41,13 +41,13 @@ def test_gpu_training_equals_plain_pytorch_on_the_gpu(case: Case, tmp_path) -> N
 
 def test_device_budget_bounds_what_the_engine_allocates_on_the_gpu(tmp_path) -> None:
     """The engine's device slots fit ``device_memory`` (measured by torch's allocator)."""
-    from sweep_train import config, llama
+    from sweep_train import build_model, config
 
     import infinity
     from infinity.offload import engine_of
 
     case = Case(backend="cuda", host=0.25, device=0.35, chunk_size="16KiB", layers=4)
-    model = llama(case)
+    model = build_model(case)
     # NOTE: cuBLAS keeps a workspace per stream in torch's allocator (tens of
     # MiB on Hopper), created by the first matmul: not the engine's bytes.
     torch.cuda.synchronize()

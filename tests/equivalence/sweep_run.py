@@ -29,9 +29,9 @@ from sweep_optimizers import step_size
 from sweep_train import (
     ResumePlanError,
     Trained,
+    build_model,
     element_size,
     host_bytes_per_param,
-    llama,
     rel_error,
     train_offloaded,
     train_reference,
@@ -147,7 +147,7 @@ def run_case(case: Case, nvme_dir: str, rank: int = 0) -> Outcome:
     """Train ``case`` offloaded on this process; never raises (see :class:`Outcome`)."""
     raised: list[str] = []
     tried = case
-    params = sum(p.numel() for p in llama(case).parameters())
+    params = sum(p.numel() for p in build_model(case).parameters())
     os.makedirs(nvme_dir, exist_ok=True)  # NOTE: infinity creates its folder inside, not above
     for _ in range(PLAN_RETRIES + 1):
         try:
@@ -182,12 +182,19 @@ def judge(outcome: Outcome) -> Verdict:
     if outcome.trained is None:
         return Verdict(case, False, f"training failed:\n{outcome.error}", raised=outcome.raised)
     ref = train_reference(case)
-    noise = rel_error(train_reference(case, variant="fused").state, ref.state)
+    ref.state = _judged(case, ref.state)
+
+    def off(variant: str = "single", steps: int | None = None) -> float:
+        return rel_error(
+            _judged(case, train_reference(case, variant=variant, steps=steps).state), ref.state
+        )
+
+    noise = off("fused")
     if case.world > 1:
-        noise = max(noise, rel_error(train_reference(case, variant="halves").state, ref.state))
-    one_step = rel_error(train_reference(case, steps=case.steps - 1).state, ref.state)
+        noise = max(noise, off("halves"))
+    one_step = off(steps=case.steps - 1)
     bound = max(NOISE_MULTIPLE * noise, FLOOR[case.dtype], _rounding_floor(case, ref.state))
-    error = rel_error(outcome.trained.state, ref.state)
+    error = rel_error(_judged(case, outcome.trained.state), ref.state)
     verdict = Verdict(
         case,
         False,
@@ -213,6 +220,24 @@ def judge(outcome: Outcome) -> Verdict:
         verdict.ok = stale is None
         verdict.message = stale or f"error {error:.2e} <= {bound:.2e}"
     return verdict
+
+
+def _judged(case: Case, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters the error is measured on.
+
+    NOTE: GPT-2's key bias (the middle third of each ``c_attn`` bias) has a gradient
+    that is zero up to rounding (softmax ignores a shift of every score of a row).
+    Adam and Lion normalise it into a full step in the direction the rounding
+    points, which any other arithmetic flips: 94% of the noise of a 2-rank bf16 GPT-2
+    case, past half a step's movement. It is left out of every error alike.
+    """
+    if case.model != "gpt2":
+        return state
+    out = dict(state)
+    for name, value in state.items():
+        if name.endswith("attn.c_attn.bias"):
+            out[name] = torch.cat([value[: case.hidden], value[2 * case.hidden :]])
+    return out
 
 
 def _judge_evals(case: Case, ours: list[float], ref: list[float]) -> str | None:

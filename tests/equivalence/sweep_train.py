@@ -37,24 +37,36 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 _STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / 256}
 
 
-def llama(case: Case) -> torch.nn.Module:
-    """The case's ``transformers`` Llama (grouped-query attention), seeded."""
+def build_model(case: Case) -> torch.nn.Module:
+    """The case's ``transformers`` model, seeded: a Llama (grouped-query attention), or
+    a GPT-2 (Conv1D projections, learned positions, dropout 0.1 in one process; two
+    ranks draw other masks for their slices than one process for the whole batch)."""
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=case.vocab,
-        hidden_size=case.hidden,
-        intermediate_size=case.intermediate,
-        num_hidden_layers=case.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max(64, case.seq),
-        tie_word_embeddings=case.tied,
-    )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    if case.model == "gpt2":
+        drop = 0.1 if case.world == 1 else 0.0
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=case.vocab, n_embd=case.hidden, n_inner=case.intermediate,
+                n_layer=case.layers, n_head=4, n_positions=max(64, case.seq),
+                tie_word_embeddings=case.tied, resid_pdrop=drop, embd_pdrop=drop,
+                attn_pdrop=drop,
+            )
+        )  # fmt: skip
+        frozen = [*model.transformer.h[0].attn.parameters(), *model.transformer.ln_f.parameters()]
+    else:
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=case.vocab, hidden_size=case.hidden,
+                intermediate_size=case.intermediate, num_hidden_layers=case.layers,
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=max(64, case.seq), tie_word_embeddings=case.tied,
+            )
+        )  # fmt: skip
+        frozen = [*model.model.layers[0].self_attn.parameters(), *model.model.norm.parameters()]
     if case.frozen:
-        for p in [*model.model.layers[0].self_attn.parameters(), *model.model.norm.parameters()]:
+        for p in frozen:
             p.requires_grad_(False)
     if case.checkpointing:
         reentrant = case.checkpointing == "reentrant"
@@ -166,7 +178,7 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
     first = case.resume_at or case.steps
     engines = []  # NOTE: closed whatever happens (closing twice is a no-op)
     try:
-        model, opt = _offloaded(case, llama(case), nvme_dir)
+        model, opt = _offloaded(case, build_model(case), nvme_dir)
         engines.append(engine_of(model))
         schedule = warmup(case, opt)
         evals: list[float] = []
@@ -180,7 +192,7 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
         schedule_state = None if schedule is None else schedule.state_dict()
         placement = infinity.stats(model)["placement"]
         engines[0].close()
-        model = _reinitialised(llama(case))
+        model = _reinitialised(build_model(case))
         try:
             model, opt = _offloaded(case.resumed(), model, os.path.join(nvme_dir, "b"))
         except infinity.PlanError as exc:
@@ -238,6 +250,7 @@ def _train(
     ``case.evaluate`` each step is followed by an evaluation, appended to ``evals``."""
     losses = []
     for step in steps:
+        torch.manual_seed(1000 + step)  # NOTE: dropout's masks, as the reference draws them
         total = 0.0
         for micro in range(case.accumulation):
             ids = list(_parts(case, data[step * case.accumulation + micro], case.world))[rank]
@@ -310,7 +323,7 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
     the mean of the slices' gradients).
     """
     steps = case.steps if steps is None else steps
-    model = llama(case)  # its parameters are the fp32 masters, stepped on the CPU
+    model = build_model(case)  # its parameters are the fp32 masters, stepped on the CPU
     compute = model
     if case.dtype != "fp32" or case.backend != "cpu":
         # NOTE: parameters only: offload leaves buffers (rotary frequencies) as built.
@@ -328,17 +341,32 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
     losses = []
     evals = [evaluate(case, compute)] if case.evaluate else []
     for step in range(steps):
+        torch.manual_seed(1000 + step)
         total = 0.0
+        per_rank: list[Grads] | None = None  # "halves", fp16: each rank's micro-batches
         for micro in range(case.accumulation):
             batch = data[step * case.accumulation + micro]
             if scaler is not None and case.world > 1:
-                total += _fp16_rank_mean(case, compute, batch, scaler.scale)
+                # NOTE: the reference reduces every micro-batch, then adds the means;
+                # "halves" adds each rank's micro-batches first and reduces once: both
+                # orders are infinity's (a gradient chunk that stays on the device
+                # accumulates there), and fp16 rounds them apart.
+                ranks, loss_mean = _rank_grads(case, compute, batch, scaler.scale)
+                total += loss_mean
+                if variant == "halves":
+                    per_rank = ranks if per_rank is None else [
+                        _added(a, b) for a, b in zip(per_rank, ranks, strict=True)
+                    ]  # fmt: skip
+                else:
+                    _add_rank_mean(compute, ranks)
                 continue
             for ids in _parts(case, batch, split):
                 ids = ids.to(case.backend)
                 loss = compute(input_ids=ids, labels=ids).loss / case.accumulation / split
                 (loss * scaler.scale if scaler else loss).backward()
                 total += float(loss.detach())
+        if per_rank is not None:
+            _add_rank_mean(compute, per_rank)
         if compute is not model:
             for master, p in zip(masters, params, strict=True):
                 master.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
@@ -368,23 +396,25 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
     return Trained(state, losses, evals=evals)
 
 
-def _fp16_rank_mean(
+Grads = list[torch.Tensor | None]
+
+
+def _rank_grads(
     case: Case, compute: torch.nn.Module, batch: torch.Tensor, scale: float
-) -> float:
-    """fp16 on ``case.world`` ranks: adds to every ``.grad`` the mean over the ranks of
-    each rank's gradient of its slice's scaled loss; returns the mean of their losses.
+) -> tuple[list[Grads], float]:
+    """fp16 on ``case.world`` ranks: each rank's gradients of its slice's scaled loss,
+    and the mean of their losses (``.grad`` is left as it was).
 
     NOTE: infinity reduces fp16 gradients as DeepSpeed does: the ranks' gradients are
     summed in fp16, then divided by the ranks, and the step is skipped when the sum
     holds an inf. Each rank's gradient is that of its own slice's mean loss, about
     ``world`` times the whole batch's share, so a sum overflows at a loss scale where
-    one process's whole-batch gradient would not: the reference computes the same
-    sums to skip the same steps.
+    one process's whole-batch gradient would not: the reference forms the same sums
+    to skip the same steps.
     """
     params = list(compute.parameters())
-    earlier = [p.grad for p in params]  # earlier micro-batches' mean gradients
-    summed: list[torch.Tensor | None] = [None] * len(params)
-    total = 0.0
+    earlier = [p.grad for p in params]
+    grads, total = [], 0.0
     for ids in _parts(case, batch, case.world):
         for p in params:
             p.grad = None
@@ -392,14 +422,25 @@ def _fp16_rank_mean(
         loss = compute(input_ids=ids, labels=ids).loss / case.accumulation
         (loss * scale).backward()
         total += float(loss.detach()) / case.world
-        summed = [
-            g if s is None else s if g is None else s + g
-            for s, g in zip(summed, [p.grad for p in params], strict=True)
-        ]
-    for p, before, grad in zip(params, earlier, summed, strict=True):
-        mean = None if grad is None else grad / case.world
-        p.grad = mean if before is None else before if mean is None else before + mean
-    return total
+        grads.append([p.grad for p in params])
+    for p, before in zip(params, earlier, strict=True):
+        p.grad = before
+    return grads, total
+
+
+def _added(a: Grads, b: Grads) -> Grads:
+    return [y if x is None else x if y is None else x + y for x, y in zip(a, b, strict=True)]
+
+
+def _add_rank_mean(compute: torch.nn.Module, ranks: list[Grads]) -> None:
+    """``.grad +=`` the ranks' gradients summed in fp16, divided by the ranks."""
+    summed = ranks[0]
+    for grads in ranks[1:]:
+        summed = _added(summed, grads)
+    params = list(compute.parameters())
+    mean = [None if g is None else g / len(ranks) for g in summed]
+    for p, value in zip(params, _added([p.grad for p in params], mean), strict=True):
+        p.grad = value
 
 
 class _Fp16Scaler:

@@ -71,14 +71,14 @@ EVERY = {(k, t) for k in ("param", "grad", "optim") for t in ("host", "nvme")}
 
 def test_pinned_cases_put_every_kind_on_each_tier_in_one_process(tmp_path) -> None:
     """The coverage the pinned cases promise, from the plans alone."""
-    from sweep_train import config, llama
+    from sweep_train import build_model, config
 
     import infinity
     from infinity.offload import engine_of
 
     placements = []
     for case in [c for c in PINNED if c.world == 1]:
-        model = llama(case)
+        model = build_model(case)
         model = infinity.offload(model, config(case, model, str(tmp_path)))
         placements.append(infinity.stats(model)["placement"])
         engine_of(model).close()
