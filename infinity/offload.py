@@ -103,6 +103,13 @@ def engine_of(model: nn.Module) -> OffloadEngine:
 
 
 def find_engine(model: nn.Module) -> OffloadEngine | None:
-    """The engine of an offloaded model, or ``None`` if it was not offloaded."""
+    """The engine of an offloaded model, or ``None`` if it was not offloaded; also
+    through ``torch.compile``'s wrapper of one."""
     engine = registry.model_engine(model)
+    # NOTE: torch.compile(model) returns a new module holding the model as
+    # `_orig_mod`; users pass that wrapper to infinity.stats, save_checkpoint and
+    # the rest, which then said the model was not offloaded.
+    while engine is None and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+        engine = registry.model_engine(model)
     return engine if isinstance(engine, OffloadEngine) else None

@@ -127,3 +127,32 @@ def test_compiled_offloaded_training_equals_eager(arch, backend):
     err = global_rel_error(compiled, eager)
     tol = max(MARGIN * noise, FLOOR)
     assert err <= tol, f"compiled vs eager offloaded: {err:.2e} > {tol:.2e} (plain: {noise:.2e})"
+
+
+def test_infinity_takes_the_compiled_wrapper_for_the_offloaded_model(tmp_path):
+    """``torch.compile(model)`` returns a new module holding the model: ``stats``,
+    ``save_checkpoint`` and ``load_checkpoint`` take it as the model it wraps (they said
+    it was not offloaded), and the state saved through it loads into another model."""
+    data = batches(STEPS, seq=16)
+    cfg = config(device_memory=param_bytes(tiny_llama(), 4) * 6 // 10, chunk_size="8KiB")
+    model = infinity.offload(tiny_llama(), cfg)
+    opt = CPUAdam(model.parameters(), lr=1e-3)
+    run = torch.compile(model, backend="aot_eager")
+    for batch in data[:2]:
+        _llama_loss(run, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    assert infinity.stats(run)["placement"] == infinity.stats(model)["placement"]
+    infinity.save_checkpoint(tmp_path / "ck", run, opt)
+    other = infinity.offload(tiny_llama(seed=1), cfg)
+    other_opt = CPUAdam(other.parameters(), lr=1e-3)
+    infinity.load_checkpoint(tmp_path / "ck", torch.compile(other, backend="aot_eager"), other_opt)
+    ours, theirs = other.state_dict(), model.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+    # and both train on alike (the optimizer's state came along)
+    for m, o in ((model, opt), (other, other_opt)):
+        _llama_loss(m, data[2]).backward()
+        o.step()
+    assert global_rel_error(other, model) == 0.0
