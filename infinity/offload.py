@@ -109,7 +109,8 @@ def find_engine(model: nn.Module) -> OffloadEngine | None:
     # NOTE: torch.compile(model) returns a new module holding the model as
     # `_orig_mod`; users pass that wrapper to infinity.stats, save_checkpoint and
     # the rest, which then said the model was not offloaded.
-    while engine is None and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        model = model._orig_mod
-        engine = registry.model_engine(model)
+    wrapped = getattr(model, "_orig_mod", None)
+    while engine is None and isinstance(wrapped, nn.Module):
+        engine = registry.model_engine(wrapped)
+        wrapped = getattr(wrapped, "_orig_mod", None)
     return engine if isinstance(engine, OffloadEngine) else None
