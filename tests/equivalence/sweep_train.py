@@ -23,6 +23,7 @@ from unittest import mock
 
 import torch
 from sweep_cases import Case
+from sweep_fp16 import Fp16Scaler, Grads, add_rank_mean, added, rank_grads
 from sweep_optimizers import offloaded_optimizer, param_groups, reference_optimizer, warmup
 
 import infinity
@@ -337,7 +338,7 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
     data = batches(case)
     split = case.world if variant == "halves" else 1
     # fp16: torch's own dynamic loss scaling, with infinity's defaults (Config)
-    scaler = _Fp16Scaler(case.loss_scale) if case.dtype == "fp16" else None
+    scaler = Fp16Scaler(case.loss_scale) if case.dtype == "fp16" else None
     losses = []
     evals = [evaluate(case, compute)] if case.evaluate else []
     for step in range(steps):
@@ -351,14 +352,16 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
                 # "halves" adds each rank's micro-batches first and reduces once: both
                 # orders are infinity's (a gradient chunk that stays on the device
                 # accumulates there), and fp16 rounds them apart.
-                ranks, loss_mean = _rank_grads(case, compute, batch, scaler.scale)
+                ranks, loss_mean = rank_grads(
+                    case, compute, _parts(case, batch, case.world), scaler.scale
+                )
                 total += loss_mean
                 if variant == "halves":
                     per_rank = ranks if per_rank is None else [
-                        _added(a, b) for a, b in zip(per_rank, ranks, strict=True)
+                        added(a, b) for a, b in zip(per_rank, ranks, strict=True)
                     ]  # fmt: skip
                 else:
-                    _add_rank_mean(compute, ranks)
+                    add_rank_mean(compute, ranks)
                 continue
             for ids in _parts(case, batch, split):
                 ids = ids.to(case.backend)
@@ -366,7 +369,7 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
                 (loss * scaler.scale if scaler else loss).backward()
                 total += float(loss.detach())
         if per_rank is not None:
-            _add_rank_mean(compute, per_rank)
+            add_rank_mean(compute, per_rank)
         if compute is not model:
             for master, p in zip(masters, params, strict=True):
                 master.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
@@ -394,71 +397,6 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
             if not v.requires_grad:
                 state[k] = v.detach().to(TORCH_DTYPES[case.dtype]).float()
     return Trained(state, losses, evals=evals)
-
-
-Grads = list[torch.Tensor | None]
-
-
-def _rank_grads(
-    case: Case, compute: torch.nn.Module, batch: torch.Tensor, scale: float
-) -> tuple[list[Grads], float]:
-    """fp16 on ``case.world`` ranks: each rank's gradients of its slice's scaled loss,
-    and the mean of their losses (``.grad`` is left as it was).
-
-    NOTE: infinity reduces fp16 gradients as DeepSpeed does: the ranks' gradients are
-    summed in fp16, then divided by the ranks, and the step is skipped when the sum
-    holds an inf. Each rank's gradient is that of its own slice's mean loss, about
-    ``world`` times the whole batch's share, so a sum overflows at a loss scale where
-    one process's whole-batch gradient would not: the reference forms the same sums
-    to skip the same steps.
-    """
-    params = list(compute.parameters())
-    earlier = [p.grad for p in params]
-    grads, total = [], 0.0
-    for ids in _parts(case, batch, case.world):
-        for p in params:
-            p.grad = None
-        ids = ids.to(case.backend)
-        loss = compute(input_ids=ids, labels=ids).loss / case.accumulation
-        (loss * scale).backward()
-        total += float(loss.detach()) / case.world
-        grads.append([p.grad for p in params])
-    for p, before in zip(params, earlier, strict=True):
-        p.grad = before
-    return grads, total
-
-
-def _added(a: Grads, b: Grads) -> Grads:
-    return [y if x is None else x if y is None else x + y for x, y in zip(a, b, strict=True)]
-
-
-def _add_rank_mean(compute: torch.nn.Module, ranks: list[Grads]) -> None:
-    """``.grad +=`` the ranks' gradients summed in fp16, divided by the ranks."""
-    summed = ranks[0]
-    for grads in ranks[1:]:
-        summed = _added(summed, grads)
-    params = list(compute.parameters())
-    mean = [None if g is None else g / len(ranks) for g in summed]
-    for p, value in zip(params, _added([p.grad for p in params], mean), strict=True):
-        p.grad = value
-
-
-class _Fp16Scaler:
-    """What ``torch.amp.GradScaler`` does around a step, for gradients already copied to
-    fp32 masters: divide them by the scale, or skip the step and halve the scale when
-    one is inf or NaN (growth after 1000 good steps never comes in a case)."""
-
-    def __init__(self, scale: float) -> None:
-        self.scale = scale or infinity.Config().initial_loss_scale
-
-    def unscale(self, masters: list[torch.Tensor]) -> bool:
-        grads = [m.grad for m in masters if m.grad is not None]
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
-            self.scale /= 2
-            return False
-        for g in grads:
-            g.div_(self.scale)
-        return True
 
 
 def rel_error(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
