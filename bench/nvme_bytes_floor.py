@@ -34,7 +34,7 @@ import tempfile
 
 import torch
 
-from infinity.bench.train import host_budget_for
+from infinity.bench.train import nvme_budgets
 from infinity.cli.plan import OPTIMIZERS
 from infinity.config import Config
 from infinity.core.names import HOST, NVME
@@ -98,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:  # the plan only checks that it exists
         nvme = Config(device="cpu", dtype="fp32", device_memory=cfg.num_params * 2, nvme_path=tmp)
-        # The budgets of infinity.bench.train.run_all, cases c/c0 and d/d0.
-        optim_only = host_budget_for(
-            cfg, nvme, lambda p: NVME not in p.param_home and NVME not in p.grad_home
-        )
-        small = max(host_budget_for(cfg, nvme, lambda p: True), cfg.num_params * 16 * 15 // 100)
+        optim_only, small = nvme_budgets(cfg, nvme)  # bench/train_overhead.py's
         for case, host, overlap in (
             ("c", optim_only, True), ("c0", optim_only, False),
             ("d", small, True), ("d0", small, False),

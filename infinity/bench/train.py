@@ -199,6 +199,17 @@ def host_budget_for(cfg: GPTConfig, base: Config, wanted: Callable[[Plan], bool]
     return hi
 
 
+def nvme_budgets(cfg: GPTConfig, nvme: Config) -> tuple[int, int]:
+    """The host budgets of cases c/c0 and d/d0: the smallest that keeps parameters
+    and gradients in RAM (optimizer states on NVMe), and the "small" one, 15% of
+    AdamW's model states (at least what staging needs)."""
+    optim_only = host_budget_for(
+        cfg, nvme, lambda p: NVME not in p.param_home and NVME not in p.grad_home
+    )
+    small = max(host_budget_for(cfg, nvme, lambda p: True), cfg.num_params * 16 * 15 // 100)
+    return optim_only, small
+
+
 def run_all(
     cfg: GPTConfig,
     *,
@@ -231,11 +242,7 @@ def run_all(
     base = Config(device="cpu", dtype="fp32", device_memory=param_bytes // 2)
     with tempfile.TemporaryDirectory(dir=nvme_dir) as tmp:
         nvme = base.replace(nvme_path=tmp)
-        optim_only = host_budget_for(
-            cfg, nvme, lambda p: NVME not in p.param_home and NVME not in p.grad_home
-        )
-        # "small" host: 15% of the model states (and at least what staging needs)
-        small = max(host_budget_for(cfg, nvme, lambda p: True), cfg.num_params * 16 * 15 // 100)
+        optim_only, small = nvme_budgets(cfg, nvme)
         overlap = {"overlap_optimizer": True}  # the loop below steps after every backward
         note("building the cases")
         opt = optimizer
