@@ -3,6 +3,11 @@
 The native module is plain C++17 over libc and the kernel headers (no libaio,
 no liburing, no torch headers): Python passes raw pointers after validating
 tensors, so the build needs only pybind11 and a C++ compiler.
+
+``infinity._fence`` (cpp/fence/, the fence test device: NOTE [the fence device] in docs/NOTES.md)
+links against libtorch, so it is built only where torch is importable at build
+time (``pip install --no-build-isolation``, as the Makefile does); elsewhere
+``Config(device="fence")`` says how to get it.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ if _SANITIZE:
 
 ext = Pybind11Extension(
     "infinity._C",
-    sorted(glob.glob("cpp/**/*.cpp", recursive=True)),
+    sorted(f for f in glob.glob("cpp/**/*.cpp", recursive=True) if not f.startswith("cpp/fence/")),
     include_dirs=["cpp"],
     # NOTE: without the headers listed, editing one would not trigger a rebuild.
     depends=sorted(glob.glob("cpp/**/*.hpp", recursive=True)),
@@ -54,4 +59,36 @@ ext = Pybind11Extension(
     extra_link_args=_LINK_FLAGS,
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
+
+
+def _fence_extension() -> Pybind11Extension | None:
+    """``infinity._fence`` against the torch this build sees, or None without one.
+
+    NOTE: not under the sanitizers (libtorch is not instrumented, and
+    `make test-native` tests the I/O and kernel code, not this).
+    """
+    if _SANITIZE or os.environ.get("INFINITY_NO_FENCE"):
+        return None
+    try:
+        import torch
+        from torch.utils.cpp_extension import include_paths, library_paths
+    except ImportError:
+        return None
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return Pybind11Extension(
+        "infinity._fence",
+        ["cpp/fence/fence.cpp"],
+        include_dirs=include_paths(),
+        library_dirs=library_paths(),
+        libraries=["c10", "torch", "torch_cpu"],
+        define_macros=[("_GLIBCXX_USE_CXX11_ABI", str(abi))],
+        cxx_std=17,
+        extra_compile_args=["-O2", "-Wall", "-fvisibility=hidden", "-Wno-unused-parameter"],
+    )
+
+
+fence = _fence_extension()
+setup(
+    ext_modules=[ext] if fence is None else [ext, fence],
+    cmdclass={"build_ext": build_ext},
+)

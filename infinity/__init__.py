@@ -41,6 +41,20 @@ def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     return _gradients(model, engine_of(model))
 
 
+def device_of(model: nn.Module) -> torch.device:
+    """The device an offloaded ``model`` computes on (``cuda:0``, ``cpu``, ``fence:0``):
+    where its inputs go, ``x.to(infinity.device_of(model))``. For a model that is not
+    offloaded, the device of its first parameter (or buffer), else the CPU."""
+    from infinity.offload import find_engine
+
+    engine = find_engine(model)
+    if engine is not None:
+        return engine.device
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
 def from_pretrained(
     path: str | os.PathLike[str], config: Config | None = None, **kwargs: Any
 ) -> nn.Module:
@@ -71,6 +85,7 @@ __all__ = [
     "PlanError",
     "PretrainedError",
     "UnsetParameterError",
+    "device_of",
     "from_pretrained",
     "gradients",
     "init_empty",

@@ -22,7 +22,7 @@ from infinity._native.io import ALIGNMENT, MAX_QUEUE_DEPTH, MAX_THREADS
 from infinity.utils.sizes import align_up, parse_size, shown
 
 AUTO = "auto"
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16")  # what "auto" resolves to (infinity.devices.choice)
 AIO_BACKENDS = ("auto", "io_uring", "aio", "threads")
 OPTIMIZER_STATE_DTYPES = tuple(STATE_ELEMENT_BYTES)  # "fp32", "bf16", "int8": the kernel's formats
 ACTIVATION_POLICIES = ("keep", "checkpoint", "offload", "auto")
@@ -61,14 +61,17 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 def _device(value: Any) -> str:
     if isinstance(value, torch.device):
-        value = str(value)  # "cpu", "cuda", "cuda:1"
+        value = str(value)  # "cpu", "cuda", "cuda:1", "fence:0"
+    if value == "fence:0":
+        return "fence"  # NOTE: the fence has one device
     if isinstance(value, str) and (
-        value in (AUTO, "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+        value in (AUTO, "cpu", "cuda", "fence")
+        or (value.startswith("cuda:") and value[5:].isdigit())
     ):
         return value
     raise ConfigError(
-        f"device={shown(value)} must be 'auto', 'cpu', 'cuda' or 'cuda:N' (or a torch.device "
-        "of those)"
+        f"device={shown(value)} must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'fence' (the test "
+        "device that stands for a GPU on the CPU), or a torch.device of those"
     )
 
 
@@ -154,12 +157,18 @@ class Config:
         nvme_path: directory for the NVMe tier (a private sub-directory is made in
             it and removed on exit); ``None`` disables the tier.
         nvme_memory: cap on bytes of swap files; ``"auto"``: 90% of the free space.
-        dtype: compute dtype of parameters: ``"fp32"``, ``"bf16"`` or ``"fp16"``
-            (fp16 uses dynamic loss scaling).
+        dtype: compute dtype of parameters: ``"auto"`` (the default: bf16 where the
+            device computes it natively, a GPU of compute capability 8.0 or later or
+            a CPU with AVX512_BF16/AMX; else fp32, or fp16 on older GPUs),
+            ``"fp32"``, ``"bf16"`` or ``"fp16"`` (fp16 uses dynamic loss scaling).
+            The engine decides ``"auto"`` when the model is offloaded
+            (``infinity.stats(model)["dtype"]`` says what it chose).
         chunk_size: bytes per chunk of the compute dtype; ``"auto"`` searches the
             size that wastes least and fits the budgets.
         device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``
-            (a ``torch.device`` is stored as its string).
+            or ``"fence"``: a test device that stands for a GPU on the CPU, on which a
+            host tensor meeting device compute fails as on CUDA (see
+            ``infinity.devices.fence``). A ``torch.device`` is stored as its string.
         aio: NVMe I/O settings, an :class:`AioConfig` or its dict.
         prefetch_depth: chunks in flight ahead of compute (0 disables prefetch).
         prefetch_bytes: byte budget for prefetched-but-unused chunks; ``"auto"``:
@@ -215,7 +224,7 @@ class Config:
     host_memory: int | str = AUTO
     nvme_path: str | None = None
     nvme_memory: int | str = AUTO
-    dtype: str = "bf16"
+    dtype: str = AUTO
     chunk_size: int | str = AUTO
     device: str = AUTO
     aio: AioConfig = field(default_factory=AioConfig)
@@ -253,7 +262,7 @@ class Config:
             self.nvme_path = os.fsdecode(self.nvme_path)
             if "\0" in self.nvme_path:
                 raise ConfigError(f"nvme_path={self.nvme_path!r} contains a NUL character")
-        self.dtype = _choice("dtype", self.dtype, DTYPES)
+        self.dtype = _choice("dtype", self.dtype, (AUTO, *DTYPES))
         self.device = _device(self.device)
         if isinstance(self.aio, dict):
             self.aio = AioConfig.from_dict(self.aio)
@@ -269,8 +278,9 @@ class Config:
             )
         if self.overlap_optimizer is True and self.dtype == "fp16":
             raise ConfigError(
-                "overlap_optimizer=True cannot be used with dtype='fp16': the overflow check "
-                "needs every gradient before any step; use dtype='bf16' or overlap_optimizer=False"
+                "overlap_optimizer=True cannot be used with dtype='fp16' (which dtype='auto' "
+                "picks on GPUs without bf16): the overflow check needs every gradient before "
+                "any step; use dtype='bf16' or 'fp32', or overlap_optimizer=False"
             )
         for name in ("initial_loss_scale", "min_loss_scale"):
             value = getattr(self, name)

@@ -18,7 +18,7 @@ from infinity.config import Config, ConfigError
 from infinity.core.names import HOST, NVME
 from infinity.core.plan import Plan
 from infinity.core.routes import Purpose, route_table
-from infinity.devices.base import resolve_device
+from infinity.devices.choice import resolved
 from infinity.distributed import World
 from infinity.models.gpt import GPT, describe
 from infinity.models.presets import PRESETS, preset
@@ -62,9 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-memory", default="auto", help="host budget, e.g. 8GiB")
     parser.add_argument("--nvme-path", default=None, help="directory of the NVMe tier")
     parser.add_argument("--nvme-memory", default="auto", help="cap on swap bytes")
-    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="compute dtype (default auto: bf16 where the device computes it natively, else fp32)",
+    )
     parser.add_argument("--chunk-size", default="auto", help="bytes per chunk or 'auto'")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or fence")
     parser.add_argument(
         "--overlap-optimizer",
         action="store_true",
@@ -157,10 +162,11 @@ def run(args: argparse.Namespace) -> int:
             overlap_optimizer=args.overlap_optimizer,
             optimizer_state_dtype=args.optimizer_state_dtype,
         )
+        config = resolved(config)
     except ConfigError as exc:
         raise CommandError(str(exc)) from None
     model, title = _build_model(args)
-    device = torch.device(resolve_device(config.device))
+    device = torch.device(config.device)
     try:
         # NOTE: planning needs no process group: every rank's shard has the same size.
         world = World(rank=0, size=args.nproc)

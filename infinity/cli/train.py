@@ -41,6 +41,7 @@ from infinity.cli.train_settings import (
     resolve_settings,
 )
 from infinity.data import Corpus, CorpusError, load_corpus
+from infinity.devices.choice import choose_dtype
 from infinity.models.gpt import GPTConfig
 from infinity.models.gpt import describe as describe_gpt
 from infinity.offload import engine_of
@@ -137,9 +138,12 @@ def _header(run: _Run, session: Session) -> list[str]:
     s, m, corpus = run.settings, run.settings.model, run.corpus
     stats = {**infinity.stats(session.model), "nvme_path": run.config.nvme_path}
     per_tensor = tensor_state_bytes(session.optimizer, session.model.parameters())
+    dtype = s.dtype
+    if run.args.dtype in (None, "auto") and run.resumed is None:
+        dtype = f"{s.dtype} (auto: {choose_dtype(str(stats['device'])).reason})"
     return [
-        f"infinity train: {describe(m)}, context {m.seq_len} {corpus.unit}, {s.dtype}, "
-        f"device {stats['device']}",
+        f"infinity train: {describe(m)}, context {m.seq_len} {corpus.unit}, device "
+        f"{stats['device']}, {dtype}",
         f"data: {corpus.files} files of {corpus.about} in {corpus.root} "
         f"({corpus.train.numel() / 1e6:.2f}M {corpus.unit} to train on, "
         f"{corpus.eval.numel() / 1e6:.2f}M held out)",

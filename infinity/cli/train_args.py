@@ -59,7 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--seq-len", metavar="N", type=int, help="context length in bytes")
     model.add_argument(
-        "--dtype", choices=("bf16", "fp16", "fp32"), help="compute dtype (default: bf16)"
+        "--dtype",
+        choices=("auto", "bf16", "fp16", "fp32"),
+        help="compute dtype (default: auto, bf16 where the device computes it natively, else "
+        "fp32; fp16 with loss scaling on GPUs without bf16)",
+    )
+    model.add_argument(
+        "--device",
+        metavar="DEVICE",
+        help="where to compute: auto (the default: cuda if there is a GPU, else cpu), cpu, "
+        "cuda, cuda:N, or fence (a test device that stands for a GPU on the CPU)",
     )
     train = parser.add_argument_group("training")
     train.add_argument("--steps", metavar="N", type=int, help="optimizer steps of the whole run")

@@ -148,6 +148,9 @@ class Session:
         except BaseException:
             self.close()
             raise
+        # NOTE: batches are built on the host; every one moves to the engine's device
+        # (a GPU, or the fence in tests) before the model sees it.
+        self.device = infinity.device_of(self.model)
         m = settings.model
         self.batches = ranks.batches(
             corpus.train, m.seq_len, settings.batch_size, settings.seed, corpus.train_mask
@@ -197,6 +200,9 @@ class Session:
         return ckpt.save(run, self.model, self.optimizer, self.trainer_state())
 
     # --- work -----------------------------------------------------------------------------
+    def _on_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(t.to(self.device) for t in batch)
+
     def _snapshot(self) -> dict[str, float]:
         stats = {**infinity.stats(self.model), "sent_bytes": train_ranks.bytes_sent(self.model)}
         return {k: stats[k] for k in COUNTER_KEYS}
@@ -209,7 +215,7 @@ class Session:
         lr = self.optimizer.param_groups[0]["lr"]
         total = 0.0
         for micro in range(s.grad_accum):
-            inputs, targets = self.batches.get(step, micro)
+            inputs, targets = self._on_device(self.batches.get(step, micro))
             loss = self.loss(self.model, inputs, targets)
             self.optimizer.scale_loss(loss / s.grad_accum).backward()
             total += loss.item()
@@ -246,7 +252,8 @@ class Session:
         self.model.eval()  # NOTE: no dropout in the held-out loss
         try:
             losses = [
-                self.loss(self.model, *self.eval_batches.get(i)).item() for i in range(batches)
+                self.loss(self.model, *self._on_device(self.eval_batches.get(i))).item()
+                for i in range(batches)
             ]
         finally:
             self.model.train()

@@ -25,7 +25,8 @@ from infinity.cli.train_pretrained import (
     inspect_model,
     reject_gpt_flags,
 )
-from infinity.config import Config, ConfigError
+from infinity.config import AUTO, Config, ConfigError
+from infinity.devices.choice import choose_dtype, resolve_device
 from infinity.models.gpt import GPTConfig
 from infinity.optim.state_formats import StateFormat
 from infinity.utils.sizes import align_up, parse_size
@@ -131,6 +132,21 @@ class RunSettings:
         return cls(**{**data, "model": kind(**data["model"])})
 
 
+def run_device(args: argparse.Namespace) -> str:
+    """The ``Config.device`` of the run: ``--device``, else the ``--config`` file's, else auto."""
+    if getattr(args, "device", None) is not None:
+        try:
+            return Config(device=args.device).device
+        except ConfigError as exc:
+            raise CommandError(str(exc).replace("device=", "--device ", 1)) from None
+    if args.config is not None:
+        try:
+            return Config.from_file(args.config).device
+        except ConfigError as exc:
+            raise CommandError(f"--config: {exc}") from None
+    return AUTO
+
+
 def _positive(flag: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise CommandError(f"{flag} must be a positive integer, got {value}")
@@ -180,9 +196,14 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
     choice = CHOICES[optimizer]
     steps = pick("steps", preset.steps)
     default_warmup = resumed.warmup if resumed is not None else max(1, min(100, steps // 10))
+    dtype = pick("dtype", AUTO)  # See NOTE [dtype auto]: decided here, saved with the run
+    if dtype == AUTO and resumed is not None:
+        dtype = resumed.dtype
+    elif dtype == AUTO:
+        dtype = choose_dtype(resolve_device(run_device(args))).dtype
     settings = RunSettings(
         model=model,
-        dtype=pick("dtype", "bf16"),
+        dtype=dtype,
         batch_size=pick("batch_size", preset.batch_size),
         grad_accum=pick("grad_accum", 1),
         steps=steps,
@@ -303,6 +324,7 @@ def build_config(args: argparse.Namespace, settings: RunSettings) -> tuple[Confi
     if args.nvme_path is not None:
         given["nvme_path"] = None if args.nvme_path.lower() == "none" else args.nvme_path
     given["dtype"] = settings.dtype
+    given["device"] = run_device(args)
     if args.optimizer_state_dtype is not None or "optimizer_state_dtype" not in given:
         given["optimizer_state_dtype"] = settings.optimizer_state_dtype
     if given["optimizer_state_dtype"] != settings.optimizer_state_dtype:  # from --config

@@ -40,6 +40,9 @@ class DeviceBackend(abc.ABC):
     # NOTE [host updates behind the forward]: True where compute runs apart from
     # the host's cores (a GPU), so host work done while it computes is free.
     computes_apart: bool = False
+    # Whether device slots are host RAM to the operating system and to the budgets
+    # (the CPU backend): then host and device bytes compete for the same RAM.
+    shares_host_memory: bool = False
 
     @abc.abstractmethod
     def alloc_device(self, nbytes: int) -> torch.Tensor:
@@ -83,10 +86,3 @@ class DeviceBackend(abc.ABC):
 
     def close(self) -> None:
         """Release threads or streams owned by the backend."""
-
-
-def resolve_device(device: str) -> str:
-    """A ``Config.device`` value with ``"auto"`` replaced (CUDA when available)."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device

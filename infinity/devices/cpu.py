@@ -38,14 +38,15 @@ class _CopyHandle(TransferHandle):
         return self._job.done()
 
 
-def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> int:
-    """Bytes of a copy between two contiguous CPU tensors of equal size, else raise."""
+def _check_copy(dst: torch.Tensor, src: torch.Tensor, device_type: str) -> int:
+    """Bytes of a copy between two contiguous tensors of equal size in host memory
+    (on the CPU or on ``device_type``, whose memory is host memory too), else raise."""
     nbytes = dst.numel() * dst.element_size()
     for name, t in (("dst", dst), ("src", src)):
-        if t.device.type != "cpu" or not t.is_contiguous():
+        if t.device.type not in ("cpu", device_type) or not t.is_contiguous():
             raise ValueError(
-                f"copy {name} must be a contiguous CPU tensor, got {t.device} "
-                f"with strides {t.stride()}"
+                f"copy {name} must be a contiguous tensor on cpu or {device_type}, got "
+                f"{t.device} with strides {t.stride()}"
             )
     if nbytes != src.numel() * src.element_size():
         raise ValueError(
@@ -58,6 +59,7 @@ class CpuBackend(DeviceBackend):
     """Device slots in RAM, host<->device copies on one copy thread (in order)."""
 
     name = "cpu"
+    shares_host_memory = True
 
     def __init__(self, copy_delay_s: float = 0.0, *, nvme_direct: bool = False) -> None:
         """``nvme_direct``: read NVMe homes straight into device slots, the route a
@@ -76,7 +78,11 @@ class CpuBackend(DeviceBackend):
         return aligned_empty(nbytes, pinned=False)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> TransferHandle:
-        nbytes = _check_copy(dst, src)
+        return self._submit(dst, src)
+
+    def _submit(self, dst: torch.Tensor, src: torch.Tensor) -> TransferHandle:
+        """Queue ``dst.copy_(src)`` on the copy thread, by address."""
+        nbytes = _check_copy(dst, src, self.device.type)
         while self._inflight and self._inflight[0].done():
             self._inflight.popleft()
         delay_us = int(self.copy_delay_s * 1e6)

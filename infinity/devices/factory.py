@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from infinity.devices.base import DeviceBackend, resolve_device
+from infinity.devices.base import DeviceBackend
+from infinity.devices.choice import resolve_device
 
 
 def make_backend(device: str) -> DeviceBackend:
@@ -25,4 +26,8 @@ def make_backend(device: str) -> DeviceBackend:
         from infinity.devices.cuda import CudaBackend
 
         return CudaBackend(torch.device(device))
-    raise ValueError(f"device={device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if device == "fence":
+        from infinity.devices.fence import FenceBackend
+
+        return FenceBackend()
+    raise ValueError(f"device={device!r} must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'fence'")

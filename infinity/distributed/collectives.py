@@ -57,6 +57,23 @@ class InFlight:
         self.wait()
 
 
+class _Finished:
+    """The work of a collective that completed before it was returned."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+def _staged(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives where the groups' backends cannot address it (the fence
+    device: gloo takes host and CUDA memory only). See NOTE [the fence device]: such a
+    collective runs, synchronously, on a host copy."""
+    return tensor.device.type not in ("cpu", "cuda")
+
+
 class Collectives:
     """Shard collectives over one :class:`World` (every call is collective)."""
 
@@ -92,10 +109,15 @@ class Collectives:
         returned handle is done (and must not be read or reused before)."""
         world = self.world
         shard = full.numel() // world.size
-        own = full[world.rank * shard : (world.rank + 1) * shard]
+        target = full.cpu() if _staged(full) else full
+        own = target[world.rank * shard : (world.rank + 1) * shard]
         with self._failing_as(what):
-            work = _all_gather_flat(full, own, group=self._group(full), async_op=True)
+            work = _all_gather_flat(target, own, group=self._group(target), async_op=True)
         self.bytes_sent += own.numel() * own.element_size()
+        if target is not full:
+            InFlight(work, self, what).wait()
+            full.copy_(target)
+            work = _Finished()
         return InFlight(work, self, what)
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, what: str) -> None:
@@ -106,16 +128,26 @@ class Collectives:
     def start_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str) -> InFlight:
         """``out`` = this rank's shard of the *sum* of ``full`` over the ranks, started
         (``full`` must stay unchanged until the returned handle is done)."""
+        staged = _staged(full) or _staged(out)
+        target = torch.empty_like(out, device="cpu") if staged else out
+        source = full.cpu() if staged else full
         with self._failing_as(what):
-            work = _reduce_scatter_flat(out, full, group=self._group(full), async_op=True)
+            work = _reduce_scatter_flat(target, source, group=self._group(source), async_op=True)
         self.bytes_sent += full.numel() * full.element_size()
+        if staged:
+            InFlight(work, self, what).wait()
+            out.copy_(target)
+            work = _Finished()
         return InFlight(work, self, what)
 
     def broadcast(self, tensor: torch.Tensor, what: str, src: int = 0) -> None:
         """Every rank gets rank ``src``'s ``tensor`` (``src`` is a rank of the group)."""
-        root = dist.get_global_rank(self._group(tensor), src)
+        target = tensor.cpu() if _staged(tensor) else tensor
+        root = dist.get_global_rank(self._group(target), src)
         with self._failing_as(what):
-            dist.broadcast(tensor, root, group=self._group(tensor))
+            dist.broadcast(target, root, group=self._group(target))
+        if target is not tensor:
+            tensor.copy_(target)
 
     def any(self, flag: bool, what: str) -> bool:
         """True on every rank if ``flag`` is true on any."""

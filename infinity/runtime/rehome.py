@@ -292,7 +292,7 @@ def _no_room(engine: Rehomable, plan: Plan) -> str:
                 f"its swap file ({format_size(plan.nvme_bytes)}) does not fit the free disk "
                 f"space at nvme_path ({format_size(free)})"
             )
-    ram = plan.host_bytes + (plan.device_bytes if engine.device.type == "cpu" else 0)
+    ram = plan.host_bytes + (plan.device_bytes if engine.backend.shares_host_memory else 0)
     available = psutil.virtual_memory().available
     if ram > available:
         return (

@@ -96,7 +96,7 @@ def open_activation_store(
         )
     return ActivationStore(
         backend.device,
-        shares_host_memory=backend.device.type == "cpu",
+        shares_host_memory=backend.shares_host_memory,
         host_capacity=activation_host_room(plan, host_reserved),
         min_bytes=int(config.activation_min_bytes),
         spill=spill,

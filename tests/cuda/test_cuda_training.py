@@ -11,8 +11,6 @@ is torch's own noise measured in the same test.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from cuda_helpers import needs_cuda
@@ -22,11 +20,7 @@ from sweep_run import judge, placement_label, run_case
 pytestmark = needs_cuda
 pytest.importorskip("transformers")
 
-CASES = [
-    dataclasses.replace(c, backend="cuda")
-    for c in [*EXAMPLES, *PINNED, *draw_cases(27, 6)]
-    if c.world == 1
-]
+CASES = [c.on("cuda") for c in [*EXAMPLES, *PINNED, *draw_cases(27, 6)] if c.world == 1]
 
 
 @pytest.mark.parametrize("case", CASES, ids=Case.name)

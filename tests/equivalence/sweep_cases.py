@@ -48,6 +48,10 @@ AUTO_HOST = 1.15  # the host fraction of activations="auto" cases without NVMe
 DEVICE_FRACTIONS = (1.2, 0.6, 0.35)
 
 
+# Backends whose devices the swap file can be read into directly (Case.nvme_direct).
+DIRECT_READERS = ("cpu", "fence")
+
+
 @dataclass(frozen=True)
 class Case:
     """One combination of features, trained against plain PyTorch."""
@@ -76,7 +80,8 @@ class Case:
     # Config.activations ("keep", "checkpoint", "offload" or "auto"; offload moves every
     # saved tensor, activation_min_bytes=0, and spills to NVMe in NVMe cases).
     activations: str = "keep"
-    # Where compute runs: "cpu" (the CPU backend) or "cuda" (tests/cuda, on a GPU).
+    # Where compute runs: "cpu" (the CPU backend), "fence" (the device that stands for a
+    # GPU on the CPU: tests/fence) or "cuda" (tests/cuda, on a GPU). See Case.on.
     backend: str = "cpu"
     optimizer: str = "adam"  # "adam", "lion", "sgd" or "adafactor" (sweep_optimizers.py)
     # Host-homed updates trail into the next forward (NOTE [host updates behind the
@@ -131,6 +136,13 @@ class Case:
         return dataclasses.replace(
             self, host=self.host_after, device=self.device_after, resume_host=0.0, resume_device=0.0
         )
+
+    def on(self, backend: str) -> Case:
+        """The case computing on ``backend``. The direct NVMe route stays where the
+        backend has a reader into device memory (the CPU backend and the fence; the
+        CUDA backend has none yet, NOTE [routes are data])."""
+        direct = self.nvme_direct and backend in DIRECT_READERS
+        return dataclasses.replace(self, backend=backend, nvme_direct=direct)
 
     def name(self) -> str:
         """A short, unique-enough id for test names and tables."""

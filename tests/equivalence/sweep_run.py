@@ -167,6 +167,10 @@ def run_case(case: Case, nvme_dir: str, rank: int = 0) -> Outcome:
 def rank_cases(rank: int, cases: list[Case], nvme_root: str) -> list[Outcome]:
     """Every case on this rank of a group (for ``harness.run_ranks``); rank 0 keeps states."""
     torch.set_num_threads(1)
+    if any(case.backend == "fence" for case in cases):
+        from infinity.devices import fence
+
+        fence.load()  # NOTE: before this process's first backward (NOTE [the fence device])
     out = []
     for k, case in enumerate(cases):
         outcome = run_case(case, os.path.join(nvme_root, f"case-{k}"), rank)

@@ -1,0 +1,132 @@
+"""What ``Config``'s ``"auto"`` device and compute dtype mean on the machine at hand.
+
+See NOTE [dtype auto]: bf16 where the device computes it natively, else fp32 (fp16
+with loss scaling on GPUs without bf16); the fence device follows the CPU's rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from infinity.config import AUTO, Config
+
+
+def resolve_device(device: str) -> str:
+    """A ``Config.device`` value with ``"auto"`` replaced (CUDA when available; never
+    the fence, which is only ever asked for by name)."""
+    if device == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether torch's CPU kernels compute bf16 natively here: the CPU has AVX512_BF16
+    or AMX-BF16, and neither torch (``ATEN_CPU_CAPABILITY``) nor oneDNN
+    (``ONEDNN_MAX_CPU_ISA``) is held below the instructions that have it."""
+    flags = _cpu_flags()
+    if not flags & {"avx512_bf16", "amx_bf16"}:
+        return False
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "DEFAULT"))
+    return onednn.upper() in ("", "DEFAULT", "ALL") or any(
+        part in onednn.upper() for part in ("BF16", "AMX", "AVX10", "FP16")
+    )
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The compute dtype ``"auto"`` picked, and why (printed in run headers)."""
+
+    dtype: str
+    reason: str
+
+
+def choose_dtype(device: str) -> DtypeChoice:
+    """The compute dtype for ``device`` (a resolved ``Config.device``): see NOTE [dtype auto]."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():  # `infinity plan --device cuda` on a host without one
+            return DtypeChoice("bf16", "no GPU here to ask: planned for one that computes bf16")
+        index = torch.device(device).index
+        major, minor = torch.cuda.get_device_capability(index)
+        name = torch.cuda.get_device_name(index)
+        if major >= 8:
+            return DtypeChoice("bf16", f"{name} (compute capability {major}.{minor}) computes bf16")
+        return DtypeChoice(
+            "fp16",
+            f"{name} (compute capability {major}.{minor}) has no bf16 units: fp16 with "
+            "dynamic loss scaling (call optimizer.scale_loss(loss).backward())",
+        )
+    where = "this CPU" if device == "cpu" else f"the {device} device computes on this CPU, which"
+    if cpu_computes_bf16():
+        return DtypeChoice("bf16", f"{where} has AVX512_BF16/AMX: bf16 is native")
+    return DtypeChoice("fp32", f"{where} has no AVX512_BF16 or AMX: bf16 would be emulated")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """A ``Config.dtype`` value with ``"auto"`` replaced; an explicit bf16 on a CPU that
+    emulates it warns once, with its measured cost."""
+    if dtype == AUTO:
+        return choose_dtype(device).dtype
+    if dtype == "bf16" and not device.startswith("cuda") and not cpu_computes_bf16():
+        _warn_emulated_bf16()
+    return dtype
+
+
+@functools.cache
+def emulated_bf16_slowdown() -> float:
+    """How many times slower a bf16 matmul is than fp32 here (a 512 x 256 x 512
+    product, best of three)."""
+
+    def best(dtype: torch.dtype) -> float:
+        a = torch.ones(512, 256, dtype=dtype)
+        b = torch.ones(256, 512, dtype=dtype)
+        a @ b  # noqa: B018 (first call: kernel selection, not timed)
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            a @ b  # noqa: B018
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return best(torch.bfloat16) / max(best(torch.float32), 1e-9)
+
+
+@functools.cache
+def _warn_emulated_bf16() -> None:
+    warnings.warn(
+        f"dtype='bf16' on a CPU without AVX512_BF16 or AMX: a bf16 matmul is "
+        f"{emulated_bf16_slowdown():.0f}x slower than fp32 here (measured). dtype='auto' "
+        "picks fp32 on this machine",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def resolved(config: Config) -> Config:
+    """``config`` with its device and compute dtype decided for this machine (what an
+    engine runs with; the user's ``Config`` keeps its ``"auto"``)."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if (device, dtype) == (config.device, config.dtype):
+        return config
+    return dataclasses.replace(config, device=device, dtype=dtype)
