@@ -29,8 +29,12 @@ $(STAMP): $(PY) $(SOURCES)
 demo: setup
 	$(VENV)/bin/infinity train $(DEMO_ARGS)
 
+# NOTE [the fence device]: tests/fence runs in a pytest process of its own (the
+# device is registered process-wide); without INFINITY_FENCE_TESTS=1 the first
+# run does not collect it.
 test: setup
 	$(PY) -m pytest -q tests
+	INFINITY_FENCE_TESTS=1 $(PY) -m pytest -q tests/fence
 
 # On a machine with a GPU and a CUDA torch already installed (no venv, no
 # download): build the native module against that torch, run the tests

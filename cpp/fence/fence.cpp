@@ -95,6 +95,7 @@ struct FenceAllocator final : c10::Allocator {
 };
 
 FenceAllocator g_allocator;
+REGISTER_ALLOCATOR(kFence, &g_allocator);
 
 // A fence tensor over a CPU tensor's memory, keeping its storage alive.
 at::Tensor adopt(const at::Tensor& cpu) {

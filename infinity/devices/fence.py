@@ -67,6 +67,7 @@ def _device_module(native: types.ModuleType) -> types.ModuleType:
         "_is_in_bad_fork": lambda: False,
         "manual_seed": lambda seed: None,
         "manual_seed_all": lambda seed: None,
+        "get_amp_supported_dtype": lambda: [torch.float16, torch.bfloat16],
         "get_rng_state": get_rng_state,
         "set_rng_state": set_rng_state,
         "memory_allocated": lambda device=None: native.memory_allocated(),
