@@ -1,77 +1,180 @@
 #!/usr/bin/env bash
-# One prepared run for a lent GPU machine: build against the torch already
-# installed there, then its stages (GPU_STAGES, comma-separated; default all):
-#   tests  the CUDA tests (`make test-gpu`'s), TEST_TIMEOUT s (default 260)
-#   step   bench/gpu_step.py at two batch sizes (issue 29 part 4), BENCH_TIMEOUT s each
-#   part4  issue 26 part 4 (about 3 minutes; PART4_TIMEOUT s, default 240, a hard stop):
-#          bench/state_dtype.py --scale-device cuda: a transformers Llama computing on
-#          the GPU with its optimizer states pushed to the disk by a 2 GiB host budget
-#          (PART4_HOST_MEMORY; the RAM would hold them), sized for the disk measured
-#          first (the largest model up to PART4_PARAMS=1B whose fp32-moment step the
-#          planner gives an I/O bound of PART4_IO_SECONDS=5 s), fp32 against int8
-#          moments in interleaved rounds of the default and the overlapped step, no
-#          round started past PART4_BUDGET=180 s. One line per run: step, NVMe bytes,
-#          I/O bound, step / bound, GB/s over the step and while the disk is busy, and
-#          int8's GB/s against fp32's of the same round (docs/BENCHMARKS.md, "int8
-#          moments and the disk"). PART4_ARGS: more flags, which win (a CPU smoke of
-#          the stage: PART4_ARGS="--scale-device cpu --scale-dtype fp32 --scale-vocab 256
-#          --scale-seq-len 32 --scale-measure-size 8MiB --scale-device-memory 4MiB
-#          --scale-host-memory 4MiB" PART4_PARAMS=8M PART4_IO_SECONDS=0.05).
-#          If it fails or times out it says so and the script exits 1; the stages
-#          before it keep their files. All three stages: about 6 minutes on an H100.
-# Everything it prints also lands in $OUT (the device tool brings it back).
-# Usage there: bash bench/gpu_check.sh [pytest args...]
-#   e.g. GPU_STAGES=part4 bash bench/gpu_check.sh   (only the build and part 4)
+# One prepared run for a lent GPU machine (issue 40): the product, not a sample.
+# Every stage runs under its own timeout, and no stage starts past the budget
+# (GPU_CHECK_BUDGET, default 470 s: the whole run ends within 8 minutes). One
+# summary table at the end, also in $OUT/summary.md; every log in $OUT.
+#
+# Stages (GPU_STAGES, comma-separated; default all, in this order):
+#   build      pip install --no-build-isolation --no-deps -e . against the torch there
+#   tests      every `cuda`-marked test: the backend, NCCL, the jobs of
+#              tests/fence/device_jobs.py on the GPU (generate, offloaded activations
+#              bit for bit, the Trainer, LoRA, a resume in a fresh process) and the
+#              sweep on cuda (every kept example and pinned case, SWEEP_DRAWN drawn)
+#   train      the main job: `infinity train --steps 30`, the same with
+#              `--activations offload`, and `--model DIR --data FILE` (a tiny Llama)
+#   step       bench/gpu_step.py at 4 x 512 and 16 x 1024 tokens (plain, host, overlap)
+#   disk       the swap folder's rates: `infinity bench nvme`, and fio's fastest
+#              engine where fio is installed (the NVMe rows' bound)
+#   deepspeed  ZeRO-2 and ZeRO-3 CPU-offload rows on gpu_step's model and batches,
+#              when deepspeed is importable or carried in .whl/ (../shared/gpu/README.md)
+#
+# CHECK_DEVICE=fence runs the same stages on a machine without a GPU (the fence
+# device: the tests stage runs tests/fence, the step stage a small model on the
+# CPU): how this script is tested before a GPU is lent.
+# Usage there: bash bench/gpu_check.sh        e.g. GPU_STAGES=build,tests bash bench/gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 INFINITY_BUILD_JOBS=${INFINITY_BUILD_JOBS:-16}
+# NOTE: deterministic cuBLAS for the tests that compare bit for bit on the GPU.
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8} HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
-STAGES=",${GPU_STAGES:-tests,step,part4},"
+DEVICE=${CHECK_DEVICE:-cuda}
+STAGES=",${GPU_STAGES:-build,tests,train,step,disk,deepspeed},"
+BUDGET=${GPU_CHECK_BUDGET:-470}
+SCRATCH=$(mktemp -d /tmp/gpu-check-work.XXXXXX)
+trap 'rm -rf "$SCRATCH"' EXIT
+start=$(date +%s)
 status=0
+summary="$OUT/summary.md"
+printf '| stage | result | seconds | what it says |\n|---|---|---|---|\n' >"$summary"
+
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  command -v nvidia-smi >/dev/null && \
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)'
+  git log -1 --format='commit %h %s' 2>/dev/null
   df -h /tmp | tail -1
 } 2>&1 | tee "$OUT/machine.txt"
-start=$(date +%s)
-$PY -m pip install --quiet --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
-if [[ $STAGES == *,tests,* ]]; then
-  timeout "${TEST_TIMEOUT:-260}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider \
-    --timeout 90 --junitxml "$OUT/junit.xml" tests/cuda "$@" 2>&1 | tee "$OUT/tests.log" | tail -60
-  echo "tests: $(( $(date +%s) - start )) s"
-fi
-if [[ $STAGES == *,step,* ]]; then
-  # Two batch sizes: launch-bound (4 x 512) and compute-bound (16 x 1024).
-  timeout "${BENCH_TIMEOUT:-170}" $PY bench/gpu_step.py --nvme-path /tmp \
-    --rows host,host+eager,host+overlap,nvme,nvme+overlap 2>&1 | grep -v USDT | tee "$OUT/gpu_step.txt"
-  timeout "${BENCH_TIMEOUT:-170}" $PY bench/gpu_step.py --nvme-path /tmp --batch 16 --seq 1024 \
-    --rows host,host+eager,host+overlap 2>&1 | grep -v USDT | tee "$OUT/gpu_step_large.txt"
-  echo "gpu_step: $(( $(date +%s) - start )) s"
-fi
-if [[ $STAGES == *,part4,* ]]; then
-  # NOTE: its own folder, removed after: a timeout's kill leaves its swap files.
-  dir=/tmp/infinity-part4
-  timeout "${PART4_TIMEOUT:-240}" $PY bench/state_dtype.py --no-nvme-case --loss-steps 0 \
-    --nvme-path "$dir" --scale-device cuda --scale-dtype bf16 --scale-dtypes fp32,int8 \
-    --scale-params "${PART4_PARAMS:-1B}" --scale-io-seconds "${PART4_IO_SECONDS:-5}" \
-    --scale-device-memory "${PART4_DEVICE_MEMORY:-4GiB}" \
-    --scale-host-memory "${PART4_HOST_MEMORY:-2GiB}" \
-    --scale-modes default,overlap --scale-rounds 2 --scale-steps 3 --scale-seq-len 256 \
-    --scale-measure-size 512MiB --scale-budget-seconds "${PART4_BUDGET:-180}" --json \
-    ${PART4_ARGS:-} \
-    2>&1 | grep -v USDT | tee "$OUT/part4.txt" | grep -v '^{'
-  rc=${PIPESTATUS[0]}
-  rm -rf "$dir"
-  if [[ $rc == 124 ]]; then
-    echo "part4: TIMED OUT after ${PART4_TIMEOUT:-240} s (the lines above are the rounds that ended)"
-  elif [[ $rc != 0 ]]; then
-    echo "part4: FAILED (exit $rc; the error is above and in $OUT/part4.txt)"
+
+# What a stage's log says, for its summary row (each reads the log named).
+last_result() { grep -E 'passed|failed|error' "$1" | tail -1; }
+train_losses() {
+  $PY - "$1" <<'EOF'
+import json, sys
+events = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+start = next(e for e in events if e["event"] == "start")["lines"][0]
+summary = next(e for e in events if e["event"] == "summary")
+losses = list(summary["losses"].values())
+print(f"{start.split(': ', 1)[1][:70]}; loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+      f"held-out {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}")
+EOF
+}
+step_rows() { grep -hE '^ *(plain|host|nvme)' "$@" | sed 's/  */ /g'; }
+first_lines() { grep -iE "$2" "$1" | head -3; }
+
+# run_stage NAME LIMIT LOG DETAIL -- COMMAND...: COMMAND under `timeout`, capped by
+# what is left of the budget; one summary row (DETAIL: a command reading the log).
+run_stage() {
+  local name=$1 limit=$2 log=$OUT/$3 detail=$4
+  shift 5
+  local left=$(( BUDGET - ($(date +%s) - start) ))
+  if (( left < 20 )); then
+    printf '| %s | not run: budget spent | 0 | |\n' "$name" >>"$summary"
+    status=1
+    return
   fi
-  [[ $rc == 0 ]] || status=1
-  echo "part4: $(( $(date +%s) - start )) s"
+  (( limit > left )) && limit=$left
+  local t0 rc result
+  t0=$(date +%s)
+  echo "== $name (limit ${limit} s)"
+  timeout "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  case $rc in
+    0) result=pass ;;
+    124) result="TIMED OUT at ${limit} s"; status=1 ;;
+    *) result="FAILED (exit $rc)"; status=1 ;;
+  esac
+  tail -n 12 "$log"
+  printf '| %s | %s | %s | %s |\n' "$name" "$result" "$(( $(date +%s) - t0 ))" \
+    "$(eval "$detail" 2>/dev/null | tr '\n|' '; ' | cut -c1-200)" >>"$summary"
+}
+
+wants() { [[ $STAGES == *,$1,* ]]; }
+
+if wants build; then
+  run_stage build 150 build.log "ls infinity/_C*.so infinity/_fence*.so" -- \
+    $PY -m pip install --no-build-isolation --no-deps -e .
 fi
-echo "all: $(( $(date +%s) - start )) s"
+
+if wants tests; then
+  if [[ $DEVICE == cuda ]]; then
+    run_stage tests 200 tests.log "last_result $OUT/tests.log" -- \
+      env INFINITY_CUDA_SWEEP_DRAWN="${SWEEP_DRAWN:-24}" $PY -m pytest -q -m cuda -rs \
+      -p no:cacheprovider --timeout 120 --junitxml "$OUT/junit.xml" tests/cuda
+  else
+    run_stage tests 200 tests.log "last_result $OUT/tests.log" -- \
+      env INFINITY_FENCE_TESTS=1 $PY -m pytest -q -p no:cacheprovider tests/fence
+  fi
+fi
+
+if wants train; then
+  common=(--device "$DEVICE" --json --plot none --eval-batches 2)
+  run_stage train 60 train.log "train_losses $OUT/train.log" -- \
+    $PY -m infinity train --steps 30 "${common[@]}" --nvme-path "$SCRATCH/nvme" \
+    --checkpoint-dir "$SCRATCH/ckpt"
+  run_stage train-offload 60 train_offload.log "train_losses $OUT/train_offload.log" -- \
+    $PY -m infinity train --steps 30 --activations offload "${common[@]}" \
+    --nvme-path "$SCRATCH/nvme2" --checkpoint-dir "$SCRATCH/ckpt2"
+  $PY -c "import torch, transformers as t; torch.manual_seed(0); t.LlamaForCausalLM(t.LlamaConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4)).save_pretrained('$SCRATCH/tiny-llama')" >"$OUT/model.log" 2>&1
+  run_stage train-model 60 train_model.log "train_losses $OUT/train_model.log" -- \
+    $PY -m infinity train --model "$SCRATCH/tiny-llama" --data README.md --steps 20 \
+    --seq-len 64 "${common[@]}" --output "$SCRATCH/tuned" --nvme-path "$SCRATCH/nvme3" \
+    --checkpoint-dir "$SCRATCH/ckpt3"
+fi
+
+if wants step; then
+  if [[ $DEVICE == cuda ]]; then
+    # Two batch sizes: launch-bound (4 x 512) and compute-bound (16 x 1024).
+    run_stage step 100 gpu_step.txt "step_rows $OUT/gpu_step.txt" -- $PY bench/gpu_step.py --nvme-path "$SCRATCH" \
+      --rows host,host+overlap,nvme+overlap
+    run_stage step-large 80 gpu_step_large.txt "step_rows $OUT/gpu_step_large.txt" -- $PY bench/gpu_step.py \
+      --nvme-path "$SCRATCH" --batch 16 --seq 1024 --rows host,host+overlap
+  else
+    run_stage step 100 gpu_step.txt "step_rows $OUT/gpu_step.txt" -- $PY bench/gpu_step.py --device cpu \
+      --layers 2 --hidden 128 --vocab 512 --batch 2 --seq 64 --steps 3 --warmup 1 \
+      --nvme-path "$SCRATCH" --rows host,nvme
+  fi
+fi
+
+if wants disk; then
+  run_stage disk 45 nvme.txt "first_lines $OUT/nvme.txt 'recommend|best'" -- \
+    $PY -m infinity bench nvme --path "$SCRATCH" --size 512MiB --block-sizes 1M,4M \
+    --queue-depths 8,32 --repeats 1
+  if command -v fio >/dev/null; then
+    run_stage fio 45 fio.txt "first_lines $OUT/fio.txt 'read|write'" -- \
+      $PY bench/nvme_vs_fio.py --path "$SCRATCH" --size 512MiB
+  fi
+fi
+
+if wants deepspeed; then
+  site=$SCRATCH/site
+  if $PY -c 'import deepspeed' >/dev/null 2>&1; then
+    ds_py=(env); ds_rows=../shared/gpu/deepspeed_rows.py
+  elif ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
+    # NOTE: as ../shared/gpu/README.md says: carried wheels, installed apart from the
+    # project and run from a folder outside it.
+    root=$PWD
+    mkdir -p "$site"
+    (cd "$SCRATCH" && $PY -m pip install -q --no-index --no-deps --target "$site" "$root"/.whl/*.whl \
+      && PYTHONPATH="$site" $PY -m pip install -q --no-index --no-deps --no-build-isolation \
+      --target "$site" "$root"/.whl/deepspeed-*.tar.gz) >"$OUT/deepspeed_install.log" 2>&1
+    ds_py=(env PYTHONPATH="$site"); ds_rows=$root/.whl/deepspeed_rows.py
+  else
+    ds_rows=
+    printf '| deepspeed | not run: deepspeed is not importable and .whl/ carries none | 0 | |\n' >>"$summary"
+  fi
+  if [[ -n $ds_rows && -f $ds_rows ]]; then
+    for mode in z2 z3; do
+      run_stage "deepspeed-$mode" 120 "deepspeed_$mode.txt" "tail -1 $OUT/deepspeed_$mode.txt" -- \
+        bash -c "cd '$SCRATCH' && ${ds_py[*]} $PY '$(realpath "$ds_rows")' --mode $mode --batch 4 --seq 512"
+    done
+  fi
+fi
+
+echo
+echo "== summary (all: $(( $(date +%s) - start )) s, budget $BUDGET s, device $DEVICE)"
+cat "$summary"
 exit $status

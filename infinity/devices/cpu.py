@@ -44,9 +44,10 @@ def _check_copy(dst: torch.Tensor, src: torch.Tensor, device_type: str) -> int:
     nbytes = dst.numel() * dst.element_size()
     for name, t in (("dst", dst), ("src", src)):
         if t.device.type not in ("cpu", device_type) or not t.is_contiguous():
+            where = "CPU tensor" if device_type == "cpu" else f"tensor on cpu or {device_type}"
             raise ValueError(
-                f"copy {name} must be a contiguous tensor on cpu or {device_type}, got "
-                f"{t.device} with strides {t.stride()}"
+                f"copy {name} must be a contiguous {where}, got {t.device} with strides "
+                f"{t.stride()}"
             )
     if nbytes != src.numel() * src.element_size():
         raise ValueError(

@@ -11,16 +11,24 @@ is torch's own noise measured in the same test.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from cuda_helpers import needs_cuda
-from sweep_cases import EXAMPLES, PINNED, Case, draw_cases
+from sweep_cases import EVALUATED, EXAMPLES, FP16, PINNED, RESUMED, Case, draw_cases
 from sweep_run import judge, placement_label, run_case
 
 pytestmark = needs_cuda
 pytest.importorskip("transformers")
 
-CASES = [c.on("cuda") for c in [*EXAMPLES, *PINNED, *draw_cases(27, 6)] if c.world == 1]
+# bench/gpu_check.sh draws 24 (INFINITY_CUDA_SWEEP_DRAWN); `make test-gpu` a handful.
+DRAWN = int(os.environ.get("INFINITY_CUDA_SWEEP_DRAWN", "6"))
+CASES = [
+    c.on("cuda")
+    for c in [*EXAMPLES, *PINNED, *RESUMED, *EVALUATED, *FP16, *draw_cases(27, DRAWN)]
+    if c.world == 1
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=Case.name)
