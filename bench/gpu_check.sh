@@ -56,7 +56,7 @@ events = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")
 start = next(e for e in events if e["event"] == "start")["lines"][0]
 summary = next(e for e in events if e["event"] == "summary")
 losses = list(summary["losses"].values())
-print(f"{start.split(': ', 1)[1][:70]}; loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+print(f"{start[start.find("device "):][:70]}; loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
       f"held-out {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}")
 EOF
 }

@@ -157,8 +157,7 @@ class FenceBackend(CpuBackend):
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> TransferHandle:
         if (dst.device.type == NAME) == (src.device.type == NAME):
             raise ValueError(
-                f"a fence transfer copies between host and device, got {src.device} -> "
-                f"{dst.device}"
+                f"a fence transfer copies between host and device, got {src.device} -> {dst.device}"
             )
         return self._submit(dst, src)
 

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if os.environ.get("INFINITY_FENCE_TESTS") != "1":  # pragma: no cover - tests/conftest.py
     raise RuntimeError("run the fence tests as `INFINITY_FENCE_TESTS=1 pytest tests/fence`")
 
-from infinity.devices import fence  # noqa: E402
+from infinity.devices import fence
 
 fence.load()
 

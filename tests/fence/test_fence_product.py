@@ -73,8 +73,7 @@ def test_fine_tuning_a_transformers_model_on_the_fence_equals_the_cpu(capsys, tm
     assert runs["fence"]["losses"] == runs["cpu"]["losses"]
     assert runs["fence"]["eval_after"] == runs["cpu"]["eval_after"]
     tuned = {
-        d: transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d / "tuned")
-        for d in runs
+        d: transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d / "tuned") for d in runs
     }
     for (name, a), b in zip(
         tuned["cpu"].state_dict().items(), tuned["fence"].state_dict().values(), strict=True
