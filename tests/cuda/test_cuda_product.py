@@ -25,16 +25,6 @@ def deterministic():
     torch.use_deterministic_algorithms(False)
 
 
-@pytest.mark.parametrize(
-    "job",
-    [
-        device_jobs.generate_equals_the_plain_model,
-        device_jobs.offloaded_activations_equal_kept_ones,
-        device_jobs.trainer_trains_like_adamw,
-        device_jobs.lora_trains_the_adapters_of_a_frozen_base_on_nvme,
-        device_jobs.resume_in_a_fresh_process_equals_uninterrupted,
-    ],
-    ids=lambda job: job.__name__,
-)
+@pytest.mark.parametrize("job", device_jobs.JOBS, ids=lambda job: job.__name__)
 def test_a_gpu_job_on_the_gpu(job, tmp_path, deterministic):
     job("cuda", tmp_path)

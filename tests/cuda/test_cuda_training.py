@@ -17,7 +17,7 @@ import pytest
 import torch
 from cuda_helpers import needs_cuda
 from sweep_cases import EVALUATED, EXAMPLES, FP16, PINNED, RESUMED, Case, draw_cases
-from sweep_run import judge, placement_label, run_case
+from sweep_run import check, run_case
 
 pytestmark = needs_cuda
 pytest.importorskip("transformers")
@@ -33,12 +33,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=Case.name)
 def test_gpu_training_equals_plain_pytorch_on_the_gpu(case: Case, tmp_path) -> None:
-    outcome = run_case(case, str(tmp_path))
-    verdict = judge(outcome)
-    assert verdict.ok, (
-        f"{case}\nplacement {placement_label(verdict.placement)}, "
-        f"budgets raised {verdict.raised}\n{verdict.message}"
-    )
+    check(run_case(case, str(tmp_path)))
 
 
 def test_device_budget_bounds_what_the_engine_allocates_on_the_gpu(tmp_path) -> None:

@@ -180,6 +180,24 @@ def rank_cases(rank: int, cases: list[Case], nvme_root: str) -> list[Outcome]:
     return out
 
 
+def check(outcome: Outcome) -> None:
+    """Fail the test (an assertion naming the case, placement and budgets) unless
+    ``outcome`` trained like plain PyTorch."""
+    verdict = judge(outcome)
+    assert verdict.ok, (
+        f"{outcome.case}\nplacement {placement_label(verdict.placement)}, "
+        f"budgets raised {verdict.raised}\n{verdict.message}"
+    )
+
+
+def run_two_ranks(cases: list[Case], root: str) -> dict[Case, Outcome]:
+    """Every 2-rank case of ``cases``, trained by two gloo ranks (rank 0's outcomes)."""
+    from harness import run_ranks
+
+    outcomes = run_ranks(rank_cases, cases, root, timeout=120.0 + 40.0 * len(cases))[0]
+    return dict(zip(cases, outcomes, strict=True))
+
+
 def judge(outcome: Outcome) -> Verdict:
     """Compare one offloaded run with plain PyTorch (see the module docstring)."""
     case = outcome.case

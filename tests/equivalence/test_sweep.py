@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from harness import run_ranks
 from sweep_cases import EVALUATED, EXAMPLES, FP16, PINNED, RESUMED, Case, draw_cases
-from sweep_run import Outcome, judge, placement_label, rank_cases, run_case
+from sweep_run import Outcome, check, run_case, run_two_ranks
 
 pytest.importorskip("transformers")
 
@@ -28,24 +27,14 @@ WORLD1 = [c for c in CASES if c.world == 1]
 WORLD2 = [c for c in CASES if c.world == 2]
 
 
-def _check(outcome: Outcome) -> None:
-    verdict = judge(outcome)
-    assert verdict.ok, (
-        f"{outcome.case}\nplacement {placement_label(verdict.placement)}, "
-        f"budgets raised {verdict.raised}\n{verdict.message}"
-    )
-
-
 @pytest.mark.parametrize("case", WORLD1, ids=Case.name)
 def test_one_process_trains_like_plain_pytorch(case: Case, tmp_path) -> None:
-    _check(run_case(case, str(tmp_path)))
+    check(run_case(case, str(tmp_path)))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[Case, Outcome]:
-    root = tmp_path_factory.mktemp("sweep-w2")
-    outcomes = run_ranks(rank_cases, WORLD2, str(root), timeout=120.0 + 40.0 * len(WORLD2))[0]
-    return dict(zip(WORLD2, outcomes, strict=True))
+    return run_two_ranks(WORLD2, str(tmp_path_factory.mktemp("sweep-w2")))
 
 
 @pytest.mark.distributed
@@ -53,7 +42,7 @@ def two_ranks(tmp_path_factory) -> dict[Case, Outcome]:
 def test_two_ranks_train_like_plain_pytorch_on_the_whole_batch(
     case: Case, two_ranks: dict[Case, Outcome]
 ) -> None:
-    _check(two_ranks[case])
+    check(two_ranks[case])
 
 
 def _tiers(placements: list[dict[str, dict[str, int]]]) -> set[tuple[str, str]]:

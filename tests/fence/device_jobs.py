@@ -251,3 +251,13 @@ def lora_trains_the_adapters_of_a_frozen_base_on_nvme(device: str, tmp_path) -> 
                 assert torch.equal(value.cpu(), base[key]), name
     finally:
         engine_of(ours).close()
+
+
+# Every job, in the order the tests run them (test ids are the function names).
+JOBS = (
+    generate_equals_the_plain_model,
+    offloaded_activations_equal_kept_ones,
+    trainer_trains_like_adamw,
+    lora_trains_the_adapters_of_a_frozen_base_on_nvme,
+    resume_in_a_fresh_process_equals_uninterrupted,
+)

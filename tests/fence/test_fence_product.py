@@ -81,17 +81,7 @@ def test_fine_tuning_a_transformers_model_on_the_fence_equals_the_cpu(capsys, tm
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize(
-    "job",
-    [
-        device_jobs.generate_equals_the_plain_model,
-        device_jobs.offloaded_activations_equal_kept_ones,
-        device_jobs.trainer_trains_like_adamw,
-        device_jobs.lora_trains_the_adapters_of_a_frozen_base_on_nvme,
-        device_jobs.resume_in_a_fresh_process_equals_uninterrupted,
-    ],
-    ids=lambda job: job.__name__,
-)
+@pytest.mark.parametrize("job", device_jobs.JOBS, ids=lambda job: job.__name__)
 def test_a_gpu_job_on_the_fence(job, tmp_path, monkeypatch):
     """The jobs ``tests/cuda/test_cuda_product.py`` runs on a GPU (device_jobs.py)."""
     # NOTE: Accelerate (so the Trainer) picks cuda on a GPU machine; it knows no fence.
