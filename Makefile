@@ -40,8 +40,9 @@ test: setup
 # download): build the native module against that torch, run the tests
 # marked `cuda` (on a machine without a GPU they are reported as skipped).
 test-gpu:
+	@grep -m1 '^Last GPU pass:' docs/BENCHMARKS.md || true
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
-	$(PYTHON) -m pytest -q -m cuda -rs tests/cuda
+	CUBLAS_WORKSPACE_CONFIG=:4096:8 $(PYTHON) -m pytest -q -m cuda -rs tests/cuda
 
 # The native module under AddressSanitizer + UBSan, and ThreadSanitizer:
 # `setup.py build` with INFINITY_SANITIZE puts an instrumented copy of the

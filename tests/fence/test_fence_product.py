@@ -48,6 +48,21 @@ def test_the_main_job_on_the_fence_equals_the_cpu(capsys, tmp_path, activations)
     assert runs["fence"]["eval_after"] == runs["cpu"]["eval_after"]
 
 
+def test_two_processes_on_the_fence_train_as_two_on_the_cpu(capfd, tmp_path):
+    """`infinity train --nproc 2`: each rank's batches reach its device, the shards'
+    collectives cross gloo (on host copies of the fence tensors)."""
+    runs = {}
+    for device in ("cpu", "fence"):
+        runs[device] = _train_cli(
+            capfd, "--nproc", "2", "--preset", "tiny", "--steps", "3", "--batch-size", "4",
+            "--eval-batches", "1", "--device", device, "--plot", "none",
+            "--nvme-path", str(tmp_path / device / "nvme"),
+            "--checkpoint-dir", str(tmp_path / device / "ckpt"),
+        )  # fmt: skip
+    assert runs["fence"]["losses"] == runs["cpu"]["losses"]
+    assert runs["fence"]["eval_after"] == runs["cpu"]["eval_after"]
+
+
 def test_fine_tuning_a_transformers_model_on_the_fence_equals_the_cpu(capsys, tmp_path):
     source = tmp_path / "tiny-llama"
     config = transformers.LlamaConfig(
