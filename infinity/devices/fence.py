@@ -10,7 +10,7 @@ the CPU.
 
 See NOTE [the fence device]. Why a backend: the device is PyTorch's open
 registration backend (``PrivateUse1``, renamed ``"fence"``) in ``infinity._fence``
-(cpp/fence/fence.cpp), not a tensor subclass. A wrapper
+(cpp/fence/), not a tensor subclass. A wrapper
 subclass has no storage of its own, so chunk slot views, storage identity
 (the pack hook, slot liveness through storage weak references), ``param.data``
 swaps and autograd's device threads would all differ from CUDA's; a backend
@@ -49,7 +49,7 @@ def _device_module(native: types.ModuleType) -> types.ModuleType:
     checkpointing's RNG capture, ``torch.manual_seed``)."""
     module = types.ModuleType("torch.fence", "The fence test device (infinity.devices.fence).")
 
-    # NOTE: kernels draw from the CPU generator (cpp/fence/fence.cpp), so the
+    # NOTE: kernels draw from the CPU generator (cpp/fence/device.cpp), so the
     # device's RNG state is the CPU's: checkpointing saves and restores it twice,
     # the same state both times.
     def get_rng_state(device: object = None) -> torch.Tensor:

@@ -1,143 +1,33 @@
-// The fence device: a test device that stands for a GPU on a machine without one.
+// The fence device's kernels: see NOTE [the fence device] and memory.cpp.
 //
-// PyTorch's PrivateUse1 backend, renamed "fence" from Python
-// (infinity/devices/fence.py). Its memory is ordinary host memory, but tensors
-// there report device fence:0 and every kernel refuses a host tensor (as CUDA
-// does), so a host tensor reaching device compute fails on the CPU, in CI.
-// Host code that checks for CPU tensors (the C++ kernels' and the I/O engine's
-// Python wrappers) refuses fence tensors as it refuses CUDA ones.
-//
-// See NOTE [the fence device]. No kernel is written for the device. One boxed fallback
-// serves every operator: it checks the devices of the arguments as CUDA's
-// kernels do, runs the CPU kernel on host tensors that alias the same memory
-// (no copy: a mutation lands in place), and hands the results back as fence
-// tensors that keep the CPU results' memory (again no copy). Views come back as
-// views of the argument's storage, so storage identity, version counters and
-// autograd's view tracking behave as on CUDA. Only allocation, copies across
-// the boundary, resize and the pure-metadata view ops are registered directly.
-//
-// This file links against libtorch (unlike infinity._C, which is plain C++):
-// it is built only where torch is importable at build time (setup.py).
+// One boxed fallback serves every operator: it checks the devices of the
+// arguments as CUDA's kernels do, runs the CPU kernel on host tensors that alias
+// the same memory (no copy: a mutation lands in place), and hands the results
+// back as fence tensors over the CPU results' memory (again no copy); views come
+// back as views of the argument's storage. Allocation, copies across the
+// boundary, resize, set_ and the pure-metadata view ops are registered directly.
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/detail/PrivateUse1HooksInterface.h>
-#include <ATen/native/Resize.h>
 #include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_fused_sdp_choice_native.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_native.h>
-#include <Python.h>
-#include <c10/core/Allocator.h>
-#include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
-#include <atomic>
-#include <cerrno>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "fence/fence.hpp"
+
+namespace infinity_fence {
 namespace {
-
-constexpr c10::DeviceType kFence = c10::DeviceType::PrivateUse1;
-const c10::Device kFenceDevice(kFence, 0);
-constexpr size_t kAlignment = 4096;  // O_DIRECT reads may land in device slots
-
-// --- memory ---------------------------------------------------------------------------
-
-std::atomic<int64_t> g_allocated{0};
-std::atomic<int64_t> g_peak{0};
-
-void count(int64_t delta) {
-  const int64_t now = g_allocated.fetch_add(delta) + delta;
-  int64_t peak = g_peak.load();
-  while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
-  }
-}
-
-// What a fence DataPtr owns: its own aligned block, or a CPU result's storage
-// adopted without a copy. Either way its bytes count as device memory.
-struct Block {
-  void* owned = nullptr;
-  c10::Storage adopted;
-  int64_t nbytes = 0;
-};
-
-void release(void* ctx) {
-  auto* block = static_cast<Block*>(ctx);
-  count(-block->nbytes);
-  std::free(block->owned);
-  delete block;
-}
-
-struct FenceAllocator final : c10::Allocator {
-  c10::DataPtr allocate(size_t nbytes) override {
-    void* data = nullptr;
-    if (nbytes > 0) {
-      const int rc = posix_memalign(&data, kAlignment, nbytes);
-      TORCH_CHECK(rc == 0, "fence: cannot allocate ", nbytes, " bytes (", std::strerror(rc), ")");
-    }
-    auto* block = new Block{data, {}, static_cast<int64_t>(nbytes)};
-    count(block->nbytes);
-    return {data, block, &release, kFenceDevice};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-};
-
-FenceAllocator g_allocator;
-REGISTER_ALLOCATOR(kFence, &g_allocator);
-
-// A fence tensor over a CPU tensor's memory, keeping its storage alive.
-at::Tensor adopt(const at::Tensor& cpu) {
-  c10::Storage storage = cpu.storage();
-  const auto nbytes = static_cast<int64_t>(storage.nbytes());
-  void* data = storage.mutable_data();
-  auto* block = new Block{nullptr, storage, nbytes};
-  count(nbytes);
-  c10::Storage fence_storage(c10::Storage::use_byte_size_t(), storage.nbytes(),
-                             c10::DataPtr(data, block, &release, kFenceDevice), &g_allocator,
-                             /*resizable=*/true);
-  auto out = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(fence_storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), cpu.dtype());
-  out.unsafeGetTensorImpl()->set_sizes_and_strides(cpu.sizes(), cpu.strides(),
-                                                   cpu.storage_offset());
-  return out;
-}
-
-// A host tensor over a fence tensor's memory (same sizes, strides and dtype).
-at::Tensor host_alias(const at::Tensor& fence) {
-  if (fence.storage().data() == nullptr) {  // no memory yet (zero elements)
-    return at::empty_strided(fence.sizes(), fence.strides(), fence.options().device(at::kCPU));
-  }
-  return at::from_blob(fence.mutable_data_ptr(), fence.sizes(), fence.strides(),
-                       fence.options().device(at::kCPU));
-}
-
-// A fence view of ``base``'s storage with the shape of ``host_view``, a view that
-// a CPU kernel made of ``base``'s host alias.
-at::Tensor fence_view(const at::Tensor& base, const at::Tensor& host_view) {
-  const auto* start = static_cast<const char*>(base.storage().data());
-  const auto* at_view = static_cast<const char*>(host_view.storage().data()) +
-                        host_view.storage_offset() * host_view.element_size();
-  const int64_t offset = (at_view - start) / static_cast<int64_t>(host_view.element_size());
-  auto out = at::detail::make_tensor<c10::TensorImpl>(
-      c10::TensorImpl::VIEW, c10::Storage(base.storage()), base.key_set(), host_view.dtype());
-  out.unsafeGetTensorImpl()->set_sizes_and_strides(host_view.sizes(), host_view.strides(),
-                                                   offset);
-  return out;
-}
-
-bool is_fence(const at::Tensor& t) { return t.defined() && t.device().type() == kFence; }
 
 // --- the device check -------------------------------------------------------------------
 
@@ -299,33 +189,18 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   }
 }
 
-// --- directly registered kernels --------------------------------------------------------
-
-constexpr c10::DispatchKeySet kKeys(c10::DispatchKey::PrivateUse1);
-
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
                                std::optional<at::Layout>, std::optional<at::Device>,
                                std::optional<bool>, std::optional<at::MemoryFormat> format) {
-  return at::detail::empty_generic(size, &g_allocator, kKeys, c10::dtype_or_default(dtype),
+  return at::detail::empty_generic(size, &allocator(), kKeys, c10::dtype_or_default(dtype),
                                    format);
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                          std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
                          std::optional<at::Device>, std::optional<bool>) {
-  return at::detail::empty_strided_generic(size, stride, &g_allocator, kKeys,
+  return at::detail::empty_strided_generic(size, stride, &allocator(), kKeys,
                                            c10::dtype_or_default(dtype));
-}
-
-void resize_bytes(c10::StorageImpl* storage, size_t nbytes) {
-  TORCH_CHECK(storage->resizable(), "fence: trying to resize a storage that is not resizable");
-  c10::DataPtr fresh = g_allocator.allocate(nbytes);
-  const size_t keep = std::min(nbytes, storage->nbytes());
-  if (keep > 0) {
-    std::memcpy(fresh.get(), storage->data(), keep);
-  }
-  storage->set_data_ptr_noswap(std::move(fresh));
-  storage->set_nbytes(nbytes);
 }
 
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
@@ -386,7 +261,7 @@ at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
 }
 
 at::Tensor& set_empty(at::Tensor& self) {
-  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, &g_allocator, true);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, &allocator(), true);
   return set_storage(self, std::move(storage), 0, {0}, {});
 }
 
@@ -438,55 +313,6 @@ TORCH_LIBRARY(infinity_fence, m) { m.def("alias(Tensor region) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(infinity_fence, PrivateUse1, m) { m.impl("alias", TORCH_FN(alias)); }
 
-// --- device guard and hooks -------------------------------------------------------------
-
-// One device, index 0, one stream. Kernels run synchronously on the calling
-// thread, so events are complete when recorded.
-struct FenceGuard final : c10::impl::DeviceGuardImplInterface {
-  c10::DeviceType type() const override { return kFence; }
-  c10::Device exchangeDevice(c10::Device) const override { return kFenceDevice; }
-  c10::Device getDevice() const override { return kFenceDevice; }
-  void setDevice(c10::Device) const override {}
-  void uncheckedSetDevice(c10::Device) const noexcept override {}
-  c10::Stream getStream(c10::Device) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, kFenceDevice);
-  }
-  c10::Stream getNewStream(c10::Device, int) const override {
-    return c10::Stream(c10::Stream::DEFAULT, kFenceDevice);
-  }
-  c10::Stream exchangeStream(c10::Stream) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, kFenceDevice);
-  }
-  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
-  void record(void**, const c10::Stream&, const c10::DeviceIndex,
-              const c10::EventFlag) const override {}
-  void block(void*, const c10::Stream&) const override {}
-  bool queryEvent(void*) const override { return true; }
-  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
-};
-
-C10_REGISTER_GUARD_IMPL(PrivateUse1, FenceGuard);
-
-struct FenceHooks final : at::PrivateUse1HooksInterface {
-  bool isBuilt() const override { return true; }
-  bool isAvailable() const override { return true; }
-  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
-  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
-    // NOTE: kernels run on the CPU with its generator, so random ops on the
-    // fence draw the same numbers as on the host.
-    return at::detail::getDefaultCPUGenerator();
-  }
-  at::Device getDeviceFromPtr(void*) const override { return kFenceDevice; }
-  at::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
-  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
-    resize_bytes(storage.unsafeGetStorageImpl(), nbytes);
-  }
-};
-
 // The fused attention choice is a dispatch stub, not an operator: without an
 // entry for the device, scaled_dot_product_attention takes its math path there
 // while the CPU takes flash attention (other arithmetic, other results).
@@ -502,21 +328,14 @@ int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Ten
 }
 
 }  // namespace
+}  // namespace infinity_fence
 
 namespace at::native {
-REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &sdp_choice)
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &infinity_fence::sdp_choice)
 }  // namespace at::native
 
-namespace {
+namespace infinity_fence {
 
-// --- the Python module: counters for tests ---------------------------------------------
-
-PyObject* memory_allocated(PyObject*, PyObject*) { return PyLong_FromLongLong(g_allocated.load()); }
-PyObject* max_memory_allocated(PyObject*, PyObject*) { return PyLong_FromLongLong(g_peak.load()); }
-PyObject* reset_peak(PyObject*, PyObject*) {
-  g_peak.store(g_allocated.load());
-  Py_RETURN_NONE;
-}
 // NOTE: an operator with both a CPU kernel and a composite one (native_layer_norm,
 // the fused attention choice, structured ops) would run the composite on the
 // fence: other arithmetic than the CPU's, and other results. Every aten operator
@@ -547,31 +366,4 @@ void route_cpu_kernels() {
   }
 }
 
-PyObject* register_hooks(PyObject*, PyObject*) {
-  static FenceHooks hooks;
-  if (!at::isPrivateUse1HooksRegistered()) {
-    at::RegisterPrivateUse1HooksInterface(&hooks);
-  }
-  try {
-    route_cpu_kernels();
-  } catch (const std::exception& exc) {
-    PyErr_SetString(PyExc_RuntimeError, exc.what());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
-}
-
-PyMethodDef kMethods[] = {
-    {"memory_allocated", memory_allocated, METH_NOARGS, "Bytes held by fence tensors now."},
-    {"max_memory_allocated", max_memory_allocated, METH_NOARGS,
-     "Most bytes held by fence tensors since the last reset."},
-    {"reset_peak_memory_stats", reset_peak, METH_NOARGS, "Start the peak from now."},
-    {"register_hooks", register_hooks, METH_NOARGS, "Register the device's accelerator hooks."},
-    {nullptr, nullptr, 0, nullptr}};
-
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_fence", "The fence test device's kernels.", -1,
-                       kMethods};
-
-}  // namespace
-
-PyMODINIT_FUNC PyInit__fence() { return PyModule_Create(&kModule); }
+}  // namespace infinity_fence
