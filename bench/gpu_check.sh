@@ -109,19 +109,19 @@ if wants tests; then
 fi
 
 if wants train; then
-  common=(--device "$DEVICE" --json --plot none --eval-batches 2)
+  common=(--device "$DEVICE" --json --eval-batches 2)
   run_stage train 60 train.log "train_losses $OUT/train.log" -- \
-    $PY -m infinity train --steps 30 "${common[@]}" --nvme-path "$SCRATCH/nvme" \
+    $PY -m infinity train --steps 30 "${common[@]}" --plot "$OUT/timeline.png" --nvme-path "$SCRATCH/nvme" \
     --checkpoint-dir "$SCRATCH/ckpt"
   run_stage train-offload 60 train_offload.log "train_losses $OUT/train_offload.log" -- \
-    $PY -m infinity train --steps 30 --activations offload "${common[@]}" \
+    $PY -m infinity train --steps 30 --activations offload "${common[@]}" --plot none \
     --nvme-path "$SCRATCH/nvme2" --checkpoint-dir "$SCRATCH/ckpt2"
   $PY -c "import torch, transformers as t; torch.manual_seed(0); t.LlamaForCausalLM(t.LlamaConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4)).save_pretrained('$SCRATCH/tiny-llama')" >"$OUT/model.log" 2>&1
   run_stage train-model 60 train_model.log "train_losses $OUT/train_model.log" -- \
     $PY -m infinity train --model "$SCRATCH/tiny-llama" --data README.md --steps 20 \
-    --seq-len 64 "${common[@]}" --output "$SCRATCH/tuned" --nvme-path "$SCRATCH/nvme3" \
+    --seq-len 64 "${common[@]}" --plot none --output "$SCRATCH/tuned" --nvme-path "$SCRATCH/nvme3" \
     --checkpoint-dir "$SCRATCH/ckpt3"
 fi
 
@@ -150,26 +150,27 @@ if wants disk; then
 fi
 
 if wants deepspeed; then
-  site=$SCRATCH/site
-  if $PY -c 'import deepspeed' >/dev/null 2>&1; then
-    ds_py=(env); ds_rows=../shared/gpu/deepspeed_rows.py
-  elif ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
-    # NOTE: as ../shared/gpu/README.md says: carried wheels, installed apart from the
-    # project and run from a folder outside it.
-    root=$PWD
+  # NOTE: as ../shared/gpu/README.md says: DeepSpeed from carried wheels (.whl/),
+  # installed apart from the project and run from a folder outside it, with the
+  # rows script carried beside them.
+  rows_script=$(ls "$PWD"/.whl/deepspeed_rows.py "$PWD"/../shared/gpu/deepspeed_rows.py 2>/dev/null | head -1)
+  ds_env=()
+  if ! $PY -c 'import deepspeed' >/dev/null 2>&1 && ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
+    root=$PWD site=$SCRATCH/site
     mkdir -p "$site"
     (cd "$SCRATCH" && $PY -m pip install -q --no-index --no-deps --target "$site" "$root"/.whl/*.whl \
       && PYTHONPATH="$site" $PY -m pip install -q --no-index --no-deps --no-build-isolation \
       --target "$site" "$root"/.whl/deepspeed-*.tar.gz) >"$OUT/deepspeed_install.log" 2>&1
-    ds_py=(env PYTHONPATH="$site"); ds_rows=$root/.whl/deepspeed_rows.py
-  else
-    ds_rows=
-    printf '| deepspeed | not run: deepspeed is not importable and .whl/ carries none | 0 | |\n' >>"$summary"
+    ds_env=(PYTHONPATH="$site")
   fi
-  if [[ -n $ds_rows && -f $ds_rows ]]; then
+  if ! (cd "$SCRATCH" && env "${ds_env[@]}" $PY -c 'import deepspeed') >/dev/null 2>&1; then
+    printf '| deepspeed | not run: not importable, and .whl/ carries none (../shared/gpu/README.md) | 0 | |\n' >>"$summary"
+  elif [[ -z $rows_script ]]; then
+    printf '| deepspeed | not run: deepspeed_rows.py is not in .whl/ | 0 | |\n' >>"$summary"
+  else
     for mode in z2 z3; do
       run_stage "deepspeed-$mode" 120 "deepspeed_$mode.txt" "tail -1 $OUT/deepspeed_$mode.txt" -- \
-        bash -c "cd '$SCRATCH' && ${ds_py[*]} $PY '$(realpath "$ds_rows")' --mode $mode --batch 4 --seq 512"
+        bash -c "cd '$SCRATCH' && env ${ds_env[*]} $PY '$rows_script' --mode $mode --batch 4 --seq 512"
     done
   fi
 fi

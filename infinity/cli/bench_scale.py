@@ -18,6 +18,7 @@ from typing import Any
 from infinity.bench.scale_shapes import bytes_per_param, pick_shape, usable_disk
 from infinity.cli.main import CommandError
 from infinity.config import AioConfig, Config, ConfigError
+from infinity.devices.choice import choose_dtype, resolve_device
 from infinity.utils.sizes import format_size, parse_size
 
 _COUNT_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -44,7 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8192,
         help="vocabulary size (e.g. 128256: the embedding must fit the device budget whole)",
     )
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bf16", "fp16", "fp32"),
+        help="compute dtype (default auto: bf16 where the device computes it natively, else fp32)",
+    )
     parser.add_argument(
         "--optimizer-state-dtype",
         default="fp32",
@@ -156,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--steps, --batch-size and --seq-len must be >= 1, --vocab >= 2")
     if not 0 <= args.margin < 1:
         raise CommandError(f"--margin {args.margin} must be in [0, 1)")
+    if args.dtype == "auto":  # NOTE [dtype auto]: the shape is sized for the dtype it runs
+        args.dtype = choose_dtype(resolve_device(args.device)).dtype
     if args.device == "cuda":
         import torch
 

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from infinity.cli.main import CommandError
 from infinity.cli.train_optimizers import CHOICES, DEFAULT_OPTIMIZER
 from infinity.cli.train_pretrained import (
@@ -136,9 +138,15 @@ def run_device(args: argparse.Namespace) -> str:
     """The ``Config.device`` of the run: ``--device``, else the ``--config`` file's, else auto."""
     if getattr(args, "device", None) is not None:
         try:
-            return Config(device=args.device).device
+            device = Config(device=args.device).device
         except ConfigError as exc:
             raise CommandError(str(exc).replace("device=", "--device ", 1)) from None
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise CommandError(
+                f"--device {device}: there is no CUDA GPU here (torch.cuda.is_available() is "
+                "False); use --device cpu or auto"
+            )
+        return device
     if args.config is not None:
         try:
             return Config.from_file(args.config).device

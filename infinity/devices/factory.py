@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from infinity.config import ConfigError
 from infinity.devices.base import DeviceBackend
 from infinity.devices.choice import resolve_device
 
@@ -19,7 +20,7 @@ def make_backend(device: str) -> DeviceBackend:
         return CpuBackend()
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise ConfigError(
                 f"device={device!r} but torch.cuda.is_available() is False; "
                 "use device='cpu' (or 'auto') on a host without a GPU"
             )
@@ -30,4 +31,4 @@ def make_backend(device: str) -> DeviceBackend:
         from infinity.devices.fence import FenceBackend
 
         return FenceBackend()
-    raise ValueError(f"device={device!r} must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'fence'")
+    raise ConfigError(f"device={device!r} must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'fence'")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infinity.config import ConfigError
 from infinity.devices.base import TransferHandle
 from infinity.devices.cpu import CpuBackend
 
@@ -88,14 +89,14 @@ def load() -> types.ModuleType:
         try:
             from infinity import _fence  # type: ignore[attr-defined]
         except ImportError as exc:
-            raise RuntimeError(
+            raise ConfigError(
                 "device='fence' needs infinity._fence, which is built against the installed "
                 "torch: reinstall with `pip install --no-build-isolation -e .` (or `make setup`) "
                 f"in an environment where torch is importable ({exc})"
             ) from None
         current = torch._C._get_privateuse1_backend_name()
         if current not in ("privateuseone", NAME):
-            raise RuntimeError(
+            raise ConfigError(
                 f"device='fence' needs PyTorch's PrivateUse1 backend, but this process already "
                 f"registered it as {current!r}; run the fence in a process without that backend"
             )

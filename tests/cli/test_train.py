@@ -227,6 +227,12 @@ def test_second_ctrl_c_abandons_the_step_and_keeps_checkpoints_whole(tmp_path, g
         (["--config", "missing.json"], "--config"),
         (["--lr", "-1"], "--lr"),
         (["--seq-len", "100000"], "--seq-len"),
+        (["--device", "tpu"], "--device 'tpu' must be"),
+        pytest.param(
+            ["--device", "cuda"],
+            "there is no CUDA GPU here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, monkeypatch, flags, needle):
