@@ -20,6 +20,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 
 def test_plan_puts_optimizer_state_on_nvme_first(tmp_path):
     small = ("--model", "small", "--device-memory", "512MiB", "--host-memory", "512MiB")
+    small += ("--dtype", "bf16")  # the budgets are sized for 16-bit parameters
     out = _plan(*small, "--nvme-path", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout.strip().splitlines()[-1])
@@ -109,6 +110,7 @@ def test_plan_for_a_smaller_optimizer_moves_fewer_bytes(tmp_path):
     # The homes the optimizer constructed over the model gets (NOTE [homes planned for
     # the optimizer]): Lion keeps one state slot, Adafactor none in the chunks.
     small = ("--model", "small", "--device-memory", "512MiB", "--host-memory", "512MiB")
+    small += ("--dtype", "bf16")  # the budgets are sized for 16-bit parameters
     plans = {}
     for name in ("adamw", "lion", "adafactor"):
         out = _plan(*small, "--nvme-path", str(tmp_path), "--optimizer", name, "--json")

@@ -37,7 +37,7 @@ def _home_bytes(plan: dict) -> int:
 
 @pytest.mark.parametrize("nvme", [False, True])
 def test_each_rank_plans_about_half_the_home_bytes(capsys, tmp_path, nvme):
-    args = ["--model", "small", "--layers", "2", "--vocab-size", "4096"]
+    args = ["--model", "small", "--layers", "2", "--vocab-size", "4096", "--dtype", "bf16"]
     args += ["--device-memory", "256MiB"]
     args += ["--nvme-path", str(tmp_path), "--host-memory", "96MiB"] if nvme else []
     one = _plan_json(capsys, *args, "--nproc", "1")

@@ -7,6 +7,7 @@ the error messages CUDA gives for the same mistakes.
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -121,3 +122,27 @@ def test_device_of_names_the_engine_device_and_offloading_computes_there(tmp_pat
     loss = gpt_loss(model, (x.to(FENCE), y.to(FENCE)))
     assert loss.device == FENCE
     assert loss.item() == gpt_loss(ref, (x, y)).item()
+
+
+def test_the_device_budget_bounds_what_the_engine_holds_on_the_device(fence_native, tmp_path):
+    """Measured by the device's own allocator, as tests/cuda measures torch's on a GPU:
+    after a step (its activations freed) the engine holds at most ``device_memory``."""
+    from infinity.offload import engine_of
+
+    before = fence_native.memory_allocated()
+    cfg = infinity.Config(device="fence", dtype="fp32", device_memory="192KiB", chunk_size="32KiB")
+    model = infinity.offload(tiny_gpt(), cfg)
+    try:
+        opt = infinity.optim.CPUAdam(model.parameters(), lr=1e-3)
+        for x, y in batches(2):
+            gpt_loss(model, (x.to(FENCE), y.to(FENCE))).backward()
+            opt.step()
+            opt.zero_grad()
+        held = fence_native.memory_allocated() - before
+        assert infinity.stats(model)["device_peak_bytes"] <= cfg.device_memory
+        assert 0 < held <= cfg.device_memory + (16 << 10), (held, cfg.device_memory)
+    finally:
+        engine_of(model).close()
+    del model, opt
+    gc.collect()
+    assert fence_native.memory_allocated() - before <= 16 << 10  # a dropped model gives it back
