@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from infinity.config import Config
+from infinity.devices.choice import resolved
 from infinity.distributed import Collectives, resolve_world
 from infinity.distributed.agreement import check_agreement
 from infinity.optim import registry
@@ -52,6 +53,9 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
         raise TypeError(f"config must be an infinity.Config, got {type(config).__name__}")
     init = init if init is not None else native_init(model)
     check_initialisable(model, init)
+    # See NOTE [dtype auto]: decided once, here, so the ranks agree on what was chosen
+    # and the engine (its stats, plans and checkpoints) never sees "auto".
+    config = resolved(config)
     world = resolve_world(config.process_group)
     if world.sharded:
         check_agreement(Collectives(world), config, model)

@@ -43,7 +43,6 @@ from infinity.chunks.states import TensorState
 from infinity.config import Config
 from infinity.core.names import Phase
 from infinity.core.plan import Plan
-from infinity.devices.choice import resolved
 from infinity.devices.factory import make_backend
 from infinity.distributed import Collectives, resolve_world
 from infinity.io import SwapFile
@@ -80,9 +79,6 @@ class OffloadEngine:
     """Runtime state of one offloaded model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, config: Config) -> None:
-        # NOTE [dtype auto]: "auto" device and dtype are decided once, here; the
-        # engine (and its stats and checkpoints) sees only what was chosen.
-        config = resolved(config)
         self.config = config
         self.dtype = DTYPE_OF[config.dtype]
         self.backend = make_backend(config.device)
