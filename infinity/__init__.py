@@ -20,6 +20,7 @@ from infinity import optim
 from infinity.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from infinity.config import AioConfig, Config, ConfigError
 from infinity.io.errors import NVMeIOError
+from infinity.models.losses import causal_lm_loss
 from infinity.offload import offload
 from infinity.pretrained import (
     LoadResult,
@@ -85,6 +86,7 @@ __all__ = [
     "PlanError",
     "PretrainedError",
     "UnsetParameterError",
+    "causal_lm_loss",
     "device_of",
     "from_pretrained",
     "gradients",

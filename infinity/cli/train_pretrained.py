@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import infinity
@@ -27,6 +26,7 @@ from infinity.data import Corpus, CorpusError
 from infinity.data.files import byte_encode, load_text
 from infinity.data.jsonl import is_jsonl, load_jsonl, plain_render
 from infinity.data.text import IGNORE
+from infinity.models.losses import causal_lm_loss as lm_loss
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULTS = {"steps": 100, "batch_size": 8, "lr": 5e-5, "seq_len": 256}
@@ -196,12 +196,9 @@ def _load_examples(m: PretrainedModel) -> Corpus:
 
 def causal_lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32) of a ``transformers`` causal LM over the
-    targets trained on (``IGNORE`` ones are skipped; none at all gives 0, not NaN)."""
-    logits = model(input_ids=inputs).logits
-    total = F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
-    )
-    return total / (targets != IGNORE).sum().clamp(min=1)
+    targets trained on (``IGNORE`` ones are skipped; none at all gives 0, not NaN), a
+    block of tokens at a time where the logits are large (``models/losses.py``)."""
+    return lm_loss(model, inputs, targets, ignore_index=IGNORE)
 
 
 def save_model(model: nn.Module, m: PretrainedModel) -> Path:

@@ -146,3 +146,29 @@ def test_the_device_budget_bounds_what_the_engine_holds_on_the_device(fence_nati
     del model, opt
     gc.collect()
     assert fence_native.memory_allocated() - before <= 16 << 10  # a dropped model gives it back
+
+
+def test_the_blockwise_loss_never_holds_the_full_logits(fence_native):
+    """Measured by the device's allocator: a step's peak with the loss taken a block
+    of tokens at a time (models/losses.py) against the full fp32 logits."""
+    from infinity.models.losses import blockwise_cross_entropy
+
+    tokens, vocab = 1024, 4096
+    full_logits = tokens * vocab * 4  # 16 MiB
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, 64, generator=g).to(FENCE).requires_grad_()
+    head = torch.nn.Linear(64, vocab, bias=False).to(FENCE)
+    targets = torch.randint(0, vocab, (tokens,), generator=g).to(FENCE)
+    peaks = {}
+    for kind in ("full", "blocks"):
+        base = fence_native.memory_allocated()
+        fence_native.reset_peak_memory_stats()
+        if kind == "full":
+            loss = torch.nn.functional.cross_entropy(head(hidden).float(), targets)
+        else:
+            loss = blockwise_cross_entropy(hidden, head, targets, block_tokens=64)
+        loss.backward()
+        peaks[kind] = fence_native.max_memory_allocated() - base
+        hidden.grad, head.weight.grad = None, None
+    assert peaks["full"] >= full_logits
+    assert peaks["blocks"] * 8 <= peaks["full"], peaks  # 11x less measured
