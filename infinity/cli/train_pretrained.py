@@ -26,7 +26,7 @@ from infinity.data import Corpus, CorpusError
 from infinity.data.files import byte_encode, load_text
 from infinity.data.jsonl import is_jsonl, load_jsonl, plain_render
 from infinity.data.text import IGNORE
-from infinity.models.losses import causal_lm_loss as lm_loss
+from infinity.models.losses import causal_lm_loss as transformers_loss
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULTS = {"steps": 100, "batch_size": 8, "lr": 5e-5, "seq_len": 256}
@@ -198,7 +198,7 @@ def causal_lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     """Mean next-token cross-entropy (fp32) of a ``transformers`` causal LM over the
     targets trained on (``IGNORE`` ones are skipped; none at all gives 0, not NaN), a
     block of tokens at a time where the logits are large (``models/losses.py``)."""
-    return lm_loss(model, inputs, targets, ignore_index=IGNORE)
+    return transformers_loss(model, inputs, targets, ignore_index=IGNORE)
 
 
 def save_model(model: nn.Module, m: PretrainedModel) -> Path:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from infinity.models.losses import blockwise_cross_entropy, default_block_tokens, wants_blocks
+from infinity.models.losses import LMHead
 
 
 @dataclass(frozen=True)
@@ -88,12 +88,9 @@ class GPT(nn.Module):
         self.wpe = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.hidden)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.head = LMHead(cfg.hidden, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight
-        # Tokens per block of the loss (losses.py): None takes blocks only where the
-        # fp32 logits would exceed BLOCKWISE_ABOVE_BYTES, 0 never.
-        self.loss_block_tokens: int | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -102,7 +99,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ``idx`` (batch, time), or the mean cross-entropy if ``targets`` is
-        given (blockwise where the logits are large: ``loss_block_tokens``)."""
+        given (blockwise where the logits are large: ``head.loss_block_tokens``)."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.cfg.seq_len}")
@@ -112,15 +109,9 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        x = self.ln_f(x)
-        if targets is None:
-            return self.head(x)
-        if wants_blocks(targets.numel(), self.cfg.vocab_size, self.loss_block_tokens):
-            # NOTE: the full logits would be the largest working set (losses.py)
-            per_block = self.loss_block_tokens or default_block_tokens(self.cfg.vocab_size)
-            return blockwise_cross_entropy(x, self.head, targets, per_block)
-        logits = self.head(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        # NOTE: the loss is the head's (losses.py): blockwise where the full logits
+        # would be the largest working set (head.loss_block_tokens).
+        return self.head(self.ln_f(x), targets)
 
 
 def init_weights(module: nn.Module) -> None:

@@ -3,55 +3,113 @@ at a time.
 
 A language model's loss is often its largest working set: ``tokens x vocab`` logits,
 their fp32 copy and their gradient (a 4096-token sequence over a 128k vocabulary is
-2 GiB of fp32 logits alone). :func:`blockwise_cross_entropy` computes the same loss
-a block of tokens at a time. Each block's logits are recomputed in backward
-(``torch.utils.checkpoint``), so at most one block of logits and its gradient exist at
-once. The loss is exact: the sum of the blocks' summed losses over the count of
-targets, the full loss's arithmetic in another summation order (equal to fp32
-rounding; tests/engine/test_blockwise_loss.py).
+2 GiB of fp32 logits alone). :func:`blockwise_cross_entropy` computes the same loss a
+block of tokens at a time, and in backward recomputes each block's logits, so at most
+one block of logits and its gradient exist at once.
 
-Plain PyTorch: the output layer is called as a module for every block (and again in
-backward), so an offload engine's hooks bind its weight each time.
-:func:`causal_lm_loss` does the same for a ``transformers`` causal LM.
+It is exact, to fp32 rounding, also in 16-bit compute. Each block's logits are computed
+as the full loss computes them (the compute dtype's product, then fp32), and each
+block's gradient is rounded to the compute dtype before it meets the hidden states or
+the weight, as autograd rounds the full one. The weight's gradient is accumulated over
+the blocks in fp32 and rounded once. Rounding each block's share would add roundings
+the full loss never makes: 2-7x torch's own noise in bf16, measured by the equivalence
+sweep. That fp32 accumulator (the head's size in fp32) is why blocks are taken only
+where the logits are larger than it (:func:`wants_blocks`).
+
+Plain PyTorch: no engine. The weight is whatever tensor the caller passes: an output
+layer's ``weight`` inside its module's forward (:class:`LMHead`), or a
+``transformers`` model's output embedding inside the model's forward
+(:func:`causal_lm_loss`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 # Full fp32 logits above this many bytes: the loss is worth taking a block at a time.
 BLOCKWISE_ABOVE_BYTES = 64 << 20
 
 
-def _block_loss(
-    head: Callable[[torch.Tensor], torch.Tensor], ignore_index: int
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def loss(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = head(hidden).float()
-        return F.cross_entropy(
-            logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum"
+class _BlockwiseCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` over ``targets``, by blocks."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        block: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for rows in _blocks(hidden.shape[0], block):
+            logits = F.linear(hidden[rows], weight, bias).float()
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            total += F.cross_entropy(
+                logits, targets[rows], ignore_index=ignore_index, reduction="sum"
+            )
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.block, ctx.ignore_index = block, ignore_index
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        for rows in _blocks(hidden.shape[0], ctx.block):
+            h = hidden[rows]
+            logits = F.linear(h, weight, bias).float()
+            grad = torch.exp(logits - lse[rows, None])  # softmax
+            labels = targets[rows]
+            kept = labels != ctx.ignore_index
+            grad[torch.arange(len(labels), device=grad.device), labels.clamp(min=0)] -= 1.0
+            grad *= kept[:, None] * grad_total
+            # NOTE: rounded to the compute dtype where autograd rounds the full logits'
+            # gradient (the backward of `.float()`), then used as the full loss uses it.
+            grad = grad.to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[rows] = grad @ weight
+            if want_w:
+                grad_w += grad.float().t() @ h.float()
+            if want_b:
+                grad_b += grad.float().sum(0)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if want_w else None,
+            grad_b.to(bias.dtype) if want_b else None,
+            None,
+            None,
+            None,
         )
 
-    return loss
+
+def _blocks(n: int, block: int) -> list[slice]:
+    return [slice(start, min(start + block, n)) for start in range(0, n, block)]
 
 
 def blockwise_cross_entropy(
     hidden: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
+    weight: torch.Tensor,
     targets: torch.Tensor,
     block_tokens: int,
     ignore_index: int = IGNORE_INDEX,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean cross-entropy of ``head(hidden)`` (computed in fp32) against ``targets``,
-    over the targets that are not ``ignore_index``, ``block_tokens`` positions at a time.
+    """Mean cross-entropy of ``F.linear(hidden, weight, bias)`` (in fp32) against
+    ``targets`` over the targets that are not ``ignore_index``, ``block_tokens``
+    positions at a time (see the module docstring).
 
     ``hidden``: ``(..., tokens, width)``, flattened over its leading dimensions;
     ``targets``: the matching ``(..., tokens)``. No target at all gives 0, not NaN.
@@ -62,30 +120,63 @@ def blockwise_cross_entropy(
     labels = targets.reshape(-1)
     if labels.numel() != flat.shape[0]:
         raise ValueError(f"{labels.numel()} targets for {flat.shape[0]} positions of hidden states")
-    loss = _block_loss(head, ignore_index)
-    total = flat.new_zeros((), dtype=torch.float32)
-    for start in range(0, flat.shape[0], block_tokens):
-        rows = slice(start, start + block_tokens)
-        if flat.requires_grad or torch.is_grad_enabled():
-            total = total + checkpoint(loss, flat[rows], labels[rows], use_reentrant=False)
-        else:
-            total = total + loss(flat[rows], labels[rows])
-    count = (labels != ignore_index).sum().clamp(min=1)
-    return total / count
+    total = _BlockwiseCrossEntropy.apply(flat, weight, bias, labels, block_tokens, ignore_index)
+    return total / (labels != ignore_index).sum().clamp(min=1)
 
 
-def wants_blocks(tokens: int, vocab: int, block_tokens: int | None) -> bool:
-    """Whether a loss over ``tokens`` positions of a ``vocab``-way output is taken in
-    blocks: always for an explicit ``block_tokens``; by default when the fp32 logits
-    would exceed :data:`BLOCKWISE_ABOVE_BYTES`."""
+def wants_blocks(tokens: int, vocab: int, width: int, block_tokens: int | None) -> bool:
+    """Whether a loss over ``tokens`` positions of a ``vocab``-way output of a
+    ``width``-wide model is taken in blocks: always for a positive ``block_tokens``,
+    never for 0; by default where the fp32 logits would exceed
+    :data:`BLOCKWISE_ABOVE_BYTES` and the head's fp32 gradient (``vocab x width``, the
+    accumulator) is smaller than them."""
     if block_tokens is not None:
         return block_tokens > 0
-    return tokens * vocab * 4 > BLOCKWISE_ABOVE_BYTES
+    return tokens * vocab * 4 > BLOCKWISE_ABOVE_BYTES and tokens > width
 
 
 def default_block_tokens(vocab: int) -> int:
     """Tokens per block whose fp32 logits take a sixteenth of the threshold (4 MiB)."""
     return max(1, (BLOCKWISE_ABOVE_BYTES // 16) // (4 * vocab))
+
+
+def lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    block_tokens: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mean next-token loss of an output layer (``weight``, ``bias``) over ``hidden``:
+    blockwise where :func:`wants_blocks` says so, else from the full fp32 logits."""
+    vocab, width = weight.shape
+    if wants_blocks(targets.numel(), vocab, width, block_tokens):
+        per_block = block_tokens or default_block_tokens(vocab)
+        return blockwise_cross_entropy(hidden, weight, targets, per_block, ignore_index, bias)
+    logits = F.linear(hidden, weight, bias).float()
+    total = F.cross_entropy(
+        logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    return total / (targets != ignore_index).sum().clamp(min=1)
+
+
+class LMHead(nn.Linear):
+    """An output layer that also computes the loss: ``head(x)`` gives logits,
+    ``head(x, targets)`` the mean next-token loss (:func:`lm_loss`), inside the module's
+    own forward (where an offload engine has its weight bound)."""
+
+    def __init__(self, width: int, vocab: int, bias: bool = False) -> None:
+        super().__init__(width, vocab, bias=bias)
+        # Tokens per block of the loss: None decides by size (wants_blocks), 0 never.
+        self.loss_block_tokens: int | None = None
+
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return lm_loss(x, self.weight, targets, self.loss_block_tokens, bias=self.bias)
 
 
 def causal_lm_loss(
@@ -98,15 +189,15 @@ def causal_lm_loss(
     **kwargs: Any,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of a ``transformers`` causal LM (or a wrapper of one,
-    e.g. a ``peft`` model), blockwise where the logits are large (:func:`wants_blocks`).
+    e.g. a ``peft`` model), blockwise where the logits are large (:func:`lm_loss`).
 
     ``targets[..., i]`` is the token position ``i`` predicts (``labels`` shifted left by
     one, as ``transformers`` does inside ``model(input_ids, labels=labels)``);
     ``ignore_index`` positions are not trained on. ``kwargs`` go to the model's forward
     (an ``attention_mask``). The loss is computed inside the model's forward, from the
-    backbone's last hidden states, by calling its output embedding a block at a time;
-    the model itself computes the logits of the last position only (``logits_to_keep``),
-    which are compared with the head's: a model that transforms its logits (scaling,
+    backbone's last hidden states and the output embedding's weight; the model itself
+    computes the logits of the last position only (``logits_to_keep``), which are
+    compared with the head's: a model that transforms its logits (scaling,
     soft-capping) is refused, never given another loss.
     """
     # NOTE: the class's prefix, not the instance's: a peft wrapper forwards attribute
@@ -114,29 +205,22 @@ def causal_lm_loss(
     hf: Any = next((m for m in model.modules() if getattr(type(m), "base_model_prefix", "")), None)
     head = hf.get_output_embeddings() if hf is not None else None
     backbone = getattr(hf, type(hf).base_model_prefix, None) if hf is not None else None
-    if not isinstance(head, nn.Module) or not isinstance(backbone, nn.Module):
+    if not isinstance(head, nn.Linear) or not isinstance(backbone, nn.Module):
         raise ValueError(
-            f"{type(model).__name__} is not a transformers causal LM (no output embedding and "
-            "backbone found); compute its loss from its logits"
+            f"{type(model).__name__} is not a transformers causal LM with a linear output "
+            "embedding and a backbone; compute its loss from its logits"
         )
-    weight = head.weight
-    assert isinstance(weight, torch.Tensor)
-    vocab = int(weight.shape[0])
     taken: dict[str, torch.Tensor] = {}
 
     def loss_from_hidden(_module: nn.Module, _args: Any, output: Any) -> None:
+        # NOTE: runs inside the model's forward, where the head's weight is bound.
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        taken["last"] = head(hidden[..., -1:, :]).float()
-        if wants_blocks(targets.numel(), vocab, block_tokens):
-            block = block_tokens or default_block_tokens(vocab)
-            taken["loss"] = blockwise_cross_entropy(hidden, head, targets, block, ignore_index)
-        else:
-            taken["loss"] = _block_loss(head, ignore_index)(hidden, targets) / (
-                (targets != ignore_index).sum().clamp(min=1)
-            )
+        taken["last"] = head(hidden[..., -1:, :]).float().detach()
+        taken["loss"] = lm_loss(
+            hidden, head.weight, targets, block_tokens, ignore_index, bias=head.bias
+        )
 
-    forward_args = inspect.signature(hf.forward).parameters
-    if "logits_to_keep" in forward_args:
+    if "logits_to_keep" in inspect.signature(hf.forward).parameters:
         kwargs["logits_to_keep"] = 1
     handle = backbone.register_forward_hook(loss_from_hidden)
     try:

@@ -109,6 +109,9 @@ class Case:
     loss_scale: float = 0.0
     # The transformers model: "llama" or "gpt2" (sweep_train.build_model).
     model: str = "llama"
+    # Tokens per block of infinity.causal_lm_loss (the loss without the full logits);
+    # 0: the model's own loss, model(input_ids, labels=...).loss.
+    loss_block: int = 0
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -179,6 +182,8 @@ class Case:
             parts.append(f"scale{self.loss_scale:g}")
         if self.resume_at:
             parts.append(f"resume{self.resume_at}-host{self.host_after:g}-dev{self.device_after:g}")
+        if self.loss_block:
+            parts.append(f"loss{self.loss_block}")
         if self.backend != "cpu":
             parts.append(self.backend)
         return "-".join(parts)
@@ -253,9 +258,14 @@ def draw(rng: random.Random) -> Case:
         case = dataclasses.replace(case, model="gpt2")
     # NOTE: last, from the name again: a third of the cases evaluate after every step.
     rng = random.Random(zlib.crc32(f"eval:{case.name()}".encode()))
-    if rng.random() >= 1 / 3:
-        return case
-    return dataclasses.replace(case, evaluate=rng.choice(EVAL_MODES))
+    if rng.random() < 1 / 3:
+        case = dataclasses.replace(case, evaluate=rng.choice(EVAL_MODES))
+    # NOTE: last, from the name: a quarter of the cases take the loss a block of tokens
+    # at a time (infinity.causal_lm_loss), against the reference's transformers loss.
+    rng = random.Random(zlib.crc32(f"loss:{case.name()}".encode()))
+    if rng.random() < 1 / 4:
+        case = dataclasses.replace(case, loss_block=rng.choice((5, 16)))
+    return case
 
 
 def _draw_resume(case: Case) -> Case:
@@ -289,6 +299,9 @@ def draw_cases(seed: int, count: int) -> list[Case]:
 # world size in every `make test` (the drawn cases vary the rest).
 PINNED: tuple[Case, ...] = (
     Case(host=0.12, device=0.6, chunk_size="16KiB"),
+    # The loss a block of tokens at a time (infinity.causal_lm_loss): the tied head is
+    # called per block in forward and again in backward, its chunks partly on NVMe.
+    Case(host=0.25, device=0.6, chunk_size="16KiB", accumulation=2, loss_block=5),
     # Parameters read from NVMe straight into device memory (NOTE [routes are data]),
     # 16-bit copies written home by each update, accumulation and clipping.
     Case(

@@ -3,7 +3,7 @@ ranks' gradients reduced as infinity reduces them (see :func:`rank_grads`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from sweep_cases import Case
@@ -14,7 +14,11 @@ Grads = list[torch.Tensor | None]
 
 
 def rank_grads(
-    case: Case, compute: torch.nn.Module, slices: Iterable[torch.Tensor], scale: float
+    case: Case,
+    compute: torch.nn.Module,
+    slices: Iterable[torch.Tensor],
+    scale: float,
+    loss_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[Grads], float]:
     """fp16 on ``case.world`` ranks: each rank's gradients of its slice's scaled loss,
     and the mean of their losses (``.grad`` is left as it was).
@@ -33,7 +37,8 @@ def rank_grads(
         for p in params:
             p.grad = None
         ids = ids.to(case.backend)
-        loss = compute(input_ids=ids, labels=ids).loss / case.accumulation
+        own = compute(input_ids=ids, labels=ids).loss if loss_of is None else loss_of(ids)
+        loss = own / case.accumulation
         (loss * scale).backward()
         total += float(loss.detach()) / case.world
         grads.append([p.grad for p in params])

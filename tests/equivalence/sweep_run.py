@@ -214,6 +214,8 @@ def judge(outcome: Outcome) -> Verdict:
     noise = off("fused")
     if case.world > 1:
         noise = max(noise, off("halves"))
+    if case.loss_block:
+        noise = max(noise, off("blocks"))
     one_step = off(steps=case.steps - 1)
     bound = max(NOISE_MULTIPLE * noise, FLOOR[case.dtype], _rounding_floor(case, ref.state))
     error = rel_error(_judged(case, outcome.trained.state), ref.state)

@@ -256,7 +256,7 @@ def _train(
         for micro in range(case.accumulation):
             ids = list(_parts(case, data[step * case.accumulation + micro], case.world))[rank]
             ids = ids.to(case.backend)
-            loss = model(input_ids=ids, labels=ids).loss / case.accumulation
+            loss = _loss(case, model, ids) / case.accumulation
             # fp16: the loss times infinity's dynamic loss scale (torch's GradScaler.scale)
             (opt.scale_loss(loss) if case.dtype == "fp16" else loss).backward()
             total += float(loss.detach())
@@ -270,6 +270,15 @@ def _train(
         if case.evaluate:
             evals.append(evaluate(case, model))
     return losses
+
+
+def _loss(case: Case, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The training loss of ``ids`` (labels are the inputs): the model's own, or with
+    ``case.loss_block`` infinity's blockwise one (the reference keeps the model's)."""
+    if not case.loss_block:
+        return model(input_ids=ids, labels=ids).loss
+    targets = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]  # as transformers shifts
+    return infinity.causal_lm_loss(model, ids, targets, block_tokens=case.loss_block)
 
 
 def _trained(
@@ -330,7 +339,10 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
     reference's other arithmetic: torch's fused AdamW, multi-tensor SGD, or the
     update in float64),
     ``"halves"`` (the gradient as ``world`` data-parallel ranks compute it:
-    the mean of the slices' gradients).
+    the mean of the slices' gradients), ``"blocks"`` (with ``case.loss_block``: the
+    loss a block of tokens at a time, as the offloaded side computes it: the same
+    loss in another summation order, which Adam's normalisation amplifies on
+    near-zero gradients).
     """
     steps = case.steps if steps is None else steps
     model = build_model(case)  # its parameters are the fp32 masters, stepped on the CPU
@@ -361,8 +373,9 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
                 # "halves" adds each rank's micro-batches first and reduces once: both
                 # orders are infinity's (a gradient chunk that stays on the device
                 # accumulates there), and fp16 rounds them apart.
+                blocks = (lambda ids: _loss(case, compute, ids)) if variant == "blocks" else None
                 ranks, loss_mean = rank_grads(
-                    case, compute, _parts(case, batch, case.world), scaler.scale
+                    case, compute, _parts(case, batch, case.world), scaler.scale, blocks
                 )
                 total += loss_mean
                 if variant == "halves":
@@ -374,7 +387,10 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
                 continue
             for ids in _parts(case, batch, split):
                 ids = ids.to(case.backend)
-                loss = compute(input_ids=ids, labels=ids).loss / case.accumulation / split
+                if variant == "blocks":
+                    loss = _loss(case, compute, ids) / case.accumulation / split
+                else:
+                    loss = compute(input_ids=ids, labels=ids).loss / case.accumulation / split
                 (loss * scaler.scale if scaler else loss).backward()
                 total += float(loss.detach())
         if per_rank is not None:
