@@ -171,9 +171,7 @@ class LMHead(nn.Linear):
         # Tokens per block of the loss: None decides by size (wants_blocks), 0 never.
         self.loss_block_tokens: int | None = None
 
-    def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return super().forward(x)
         return lm_loss(x, self.weight, targets, self.loss_block_tokens, bias=self.bias)
