@@ -201,9 +201,11 @@ class Config:
             its inputs and recomputes its forward in backward (as
             ``torch.utils.checkpoint``; same gradients). ``"offload"``: every saved
             tensor of at least ``activation_min_bytes`` leaves the device into host
-            memory (what ``host_memory`` leaves free after the states) and, beyond
-            it, into a swap file under ``nvme_path``; backward reads them back in
-            reverse order, ahead of use. Same gradients: the data is only moved.
+            memory and, beyond it, into a swap file under ``nvme_path``; backward
+            reads them back in reverse order, ahead of use. Same gradients: the data
+            is only moved. With ``nvme_path`` an eighth of ``host_memory`` is kept for
+            them (the states plan within the rest) and every byte they hold is in
+            it, in three lines that ``stats()["activations"]`` reports.
             ``"auto"``: the first forward runs as ``"offload"`` and is measured;
             then each block, last first, is kept on the device while the room the
             chunk slots leave in ``device_memory`` holds it, offloaded while host

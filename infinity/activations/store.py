@@ -16,9 +16,14 @@ compute device becomes a :class:`SavedActivation` (what autograd then holds):
   reads of the next tensors below it in that order (at most ``read_ahead``
   bytes ahead), so it waits only when the disk is slower than the compute.
 
-Host memory held is therefore the host share, plus at most ``read_ahead`` bytes
-of written-and-kept or read-ahead buffers, plus the writes in flight
-(``WRITE_WINDOW``, or one larger tensor).
+Host memory held is therefore three named lines, each with its own limit: the host
+share (``host_capacity``), the read window (``read_ahead`` bytes of written-and-kept
+or read-ahead buffers) and the write window (``write_window`` bytes of writes in
+flight); a window holds one tensor larger than itself when it holds nothing else.
+:func:`split_allowance` divides the host memory the budget leaves activations
+into the three, so that together they stay inside ``host_memory`` (the windows
+shrink with it, and ``stats()["activations"]`` says how large they are and the
+peak of each line and of their sum).
 
 A failed write or read raises :class:`~infinity.io.NVMeIOError` from the next
 pack or unpack: the step fails, it never computes with wrong data.
@@ -37,11 +42,26 @@ import torch
 
 from infinity.activations.records import SavedActivation, _flat, _Record, _restore
 from infinity.activations.spill import ALIGN, ActivationSpill
+from infinity.core.plan import Budgets
 from infinity.io import aligned_empty
 from infinity.utils.sizes import align_up, format_size
 
 HOST, NVME = "host", "nvme"
-WRITE_WINDOW = 64 << 20  # bytes of writes in flight before a pack waits for the oldest
+READ_AHEAD = 256 << 20  # the read window at most: buffers of NVMe tensors before their use
+WRITE_WINDOW = 64 << 20  # the write window at most: writes in flight before a pack waits
+
+
+def split_allowance(allowance: int, spill: bool) -> tuple[int, int, int]:
+    """The host share, read window and write window of ``allowance`` bytes of host
+    memory for saved activations (no windows without an NVMe tier to spill to).
+
+    NOTE: the windows take at most a quarter and an eighth of the allowance, so that a
+    small budget shrinks them rather than being exceeded; the host share is the rest.
+    """
+    if not spill:
+        return allowance, 0, 0
+    read, write = min(READ_AHEAD, allowance // 4), min(WRITE_WINDOW, allowance // 8)
+    return allowance - read - write, read, write
 
 
 class ActivationStore:
@@ -56,6 +76,9 @@ class ActivationStore:
             tensor that does not fit in host memory stays on the device).
         read_ahead: bytes of buffers holding NVMe-resident tensors in memory: the
             newest written (forward) and the reads started ahead (backward).
+        write_window: bytes of writes in flight before a pack waits for the oldest.
+        budgets: the budgets the three lines are part of (for the error of a forward
+            whose largest saved tensor they cannot pass: which ``host_memory`` would).
         warn_when_full: warn once when a tensor stays on the device for want of
             room (not under ``"auto"``, whose measuring first step expects it).
     """
@@ -68,7 +91,9 @@ class ActivationStore:
         host_capacity: int,
         min_bytes: int,
         spill: ActivationSpill | None,
-        read_ahead: int = 256 << 20,
+        read_ahead: int = READ_AHEAD,
+        write_window: int = WRITE_WINDOW,
+        budgets: Budgets | None = None,
         warn_when_full: bool = True,
     ) -> None:
         self.device = device
@@ -77,6 +102,9 @@ class ActivationStore:
         self.min_bytes = min_bytes
         self.spill = spill
         self.read_ahead = read_ahead
+        self.write_window = write_window
+        self.allowance = host_capacity + read_ahead + write_window  # the three lines' sum
+        self.budgets = budgets
         self.warn_when_full = warn_when_full
         self._lock = threading.RLock()
         self._seq = 0
@@ -94,10 +122,57 @@ class ActivationStore:
                 "host_bytes", "host_peak_bytes", "nvme_bytes", "nvme_peak_bytes",
                 "nvme_written_bytes", "nvme_read_bytes", "written_kept_bytes", "reads_ahead",
                 "reads_waited",
-                "reads_not_ahead", "read_wait_seconds",
+                "reads_not_ahead", "read_wait_seconds", "read_peak_bytes", "write_peak_bytes",
+                "held_peak_bytes", "read_on_demand_peak_bytes",
             ),
             0,
         )  # fmt: skip
+
+    def set_allowance(self, allowance: int) -> None:
+        """Divide ``allowance`` bytes of host memory into the three lines
+        (:func:`split_allowance`); counts from now on."""
+        with self._lock:
+            self.allowance = allowance
+            self.host_capacity, self.read_ahead, self.write_window = split_allowance(
+                allowance, self.spill is not None
+            )
+
+    def host_needed(self, short: int) -> tuple[int, int]:
+        """``host_memory`` now, and the one that leaves saved activations ``short`` bytes
+        more: raising it by ``short`` may not, where the states took all the rest."""
+        budgets = self.budgets
+        if budgets is None:
+            return 0, short
+        return budgets.host, max(
+            budgets.host + short, budgets.host_for_activations(self.allowance + short)
+        )
+
+    def fit_windows(self, largest: int) -> int:
+        """Widen each window to hold a saved tensor of ``largest`` bytes, out of the host
+        share; returns the bytes the allowance is short of that (nothing changes then).
+
+        NOTE: a window too small for a tensor still passes it when it holds nothing
+        else, beyond its line: fitted, the three lines hold every byte the store does.
+        """
+        if self.spill is None:
+            return 0
+        need = align_up(largest, ALIGN)
+        with self._lock:
+            read, write = max(self.read_ahead, need), max(self.write_window, need)
+            short = read + write - self.allowance
+            if short > 0:
+                return short
+            self.read_ahead, self.write_window = read, write
+            self.host_capacity = self.allowance - read - write
+            return 0
+
+    def _mark(self) -> None:
+        """Record the peaks of the windows and of everything held in host memory."""
+        c = self.counters
+        c["read_peak_bytes"] = max(c["read_peak_bytes"], self._read_bytes)
+        c["write_peak_bytes"] = max(c["write_peak_bytes"], self._write_bytes)
+        held = c["host_bytes"] + self._read_bytes + self._write_bytes
+        c["held_peak_bytes"] = max(c["held_peak_bytes"], held)
 
     # --- pack (forward) ------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -165,7 +240,11 @@ class ActivationStore:
 
     def _write(self, saved: _Record, data: torch.Tensor) -> None:
         assert self.spill is not None
-        buffer = aligned_empty(align_up(saved.nbytes, ALIGN), pinned=False)
+        need = align_up(saved.nbytes, ALIGN)
+        # NOTE: room first, then the buffer: the window holds what is in flight.
+        while self._writes and self._write_bytes + need > self.write_window:
+            self._finish_write(self._writes.popleft())
+        buffer = aligned_empty(need, pinned=False)
         buffer[: saved.nbytes].copy_(data.view(torch.uint8))
         saved.file, saved.offset = self.spill.allocate(saved.nbytes)
         saved.write = (saved.file.write(buffer, saved.offset), buffer)
@@ -174,8 +253,7 @@ class ActivationStore:
         bisect.insort(self._nvme, saved, key=lambda s: s.seq)
         self._count(NVME, saved.nbytes)
         self.counters["nvme_written_bytes"] += saved.nbytes
-        while self._write_bytes > WRITE_WINDOW and len(self._writes) > 1:
-            self._finish_write(self._writes.popleft())
+        self._mark()
 
     def _reap_writes(self, block: bool) -> None:
         while self._writes:
@@ -190,18 +268,21 @@ class ActivationStore:
         request, buffer = saved.write
         saved.write = None
         self._write_bytes -= buffer.numel()
-        if not saved.used and not saved.dropped:
+        fits = self._read_bytes + buffer.numel() <= self.read_ahead
+        if not saved.used and not saved.dropped and (fits or not self._backward):
             # NOTE: the written bytes serve as the tensor's read (the request is done:
-            # unpack's wait returns at once, or raises). In backward, even past the
-            # window: the buffer exists already, and a write that lands then is of the
-            # newest tensors, needed before the reads in flight. In forward, the newest
-            # are kept and the oldest let go (_trim_kept): backward starts with them.
+            # unpack's wait returns at once, or raises). In forward the newest are kept
+            # and the oldest let go (_trim_kept): backward starts with them. In backward
+            # only within the read window: the write window has room for new writes
+            # again (a recomputed block packs), so past it the two could exceed the
+            # budget together.
             saved.read = (request, buffer)
             saved.kept = True
             self._read_bytes += buffer.numel()
             if not self._backward:
                 self._kept.append(saved)
                 self._trim_kept()
+            self._mark()  # NOTE: after the trim: the buffer only moved from the write line
         try:
             request.wait()  # raises NVMeIOError
         except BaseException as exc:
@@ -250,12 +331,17 @@ class ActivationStore:
             self.counters["written_kept_bytes"] += saved.nbytes
         else:
             if saved.read is None:
+                # NOTE: read on demand, into the buffer that becomes the tensor backward
+                # uses now: the step's working set (as the tensor is under "keep"), not
+                # a line of the store; stats report its largest.
                 self.counters["reads_not_ahead"] += 1
-                self._start_read(saved)
-            assert saved.read is not None
-            request, buffer = saved.read
-            saved.read = None
-            self._read_bytes -= buffer.numel()
+                request, buffer = self._read(saved)
+                peak = "read_on_demand_peak_bytes"
+                self.counters[peak] = max(self.counters[peak], buffer.numel())
+            else:
+                request, buffer = saved.read
+                saved.read = None
+                self._read_bytes -= buffer.numel()
             if saved.kept:
                 self.counters["written_kept_bytes"] += saved.nbytes
             if not request.done():
@@ -268,12 +354,18 @@ class ActivationStore:
         flat = buffer[: saved.nbytes].view(saved.dtype)
         return _restore(saved, flat if self.shares_host_memory else flat.to(self.device))
 
-    def _start_read(self, saved: _Record) -> None:
+    def _read(self, saved: _Record) -> tuple[Any, torch.Tensor]:
+        """Start reading ``saved`` back from NVMe: the request and its buffer."""
         assert saved.file is not None
         buffer = aligned_empty(align_up(saved.nbytes, ALIGN), pinned=False)
-        saved.read = (saved.file.read(buffer, saved.offset), buffer)
-        self._read_bytes += buffer.numel()
         self.counters["nvme_read_bytes"] += saved.nbytes
+        return saved.file.read(buffer, saved.offset), buffer
+
+    def _start_read(self, saved: _Record) -> None:
+        """Read ``saved`` ahead of its use, into the read window."""
+        saved.read = self._read(saved)
+        self._read_bytes += saved.read[1].numel()
+        self._mark()
 
     def end_forward(self) -> None:
         """A forward ended: start reading the newest tensors on NVMe, which backward
@@ -294,7 +386,11 @@ class ActivationStore:
         bytes. NOTE: not only those below the last one used: autograd's order is
         not strictly the reverse, and a newer tensor still unused is needed soonest."""
         for saved in reversed(list(self._nvme)):
-            if self._read_bytes >= self.read_ahead:
+            # NOTE: the window holds one larger tensor only while it holds nothing else.
+            if (
+                self._read_bytes
+                and self._read_bytes + align_up(saved.nbytes, ALIGN) > self.read_ahead
+            ):
                 return
             if saved.read is None and saved.write is None and not saved.used:
                 self.counters["reads_ahead"] += 1
@@ -338,15 +434,22 @@ class ActivationStore:
         self.counters[f"{tier}_bytes"] = now
         peak = f"{tier}_peak_bytes"
         self.counters[peak] = max(self.counters[peak], now)
+        self._mark()
 
     def tier_bytes(self) -> tuple[int, int]:
         """Bytes held now in host memory and on NVMe (for the memory timeline)."""
         return int(self.counters["host_bytes"]), int(self.counters["nvme_bytes"])
 
     def snapshot(self) -> dict[str, float]:
-        """Counters: totals since offload, bytes per tier now and at their peak."""
+        """Counters: totals since offload, bytes per tier now and at their peak, the
+        lines of host memory (host share, read and write windows) and their peaks."""
         with self._lock:
-            return dict(self.counters)
+            return {
+                **self.counters,
+                "host_share_bytes": self.host_capacity,
+                "read_window_bytes": self.read_ahead,
+                "write_window_bytes": self.write_window,
+            }
 
     def close(self) -> None:
         """Finish the writes in flight and remove the swap files."""

@@ -30,11 +30,30 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Budgets:
-    """Bytes allowed per tier; ``nvme=None`` means no NVMe tier."""
+    """Bytes allowed per tier; ``nvme=None`` means no NVMe tier.
+
+    ``activations``: the share of ``host`` kept for saved activations (their host share
+    and the windows that move them to and from NVMe): the states plan within the rest
+    (:attr:`states_host`).
+    """
 
     device: int
     host: int
     nvme: int | None
+    activations: float = 0.0
+
+    @property
+    def states_host(self) -> int:
+        """Host bytes the states' homes and staging may take."""
+        return self.host - int(self.host * self.activations)
+
+    def host_for_states(self, states: int) -> int:
+        """The ``host_memory`` whose states' part holds ``states`` bytes."""
+        return states if not self.activations else int(-(-states // (1 - self.activations))) + 1
+
+    def host_for_activations(self, activations: int) -> int:
+        """The ``host_memory`` that keeps ``activations`` bytes for saved activations."""
+        return self.host if not self.activations else int(-(-activations // self.activations))
 
 
 @dataclass(frozen=True)
@@ -167,6 +186,13 @@ class Plan:
             lines.append(
                 f"host minimum {format_size(self.min_host_bytes)}: every state on NVMe, "
                 "staging in chunk-size spans (independent of the largest tensor)"
+            )
+        if self.budgets.activations:
+            kept = self.budgets.host - self.budgets.states_host
+            lines.append(
+                f"saved activations: {format_size(kept)} of host_memory kept for them "
+                f"({self.budgets.activations:.1%}: their host share and the windows that move "
+                "them to NVMe and back), besides what the states leave"
             )
         return lines
 

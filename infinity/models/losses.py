@@ -196,7 +196,9 @@ def causal_lm_loss(
     backbone's last hidden states and the output embedding's weight; the model itself
     computes the logits of the last position only (``logits_to_keep``), which are
     compared with the head's: a model that transforms its logits (scaling,
-    soft-capping) is refused, never given another loss.
+    soft-capping) is refused, never given another loss. A model without a
+    ``transformers`` backbone and linear head is run whole, its loss taken from its
+    ``logits`` (full, in fp32).
     """
     # NOTE: the class's prefix, not the instance's: a peft wrapper forwards attribute
     # reads to the model it wraps, and would pass for one.
@@ -204,10 +206,11 @@ def causal_lm_loss(
     head = hf.get_output_embeddings() if hf is not None else None
     backbone = getattr(hf, type(hf).base_model_prefix, None) if hf is not None else None
     if not isinstance(head, nn.Linear) or not isinstance(backbone, nn.Module):
-        raise ValueError(
-            f"{type(model).__name__} is not a transformers causal LM with a linear output "
-            "embedding and a backbone; compute its loss from its logits"
+        logits = model(input_ids=input_ids, **kwargs).logits.float()
+        total = F.cross_entropy(
+            logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum"
         )
+        return total / (targets != ignore_index).sum().clamp(min=1)
     taken: dict[str, torch.Tensor] = {}
 
     def loss_from_hidden(_module: nn.Module, _args: Any, output: Any) -> None:

@@ -26,6 +26,11 @@ from infinity.schedule.planner import Budgets, Plan, PlanError, make_plan
 from infinity.utils.sizes import align_up, format_size
 
 MAX_AUTO_CHUNK_BYTES = 256 << 20
+# NOTE: activations="offload" or "auto" with an NVMe tier keep this share of host_memory
+# for saved activations (their host share and the windows that move them to NVMe and
+# back): the states plan within the rest, so saved tensors never take host memory
+# beyond the budget (issue 41).
+ACTIVATION_HOST_SHARE = 1 / 8
 MIN_SEARCH_CHUNK_BYTES = 64 << 10
 DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,7 +57,10 @@ def resolve_budgets(config: Config, device: torch.device, local_ranks: int = 1) 
             if config.nvme_memory == AUTO
             else int(config.nvme_memory)
         )
-    return Budgets(device=dev, host=host, nvme=nvme)
+    moved = config.activations in ("offload", "auto") and nvme is not None
+    return Budgets(
+        device=dev, host=host, nvme=nvme, activations=ACTIVATION_HOST_SHARE if moved else 0.0
+    )
 
 
 def local_ranks(world: World) -> int:

@@ -157,8 +157,10 @@ def bind_optimizer(engine: Rehomable, chunk_optimizer: ChunkOptimizer[Any], owne
         if engine.activations is not None:
             # NOTE: the re-cut plan holds this optimizer's per-tensor states, which
             # the host room of saved activations leaves out (nothing is saved now).
-            engine.activations.host_capacity = activation_host_room(
-                engine.chunks.plan, engine.chunks.manager.host_account.reserved
+            engine.activations.set_allowance(
+                activation_host_room(
+                    engine.chunks.plan, engine.chunks.manager.host_account.reserved
+                )
             )
 
 

@@ -9,7 +9,7 @@ import os
 import torch.distributed as dist
 
 from infinity.activations.spill import ActivationSpill
-from infinity.activations.store import ActivationStore
+from infinity.activations.store import ActivationStore, split_allowance
 from infinity.config import Config, ConfigError
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
@@ -94,19 +94,26 @@ def open_activation_store(
             limit,
             on_open=lambda swap: signals.guard(swap.path, swap.directory),
         )
+    share, read, write = split_allowance(
+        activation_host_room(plan, host_reserved), spill is not None
+    )
     return ActivationStore(
         backend.device,
         shares_host_memory=backend.shares_host_memory,
-        host_capacity=activation_host_room(plan, host_reserved),
+        host_capacity=share,
         min_bytes=int(config.activation_min_bytes),
         spill=spill,
+        read_ahead=read,
+        write_window=write,
+        budgets=plan.budgets,
         warn_when_full=config.activations == "offload",
     )
 
 
 def activation_host_room(plan: Plan, host_reserved: int) -> int:
-    """Host bytes saved activations may hold: the budget less the manager's slabs
-    (``host_reserved``) and the optimizer's per-tensor states (Adafactor's factors)."""
+    """Host bytes saved activations may hold, their host share and both windows
+    (``split_allowance``): the budget less the manager's slabs (``host_reserved``) and
+    the optimizer's per-tensor states (Adafactor's factors)."""
     return max(0, plan.budgets.host - host_reserved - plan.tensor_state_bytes)
 
 

@@ -137,7 +137,7 @@ def _minimum_host(layout: ChunkLayout, kwargs: dict[str, object]) -> int:
         span = span_of(layout, bare["optimizer"])  # type: ignore[arg-type]
         _place(layout, span_elems=span, **bare)  # type: ignore[arg-type]
     except PlanError as exc:
-        return exc.needed
+        return budgets.host_for_states(exc.needed)
     return 0
 
 
@@ -239,7 +239,7 @@ def _place(
     moves += [("param", i) for i in reversed(range(n))]
     param_slots = max(prefetch_depth + 2, OPTIM_PIPELINE_SLOTS)
     for kind, i in moves:
-        if host_need() <= budgets.host or budgets.nvme is None:
+        if host_need() <= budgets.states_host or budgets.nvme is None:
             break
         if kind == "optim":
             optim_home[i] = NVME
@@ -256,7 +256,7 @@ def _place(
     # Still too big: run the pipelines shallower (fewer staging slots) before
     # giving up; depth buys overlap, not correctness.
     for kind in ("param", "optim", "grad", "param", "optim"):
-        if host_need() <= budgets.host:
+        if host_need() <= budgets.states_host:
             break
         for size, count in staging[kind].items():
             staging[kind][size] = max(1, count - 1 if kind != "param" else count // 2)
@@ -281,23 +281,30 @@ def _place(
         if homes[kind][i] != NVME:
             continue
         homes[kind][i] = HOST
-        if host_need() > budgets.host:
+        if host_need() > budgets.states_host:
             homes[kind][i] = NVME
     if NVME in param_home:
         for size, count in deep.items():
             while staging["param"][size] < count:
                 staging["param"][size] += 1
-                if host_need() > budgets.host:
+                if host_need() > budgets.states_host:
                     staging["param"][size] -= 1
                     break
 
     need = host_need()
-    if need > budgets.host:
+    if need > budgets.states_host:
+        beside = (
+            f" beside the {budgets.activations:.0%} kept for saved activations"
+            if budgets.activations
+            else ""
+        )
         if budgets.nvme is None:
             raise PlanError(
                 f"host_memory={format_size(budgets.host)} is too small: the model's states need "
-                f"{format_size(need)} on the host. Raise host_memory to at least {need} bytes, "
-                "or set nvme_path to a directory on a fast disk so states can spill to NVMe."
+                f"{format_size(need)} on the host{beside}. Raise host_memory to at least "
+                f"{budgets.host_for_states(need)} bytes, or set nvme_path to a directory on a "
+                "fast disk so states can spill to NVMe.",
+                needed=budgets.host_for_states(need),
             )
         factors = (
             f" and the optimizer's per-tensor states ({format_size(per_tensor)})"
@@ -306,9 +313,10 @@ def _place(
         )
         raise PlanError(
             f"host_memory={format_size(budgets.host)} is too small even with every state on "
-            f"NVMe: staging buffers{factors} alone need {format_size(need)}. Raise host_memory "
-            f"to at least {need} bytes, or use a smaller chunk_size.",
-            needed=need,
+            f"NVMe: staging buffers{factors} alone need {format_size(need)}{beside}. Raise "
+            f"host_memory to at least {budgets.host_for_states(need)} bytes, or use a smaller "
+            "chunk_size.",
+            needed=budgets.host_for_states(need),
         )
     plan = Plan(
         layout=layout,

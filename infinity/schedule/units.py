@@ -75,7 +75,7 @@ def units_for(
         tensor_state_bytes=tensor_state_bytes(home_plan.layout, optimizer),
         traffic={},
     )
-    if plan.host_bytes > plan.budgets.host:
+    if plan.host_bytes > plan.budgets.states_host:
         # NOTE: the units shrink when re-cut, which almost always leaves room for
         # the per-tensor states; the budget is a promise all the same.
         raise PlanError(
@@ -84,8 +84,8 @@ def units_for(
             f"({format_size(plan.tensor_state_bytes)}) do not fit beside the homes and staging "
             f"planned for {planned_for.front_end or planned_for.name if planned_for else 'Adam'} "
             f"({format_size(plan.home_bytes(HOST) + plan.staging_bytes)}). Raise host_memory to "
-            f"at least {plan.host_bytes} bytes",
-            needed=plan.host_bytes,
+            f"at least {plan.budgets.host_for_states(plan.host_bytes)} bytes",
+            needed=plan.budgets.host_for_states(plan.host_bytes),
         )
     object.__setattr__(plan, "traffic", estimate_traffic(plan, consume_grads=consume_grads))
     return plan

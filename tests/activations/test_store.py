@@ -238,3 +238,49 @@ def test_a_tensor_dropped_while_it_is_being_evicted_is_freed(tmp_path) -> None:
     assert live == 11 and stats["nvme_bytes"] == 0 and stats["host_bytes"] == 0
     assert store.spill is not None and store.spill.live == 0
     store.close()
+
+
+def test_the_allowance_splits_into_three_lines_that_shrink_with_it() -> None:
+    from infinity.activations.store import READ_AHEAD, WRITE_WINDOW, split_allowance
+
+    big = 1 << 30
+    assert split_allowance(big, True) == (big - READ_AHEAD - WRITE_WINDOW, READ_AHEAD, WRITE_WINDOW)
+    small = 8 << 20  # the windows shrink to a quarter and an eighth
+    assert split_allowance(small, True) == (5 << 20, 2 << 20, 1 << 20)
+    assert split_allowance(small, False) == (small, 0, 0)  # nothing to spill: no windows
+
+
+def test_windows_widen_for_the_largest_tensor_out_of_the_share_or_say_how_short(
+    tmp_path,
+) -> None:
+    store = _store(tmp_path, host_capacity=0)
+    store.set_allowance(300 * KIB)
+    assert store.fit_windows(100 * KIB) == 0
+    assert store.read_ahead >= 100 * KIB and store.write_window >= 100 * KIB
+    assert store.host_capacity + store.read_ahead + store.write_window == 300 * KIB
+    before = (store.host_capacity, store.read_ahead, store.write_window)
+    assert store.fit_windows(200 * KIB) == 100 * KIB  # two buffers of 200 KiB in 300
+    assert (store.host_capacity, store.read_ahead, store.write_window) == before
+    store.close()
+
+
+def test_every_line_stays_within_its_limit_through_a_forward_and_backward(tmp_path) -> None:
+    store = _store(tmp_path, host_capacity=0)
+    allowance = 160 * KIB
+    store.set_allowance(allowance)
+    tensors = _tensors(40, seed=7)
+    assert store.fit_windows(max(_nbytes(t) for t in tensors)) == 0
+    expected = [t.clone() for t in tensors]
+    handles = [store.pack(t) for t in tensors]
+    del tensors
+    store.end_forward()
+    for h, want in zip(reversed(handles), reversed(expected), strict=True):
+        assert torch.equal(store.unpack(h), want)
+    stats = store.snapshot()
+    assert stats["host_peak_bytes"] <= stats["host_share_bytes"]
+    assert stats["read_peak_bytes"] <= stats["read_window_bytes"]
+    assert stats["write_peak_bytes"] <= stats["write_window_bytes"]
+    assert 0 < stats["held_peak_bytes"] <= allowance
+    assert stats["nvme_written_bytes"] > 0 and stats["reads_ahead"] > 0
+    del handles
+    store.close()

@@ -78,13 +78,14 @@ def test_adam_keeps_no_per_tensor_state(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # re-homed, and re-cut in Adam's homes
 def test_saved_activations_leave_the_factors_their_host_room(dtype, tmp_path):
-    model = _offload(tmp_path, 1.2, dtype=dtype, activations="offload")
+    # NOTE: 1.4: an eighth of host_memory is kept for the saved activations' lines
+    model = _offload(tmp_path, 1.4, dtype=dtype, activations="offload")
     engine = engine_of(model)
     CPUAdafactor(model.parameters(), lr=1e-2)
     factors = engine.chunks.plan.tensor_state_bytes
     reserved = engine.chunks.manager.host_account.reserved
     assert factors > 0
-    assert engine.activations.host_capacity == max(
-        0, engine.home_plan.budgets.host - reserved - factors
-    )
+    store = engine.activations
+    assert store.allowance == max(0, engine.home_plan.budgets.host - reserved - factors)
+    assert store.allowance == store.host_capacity + store.read_ahead + store.write_window
     engine.close()

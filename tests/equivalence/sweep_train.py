@@ -205,7 +205,12 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
         infinity.load_checkpoint(saved, model, opt)
         if schedule is not None:
             schedule.load_state_dict(schedule_state)
-        losses += _train(case, model, opt, schedule, data, range(first, case.steps), rank, evals)
+        try:
+            losses += _train(
+                case, model, opt, schedule, data, range(first, case.steps), rank, evals
+            )
+        except infinity.PlanError as exc:  # its first forward: the resume budgets' saved tensors
+            raise ResumePlanError(exc) from exc
         return _trained(case.resumed(), model, losses, placement, evals)
     finally:
         for engine in engines:
