@@ -22,7 +22,8 @@ steps per row, each row in its own process so that its peak RSS is its own:
 - ``auto``: ``activations="auto"`` at the budgets (its warm-up step measures,
   the timed steps run its choice per block).
 
-Per row: peak RSS (``ru_maxrss``), the median step time and its ratio to
+Per row: peak RSS (``ru_maxrss``), what the steps add to the resting RSS (the RSS
+before the first step, model built and offloaded), the median step time and its ratio to
 ``checkpoint``'s, activation bytes saved per step, their peak in host memory
 and on NVMe, NVMe bytes written and read per step, and the seconds backward
 waited for an activation read.
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import torch
 
 import infinity
@@ -74,6 +76,14 @@ def build(args: argparse.Namespace, empty: bool) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).train()
 
 
+def _loss(args: argparse.Namespace, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own loss, or (``--loss blocks``) infinity's a block of tokens at a time."""
+    if args.loss == "model":
+        return model(input_ids=ids, labels=ids).loss
+    targets = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+    return infinity.causal_lm_loss(model, ids, targets, block_tokens=512)
+
+
 def run_row(args: argparse.Namespace, row: str) -> dict:
     """One row in this process: warm-up, timed steps, counters."""
     infinity_row = row not in ("plain", "save_on_cpu", "torch_checkpoint")
@@ -101,6 +111,7 @@ def run_row(args: argparse.Namespace, row: str) -> dict:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
+    rest_rss = psutil.Process().memory_info().rss
     times, losses = [], []
     before: dict = {}
     for step in range(1 + args.steps):
@@ -110,9 +121,9 @@ def run_row(args: argparse.Namespace, row: str) -> dict:
         start = time.perf_counter()
         if row == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=False):
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = _loss(args, model, ids)
         else:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = _loss(args, model, ids)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -125,6 +136,7 @@ def run_row(args: argparse.Namespace, row: str) -> dict:
     out = {
         "row": row,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rest_rss": rest_rss,
         "step_seconds": statistics.median(times),
         "losses": losses,
     }
@@ -157,6 +169,12 @@ def main() -> int:
     parser.add_argument("--host-memory", default="512MiB")
     parser.add_argument("--nvme-path", default=".infinity/bench")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument(
+        "--loss",
+        choices=("model", "blocks"),
+        default="model",
+        help="every row's loss: the model's own, or infinity.causal_lm_loss in 512-token blocks",
+    )
     parser.add_argument("--row", help=argparse.SUPPRESS)  # one row, in this process
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -186,10 +204,10 @@ def main() -> int:
         f"{args.host_memory}, NVMe {args.nvme_path}"
     )
     print(
-        "| row | peak RSS | step | vs checkpoint | saved per step | host peak | NVMe peak "
-        "| NVMe written / read per step | backward wait |"
+        "| row | peak RSS | steps add | step | vs checkpoint | saved per step | host peak "
+        "| NVMe peak | NVMe written / read per step | backward wait |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['row']} | failed: {r['error']} |")
@@ -208,7 +226,8 @@ def main() -> int:
             else ["-"] * 5
         )
         print(
-            f"| {r['row']} | {format_size(r['peak_rss'])} | {r['step_seconds']:.2f} s | {ratio} | "
+            f"| {r['row']} | {format_size(r['peak_rss'])} | "
+            f"{format_size(r['peak_rss'] - r['rest_rss'])} | {r['step_seconds']:.2f} s | {ratio} | "
             + " | ".join(cells)
             + " |"
         )

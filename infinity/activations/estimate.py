@@ -30,7 +30,6 @@ class ActivationEstimate:
     per_block: list[int] = field(default_factory=list)  # saved inside each block
     block_inputs: list[int] = field(default_factory=list)  # each block's input bytes
     small: int = 0  # tensors below the offload threshold (they stay on the device)
-    largest: int = 0  # the largest single saved tensor
 
     @property
     def outside_blocks(self) -> int:
@@ -79,7 +78,6 @@ def estimate(
                 return tensor
             nbytes = tensor.numel() * tensor.element_size()
             result.total += nbytes
-            result.largest = max(result.largest, nbytes)
             if nbytes < min_bytes:
                 result.small += nbytes
             if current:

@@ -29,7 +29,6 @@ from infinity.activations.estimate import estimate
 from infinity.activations.store import ActivationStore
 from infinity.activations.trace import ActivationTrace, ForwardSaves
 from infinity.config import ConfigError
-from infinity.core.plan import PlanError
 from infinity.utils.sizes import format_size
 
 KEEP, OFFLOAD, CHECKPOINT = "keep", "offload", "checkpoint"
@@ -54,7 +53,7 @@ def first_forward_estimate(
         except Exception as exc:  # NOTE: best effort: the forward itself is measured
             log.debug("activations: no estimate before the first forward (%s)", exc)
             return None
-        return ForwardSaves(est.tokens, est.total, list(est.per_block), largest_tensor=est.largest)
+        return ForwardSaves(est.tokens, est.total, list(est.per_block))
 
     return run
 
@@ -147,13 +146,8 @@ class ActivationPolicy:
     def end_forward(self) -> None:
         """The root forward ended: record it; backward's first reads start."""
         self.trace.end()
-        store, largest = self.store, self.trace.largest
-        if store is not None:
-            if largest is not None:
-                # NOTE: where no estimate checked the first forward before it ran
-                # (a model not called with token ids), its measurement fits them now.
-                store.fit_windows(largest.largest_tensor)
-            store.end_forward()
+        if self.store is not None:
+            self.store.end_forward()
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """A saved tensor that is not a parameter: kept or stored, and measured."""
@@ -195,20 +189,6 @@ class ActivationPolicy:
         )
         basis = f"{format_size(need)} for {predicted.tokens} tokens ({per_token} per token, {how})"
         store = self.store
-        if store is not None and store.spill is not None:
-            short = store.fit_windows(predicted.largest_tensor)
-            if short > 0:
-                budget, needed = store.host_needed(short)
-                raise PlanError(
-                    f"host_memory={format_size(budget)} is too small for this forward's saved "
-                    f"activations ({basis}): moving its largest, "
-                    f"{format_size(predicted.largest_tensor)}, to NVMe and back takes a write "
-                    "buffer and a read buffer of its size in host memory, beside the host share; "
-                    f"the budget leaves activations {format_size(store.allowance)} (host_memory "
-                    f"less the states' slabs). Raise host_memory to at least {needed} bytes, "
-                    "lower the tokens per step, or use activations='checkpoint'",
-                    needed=needed,
-                )
         if store is not None:
             host_free = max(0, store.host_capacity - store.tier_bytes()[0])
             beyond_host = need - host_free

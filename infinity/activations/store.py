@@ -16,14 +16,18 @@ compute device becomes a :class:`SavedActivation` (what autograd then holds):
   reads of the next tensors below it in that order (at most ``read_ahead``
   bytes ahead), so it waits only when the disk is slower than the compute.
 
-Host memory held is therefore three named lines, each with its own limit: the host
+Host memory held is therefore three named lines, each within its limit: the host
 share (``host_capacity``), the read window (``read_ahead`` bytes of written-and-kept
 or read-ahead buffers) and the write window (``write_window`` bytes of writes in
-flight); a window holds one tensor larger than itself when it holds nothing else.
-:func:`split_allowance` divides the host memory the budget leaves activations
-into the three, so that together they stay inside ``host_memory`` (the windows
-shrink with it, and ``stats()["activations"]`` says how large they are and the
-peak of each line and of their sum).
+flight). :func:`split_allowance` divides the host memory the budget leaves
+activations into the three, so that together they stay inside ``host_memory``: the
+windows shrink with it, and ``stats()["activations"]`` says how large they are and
+the peak of each line and of their sum. A tensor larger than the write window is
+written through half of it, a piece at a time (each waited for; the buffer is kept
+and counted in the window from then on); one larger than the
+read window is read when backward needs it, into the buffer that becomes the
+tensor backward uses (the step's working set, as under ``"keep"``; reported as
+``read_on_demand_peak_bytes``).
 
 A failed write or read raises :class:`~infinity.io.NVMeIOError` from the next
 pack or unpack: the step fails, it never computes with wrong data.
@@ -42,7 +46,6 @@ import torch
 
 from infinity.activations.records import SavedActivation, _flat, _Record, _restore
 from infinity.activations.spill import ALIGN, ActivationSpill
-from infinity.core.plan import Budgets
 from infinity.io import aligned_empty
 from infinity.utils.sizes import align_up, format_size
 
@@ -77,8 +80,6 @@ class ActivationStore:
         read_ahead: bytes of buffers holding NVMe-resident tensors in memory: the
             newest written (forward) and the reads started ahead (backward).
         write_window: bytes of writes in flight before a pack waits for the oldest.
-        budgets: the budgets the three lines are part of (for the error of a forward
-            whose largest saved tensor they cannot pass: which ``host_memory`` would).
         warn_when_full: warn once when a tensor stays on the device for want of
             room (not under ``"auto"``, whose measuring first step expects it).
     """
@@ -93,7 +94,6 @@ class ActivationStore:
         spill: ActivationSpill | None,
         read_ahead: int = READ_AHEAD,
         write_window: int = WRITE_WINDOW,
-        budgets: Budgets | None = None,
         warn_when_full: bool = True,
     ) -> None:
         self.device = device
@@ -104,7 +104,7 @@ class ActivationStore:
         self.read_ahead = read_ahead
         self.write_window = write_window
         self.allowance = host_capacity + read_ahead + write_window  # the three lines' sum
-        self.budgets = budgets
+        self._pieces: torch.Tensor | None = None  # half the write window, once needed
         self.warn_when_full = warn_when_full
         self._lock = threading.RLock()
         self._seq = 0
@@ -123,7 +123,7 @@ class ActivationStore:
                 "nvme_written_bytes", "nvme_read_bytes", "written_kept_bytes", "reads_ahead",
                 "reads_waited",
                 "reads_not_ahead", "read_wait_seconds", "read_peak_bytes", "write_peak_bytes",
-                "held_peak_bytes", "read_on_demand_peak_bytes",
+                "held_peak_bytes", "read_on_demand_peak_bytes", "written_in_pieces",
             ),
             0,
         )  # fmt: skip
@@ -136,35 +136,6 @@ class ActivationStore:
             self.host_capacity, self.read_ahead, self.write_window = split_allowance(
                 allowance, self.spill is not None
             )
-
-    def host_needed(self, short: int) -> tuple[int, int]:
-        """``host_memory`` now, and the one that leaves saved activations ``short`` bytes
-        more: raising it by ``short`` may not, where the states took all the rest."""
-        budgets = self.budgets
-        if budgets is None:
-            return 0, short
-        return budgets.host, max(
-            budgets.host + short, budgets.host_for_activations(self.allowance + short)
-        )
-
-    def fit_windows(self, largest: int) -> int:
-        """Widen each window to hold a saved tensor of ``largest`` bytes, out of the host
-        share; returns the bytes the allowance is short of that (nothing changes then).
-
-        NOTE: a window too small for a tensor still passes it when it holds nothing
-        else, beyond its line: fitted, the three lines hold every byte the store does.
-        """
-        if self.spill is None:
-            return 0
-        need = align_up(largest, ALIGN)
-        with self._lock:
-            read, write = max(self.read_ahead, need), max(self.write_window, need)
-            short = read + write - self.allowance
-            if short > 0:
-                return short
-            self.read_ahead, self.write_window = read, write
-            self.host_capacity = self.allowance - read - write
-            return 0
 
     def _mark(self) -> None:
         """Record the peaks of the windows and of everything held in host memory."""
@@ -241,12 +212,18 @@ class ActivationStore:
     def _write(self, saved: _Record, data: torch.Tensor) -> None:
         assert self.spill is not None
         need = align_up(saved.nbytes, ALIGN)
-        # NOTE: room first, then the buffer: the window holds what is in flight.
-        while self._writes and self._write_bytes + need > self.write_window:
+        saved.file, saved.offset = self.spill.allocate(saved.nbytes)
+        if self._write_bytes_room() < need:
+            self._write_in_pieces(saved, data.view(torch.uint8))
+            return
+        # NOTE: room first, then the buffer: the window holds what is in flight, beside
+        # the piece buffer (allocated or not, its half is never lent to these).
+        pieces = 0 if self._pieces is None else self._pieces.numel()
+        room = self._write_bytes_room()
+        while self._writes and self._write_bytes - pieces + need > room:
             self._finish_write(self._writes.popleft())
         buffer = aligned_empty(need, pinned=False)
         buffer[: saved.nbytes].copy_(data.view(torch.uint8))
-        saved.file, saved.offset = self.spill.allocate(saved.nbytes)
         saved.write = (saved.file.write(buffer, saved.offset), buffer)
         self._writes.append(saved)
         self._write_bytes += buffer.numel()
@@ -254,6 +231,42 @@ class ActivationStore:
         self._count(NVME, saved.nbytes)
         self.counters["nvme_written_bytes"] += saved.nbytes
         self._mark()
+
+    def _piece_bytes(self) -> int:
+        """Half the write window (at least one I/O block): the piece buffer's size."""
+        return max(ALIGN, self.write_window // 2 // ALIGN * ALIGN)
+
+    def _write_bytes_room(self) -> int:
+        """The most a whole-tensor write may take: the window less the piece buffer."""
+        return self.write_window - self._piece_bytes()
+
+    def _write_in_pieces(self, saved: _Record, data: torch.Tensor) -> None:
+        """Write a tensor too large for the write window's room through the piece
+        buffer, a piece at a time, each waited for before the next is copied.
+
+        NOTE: one buffer, kept: the I/O engine holds a finished request (and its
+        buffer) until its next submission, so a buffer per tensor could briefly
+        exist twice. It is counted in the write line from its first use."""
+        assert saved.file is not None and self.spill is not None
+        piece = self._piece_bytes()
+        if self._pieces is None or self._pieces.numel() != piece:
+            self._write_bytes -= 0 if self._pieces is None else self._pieces.numel()
+            self._pieces = aligned_empty(piece, pinned=False)
+            self._write_bytes += piece
+            self._mark()
+        buffer = self._pieces
+        try:
+            for start in range(0, saved.nbytes, piece):
+                n = min(piece, saved.nbytes - start)
+                buffer[:n].copy_(data[start : start + n])
+                saved.file.write(buffer[: align_up(n, ALIGN)], saved.offset + start).wait()
+        except BaseException:
+            self.spill.release()  # NOTE: no record holds the extent: the pack fails
+            raise
+        bisect.insort(self._nvme, saved, key=lambda s: s.seq)
+        self._count(NVME, saved.nbytes)
+        self.counters["nvme_written_bytes"] += saved.nbytes
+        self.counters["written_in_pieces"] += 1
 
     def _reap_writes(self, block: bool) -> None:
         while self._writes:
@@ -386,12 +399,11 @@ class ActivationStore:
         bytes. NOTE: not only those below the last one used: autograd's order is
         not strictly the reverse, and a newer tensor still unused is needed soonest."""
         for saved in reversed(list(self._nvme)):
-            # NOTE: the window holds one larger tensor only while it holds nothing else.
-            if (
-                self._read_bytes
-                and self._read_bytes + align_up(saved.nbytes, ALIGN) > self.read_ahead
-            ):
-                return
+            size = align_up(saved.nbytes, ALIGN)
+            if size > self.read_ahead:
+                continue  # NOTE: never fits: read on demand when backward unpacks it
+            if self._read_bytes + size > self.read_ahead:
+                return  # the newest first: this one waits for room
             if saved.read is None and saved.write is None and not saved.used:
                 self.counters["reads_ahead"] += 1
                 self._start_read(saved)

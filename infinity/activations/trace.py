@@ -26,7 +26,6 @@ class ForwardSaves:
     total: int = 0
     per_block: list[int] = field(default_factory=list)
     on_device: int = 0  # of total, what stayed on the compute device (not moved)
-    largest_tensor: int = 0  # the largest one saved (the store's windows hold one each)
 
     @property
     def outside_blocks(self) -> int:
@@ -37,10 +36,7 @@ class ForwardSaves:
         """The same forward at ``tokens`` (every saved tensor grows with the tokens)."""
         ratio = tokens / max(1, self.tokens)
         return ForwardSaves(
-            tokens,
-            round(self.total * ratio),
-            [round(b * ratio) for b in self.per_block],
-            largest_tensor=round(self.largest_tensor * ratio),
+            tokens, round(self.total * ratio), [round(b * ratio) for b in self.per_block]
         )
 
 
@@ -99,7 +95,6 @@ class ActivationTrace:
             return
         nbytes = tensor.numel() * tensor.element_size()
         forward.total += nbytes
-        forward.largest_tensor = max(forward.largest_tensor, nbytes)
         if not moved and tensor.device.type != "meta":
             forward.on_device += nbytes
         if self._stack:

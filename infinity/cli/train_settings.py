@@ -31,7 +31,6 @@ from infinity.config import AUTO, Config, ConfigError
 from infinity.devices.choice import choose_dtype, resolve_device
 from infinity.models.gpt import GPTConfig
 from infinity.optim.state_formats import StateFormat
-from infinity.runtime.budgets import ACTIVATION_HOST_SHARE
 from infinity.utils.sizes import align_up, parse_size
 
 DEFAULT_NVME_PATH = "./.infinity/nvme"
@@ -348,27 +347,12 @@ def build_config(args: argparse.Namespace, settings: RunSettings) -> tuple[Confi
         derived.append("device_memory")
     if "host_memory" not in given:
         need = math.ceil(settings.state_bytes() * DEMO_HOST_FRACTION)
-        if given.get("activations") in ("offload", "auto") and given.get("nvme_path"):
-            need += activation_room(settings)
         given["host_memory"] = align_up(need, BUDGET_ALIGNMENT)
         derived.append("host_memory")
     try:
         return Config.from_dict(given), tuple(derived)
     except ConfigError as exc:
         raise CommandError(as_flags(str(exc))) from None
-
-
-def activation_room(settings: RunSettings) -> int:
-    """Host bytes that let saved activations move to NVMe and back under demo budgets:
-    the share of ``host_memory`` kept for them must hold a write and a read buffer of
-    the largest saved tensor (NOTE in runtime/budgets.py). Bounded from above by the
-    fp32 logits' log-softmax or, for the built-in GPT, its MLP's widest activation."""
-    m = settings.model
-    tokens = settings.batch_size * m.seq_len
-    widest = m.vocab_size * 4
-    if isinstance(m, GPTConfig):
-        widest = max(widest, m.mlp_ratio * m.hidden * 4)
-    return math.ceil(2 * tokens * widest / ACTIVATION_HOST_SHARE)
 
 
 def as_flags(message: str) -> str:

@@ -105,7 +105,6 @@ def open_activation_store(
         spill=spill,
         read_ahead=read,
         write_window=write,
-        budgets=plan.budgets,
         warn_when_full=config.activations == "offload",
     )
 

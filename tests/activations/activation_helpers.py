@@ -34,11 +34,8 @@ def activation_config(
     return infinity.Config(
         dtype=dtype,
         device_memory=int(2.5 * n * 4),  # a checkpointed block keeps its chunks (README)
-        # With NVMe: a third of the states' host bytes, so states and activations spill,
-        # and the two windows that move saved tensors to and from NVMe (the largest,
-        # GPT-2's MLP activation, is 128 KiB: a write and a read buffer of it in the
-        # eighth of host_memory kept for saved activations, runtime/budgets.py).
-        host_memory=int(n * 16 / 3) + (3 << 19) if nvme else "1GiB",
+        # With NVMe: a third of the states' host bytes, so states and activations spill.
+        host_memory=int(n * 16 / 3) if nvme else "1GiB",
         nvme_path=nvme,
         chunk_size="16KiB",
         activations=policy,

@@ -80,7 +80,7 @@ def _train(policy: str, nvme: str | None, batches: list[int], **overrides):
             before = len(ran)
             try:
                 loss = model(input_ids=ids, labels=ids).loss
-            except (ConfigError, infinity.PlanError) as exc:
+            except ConfigError as exc:
                 assert len(ran) == before, "refused before any block ran"
                 losses.append(str(exc))
                 continue
@@ -133,21 +133,12 @@ def test_offload_refuses_a_larger_forward_beyond_the_nvme_limit(tmp_path) -> Non
     reference = _train("keep", None, [BATCH, BATCH])
     saved = reference[2]["activations"]["saved_last_forward_bytes"]
     model = tiny_model("llama")
-    # NOTE: host memory whose activation share holds the 4x forward's largest saved
-    # tensor twice (its write and read buffers), so that it is the disk that refuses it.
-    host = 4 << 20
-    config = dataclasses.replace(
-        activation_config(model, "fp32", "offload", str(tmp_path)), host_memory=host
-    )
+    config = activation_config(model, "fp32", "offload", str(tmp_path))
     states = engine_of(infinity.offload(model, config)).plan.nvme_bytes
     engine_of(model).close()
     # NVMe for the states and about 1.5 forwards of activations: 4x the tokens cannot fit.
     run = _train(
-        "offload",
-        str(tmp_path),
-        [BATCH, 4 * BATCH, BATCH],
-        nvme_memory=states + saved * 3 // 2,
-        host_memory=host,
+        "offload", str(tmp_path), [BATCH, 4 * BATCH, BATCH], nvme_memory=states + saved * 3 // 2
     )
     message = run[0][1]
     assert isinstance(message, str)
@@ -189,38 +180,3 @@ def test_the_train_command_reports_what_auto_chose(tmp_path, capsys, monkeypatch
     assert code == 0
     line = next(x for x in out.splitlines() if x.startswith("activations (auto: "))
     assert "blocks offloaded" in line and "saved by the last forward" in line
-
-
-def test_a_budget_too_small_to_move_the_largest_saved_tensor_names_the_host_memory_that_fits(
-    tmp_path,
-) -> None:
-    """Moving a saved tensor to NVMe and back takes a write and a read buffer of it
-    inside the host memory kept for activations: a budget without them is refused
-    before the forward runs, naming a host_memory that fits, and that one trains."""
-    n = sum(p.numel() for p in tiny_model("llama").parameters())
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-
-    def offloaded(host: int, where: str) -> torch.nn.Module:
-        config = dataclasses.replace(
-            activation_config(tiny_model("llama"), "fp32", "offload", str(tmp_path / where)),
-            host_memory=host,
-        )
-        return infinity.offload(tiny_model("llama"), config)
-
-    model = offloaded(n * 16 // 3, "small")
-    try:
-        with pytest.raises(infinity.PlanError) as info:
-            model(input_ids=ids, labels=ids)
-        message, needed = str(info.value), info.value.needed
-        assert message.startswith("host_memory=") and "a write buffer and a read buffer" in message
-        assert f"at least {needed} bytes" in message and needed > n * 16 // 3
-    finally:
-        engine_of(model).close()
-    model = offloaded(needed, "fits")
-    try:
-        model(input_ids=ids, labels=ids).loss.backward()
-        stats = infinity.stats(model)
-        allowance = stats["host_budget_bytes"] - stats["host_reserved_bytes"]
-        assert stats["activations"]["held_peak_bytes"] <= allowance
-    finally:
-        engine_of(model).close()
