@@ -154,10 +154,18 @@ def lm_loss(
     if wants_blocks(targets.numel(), vocab, width, block_tokens):
         per_block = block_tokens or default_block_tokens(vocab)
         return blockwise_cross_entropy(hidden, weight, targets, per_block, ignore_index, bias)
-    logits = F.linear(hidden, weight, bias).float()
+    return logits_loss(F.linear(hidden, weight, bias), targets, ignore_index)
+
+
+def logits_loss(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Mean cross-entropy of full ``logits`` (in fp32) over the targets that are not
+    ``ignore_index`` (none at all: 0, not NaN)."""
     total = F.cross_entropy(
-        logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum"
-    )
+        logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
+        reduction="sum",
+    )  # fmt: skip
     return total / (targets != ignore_index).sum().clamp(min=1)
 
 
@@ -206,11 +214,7 @@ def causal_lm_loss(
     head = hf.get_output_embeddings() if hf is not None else None
     backbone = getattr(hf, type(hf).base_model_prefix, None) if hf is not None else None
     if not isinstance(head, nn.Linear) or not isinstance(backbone, nn.Module):
-        logits = model(input_ids=input_ids, **kwargs).logits.float()
-        total = F.cross_entropy(
-            logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum"
-        )
-        return total / (targets != ignore_index).sum().clamp(min=1)
+        return logits_loss(model(input_ids=input_ids, **kwargs).logits, targets, ignore_index)
     taken: dict[str, torch.Tensor] = {}
 
     def loss_from_hidden(_module: nn.Module, _args: Any, output: Any) -> None:
