@@ -103,7 +103,6 @@ class ActivationStore:
         self.spill = spill
         self.read_ahead = read_ahead
         self.write_window = write_window
-        self.allowance = host_capacity + read_ahead + write_window  # the three lines' sum
         self._pieces: torch.Tensor | None = None  # half the write window, once needed
         self.warn_when_full = warn_when_full
         self._lock = threading.RLock()
@@ -132,10 +131,14 @@ class ActivationStore:
         """Divide ``allowance`` bytes of host memory into the three lines
         (:func:`split_allowance`); counts from now on."""
         with self._lock:
-            self.allowance = allowance
             self.host_capacity, self.read_ahead, self.write_window = split_allowance(
                 allowance, self.spill is not None
             )
+
+    @property
+    def allowance(self) -> int:
+        """Host bytes of the three lines together."""
+        return self.host_capacity + self.read_ahead + self.write_window
 
     def _mark(self) -> None:
         """Record the peaks of the windows and of everything held in host memory."""

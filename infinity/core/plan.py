@@ -51,10 +51,6 @@ class Budgets:
         """The ``host_memory`` whose states' part holds ``states`` bytes."""
         return states if not self.activations else int(-(-states // (1 - self.activations))) + 1
 
-    def host_for_activations(self, activations: int) -> int:
-        """The ``host_memory`` that keeps ``activations`` bytes for saved activations."""
-        return self.host if not self.activations else int(-(-activations // self.activations))
-
 
 @dataclass(frozen=True)
 class Plan:
