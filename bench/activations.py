@@ -23,10 +23,11 @@ steps per row, each row in its own process so that its peak RSS is its own:
   the timed steps run its choice per block).
 
 Per row: peak RSS (``ru_maxrss``), what the steps add to the resting RSS (the RSS
-before the first step, model built and offloaded), the median step time and its ratio to
-``checkpoint``'s, activation bytes saved per step, their peak in host memory
-and on NVMe, NVMe bytes written and read per step, and the seconds backward
-waited for an activation read.
+before the first step, model built and offloaded), for infinity's rows the steps' peak
+RSS (``VmHWM`` reset before the first) against ``infinity.memory_forecast``'s, the
+median step time and its ratio to ``checkpoint``'s, activation bytes saved per step,
+their peak in host memory and on NVMe, NVMe bytes written and read per step, and the
+seconds backward waited for an activation read.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 import infinity
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
+from infinity.runtime.memory import reset_resident_peak, resident_peak_bytes
 from infinity.utils.sizes import format_size, parse_size
 
 ROWS = (
@@ -111,7 +113,12 @@ def run_row(args: argparse.Namespace, row: str) -> dict:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
+    forecast = None
+    if infinity_row:
+        shape = torch.zeros((1, args.seq_len), dtype=torch.long)
+        forecast = infinity.memory_forecast(model, lambda m: _loss(args, m, shape), args.seq_len)
     rest_rss = psutil.Process().memory_info().rss
+    reset_resident_peak()
     times, losses = [], []
     before: dict = {}
     for step in range(1 + args.steps):
@@ -137,6 +144,8 @@ def run_row(args: argparse.Namespace, row: str) -> dict:
         "row": row,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "rest_rss": rest_rss,
+        "steps_peak_rss": resident_peak_bytes(),  # since the steps began
+        "forecast_rss": None if forecast is None else forecast.resident_peak,
         "step_seconds": statistics.median(times),
         "losses": losses,
     }
@@ -204,10 +213,11 @@ def main() -> int:
         f"{args.host_memory}, NVMe {args.nvme_path}"
     )
     print(
-        "| row | peak RSS | steps add | step | vs checkpoint | saved per step | host peak "
-        "| NVMe peak | NVMe written / read per step | backward wait |"
+        "| row | peak RSS | steps add | steps' peak / forecast | step | vs checkpoint "
+        "| saved per step | host peak | NVMe peak | NVMe written / read per step "
+        "| backward wait |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['row']} | failed: {r['error']} |")
@@ -225,11 +235,16 @@ def main() -> int:
             if a
             else ["-"] * 5
         )
+        forecast = (
+            f"{format_size(r['steps_peak_rss'])} / {format_size(r['forecast_rss'])} = "
+            f"{r['steps_peak_rss'] / r['forecast_rss']:.2f}x"
+            if r.get("forecast_rss")
+            else "-"
+        )
         print(
             f"| {r['row']} | {format_size(r['peak_rss'])} | "
-            f"{format_size(r['peak_rss'] - r['rest_rss'])} | {r['step_seconds']:.2f} s | {ratio} | "
-            + " | ".join(cells)
-            + " |"
+            f"{format_size(r['peak_rss'] - r['rest_rss'])} | {forecast} | "
+            f"{r['step_seconds']:.2f} s | {ratio} | " + " | ".join(cells) + " |"
         )
     return 0
 

@@ -11,6 +11,7 @@ See ``docs/ARCHITECTURE.md`` for the layers and the data flow of one step.
 """
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,6 +67,23 @@ def from_pretrained(
     return _from_pretrained(path, config, **kwargs)
 
 
+def memory_forecast(
+    model: nn.Module, step: Callable[[nn.Module], torch.Tensor], tokens: int = 0
+) -> Any:
+    """The forecast of an offloaded ``model``'s step peak, per tier
+    (:class:`~infinity.runtime.memory.MemoryForecast`): its budgets' lines at their
+    limits, plus the step's working set, plus the resident set the process had when
+    the model was offloaded. ``step(model)`` runs a forward at the batch shape the
+    loop uses and returns its loss: it is run on fake tensors (nothing computed or
+    allocated), under the model's activation policy, and backpropagated. ``tokens``:
+    for the report. ``infinity.stats(model)["memory"]`` shows it beside the measured
+    peaks."""
+    from infinity.offload import engine_of
+    from infinity.runtime.memory import forecast
+
+    return forecast(engine_of(model), model, step, tokens)
+
+
 def timeline(model: nn.Module) -> dict[str, list[Any]]:
     """The memory timeline of the last complete iteration: per moment, the phase
     (forward/backward/grad/optimizer), the chunk accessed, bytes on the device and
@@ -93,6 +111,7 @@ __all__ = [
     "init_empty",
     "load_checkpoint",
     "load_pretrained",
+    "memory_forecast",
     "offload",
     "optim",
     "save_checkpoint",

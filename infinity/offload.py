@@ -19,6 +19,7 @@ from infinity.runtime.materialize import (
     materialize_buffers,
     native_init,
 )
+from infinity.runtime.memory import baseline_resident_set, return_freed_memory
 from infinity.runtime.state_dict import install_state_dict_hooks
 
 
@@ -59,7 +60,11 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     world = resolve_world(config.process_group)
     if world.sharded:
         check_agreement(Collectives(world), config, model)
+    baseline = baseline_resident_set()
     engine = OffloadEngine(model, config)
+    engine.baseline_rss = baseline
+    if engine.activations is not None and engine.backend.shares_host_memory:
+        return_freed_memory()  # See NOTE there: the user asked to bound RAM over speed
     try:
         pending = materialize_buffers(model, engine.device)
         _move_buffers(model, engine.device)

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from infinity.offload import engine_of
+from infinity.runtime.memory import memory_stats
 from infinity.runtime.tier_stats import io_stats, tier_stats
 
 
@@ -22,7 +23,10 @@ def stats(model: nn.Module) -> dict[str, Any]:
     among the processes its chunks are sharded over, and what it communicated.
     ``optimizer_tensor_state_bytes``: the optimizer's per-tensor states kept in
     host memory beside the units (Adafactor's factors): the plan reserves them in
-    the host budget, beside the chunks the host peak counts.
+    the host budget, beside the chunks the host peak counts. ``memory``: per tier the
+    budget's named lines (limit and measured peak), the device allocator's peak (CUDA,
+    the fence), the resident set's peak and baseline, and the forecast
+    (:func:`infinity.memory_forecast`) if one was made.
     """
     engine = engine_of(model)
     out: dict[str, Any] = {
@@ -52,6 +56,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
     # "offload" / "auto" per tier (now and peak), NVMe traffic, and how often backward
     # waited for a read (reads_not_ahead: none started); "auto"'s choice per block.
     out["activations"] = engine.activation_policy.snapshot()
+    out["memory"] = memory_stats(engine)
     if engine.scaler is not None:
         out["loss_scale"] = engine.scaler.scale
         out["skipped_steps"] = engine.scaler.skipped_steps

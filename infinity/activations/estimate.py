@@ -11,12 +11,18 @@ prints it next to the states.
 from __future__ import annotations
 
 import copy
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.activations.blocks import blocks_for
 
@@ -149,3 +155,140 @@ def _fake_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) ->
                 kind = dtype if b.is_floating_point() else b.dtype
                 module._buffers[name] = torch.empty(b.shape, dtype=kind, device=device)
     return params
+
+
+@dataclass
+class StepMemory:
+    """What one training step holds on its compute device beyond the parameters, from a
+    forward, loss and backward on fake tensors (:func:`step_memory`).
+
+    ``peak``: the most bytes alive at once (saved activations, intermediates, the loss's
+    logits and their gradient, gradients before they land in their chunks);
+    ``saved``: alive at the end of forward (what backward starts from);
+    ``loss``: the most the loss added to what the backbone held (its logits and
+    their gradient: the working set :mod:`infinity.models.losses` takes in blocks).
+    """
+
+    peak: int = 0
+    saved: int = 0
+    loss: int = 0
+
+    @property
+    def transient(self) -> int:
+        """The peak beyond what forward left for backward."""
+        return max(0, self.peak - self.saved)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages operators create, counted until each storage dies; the peak.
+
+    NOTE: storages, not tensors: views share their base's bytes, and a storage's
+    Python object lives exactly as long as some tensor uses it (torch keeps one per
+    storage), so a weak reference's callback is the moment the bytes are freed.
+    """
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.window: tuple[int, int] | None = None  # (live at its start, its peak)
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for tensor in existing:  # the weights: a view of one (``weight.t()``) is free
+            self._seen[tensor.untyped_storage()] = None
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                if storage not in self._seen:
+                    nbytes = storage.nbytes()
+                    self._seen[storage] = weakref.finalize(storage, self._free, nbytes)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    if self.window is not None:
+                        self.window = (self.window[0], max(self.window[1], self.live))
+        return out
+
+
+StepFn = Callable[[nn.Module], torch.Tensor]
+
+
+def step_memory(
+    model: nn.Module,
+    step: StepFn,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    policy: str = "keep",
+    blocks: Sequence[str] | None = None,
+    min_bytes: int = 64 << 10,
+) -> StepMemory:
+    """The device bytes one step of ``model`` holds beyond its parameters (a fake run).
+
+    ``step(model)`` runs the forward and returns the loss, which is backpropagated;
+    it may build its inputs (on ``device``) or pass real CPU tensors (made fake on the
+    way in). ``policy`` is the activation policy the step runs under: ``"offload"``
+    moves every saved tensor of at least ``min_bytes`` off the device until backward
+    unpacks it, ``"checkpoint"`` recomputes each block in backward, ``"keep"`` (and
+    ``"auto"``, at its most) keeps them. Gradients leave as they are made, as they
+    leave for their chunks in the engine.
+    """
+    from infinity.activations.checkpointing import CheckpointedBlocks
+
+    fake = _without_hooks(copy.deepcopy(model))
+    result = StepMemory()
+    found = blocks_for(fake, blocks, required=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        params = _fake_weights(fake, dtype, torch.device(device))
+        for p in fake.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+        if policy == "checkpoint":
+            CheckpointedBlocks(found)
+        tracker = _LiveBytes([*fake.parameters(), *fake.buffers()])
+
+        def pack(tensor: torch.Tensor) -> Any:
+            base = tensor._base if tensor._base is not None else tensor
+            if policy != "offload" or id(tensor) in params or id(base) in params:
+                return tensor
+            if tensor.numel() * tensor.element_size() < min_bytes:
+                return tensor
+            return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            shape, stride, kind, where = packed
+            return torch.empty_strided(shape, stride, dtype=kind, device=where)
+
+        def open_window(*_: Any) -> None:
+            tracker.window = (tracker.live, tracker.live)
+
+        def close_window(*_: Any) -> None:
+            if tracker.window is not None:
+                result.loss = max(result.loss, tracker.window[1] - tracker.window[0])
+            tracker.window = None
+
+        # NOTE: the loss's share is what runs between the last block's forward and its
+        # backward: the final norm, the head, the loss and their gradients.
+        hooks = []
+        if found:
+            last = found[-1][1]
+            hooks.append(last.register_forward_hook(open_window))
+            hooks.append(last.register_full_backward_pre_hook(close_window))
+        fake.train()
+        try:
+            with tracker, saved_tensors_hooks(pack, unpack):
+                loss = step(fake)
+                result.saved = tracker.live
+                loss.backward()
+                close_window()
+        finally:
+            for handle in hooks:
+                handle.remove()
+        result.peak = tracker.peak
+    return result

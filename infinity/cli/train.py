@@ -45,6 +45,7 @@ from infinity.devices.choice import choose_dtype
 from infinity.models.gpt import GPTConfig
 from infinity.models.gpt import describe as describe_gpt
 from infinity.offload import engine_of
+from infinity.runtime.memory import reset_device_peak, reset_resident_peak
 
 DEMO_BUDGET_ATTEMPTS = 6
 _Budgets = tuple[infinity.Config, tuple[str, ...]]  # the config, and which budgets are derived
@@ -156,6 +157,7 @@ def _header(run: _Run, session: Session) -> list[str]:
         *train_ranks.header_line(run.ranks, s.batch_size * s.grad_accum),
         "plan:",
         *("  " + line for line in engine_of(session.model).plan.describe().splitlines()),
+        *("  " + line for line in session.forecast()),
     ]
 
 
@@ -347,6 +349,10 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     if args.eval_batches and not stopping():
         summary.eval_before = session.evaluate(args.eval_batches)
         report.event("eval", step=session.step, loss=summary.eval_before)
+    # NOTE: the memory report measures the steps: the peaks start over here and are
+    # read when the last step ends (the checkpoint, evaluation and plot come after).
+    reset_resident_peak()
+    reset_device_peak(session.device)
     train_started = time.perf_counter()
     report.begin_steps(session.step + 1, settings.steps)
     while session.step < settings.steps and not stopping():
@@ -363,6 +369,7 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
             summary.status = "stopped"
             break
     summary.train_seconds = time.perf_counter() - train_started
+    steps_memory = infinity.stats(session.model)["memory"]
     report.end_steps()
     if stopping():
         summary.status = "interrupted"
@@ -376,7 +383,7 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     if isinstance(settings.model, PretrainedModel) and summary.status == "finished":
         summary.model_dir = str(save_model(session.model, settings.model))
         report.event("model", path=summary.model_dir)
-    summary.stats = infinity.stats(session.model)
+    summary.stats = {**infinity.stats(session.model), "memory": steps_memory}
     summary.checkpoint = str(run.last_saved) if run.last_saved else None
     summary.ranks = train_ranks.per_rank(run.ranks, summary, summary.stats)
     plot = _none(args.plot)

@@ -164,6 +164,19 @@ class Session:
         )
         self._traffic = self._snapshot()
 
+    def forecast(self) -> list[str]:
+        """The forecast of a step's peak per tier (lines for the header): its working set
+        from a fake step at this run's batch shape (nothing computed or allocated)."""
+        s = self.settings
+        ids = torch.zeros((s.batch_size, s.model.seq_len), dtype=torch.long, device=self.device)
+        try:
+            forecast = infinity.memory_forecast(
+                self.model, lambda model: self.loss(model, ids, ids), ids.numel()
+            )
+        except Exception as exc:  # NOTE: a report, never a reason to stop the run
+            return [f"memory forecast: not available ({type(exc).__name__}: {exc})"]
+        return forecast.describe()
+
     # --- state ----------------------------------------------------------------------------
     def restore(self, path: Path, state: ckpt.TrainerState) -> None:
         """Continue the run saved at ``path``: weights, optimizer, schedule, RNG, counters."""

@@ -136,6 +136,7 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
             f"optimizer per-tensor states: {format_size(stats['optimizer_tensor_state_bytes'])} "
             "in host memory, inside the host budget (not in the host peak, which counts chunks)"
         )
+    rows.extend(memory_rows(stats["memory"]))
     rows.extend(rank_rows(summary.ranks))
     if summary.train_seconds > 0:
         rows.append(f"throughput: {summary.tokens / summary.train_seconds / 1000:.1f}k tokens/s")
@@ -171,6 +172,36 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
             "per byte); a higher locked-memory limit (ulimit -l) lets them register"
         )
     return "\n".join(rows)
+
+
+def memory_rows(memory: dict[str, Any]) -> list[str]:
+    """Each budget's lines, their peaks against their limits; the device allocator's peak
+    and the resident set's against the forecast (``infinity.stats(model)["memory"]``)."""
+    rows = [f"{'memory line':<36}{'limit':>12}{'peak':>12}"]
+    for tier in ("host", "device"):
+        rows.append(f"{tier} (budget {format_size(memory[tier]['budget_bytes'])})")
+        for name, line in memory[tier]["lines"].items():
+            rows.append(
+                f"  {name:<34}{format_size(line['limit']):>12}{format_size(line['peak']):>12}"
+            )
+    forecast = memory.get("forecast") or {}
+
+    def against(measured: int, key: str) -> str:
+        if not forecast:
+            return format_size(measured)
+        return (
+            f"{format_size(measured)}, forecast {format_size(forecast[key])} "
+            f"({measured / forecast[key]:.2f}x)"
+        )
+
+    allocated = memory["device"].get("allocated_peak_bytes")
+    if allocated is not None:
+        rows.append(f"device allocator peak: {against(allocated, 'device_peak')}")
+    rows.append(
+        f"resident set peak: {against(memory['host']['resident_peak_bytes'], 'resident_peak')} "
+        f"(baseline {format_size(memory['host']['baseline_bytes'])} at offload)"
+    )
+    return rows
 
 
 def rank_rows(ranks: list[dict[str, float]]) -> list[str]:

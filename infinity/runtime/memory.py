@@ -1,0 +1,276 @@
+"""Every byte of a step, per tier: the named lines each budget is divided into, their
+measured peaks, and the forecast of the step's peak.
+
+A budget is divided into lines, each with its limit (what it may hold) and its measured
+peak: on the host the chunks' homes and staging (and the optimizer's per-tensor states),
+the saved activations' host share and the two windows that move them to NVMe and back;
+on the device the chunks' slots. What no budget can hold is the step's working set:
+what autograd saves and computes on the device beyond the parameters (intermediates,
+the loss's logits and their gradient, a gradient before it lands in its chunk). It is
+forecast from a forward, loss and backward on fake tensors
+(:func:`infinity.activations.estimate.step_memory`), and measured where the device has an
+allocator that counts (CUDA, the fence). The forecast of the process's resident set
+adds the baseline it had when the model was offloaded (the interpreter, the libraries,
+the model's own weights if it was built in RAM).
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import os
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+from torch import nn
+
+from infinity.activations.estimate import StepFn, StepMemory, step_memory
+from infinity.utils.sizes import format_size
+
+if TYPE_CHECKING:
+    from infinity.runtime.engine import OffloadEngine
+
+
+def resident_bytes() -> int:
+    """This process's resident set now."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def baseline_resident_set() -> int:
+    """The resident set a step's forecast starts from, measured before the engine
+    allocates: the interpreter, the libraries, the model as built, and what offloading
+    itself imports.
+
+    NOTE: torch._dynamo is imported first: the hooks' ``torch.compiler.disable``
+    imports it when they are made (~80 MiB: dynamo, sympy, mpmath), and it stays."""
+    import torch._dynamo  # noqa: F401
+
+    return resident_bytes()
+
+
+def resident_peak_bytes() -> int:
+    """This process's peak resident set (``VmHWM``: since it started, or since a tool
+    reset it through ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# glibc's mallopt parameter, and the size from which its allocations are mappings of their
+# own (given back to the system when freed).
+_M_MMAP_THRESHOLD = -3
+RETURNED_FROM_BYTES = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Make glibc give freed blocks of 1 MiB and more back to the system at once.
+
+    NOTE: glibc serves large blocks from mappings of their own, but raises that
+    threshold each time one is freed (up to 32 MiB), after which the blocks come from
+    its heaps, which keep what is freed: offloaded activations, allocated and freed
+    layer by layer, then left ~0.6 GiB resident that no tensor held (issue 41's Llama:
+    1.73x the forecast, 0.92x with a fixed threshold). Fixing it costs page faults on
+    every large allocation (CPU steps ~1.2x longer), so it is done only where the user
+    asked to bound RAM over speed: ``activations="offload"`` or ``"auto"`` on the CPU.
+    Process-wide; a ``MALLOC_MMAP_THRESHOLD_`` in the environment is left as set."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, RETURNED_FROM_BYTES))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+def reset_resident_peak() -> bool:
+    """Start the resident set's peak (``VmHWM``) over, so that it measures what follows
+    (the training steps, not loading or set-up); ``False`` where the kernel offers no way."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def device_peak_bytes(device: torch.device) -> int | None:
+    """The device allocator's peak bytes (CUDA, the fence); ``None`` where the device is
+    host memory without an allocator of its own (the CPU)."""
+    if device.type == "cpu":
+        return None
+    return int(torch.get_device_module(device.type).max_memory_allocated(device))
+
+
+def reset_device_peak(device: torch.device) -> None:
+    """Start the device allocator's peak over (nothing on the CPU)."""
+    if device.type != "cpu":
+        torch.get_device_module(device.type).reset_peak_memory_stats(device)
+
+
+@dataclass(frozen=True)
+class MemoryForecast:
+    """The step's peak per tier: each budget's lines at their limits, plus the working set
+    no budget holds, plus (on the host) the baseline.
+
+    ``device_in_host``: the device is host memory (the CPU backend), so its bytes and
+    the working set are in the resident set too.
+    """
+
+    device_lines: int  # the chunks' device slots
+    host_lines: int  # every host line's limit
+    working_set: StepMemory
+    resident: int  # the model's buffers on the device (not chunks)
+    baseline: int  # resident set when the model was offloaded
+    device_in_host: bool
+    tokens: int
+
+    @property
+    def device_peak(self) -> int:
+        """Bytes on the device at the step's peak: slots, buffers, working set."""
+        return self.device_lines + self.resident + self.working_set.peak
+
+    @property
+    def resident_peak(self) -> int:
+        """The process's resident set at the step's peak."""
+        return self.baseline + self.host_lines + (self.device_peak if self.device_in_host else 0)
+
+    def describe(self) -> list[str]:
+        """Lines for a run's header or ``infinity plan``."""
+        work = self.working_set
+        where = "host memory (the device is RAM)" if self.device_in_host else "the device"
+        return [
+            f"step working set at {self.tokens} tokens: {format_size(work.peak)} on {where} "
+            f"(saved for backward {format_size(work.saved)}, the loss "
+            f"{format_size(work.loss)}, the rest transient); no budget holds it",
+            f"forecast peak: device {format_size(self.device_peak)} = slots "
+            f"{format_size(self.device_lines)} + buffers {format_size(self.resident)} + working "
+            f"set; resident set {format_size(self.resident_peak)} = baseline "
+            f"{format_size(self.baseline)} + host lines {format_size(self.host_lines)}"
+            + (" + the device's" if self.device_in_host else ""),
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain numbers (for stats and JSON reports)."""
+        return {
+            **{k: v for k, v in asdict(self).items() if k != "working_set"},
+            "working_set": {**asdict(self.working_set), "transient": self.working_set.transient},
+            "device_peak": self.device_peak,
+            "resident_peak": self.resident_peak,
+        }
+
+
+def host_lines(engine: OffloadEngine) -> dict[str, dict[str, int]]:
+    """Each host line's limit and measured peak (bytes)."""
+    chunks = engine.chunks
+    account = chunks.manager.host_account
+    lines = {
+        "chunk homes and staging": {"limit": account.reserved, "peak": account.peak},
+    }
+    if engine.plan.tensor_state_bytes:
+        size = engine.plan.tensor_state_bytes
+        lines["optimizer per-tensor states"] = {"limit": size, "peak": size}
+    store = engine.activations
+    if store is not None:
+        c = store.counters
+        lines["activations: host share"] = {
+            "limit": store.host_capacity,
+            "peak": int(c["host_peak_bytes"]),
+        }
+        lines["activations: read window"] = {
+            "limit": store.read_ahead,
+            "peak": int(c["read_peak_bytes"]),
+        }
+        lines["activations: write window"] = {
+            "limit": store.write_window,
+            "peak": int(c["write_peak_bytes"]),
+        }
+    return lines
+
+
+def memory_stats(engine: OffloadEngine) -> dict[str, Any]:
+    """``infinity.stats(model)["memory"]``: per tier its budget, its lines (limit and
+    peak), what the allocator or the resident set measured, and the forecast if one was
+    made (:func:`forecast`)."""
+    plan = engine.plan
+    account = engine.chunks.manager.device_account
+    host = host_lines(engine)
+    store = engine.activations
+    out: dict[str, Any] = {
+        "host": {
+            "budget_bytes": plan.budgets.host,
+            "lines": host,
+            "lines_peak_bytes": sum(line["peak"] for line in host.values()),
+            "baseline_bytes": engine.baseline_rss,
+            "resident_peak_bytes": resident_peak_bytes(),
+        },
+        "device": {
+            "budget_bytes": plan.budgets.device,
+            "lines": {"chunk slots": {"limit": account.reserved, "peak": account.peak}},
+            "allocated_peak_bytes": device_peak_bytes(engine.device),
+        },
+        "forecast": None if engine.forecast is None else engine.forecast.as_dict(),
+    }
+    if store is not None:
+        # NOTE: a saved tensor larger than the read window is read into the tensor
+        # backward computes with: the working set's, not a line's.
+        out["host"]["reads_on_demand_peak_bytes"] = int(store.counters["read_on_demand_peak_bytes"])
+    return out
+
+
+def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int) -> MemoryForecast:
+    """The forecast of one step of ``model`` (offloaded by ``engine``): ``step(model)``
+    runs a forward and returns the loss, as the training loop does (on fake tensors
+    here: nothing is computed or allocated). Kept by the engine for ``stats``."""
+    policy = engine.config.activations
+    work = step_memory(
+        _weightless(model),
+        step,
+        engine.dtype,
+        engine.device,
+        policy="keep" if policy == "auto" else policy,  # NOTE: auto keeps at most all
+        blocks=engine.config.activation_blocks,
+        min_bytes=int(engine.config.activation_min_bytes),
+    )
+    lines = host_lines(engine)
+    result = MemoryForecast(
+        device_lines=engine.chunks.manager.device_account.reserved,
+        host_lines=sum(line["limit"] for line in lines.values()),
+        working_set=work,
+        resident=sum(b.numel() * b.element_size() for b in model.buffers()),
+        baseline=engine.baseline_rss,
+        device_in_host=engine.device.type != "cuda",  # NOTE: the fence is RAM too
+        tokens=tokens,
+    )
+    engine.forecast = result
+    return result
+
+
+def _weightless(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are empty ``meta`` tensors.
+
+    NOTE: deep-copying an offloaded model would copy the chunk slabs its parameters
+    view (every one of them), and a model in RAM would be copied whole; the fake run
+    only needs shapes, so the copy starts from ``meta`` stand-ins."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name.endswith("hooks") and isinstance(value, dict):
+                memo[id(value)] = type(value)()  # the engine's hooks stay behind
+        for p in module._parameters.values():
+            if p is not None:
+                memo[id(p)] = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad
+                )
+        for b in module._buffers.values():
+            if b is not None:
+                memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(model, memo)
