@@ -282,8 +282,12 @@ def step_memory(
             hooks.append(last.register_full_backward_pre_hook(close_window))
         fake.train()
         try:
-            with tracker, saved_tensors_hooks(pack, unpack):
-                loss = step(fake)
+            # NOTE: the policy's hooks are on for the forward only, as the engine's are
+            # (its root module's forward): a block a reentrant checkpoint recomputes in
+            # backward keeps what it saves.
+            with tracker:
+                with saved_tensors_hooks(pack, unpack):
+                    loss = step(fake)
                 result.saved = tracker.live
                 loss.backward()
                 close_window()

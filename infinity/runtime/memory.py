@@ -245,13 +245,24 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         device_lines=engine.chunks.manager.device_account.reserved,
         host_lines=sum(line["limit"] for line in lines.values()),
         working_set=work,
-        resident=sum(b.numel() * b.element_size() for b in model.buffers()),
+        resident=_resident_on_device(model),
         baseline=engine.baseline_rss,
         device_in_host=engine.device.type != "cuda",  # NOTE: the fence is RAM too
         tokens=tokens,
     )
     engine.forecast = result
     return result
+
+
+def _resident_on_device(model: nn.Module) -> int:
+    """Bytes of ``model``'s own storages on its device outside the chunks: its buffers,
+    and the placeholders its parameters hold outside a forward."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (*model.parameters(), *model.buffers())
+        if t.device.type != "meta"
+    }
+    return sum(storages.values())
 
 
 def _weightless(model: nn.Module) -> nn.Module:
