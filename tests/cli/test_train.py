@@ -105,6 +105,16 @@ def test_tiny_run_learns_and_writes_plot_and_checkpoint(tmp_path):
     assert stats["nvme_read_bytes"] > 0 and stats["nvme_write_bytes"] > 0
     states = GPTConfig(256, 64, 2, 128, 4).num_params * 16
     assert states > stats["host_budget_bytes"] > stats["device_budget_bytes"]
+    # Every byte of the budgets in a named line, each within its limit, over the steps;
+    # the forecast of the steps' peak made at the start.
+    memory = stats["memory"]
+    for tier in ("host", "device"):
+        lines = memory[tier]["lines"]
+        assert lines and all(line["peak"] <= line["limit"] for line in lines.values()), lines
+        assert sum(line["limit"] for line in lines.values()) <= memory[tier]["budget_bytes"]
+    forecast = memory["forecast"]
+    assert forecast["tokens"] == 8 * 64 and forecast["working_set"]["peak"] > 0
+    assert forecast["resident_peak"] > forecast["baseline"] + stats["host_budget_bytes"] // 2
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _no_swap_files(tmp_path / "nvme")
     # The checkpoint holds the trained model: its held-out loss, computed here with
