@@ -64,7 +64,7 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     engine = OffloadEngine(model, config)
     engine.baseline_rss = baseline
     if engine.activations is not None and engine.backend.shares_host_memory:
-        return_freed_memory()  # See NOTE there: the user asked to bound RAM over speed
+        return_freed_memory()  # NOTE [freed memory returns]: RAM over speed, as asked
     try:
         pending = materialize_buffers(model, engine.device)
         _move_buffers(model, engine.device)

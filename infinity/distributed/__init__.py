@@ -1,5 +1,5 @@
 """Data parallelism over ``torch.distributed``: who the ranks are and the collectives
-the chunk manager runs on chunk shards (see ``docs/ARCHITECTURE.md``, "Sharding")."""
+the chunk manager runs on chunk shards (see ``docs/design/data-parallel.md``, "Sharding")."""
 
 from infinity.distributed.collectives import Collectives, DistributedError
 from infinity.distributed.world import SINGLE, World, resolve_world

@@ -3,7 +3,7 @@ chunk optimizer (:class:`~infinity.optim.CPUAdam`, :class:`~infinity.optim.CPUSG
 :class:`~infinity.optim.CPULion`, :class:`~infinity.optim.CPUAdafactor`).
 
 A concrete optimizer says two things (see "Adding an optimizer" in
-docs/ARCHITECTURE.md):
+docs/design/optimizer.md):
 
 - :meth:`CPUOptimizer.hyper_of`: the validated hyper-parameters of one param
   group, a frozen dataclass compared by value (tensors whose hyper-parameters

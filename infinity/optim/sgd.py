@@ -3,7 +3,7 @@ decay, maximize) for CPU tensors and offloaded models, in this module and its fu
 kernel (:mod:`infinity.optim.sgd_kernel`).
 
 It is the smallest optimizer on the generic front-end and shows the whole recipe
-(docs/ARCHITECTURE.md, "Adding an optimizer"): validated hyper-parameters of a
+(docs/design/optimizer.md, "Adding an optimizer"): validated hyper-parameters of a
 param group (:class:`SGDHyperParams`), the per-element update over a run of
 tensors inside a chunk and its state slot (:class:`SGDChunks`: one
 ``momentum_buffer``, as torch names it), and the front-end users construct

@@ -72,16 +72,9 @@ RETURNED_FROM_BYTES = 1 << 20
 
 
 def return_freed_memory() -> bool:
-    """Make glibc give freed blocks of 1 MiB and more back to the system at once.
-
-    NOTE: glibc serves large blocks from mappings of their own, but raises that
-    threshold each time one is freed (up to 32 MiB), after which the blocks come from
-    its heaps, which keep what is freed: offloaded activations, allocated and freed
-    layer by layer, then left ~0.6 GiB resident that no tensor held (issue 41's Llama:
-    1.73x the forecast, 0.92x with a fixed threshold). Fixing it costs page faults on
-    every large allocation (CPU steps ~1.2x longer), so it is done only where the user
-    asked to bound RAM over speed: ``activations="offload"`` or ``"auto"`` on the CPU.
-    Process-wide; a ``MALLOC_MMAP_THRESHOLD_`` in the environment is left as set."""
+    """Make glibc give freed blocks of 1 MiB and more back to the system at once
+    (NOTE [freed memory returns]); ``False`` where it is not glibc or the environment
+    sets the threshold already."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
