@@ -14,7 +14,7 @@ import copy
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.activations.blocks import blocks_for
+from infinity.activations.records import _Record, _restore
 
 
 @dataclass
@@ -68,7 +69,7 @@ def estimate(
     is called as a ``transformers`` causal LM (``input_ids``, ``labels``), else
     with one tensor of token ids.
     """
-    meta = _without_hooks(copy.deepcopy(model))
+    meta = _without_hooks(_weightless(model))
     result = ActivationEstimate(tokens=batch * seq_len)
     found = blocks_for(meta, blocks, required=False)
     names = {id(m): i for i, (_, m) in enumerate(found)}
@@ -119,6 +120,30 @@ def estimate(
     return result
 
 
+def _weightless(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are empty ``meta`` tensors.
+
+    NOTE: a plain deep copy of an offloaded model copied the chunk slabs its parameters
+    view, and the device tensors its hooks reach, on the device, inside the step whose
+    first forward asked for the estimate (the fence sweep's allocator found it); a
+    model in RAM would be copied whole. The fake run needs shapes only, so the copy
+    starts from ``meta`` stand-ins and without the hooks' dictionaries."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name.endswith("hooks") and isinstance(value, dict):
+                memo[id(value)] = type(value)()  # the engine's hooks stay behind
+        for p in module._parameters.values():
+            if p is not None:
+                memo[id(p)] = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad
+                )
+        for b in module._buffers.values():
+            if b is not None:
+                memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(model, memo)
+
+
 def _without_hooks(model: nn.Module) -> nn.Module:
     """``model`` with no module hooks and no instance ``forward``.
 
@@ -139,21 +164,27 @@ def _without_hooks(model: nn.Module) -> nn.Module:
 
 def _fake_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> set[int]:
     """Replace every parameter and buffer by an empty (fake) tensor on ``device``,
-    floating ones in ``dtype``; returns the parameters' ids."""
+    floating ones in ``dtype``; returns the parameters' ids. A tensor two modules share
+    (tied embeddings) stays shared: its gradient is one tensor, accumulated once."""
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake_of(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(t) not in fakes:
+            kind = dtype if t.is_floating_point() else t.dtype
+            empty = torch.empty(t.shape, dtype=kind, device=device)
+            fakes[id(t)] = nn.Parameter(empty, t.requires_grad) if parameter else empty
+        return fakes[id(t)]
+
     params: set[int] = set()
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                kind = dtype if p.is_floating_point() else p.dtype
-                fake = nn.Parameter(
-                    torch.empty(p.shape, dtype=kind, device=device), requires_grad=p.requires_grad
-                )
+                fake = cast(nn.Parameter, fake_of(p, True))
                 module._parameters[name] = fake
                 params.add(id(fake))
         for name, b in list(module._buffers.items()):
             if b is not None:
-                kind = dtype if b.is_floating_point() else b.dtype
-                module._buffers[name] = torch.empty(b.shape, dtype=kind, device=device)
+                module._buffers[name] = fake_of(b, False)
     return params
 
 
@@ -239,7 +270,7 @@ def step_memory(
     """
     from infinity.activations.checkpointing import CheckpointedBlocks
 
-    fake = _without_hooks(copy.deepcopy(model))
+    fake = _without_hooks(_weightless(model))
     result = StepMemory()
     found = blocks_for(fake, blocks, required=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -257,16 +288,22 @@ def step_memory(
                 return tensor
             if tensor.numel() * tensor.element_size() < min_bytes:
                 return tensor
-            return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+            return _Record(0, tensor), tensor.device
 
         def unpack(packed: Any) -> torch.Tensor:
+            # NOTE: back as the store brings it back (records.py): its bytes as they
+            # travelled, then the tensor over them, laid out again where it must be.
             if isinstance(packed, torch.Tensor):
                 return packed
-            shape, stride, kind, where = packed
-            return torch.empty_strided(shape, stride, dtype=kind, device=where)
+            record, where = packed
+            flat = torch.empty(record.nbytes // record.dtype.itemsize, dtype=record.dtype)
+            return _restore(record, flat.to(where))
 
-        def open_window(*_: Any) -> None:
+        def open_window(_module: nn.Module, _args: Any, output: Any) -> None:
             tracker.window = (tracker.live, tracker.live)
+            first = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
+            if first is not None and first.requires_grad:
+                first.register_hook(close_window)
 
         def close_window(*_: Any) -> None:
             if tracker.window is not None:
@@ -274,12 +311,12 @@ def step_memory(
             tracker.window = None
 
         # NOTE: the loss's share is what runs between the last block's forward and its
-        # backward: the final norm, the head, the loss and their gradients.
+        # output's gradient: the final norm, the head, the loss and their gradients. A
+        # tensor hook, not a module backward hook: those add autograd nodes, which
+        # change the order backward frees in (and the peak, by a weight's gradient).
         hooks = []
         if found:
-            last = found[-1][1]
-            hooks.append(last.register_forward_hook(open_window))
-            hooks.append(last.register_full_backward_pre_hook(close_window))
+            hooks.append(found[-1][1].register_forward_hook(open_window))
         fake.train()
         try:
             # NOTE: the policy's hooks are on for the forward only, as the engine's are

@@ -304,8 +304,11 @@ class GradientFlow:
         buffer once it has landed (backward goes on meanwhile)."""
         assert self.collectives is not None
         size = self.collectives.world.size
-        own = device_shard(self.homes.plan, i, copy.tensor)
-        mean = torch.empty_like(own).view(self.dtype)
+        # NOTE: reduced in place, into this rank's shard of the slot itself (the slot is
+        # held until the copy home lands): a buffer of its own stayed alive in the
+        # pending copy until the step, one shard of every gradient chunk on the device
+        # outside every budget (the fence sweep's allocator found it).
+        mean = device_shard(self.homes.plan, i, copy.tensor).view(self.dtype)
         work = self.collectives.start_reduce_scatter(
             mean, copy.typed(self.dtype), f"reducing gradient chunk {i}"
         )
@@ -323,13 +326,10 @@ class GradientFlow:
         """Sharded: the mean over the ranks of device gradient chunk ``i``, this rank's
         shard of it, written at the shard's place in the slot (returned, uint8)."""
         assert self.collectives is not None
-        plan = self.homes.plan
-        own = device_shard(plan, i, copy.tensor)
-        mean = torch.empty_like(own).view(self.dtype)
+        own = device_shard(self.homes.plan, i, copy.tensor)
         self.collectives.reduce_scatter_mean(
-            mean, copy.typed(self.dtype), f"reducing gradient chunk {i}"
+            own.view(self.dtype), copy.typed(self.dtype), f"reducing gradient chunk {i}"
         )
-        own.view(self.dtype).copy_(mean)
         return own
 
     def _add_into(self, total: torch.Tensor, source: torch.Tensor, i: int, nbytes: int) -> None:

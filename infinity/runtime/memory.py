@@ -16,7 +16,6 @@ the model's own weights if it was built in RAM).
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import os
 from dataclasses import asdict, dataclass
@@ -189,12 +188,17 @@ def host_lines(engine: OffloadEngine) -> dict[str, dict[str, int]]:
     return lines
 
 
+def device_lines(engine: OffloadEngine) -> dict[str, dict[str, int]]:
+    """Each device line's limit and measured peak (bytes)."""
+    account = engine.chunks.manager.device_account
+    return {"chunk slots": {"limit": account.reserved, "peak": account.peak}}
+
+
 def memory_stats(engine: OffloadEngine) -> dict[str, Any]:
     """``infinity.stats(model)["memory"]``: per tier its budget, its lines (limit and
     peak), what the allocator or the resident set measured, and the forecast if one was
     made (:func:`forecast`)."""
     plan = engine.plan
-    account = engine.chunks.manager.device_account
     host = host_lines(engine)
     store = engine.activations
     out: dict[str, Any] = {
@@ -207,7 +211,7 @@ def memory_stats(engine: OffloadEngine) -> dict[str, Any]:
         },
         "device": {
             "budget_bytes": plan.budgets.device,
-            "lines": {"chunk slots": {"limit": account.reserved, "peak": account.peak}},
+            "lines": device_lines(engine),
             "allocated_peak_bytes": device_peak_bytes(engine.device),
         },
         "forecast": None if engine.forecast is None else engine.forecast.as_dict(),
@@ -225,7 +229,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
     here: nothing is computed or allocated). Kept by the engine for ``stats``."""
     policy = engine.config.activations
     work = step_memory(
-        _weightless(model),
+        model,
         step,
         engine.dtype,
         engine.device,
@@ -235,7 +239,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
     )
     lines = host_lines(engine)
     result = MemoryForecast(
-        device_lines=engine.chunks.manager.device_account.reserved,
+        device_lines=sum(line["limit"] for line in device_lines(engine).values()),
         host_lines=sum(line["limit"] for line in lines.values()),
         working_set=work,
         resident=_resident_on_device(model),
@@ -256,25 +260,3 @@ def _resident_on_device(model: nn.Module) -> int:
         if t.device.type != "meta"
     }
     return sum(storages.values())
-
-
-def _weightless(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are empty ``meta`` tensors.
-
-    NOTE: deep-copying an offloaded model would copy the chunk slabs its parameters
-    view (every one of them), and a model in RAM would be copied whole; the fake run
-    only needs shapes, so the copy starts from ``meta`` stand-ins."""
-    memo: dict[int, Any] = {}
-    for module in model.modules():
-        for name, value in vars(module).items():
-            if name.endswith("hooks") and isinstance(value, dict):
-                memo[id(value)] = type(value)()  # the engine's hooks stay behind
-        for p in module._parameters.values():
-            if p is not None:
-                memo[id(p)] = nn.Parameter(
-                    torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad
-                )
-        for b in module._buffers.values():
-            if b is not None:
-                memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    return copy.deepcopy(model, memo)

@@ -229,7 +229,13 @@ def judge(outcome: Outcome) -> Verdict:
         placement=outcome.trained.placement,
         raised=outcome.raised,
     )
-    if bound > MEANINGFUL * one_step:
+    trained = outcome.trained
+    if trained.device_forecast is not None and not trained.device_peak <= trained.device_forecast:
+        verdict.message = (
+            f"the device held {trained.device_peak} bytes at once, above the forecast "
+            f"{trained.device_forecast} (its budget's slots + buffers + the step's working set)"
+        )
+    elif bound > MEANINGFUL * one_step:
         verdict.message = (
             f"the tolerance {bound:.2e} (noise {noise:.2e}) is not below {MEANINGFUL} of one "
             f"step's movement {one_step:.2e}: this case cannot tell a missed update"

@@ -16,6 +16,7 @@ steps its fp32 masters with torch's AdamW on the CPU, as infinity does.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -150,6 +151,10 @@ class Trained:
     losses: list[float]
     placement: dict[str, dict[str, int]] = field(default_factory=dict)
     evals: list[float] = field(default_factory=list)
+    # On a device with an allocator that counts (the fence, CUDA): the bytes it held at
+    # once over the first model's steps, and infinity.memory_forecast's device peak.
+    device_peak: int | None = None
+    device_forecast: int | None = None
 
 
 def _parts(case: Case, ids: torch.Tensor, world: int) -> Iterator[torch.Tensor]:
@@ -179,13 +184,16 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
     first = case.resume_at or case.steps
     engines = []  # NOTE: closed whatever happens (closing twice is a no-op)
     try:
+        before = _device_allocated(case)
         model, opt = _offloaded(case, build_model(case), nvme_dir)
         engines.append(engine_of(model))
+        forecast = _forecast(case, model, data[0], rank)
         schedule = warmup(case, opt)
         evals: list[float] = []
         losses = _train(case, model, opt, schedule, data, range(first), rank, evals)
+        peak = None if forecast is None else _device_peak(case) - before
         if not case.resume_at:
-            return _trained(case, model, losses, evals=evals)
+            return _trained(case, model, losses, evals=evals, device=(peak, forecast))
         assert nvme_dir is not None, "a resumed case saves its checkpoint in nvme_dir"
         saved = os.path.join(nvme_dir, "resume-checkpoint")
         infinity.save_checkpoint(saved, model, opt)
@@ -211,10 +219,42 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
             )
         except infinity.PlanError as exc:  # its first forward: the resume budgets' saved tensors
             raise ResumePlanError(exc) from exc
-        return _trained(case.resumed(), model, losses, placement, evals)
+        return _trained(case.resumed(), model, losses, placement, evals, (peak, forecast))
     finally:
         for engine in engines:
             engine.close()
+
+
+LOOP_SCALAR_BYTES = 16
+
+
+def _device_allocated(case: Case) -> int:
+    """Bytes the case's device allocator holds now, its peak started over (0 on the CPU).
+    Earlier cases' engines are collected first: their slots would be freed mid-case."""
+    if case.backend == "cpu":
+        return 0
+    gc.collect()
+    _STEPS_PEAK[0] = 0
+    device = torch.get_device_module(case.backend)
+    device.reset_peak_memory_stats()
+    return device.memory_allocated()
+
+
+def _device_peak(case: Case) -> int:
+    return max(_STEPS_PEAK[0], torch.get_device_module(case.backend).max_memory_allocated())
+
+
+def _forecast(case: Case, model: torch.nn.Module, batch: torch.Tensor, rank: int) -> int | None:
+    """``infinity.memory_forecast``'s device peak for one micro-batch of this rank (on a
+    device whose allocator counts; ``None`` on the CPU)."""
+    if case.backend == "cpu":
+        return None
+    ids = list(_parts(case, batch, case.world))[rank].to(case.backend)
+    forecast = infinity.memory_forecast(model, lambda m: _loss(case, m, ids), ids.numel())
+    # NOTE: plus what this loop holds on the device beside the model's step: the
+    # micro-batch it moved there, and its scalars (the loss divided for accumulation,
+    # scaled for fp16)
+    return forecast.device_peak + ids.nbytes + LOOP_SCALAR_BYTES
 
 
 def _reinitialised(model: torch.nn.Module) -> torch.nn.Module:
@@ -273,8 +313,23 @@ def _train(
             schedule.step()
         losses.append(total)
         if case.evaluate:
-            evals.append(evaluate(case, model))
+            evals.append(_evaluated(case, model))
     return losses
+
+
+# The device peak of the steps before the last evaluation (see _evaluated).
+_STEPS_PEAK = [0]
+
+
+def _evaluated(case: Case, model: torch.nn.Module) -> float:
+    """``evaluate``, outside the device peak the sweep checks: the forecast is of a
+    training step, and the held-out batches are of another shape (the whole batch)."""
+    if case.backend != "cpu":
+        _STEPS_PEAK[0] = max(_STEPS_PEAK[0], _device_peak(case))
+    value = evaluate(case, model)
+    if case.backend != "cpu":
+        torch.get_device_module(case.backend).reset_peak_memory_stats()
+    return value
 
 
 def _loss(case: Case, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -292,6 +347,7 @@ def _trained(
     losses: list[float],
     earlier: dict[str, dict[str, int]] | None = None,
     evals: list[float] | None = None,
+    device: tuple[int | None, int | None] = (None, None),
 ) -> Trained:
     """What ``model`` ended with; ``earlier``: the placement of the model it resumed from
     (the counts are added, so a table shows every tier either used)."""
@@ -312,7 +368,7 @@ def _trained(
     for kind, tiers in (earlier or {}).items():
         for tier, count in tiers.items():
             placement[kind][tier] = placement[kind].get(tier, 0) + count
-    return Trained(state, losses, placement, list(evals or []))
+    return Trained(state, losses, placement, list(evals or []), *device)
 
 
 def _offload_reading_nvme_directly(model: torch.nn.Module, cfg: infinity.Config) -> torch.nn.Module:
