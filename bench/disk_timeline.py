@@ -29,7 +29,7 @@ import time
 import torch
 
 import infinity
-from infinity.bench.scale import _init_weights
+from infinity.bench.scale_run import _init_weights
 from infinity.bench.scale_shapes import pick_shape
 from infinity.bench.step_profile import cpu_delta, thread_cpu
 from infinity.cli.bench_scale import parse_count, scale_config

@@ -34,7 +34,7 @@ import tempfile
 
 import torch
 
-from infinity.bench.train import nvme_budgets
+from infinity.bench.train_cases import nvme_budgets
 from infinity.cli.plan import OPTIMIZERS
 from infinity.config import Config
 from infinity.core.names import HOST, NVME

@@ -9,7 +9,7 @@ python bench/state_dtype.py --no-nvme-case --loss-steps 0 --scale-params 2B \
    the default step) with fp32, bf16 and int8 moments, each at the smallest host
    budget that keeps parameters and gradients in RAM (so every optimizer unit
    is on NVMe). The three run in interleaved blocks; the ratios to fp32 are
-   medians over rounds of paired ratios (see ``infinity.bench.train``).
+   medians over rounds of paired ratios (see ``infinity.bench.train_cases``).
    It runs twice: at batch 4 x 256, where this machine's 2 cores make the step
    bound by compute (fewer disk bytes cannot show as time), and at batch 1 x 32
    (``--small-batch``), where the same model's step is bound by the disk.
@@ -63,7 +63,7 @@ import time
 import state_dtype_anchors as grid  # bench/ is the script's directory
 import torch
 
-from infinity.bench.train import _batches, host_budget_for, offloaded_runner
+from infinity.bench.train_cases import _batches, host_budget_for, offloaded_runner
 from infinity.config import Config
 from infinity.models.gpt import GPTConfig
 from infinity.schedule.planner import NVME
@@ -149,7 +149,7 @@ def size_for_disk(args: argparse.Namespace, overlap: bool) -> dict:
     ``--scale-params``, whose fp32-moment step the planner (``Plan.traffic``) gives
     at most that I/O bound (``io_bound_seconds``); the smallest member if none does."""
     from infinity.bench.disk_mix import io_bound_seconds, measure_mix
-    from infinity.bench.scale import planned_nvme_bytes
+    from infinity.bench.scale_run import planned_nvme_bytes
     from infinity.bench.scale_shapes import family
     from infinity.cli.bench_scale import parse_count
     from infinity.config import AioConfig

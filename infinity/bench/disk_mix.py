@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from infinity._native.io import ALIGNMENT
-from infinity.bench.nvme import GB, _fill, _pool_bytes, _stream
+from infinity.bench.disk import GB, _fill, _pool_bytes, _stream
 from infinity.config import AioConfig
 from infinity.io import IOEngine, IORequest, SwapFile, aligned_empty
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from infinity.bench.nvme import Point
+from infinity.bench.disk import Point
 
 # With a single repeat the spread cannot be measured: assume this much.
 ASSUMED_NOISE = 0.10

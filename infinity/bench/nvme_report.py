@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from infinity.bench.nvme import Point
+from infinity.bench.disk import Point
 from infinity.bench.nvme_pick import Recommendation
 from infinity.utils.sizes import format_size
 

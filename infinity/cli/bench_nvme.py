@@ -191,7 +191,7 @@ def _sweep(
     from tqdm import tqdm
 
     from infinity.bench import nvme_report
-    from infinity.bench.nvme import measure_aiofiles, measure_engine
+    from infinity.bench.disk import measure_aiofiles, measure_engine
     from infinity.bench.nvme_pick import combine_repeats, recommend
 
     combos = list(itertools.product(backends, threads, block_sizes, depths))

@@ -1,4 +1,4 @@
-"""``infinity bench scale``: train the largest Llama the free disk holds (infinity.bench.scale).
+"""``infinity bench scale``: train the largest Llama the free disk holds (bench.scale_run).
 
 The size is picked so that the model's training states (16 bytes per bf16
 parameter) fit the free space under ``--nvme-path`` minus a safety margin;
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         )
     from tqdm import tqdm
 
-    from infinity.bench.scale import ScaleRun, run_scale
+    from infinity.bench.scale_run import ScaleRun, run_scale
     from infinity.schedule.planner import PlanError
 
     def bar(steps: int) -> Any:

@@ -1,4 +1,4 @@
-"""``infinity bench train``: offloaded step time against plain PyTorch (infinity.bench.train)."""
+"""``infinity bench train``: offloaded step time against plain PyTorch (bench.train_cases)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from infinity.bench.train import OPTIMIZERS, run_all
+from infinity.bench.train_cases import OPTIMIZERS, run_all
 from infinity.cli.bench_gpt2 import run_gpt2_cases
 from infinity.cli.main import CommandError
 from infinity.models.gpt import GPTConfig

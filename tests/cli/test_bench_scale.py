@@ -134,7 +134,7 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
     assert report["nvme_busy_gbps"] == pytest.approx(gbps / report["nvme_busy_seconds"], rel=1e-12)
     # The planner's estimate that bench/state_dtype.py --scale-io-seconds sizes a run
     # by: the same scale as what the step moved (the plan counts no cached re-reads).
-    from infinity.bench.scale import planned_nvme_bytes
+    from infinity.bench.scale_run import planned_nvme_bytes
     from infinity.config import Config
 
     config = Config(

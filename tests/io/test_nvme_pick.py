@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from infinity.bench.nvme import Point
+from infinity.bench.disk import Point
 from infinity.bench.nvme_pick import ASSUMED_NOISE, MIN_NOISE, combine_repeats, recommend
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_helpers import param_bytes, tiny_gpt
 
-from infinity.bench.train import host_budget_for
+from infinity.bench.train_cases import host_budget_for
 from infinity.config import Config
 from infinity.core.names import HOST, NVME
 from infinity.core.plan import Plan
@@ -61,7 +61,7 @@ def bench_plans(tmp_path_factory) -> dict[str, dict[str, Plan]]:
         nvme_path=str(tmp_path_factory.mktemp("nvme")),
         nvme_memory="64GiB",
     )
-    # The same budgets as infinity/bench/train.py's run_all.
+    # The same budgets as infinity/bench/train_cases.py's run_all.
     optim_only = host_budget_for(
         BENCH, base, lambda p: NVME not in p.param_home and NVME not in p.grad_home
     )

@@ -14,7 +14,7 @@ the step's NVMe-bound updates trail into the next forward).
 Each offloaded step time is reported as a ratio to (a) and, for the NVMe
 cases, against ``max(compute time of (a), I/O lower bound)``, the lower bound
 being the NVMe bytes of one step divided by the bandwidth measured in the same
-run (``infinity.bench.nvme``).
+run (``infinity.bench.disk``).
 
 NOTE: ratios are *paired*: each round runs one block of every case, and the
 reported ratio is the median over rounds of (case / plain) within a round.
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 import infinity
-from infinity.bench.nvme import measure_engine
+from infinity.bench.disk import measure_engine
 from infinity.config import AioConfig, Config
 from infinity.core.plan import Plan
 from infinity.models.gpt import GPT, GPTConfig, init_weights
