@@ -1,17 +1,24 @@
 """Train a model larger than the machine's RAM for a few steps and measure it.
 
-The model is a ``transformers`` Llama of :mod:`infinity.bench.scale_shapes`,
-built under :func:`infinity.init_empty` and offloaded with small device and
-host budgets, so nearly all of its states live on the NVMe disk. The report
-sets each measurement against what bounds it: the states against the RAM,
-the peak RSS against the budgets, the step time against the disk's I/O bound
-(the time this disk needs for one step's NVMe reads and writes, from rates
-measured in the same run with :mod:`infinity.bench.disk_mix`), and the time
-the disk was busy against the step (``nvme_busy_seconds``: the disk idles
-while the step computes without a transfer in flight). ``Config.device`` may
-be ``cuda``: the GPU computes, the states still go through the host budget to
-the disk. :func:`planned_nvme_bytes` is the planner's estimate of one step's
-NVMe bytes, to size a run for a disk before building anything.
+The model is a ``transformers`` Llama of the family below, built under
+:func:`infinity.init_empty` and offloaded with small device and host budgets, so
+nearly all of its states live on the NVMe disk. The report sets each measurement
+against what bounds it: the states against the RAM, the peak RSS against the
+budgets, the step time against the disk's I/O bound (the time this disk needs for
+one step's NVMe reads and writes, from rates measured in the same run with
+:func:`infinity.bench.disk.measure_mix`), and the time the disk was busy against
+the step (``nvme_busy_seconds``: the disk idles while the step computes without a
+transfer in flight). ``Config.device`` may be ``cuda``: the GPU computes, the
+states still go through the host budget to the disk. :func:`planned_nvme_bytes`
+is the planner's estimate of one step's NVMe bytes, to size a run for a disk
+before building anything.
+
+The family (:class:`Shape`, :func:`family`) is the Llama shape of the 2.24B
+example in the scale issue (hidden 2560, 32 layers, head dimension 128, SwiGLU
+width 8/3 of hidden) scaled in steps of 128 in ``hidden`` with the depth growing
+along (``layers = hidden / 80``), so that each member is a plausible model rather
+than a deep thin stack; :func:`pick_shape` picks its largest member that fits.
+Parameter counts are computed in closed form (no model is built to choose one).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +34,125 @@ import psutil
 import torch
 
 import infinity
-from infinity.bench.disk_mix import faster, io_bound_seconds, measure_mix
-from infinity.bench.scale_shapes import Shape, bytes_per_param
+from infinity.bench.disk import faster, io_bound_seconds, measure_mix
 from infinity.config import Config
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
+from infinity.optim.chunk_optimizer import ADAM
 from infinity.runtime.budgets import plan_for
 from infinity.runtime.params import ParamRegistry
+from infinity.utils.sizes import format_size
+
+FP32_BYTES = 4
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+HIDDEN_STEP = 128
+HEAD_DIM = 128
+HIDDEN_PER_LAYER = 80  # 2560 hidden / 32 layers
+MAX_HIDDEN = 1 << 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A bias-free, untied ``transformers`` Llama (multi-head attention)."""
+
+    hidden: int
+    layers: int
+    vocab: int
+
+    @property
+    def intermediate(self) -> int:
+        """SwiGLU width: 8/3 of hidden rounded up to a multiple of 256 (as Llama does)."""
+        return -(-self.hidden * 8 // 3 // 256) * 256
+
+    @property
+    def heads(self) -> int:
+        """Attention heads of dimension 128 (one head below 128 hidden)."""
+        return max(1, self.hidden // HEAD_DIM)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters: per layer 4 attention projections, 3 MLP ones and 2 norms;
+        the embedding, the output head and the final norm."""
+        h, i = self.hidden, self.intermediate
+        per_layer = 4 * h * h + 3 * h * i + 2 * h
+        return self.layers * per_layer + 2 * self.vocab * h + h
+
+    def llama_config(self, max_positions: int = 4096) -> Any:
+        """The ``transformers.LlamaConfig`` of this shape (imports transformers)."""
+        import transformers
+
+        return transformers.LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=False,
+        )
+
+    def describe(self) -> str:
+        """One line: size and shape."""
+        n = self.num_params
+        size = f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.1f}M"
+        return f"Llama {size} (hidden {self.hidden}, {self.layers} layers, vocab {self.vocab})"
+
+
+def bytes_per_param(dtype: str, state_dtype: str = "fp32") -> float:
+    """Bytes of training state per parameter: the parameter and its gradient in the
+    compute dtype, plus the optimizer unit (an fp32 master copy unless the compute
+    dtype is fp32, and Adam's two moments stored as ``state_dtype``)."""
+    element = ELEMENT_BYTES[dtype]
+    unit = ADAM.with_state_dtype(state_dtype).unit_bytes(UNIT_SAMPLE, has_master=dtype != "fp32")
+    per = 2 * element + unit / UNIT_SAMPLE
+    return int(per) if per == int(per) else per
+
+
+# Elements of a large chunk, to read the per-element bytes of a unit off (int8's
+# block scales make them fractional).
+UNIT_SAMPLE = 1 << 20
+
+
+def family(vocab: int) -> Iterator[Shape]:
+    """Members in increasing size (hidden 128, 256, ...)."""
+    for hidden in range(HIDDEN_STEP, MAX_HIDDEN + 1, HIDDEN_STEP):
+        yield Shape(hidden, max(2, round(hidden / HIDDEN_PER_LAYER)), vocab)
+
+
+def usable_disk(free_bytes: int, margin: float, reserved: int) -> int:
+    """Bytes of states the bench lets itself put on a disk with ``free_bytes`` free:
+    ``margin`` of it stays free for everyone else, ``reserved`` more for the
+    bench's own bandwidth measurement file."""
+    return max(0, int(free_bytes * (1 - margin)) - reserved)
+
+
+def pick_shape(
+    *, vocab: int, dtype: str, max_states: int | None = None, max_params: int | None = None
+) -> Shape:
+    """The largest member whose states fit ``max_states`` bytes and whose
+    parameters are at most ``max_params``; :class:`ValueError` naming the smallest
+    member's needs if none does."""
+    per = bytes_per_param(dtype)
+    best = None
+    for shape in family(vocab):
+        n = shape.num_params
+        if (max_states is not None and n * per > max_states) or (
+            max_params is not None and n > max_params
+        ):
+            break
+        best = shape
+    if best is None:
+        smallest = next(family(vocab))
+        raise ValueError(
+            f"even the smallest model ({smallest.describe()}: {smallest.num_params} parameters, "
+            f"{format_size(smallest.num_params * per)} of states) is above the limit "
+            f"(states {format_size(max_states) if max_states is not None else 'unlimited'}, "
+            f"parameters {max_params if max_params is not None else 'unlimited'}); "
+            "free disk space, or use a smaller --vocab"
+        )
+    return best
+
 
 Note = Callable[[str], None]
 StepBar = Callable[[int], Any]  # wraps range(steps) in a progress bar
@@ -151,7 +270,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     write_b = statistics.median(s.get("nvme_write_bytes", 0.0) for s in timed)
     # NOTE: the bound is what this disk needs for the step's reads and writes,
     # overwriting (as a step does) and doing both at once at the rate measured
-    # for that (disk_mix.py). The slower direction alone (``io_duplex_seconds``)
+    # for that (measure_mix). The slower direction alone (``io_duplex_seconds``)
     # is the bound of a disk that reads and writes at full speed at once; the
     # sum (``io_serial_seconds``), of one that serialises them.
     read_s, write_s = read_b / (disk.read_gbps * GB), write_b / (disk.write_gbps * GB)

@@ -6,9 +6,10 @@ times a buffered ``aiofiles`` baseline per block size, ``--repeats`` times in
 interleaved passes. Prints a table (and with ``--json`` one JSON line last,
 whose ``best.aio`` block loads into ``infinity.Config(aio=...)`` unchanged):
 the recommendation is the least CPU per GB within the measured noise of the
-top throughput (:mod:`infinity.bench.nvme_pick`); optionally a PNG plot. Files are
-created in a private sub-directory of ``--path`` and removed, also on Ctrl-C;
-after a kill, the next run removes them.
+top throughput (:mod:`infinity.bench.nvme_report`); optionally a PNG plot. The
+measurements are :mod:`infinity.bench.disk`'s. Files are created in a private
+sub-directory of ``--path`` and removed, also on Ctrl-C; after a kill, the next
+run removes them.
 """
 
 from __future__ import annotations
@@ -192,7 +193,6 @@ def _sweep(
 
     from infinity.bench import nvme_report
     from infinity.bench.disk import measure_aiofiles, measure_engine
-    from infinity.bench.nvme_pick import combine_repeats, recommend
 
     combos = list(itertools.product(backends, threads, block_sizes, depths))
     passes = 2 * len(combos) * args.repeats + (0 if args.no_baseline else 2 * len(block_sizes))
@@ -214,8 +214,8 @@ def _sweep(
             for bs in block_sizes:
                 bar.set_postfix_str(f"aiofiles bs={bs >> 10}K")
                 baseline[bs] = measure_aiofiles(str(path), size, bs, bar.update)
-    points, noise = combine_repeats(samples)
-    choice = recommend(points, noise)
+    points, noise = nvme_report.combine_repeats(samples)
+    choice = nvme_report.recommend(points, noise)
     print(nvme_report.table(points, baseline, size, choice, args.repeats))
     if args.plot:
         nvme_report.plot(points, baseline, args.plot)

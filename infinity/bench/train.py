@@ -1,4 +1,9 @@
-"""``infinity bench train``: offloaded step time against plain PyTorch (bench.train_cases)."""
+"""``infinity bench train``: offloaded step time against plain PyTorch.
+
+The flags, their checks and the tables. The GPT cases are run by
+:mod:`infinity.bench.train_cases`; ``--gpt2`` (GPT-2 124M, plain vs infinity, where
+the time goes) by :mod:`infinity.bench.train_gpt2`.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,10 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from infinity.bench.train_cases import OPTIMIZERS, run_all
-from infinity.cli.bench_gpt2 import run_gpt2_cases
+from infinity.bench.train_gpt2 import run_gpt2
 from infinity.cli.main import CommandError
 from infinity.models.gpt import GPTConfig
 from infinity.schedule.planner import PlanError
@@ -16,6 +22,7 @@ from infinity.utils.sizes import format_size
 
 TARGETS = {"b": ("vs_plain", 1.15), "c": ("vs_bound", 1.2), "d": ("vs_bound", 1.2)}
 # c0/d0 (no overlap) are reported for comparison, without a target.
+GPT2_TARGETS = {"default": 1.15, "overlap": 1.10}  # x plain, issue 18 part 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,19 +100,30 @@ def _verdict(case: dict) -> str:
     )
 
 
+def _check_block(args: argparse.Namespace) -> None:
+    if args.block < 2:
+        raise CommandError(f"--block {args.block} must be >= 2 (a block's first step is untimed)")
+
+
+def _make_nvme_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(f"cannot use --nvme-path {path!r}: {exc.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run every case and print the table (and JSON)."""
     if args.gpt2:
         if args.optimizer != "adam":
             raise CommandError("--optimizer applies to the GPT cases only, not --gpt2")
-        return run_gpt2_cases(args)
+        return _run_gpt2(args)
     sizes = (args.layers, args.hidden, args.heads, args.seq_len, args.batch_size, args.steps)
     if min(sizes) < 1:
         raise CommandError(
             "--layers, --hidden, --heads, --seq-len, --batch-size and --steps must be >= 1"
         )
-    if args.block < 2:
-        raise CommandError(f"--block {args.block} must be >= 2 (a block's first step is untimed)")
+    _check_block(args)
     if args.warmup < 0:
         raise CommandError(f"--warmup {args.warmup} must be >= 0")
     try:
@@ -118,10 +136,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    try:
-        os.makedirs(args.nvme_path, exist_ok=True)
-    except OSError as exc:
-        raise CommandError(f"cannot use --nvme-path {args.nvme_path!r}: {exc.strerror}") from None
+    _make_nvme_dir(args.nvme_path)
     try:
         report = run_all(
             cfg,
@@ -167,6 +182,75 @@ def run(args: argparse.Namespace) -> int:
         "x plain and x bound are medians over rounds of paired ratios; 'rounds' is their "
         "range (x bound), a measure of this machine's noise"
     )
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _breakdown_lines(case: dict[str, Any]) -> list[str]:
+    b = case["breakdown"]
+    cpu = b.get("thread_cpu", {})
+    lines = [
+        f"  {case['case']}: fwd+bwd {b['fwd_bwd_seconds']:.2f} s, step() {b['step_seconds']:.2f} s;"
+        " CPU s per step: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items()))
+    ]
+    if "engine" in b:
+        lines.append(
+            "    on the compute thread (exclusive s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(b["engine"].items()))
+        )
+    if "traffic" in b:
+        t = b["traffic"]
+        lines.append(
+            "    per step: "
+            + ", ".join(
+                f"{k.removesuffix('_bytes')} {format_size(t.get(k, 0))}"
+                for k in ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes")
+            )
+        )
+    return lines
+
+
+def _run_gpt2(args: argparse.Namespace) -> int:
+    """``--gpt2``: run the GPT-2 cases and print ratios and the breakdown (and JSON)."""
+    _check_block(args)
+    if min(args.steps, args.batch_size, args.seq_len) < 1 or args.warmup < 0:
+        raise CommandError("--steps, --batch-size, --seq-len must be >= 1 and --warmup >= 0")
+    _make_nvme_dir(args.nvme_path)
+    report = run_gpt2(
+        batch=args.batch_size,
+        seq_len=args.seq_len,
+        device_memory=args.device_memory,
+        host_memory=args.host_memory,
+        rounds=-(-args.steps // (args.block - 1)),
+        warmup_rounds=-(-args.warmup // args.block),
+        block=args.block,
+        compare_block_size=args.compare_block_size,
+        compare_sched_batch=args.compare_sched_batch,
+        nvme_dir=args.nvme_path,
+        progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True),
+    )
+    load = report["load_average"]
+    print(
+        f"{report['model']}, batch {report['batch']} x {report['seq_len']}, device "
+        f"{report['device_memory']}, host {report['host_memory']}, NVMe; {report['rounds']} rounds "
+        f"of {report['block'] - 1} timed steps; load average {min(load):.1f}-{max(load):.1f} "
+        f"on {os.cpu_count()} CPUs"
+    )
+    print(f"{'case':<9}{'step s':>8}{'x plain':>9}{'rounds':>13}  target")
+    for case in report["cases"]:
+        r = case["round_ratios"]
+        limit = GPT2_TARGETS.get(case["case"])
+        verdict = ""
+        if limit is not None:
+            verdict = f"<= {limit}: {'met' if case['vs_plain'] <= limit else 'MISSED'}"
+        print(
+            f"{case['case']:<9}{case['step_seconds']:>8.2f}{case['vs_plain']:>9.3f}"
+            f"{f'{min(r):.2f}-{max(r):.2f}':>13}  {verdict}"
+        )
+    print("where the time goes (medians per step):")
+    for case in report["cases"]:
+        print("\n".join(_breakdown_lines(case)))
     if args.json:
         print(json.dumps(report))
     return 0

@@ -1,9 +1,10 @@
-"""``infinity bench scale``: train the largest Llama the free disk holds (bench.scale_run).
+"""``infinity bench scale``: train the largest Llama the free disk holds.
 
 The size is picked so that the model's training states (16 bytes per bf16
 parameter) fit the free space under ``--nvme-path`` minus a safety margin;
 ``--params`` and ``--max-disk`` cap it for a quicker run. Needs ``transformers``
-(the ``hf`` extra).
+(the ``hf`` extra). The model family, the pick and the run are
+:mod:`infinity.bench.scale_run`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import shutil
 import sys
 from typing import Any
 
-from infinity.bench.scale_shapes import bytes_per_param, pick_shape, usable_disk
+from infinity.bench.scale_run import ScaleRun, bytes_per_param, pick_shape, run_scale, usable_disk
 from infinity.cli.main import CommandError
 from infinity.config import AioConfig, Config, ConfigError
 from infinity.devices.choice import choose_dtype, resolve_device
@@ -206,7 +207,6 @@ def run(args: argparse.Namespace) -> int:
         )
     from tqdm import tqdm
 
-    from infinity.bench.scale_run import ScaleRun, run_scale
     from infinity.schedule.planner import PlanError
 
     def bar(steps: int) -> Any:
