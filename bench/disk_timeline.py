@@ -5,7 +5,7 @@ python bench/disk_timeline.py --nvme-path DIR [--params 2B --vocab 128256 --dtyp
     --optimizer-state-dtype int8 --seq-len 16 --steps 4]
 
 The model and budgets of ``infinity bench scale`` (a ``transformers`` Llama of
-:mod:`infinity.bench.scale_shapes` built under ``init_empty``, states beyond
+:mod:`infinity.bench.scale_run` built under ``init_empty``, states beyond
 RAM on NVMe), trained with one repeated batch. At each phase boundary it reads
 the engine's counters: NVMe bytes, the time spent waiting on NVMe, and the
 swap file's busy clock (``nvme_busy_seconds``: the time a transfer was in
@@ -29,10 +29,9 @@ import time
 import torch
 
 import infinity
-from infinity.bench.scale import _init_weights
-from infinity.bench.scale_shapes import pick_shape
+from infinity.bench.scale import parse_count, scale_config
+from infinity.bench.scale_run import _init_weights, pick_shape
 from infinity.bench.step_profile import cpu_delta, thread_cpu
-from infinity.cli.bench_scale import parse_count, scale_config
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 

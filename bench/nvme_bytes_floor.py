@@ -2,7 +2,7 @@
 
 python bench/nvme_bytes_floor.py [--layers 8 --hidden 512 --json]
 
-For the model and budgets of ``bench/train_overhead.py``'s cases c, c0, d and
+For the model and budgets of ``infinity bench train``'s cases c, c0, d and
 d0, and for each optimizer, prints:
   - the NVMe bytes per step the planner plans (``Plan.traffic``);
   - the *floor*: the fewest bytes of any split of the host room left beside the
@@ -16,7 +16,7 @@ The floor is an optimistic bound: it keeps one staging slot's depth per kind,
 which serialises the disk with the compute, so no real plan should reach it.
 Where even the floor is above a goal, no placement meets the goal at that
 budget. The planner's estimate is checked against the engine's measured
-bytes in ``tests/engine/test_plan_estimate.py``; ``bench/train_overhead.py
+bytes in ``tests/engine/test_plan_estimate.py``; ``infinity bench train
 --optimizer NAME`` measures them.
 
 NOTE: this answers issue 29's question "can Lion reach 0.55x and Adafactor 0.3x
@@ -34,7 +34,7 @@ import tempfile
 
 import torch
 
-from infinity.bench.train import nvme_budgets
+from infinity.bench.train_cases import nvme_budgets
 from infinity.cli.plan import OPTIMIZERS
 from infinity.config import Config
 from infinity.core.names import HOST, NVME
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:  # the plan only checks that it exists
         nvme = Config(device="cpu", dtype="fp32", device_memory=cfg.num_params * 2, nvme_path=tmp)
-        optim_only, small = nvme_budgets(cfg, nvme)  # bench/train_overhead.py's
+        optim_only, small = nvme_budgets(cfg, nvme)  # infinity bench train's
         for case, host, overlap in (
             ("c", optim_only, True), ("c0", optim_only, False),
             ("d", small, True), ("d0", small, False),

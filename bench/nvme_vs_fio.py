@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 
-from infinity.bench.nvme import GB, measure_engine
+from infinity.bench.disk import GB, measure_engine
 from infinity.config import AioConfig
 from infinity.io import available_backends
 from infinity.utils.sizes import format_size, parse_size

@@ -4,12 +4,12 @@ python bench/state_dtype.py [--steps 18 --loss-steps 300 --scale-params 2B --jso
 python bench/state_dtype.py --no-nvme-case --loss-steps 0 --scale-params 2B \
     --scale-vocab 128256 --scale-dtype fp32 --scale-seq-len 16 --scale-dtypes fp32,int8
 
-1. The NVMe case of ``bench/train_overhead.py`` (case c0: GPT 8x512, fp32,
+1. The NVMe case of ``infinity bench train`` (case c0: GPT 8x512, fp32,
    batch 4 x 256, optimizer states on NVMe, parameters and gradients in RAM,
    the default step) with fp32, bf16 and int8 moments, each at the smallest host
    budget that keeps parameters and gradients in RAM (so every optimizer unit
    is on NVMe). The three run in interleaved blocks; the ratios to fp32 are
-   medians over rounds of paired ratios (see ``infinity.bench.train``).
+   medians over rounds of paired ratios (see ``infinity.bench.train_cases``).
    It runs twice: at batch 4 x 256, where this machine's 2 cores make the step
    bound by compute (fewer disk bytes cannot show as time), and at batch 1 x 32
    (``--small-batch``), where the same model's step is bound by the disk.
@@ -21,7 +21,7 @@ python bench/state_dtype.py --no-nvme-case --loss-steps 0 --scale-params 2B \
    rotating order; ratios to fp32 are medians over rounds of paired ratios.
    It ends with issue 26 part 4's two numbers: the int8 step against its own
    I/O bound (the time this disk needs for the step's reads and writes,
-   ``infinity/bench/disk_mix.py``), and the GB/s int8 moments move against
+   ``infinity/bench/disk.py``), and the GB/s int8 moments move against
    fp32 ones, over the step and over the time the disk was busy
    (``nvme_busy_seconds``: a step that computes with no transfer in flight
    moves fewer GB/s without the disk being any slower). ``--scale-dtype fp32``
@@ -63,7 +63,7 @@ import time
 import state_dtype_anchors as grid  # bench/ is the script's directory
 import torch
 
-from infinity.bench.train import _batches, host_budget_for, offloaded_runner
+from infinity.bench.train_cases import _batches, host_budget_for, offloaded_runner
 from infinity.config import Config
 from infinity.models.gpt import GPTConfig
 from infinity.schedule.planner import NVME
@@ -144,14 +144,13 @@ def disk(report: dict) -> float:
 
 
 def size_for_disk(args: argparse.Namespace, overlap: bool) -> dict:
-    """``--scale-io-seconds``: measure this disk (``disk_mix``, the rates the runs'
+    """``--scale-io-seconds``: measure this disk (``disk.measure_mix``, the rates the runs'
     bound is made of), then pick the largest model of the scale family, at most
     ``--scale-params``, whose fp32-moment step the planner (``Plan.traffic``) gives
     at most that I/O bound (``io_bound_seconds``); the smallest member if none does."""
-    from infinity.bench.disk_mix import io_bound_seconds, measure_mix
-    from infinity.bench.scale import planned_nvme_bytes
-    from infinity.bench.scale_shapes import family
-    from infinity.cli.bench_scale import parse_count
+    from infinity.bench.disk import io_bound_seconds, measure_mix
+    from infinity.bench.scale import parse_count
+    from infinity.bench.scale_run import family, planned_nvme_bytes
     from infinity.config import AioConfig
     from infinity.utils.sizes import parse_size
 
@@ -159,7 +158,7 @@ def size_for_disk(args: argparse.Namespace, overlap: bool) -> dict:
     rates = measure_mix(args.nvme_path, parse_size(args.scale_measure_size), AioConfig())
     print(f"disk under {args.nvme_path}: {rates.read_gbps:.2f} GB/s reading, "
           f"{rates.write_gbps:.2f} overwriting, {rates.both_gbps:.2f} doing both, "
-          f"{rates.first_write_gbps:.2f} writing a fresh file (infinity/bench/disk_mix.py, "
+          f"{rates.first_write_gbps:.2f} writing a fresh file (infinity/bench/disk.py, "
           f"{args.scale_measure_size} per pass)", flush=True)  # fmt: skip
     config = Config(
         dtype=args.scale_dtype,

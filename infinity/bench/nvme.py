@@ -1,235 +1,225 @@
-"""NVMe throughput measurement: sequential O_DIRECT write then read through ``IOEngine``.
+"""``infinity bench nvme``: sequential O_DIRECT throughput sweep of the I/O engine.
 
-Throughput is reported in GB/s = 10^9 bytes per second. Each configuration
-writes a fresh preallocated :class:`~infinity.io.SwapFile` (so every point
-starts from the same on-disk state) and then reads it back; the page cache is
-not involved (O_DIRECT). The ``aiofiles`` baseline is buffered Python I/O: its
-write time includes ``fsync``, and its cached pages are dropped with
-``posix_fadvise(DONTNEED)`` before the read so the read comes from the disk.
+For every combination of backend x threads x block size x queue depth it
+writes a fresh preallocated file of ``--size`` then reads it back, and also
+times a buffered ``aiofiles`` baseline per block size, ``--repeats`` times in
+interleaved passes. Prints a table (and with ``--json`` one JSON line last,
+whose ``best.aio`` block loads into ``infinity.Config(aio=...)`` unchanged):
+the recommendation is the least CPU per GB within the measured noise of the
+top throughput (:mod:`infinity.bench.nvme_report`); optionally a PNG plot. The
+measurements are :mod:`infinity.bench.disk`'s. Files are created in a private
+sub-directory of ``--path`` and removed, also on Ctrl-C; after a kill, the next
+run removes them.
 """
 
 from __future__ import annotations
 
-import asyncio
+import argparse
+import itertools
 import os
-import resource
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import cast
+import sys
+from pathlib import Path
 
-import torch
-
+from infinity._native.io import ALIGNMENT, MAX_BLOCK_SIZE, MAX_QUEUE_DEPTH, MAX_THREADS
+from infinity.cli.main import CommandError
 from infinity.config import AioConfig
-from infinity.io import IOEngine, IORequest, SwapFile, aligned_empty
-from infinity.io.owned_dirs import make_owned_dir, reclaim_stale
+from infinity.io.filesystems import pseudo_filesystem
+from infinity.io.owned_dirs import reclaim_stale
+from infinity.utils.sizes import format_size, parse_size
 
-GB = 10**9
-MIN_REQUEST_BYTES = 1 << 20
-# Cap on the host memory used for I/O buffers, whatever the queue shape.
-MAX_BUFFER_BYTES = 1 << 30
-
-Progress = Callable[[int], None]
+_ALIGN_K = f"{ALIGNMENT // 1024}K"  # how sizes are written on this command line
 
 
-@dataclass
-class Point:
-    """One configuration's result (GB/s = 1e9 bytes/s)."""
-
-    backend: str
-    block_size: int
-    queue_depth: int
-    threads: int
-    write_gbps: float
-    read_gbps: float
-    # CPU time of the whole process (every thread, user + kernel) per GB moved:
-    # what the transfers take from compute on the same cores.
-    cpu_ms_per_gb: float = 0.0
-
-    def aio(self) -> dict[str, object]:
-        """The ``aio`` config block of this point, as ``infinity.Config(aio=...)`` takes it."""
-        return {
-            "backend": self.backend,
-            "block_size": self.block_size,
-            "queue_depth": self.queue_depth,
-            "threads": self.threads,
-        }
-
-    def as_dict(self) -> dict[str, object]:
-        """JSON-ready form."""
-        return asdict(self)
-
-
-def _pool_bytes(size: int, config: AioConfig) -> tuple[int, int]:
-    """(request size, buffer pool size) for one configuration.
-
-    The pool is twice the bytes the engine keeps in flight, cut into requests
-    of a quarter of that (at least 1 MiB), so several requests are always queued (the workers
-    take pieces of the next one as soon as a slot frees) while the buffers,
-    reused round-robin, stay about as small as fio's per-I/O buffers.
-
-    NOTE: the footprint matters on virtualised disks: with buffers 8x larger
-    than fio's, reads measured ~15% slower here for reasons outside the engine
-    (the host's copy into guest memory leaves the CPU caches).
-    """
-    bs = cast(int, config.block_size)  # bytes once AioConfig is built
-    in_flight = bs * config.queue_depth * config.threads
-    # At least 1 MiB per request, so the Python loop is never what limits.
-    request = max(bs, max(in_flight // 4, MIN_REQUEST_BYTES) // bs * bs)
-    pool = min(max(2 * in_flight, 2 * request), MAX_BUFFER_BYTES, size)
-    request = min(request, pool)
-    pool = max(request, pool // request * request)
-    return request, pool
-
-
-def _stream(
-    submit: Callable[[int, int, int], IORequest],
-    size: int,
-    request: int,
-    slots: int,
-    progress: Progress | None,
-) -> float:
-    """Runs ``submit(slot, offset, nbytes)`` over ``[0, size)`` with ``slots`` requests queued.
-
-    Returns the elapsed seconds from the first submission to the last completion.
-    """
-    outstanding: list[IORequest | None] = [None] * slots
-    start = time.perf_counter()
-    offset, i = 0, 0
-    while offset < size:
-        slot = i % slots
-        previous = outstanding[slot]
-        if previous is not None:  # the slot's buffer is reused: wait for its last transfer
-            previous.wait()
-            if progress:
-                progress(previous.nbytes)
-        nbytes = min(request, size - offset)
-        outstanding[slot] = submit(slot, offset, nbytes)
-        offset += nbytes
-        i += 1
-    for req in outstanding:
-        if req is not None and req.nbytes:
-            req.wait()
-    elapsed = time.perf_counter() - start
-    if progress:
-        for req in outstanding:
-            if req is not None:
-                progress(req.nbytes)
-    return elapsed
-
-
-def measure_engine(
-    directory: str, size: int, config: AioConfig, progress: Progress | None = None
-) -> Point:
-    """Write then read ``size`` bytes sequentially with one engine configuration.
-
-    The buffer pool is registered with the engine (io_uring fixed buffers), as
-    the training engine registers its staging slabs.
-    """
-    request, pool_bytes = _pool_bytes(size, config)
-    pool = aligned_empty(pool_bytes)
-    _fill(pool)
-    slots = pool_bytes // request
-    views = [pool[i * request : (i + 1) * request] for i in range(slots)]
-    with IOEngine(config) as engine, SwapFile(directory, size, engine, name="bench") as sf:
-        engine.register_buffers([pool])  # None or why not: the plain path works too
-
-        def write(slot: int, offset: int, nbytes: int) -> IORequest:
-            return sf.write(views[slot][:nbytes], offset)
-
-        def read(slot: int, offset: int, nbytes: int) -> IORequest:
-            return sf.read(views[slot][:nbytes], offset)
-
-        cpu_before = _cpu_seconds()
-        write_s = _stream(write, size, request, slots, progress)
-        read_s = _stream(read, size, request, slots, progress)
-        cpu = _cpu_seconds() - cpu_before
-        backend = engine.backend
-    return Point(
-        backend=backend,
-        block_size=cast(int, config.block_size),
-        queue_depth=config.queue_depth,
-        threads=config.threads,
-        write_gbps=size / write_s / GB,
-        read_gbps=size / read_s / GB,
-        cpu_ms_per_gb=cpu * 1000 / (2 * size / GB),
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``infinity bench nvme``."""
+    parser.add_argument("--path", required=True, help="directory on the disk to measure")
+    parser.add_argument("--size", default="4GiB", help="bytes written then read per point")
+    parser.add_argument(
+        "--block-sizes", default="256K,1M,4M", help="comma-separated piece sizes (multiples of 4K)"
     )
+    parser.add_argument(
+        "--queue-depths", default="8,32,64", help="comma-separated pieces in flight per thread"
+    )
+    parser.add_argument(
+        "--backends",
+        default="all",
+        help="comma-separated: io_uring, aio, threads, or 'all' (every backend working here)",
+    )
+    parser.add_argument("--threads", default="1", help="comma-separated worker thread counts")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="measurements of each configuration, in interleaved passes: their spread is the "
+        "noise within which the cheapest configuration in CPU per GB is recommended",
+    )
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the buffered aiofiles baseline"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print a JSON summary as the last line of output"
+    )
+    parser.add_argument("--plot", metavar="PNG", help="write GB/s vs block size plots here")
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU time of this process, every thread included."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+def _int_list(flag: str, text: str, lo: int, hi: int) -> list[int]:
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or not lo <= int(item) <= hi:
+            raise CommandError(
+                f"{flag}: {item!r} is not an integer in {lo}..{hi} (e.g. {flag} 8,32)"
+            )
+        values.append(int(item))
+    return list(dict.fromkeys(values))
 
 
-def _pattern(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of seeded random bytes."""
-    gen = torch.Generator().manual_seed(1234)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+def _block_sizes(text: str) -> list[int]:
+    sizes = []
+    for item in text.split(","):
+        try:
+            size = parse_size(item.strip(), name="block size")
+        except ValueError:
+            raise CommandError(
+                f"--block-sizes: {item.strip()!r} is not a size; use e.g. 256K,1M,4M"
+            ) from None
+        if size < ALIGNMENT or size % ALIGNMENT or size > MAX_BLOCK_SIZE:
+            raise CommandError(
+                f"--block-sizes: {item.strip()} is not a multiple of {_ALIGN_K} between "
+                f"{_ALIGN_K} and {MAX_BLOCK_SIZE >> 30}G (O_DIRECT alignment); use e.g. 256K,1M,4M"
+            )
+        sizes.append(size)
+    return list(dict.fromkeys(sizes))
 
 
-def _fill(buf: torch.Tensor) -> None:
-    """Fill ``buf`` with incompressible-looking bytes, so a compressing device cannot
-    flatter the write; a 1 MiB random block is tiled (generating GiBs would dominate)."""
-    block = _pattern(min(1 << 20, buf.numel()))
-    for start in range(0, buf.numel(), block.numel()):
-        end = min(start + block.numel(), buf.numel())
-        buf[start:end].copy_(block[: end - start])
+def _backends(text: str) -> list[str]:
+    from infinity._native import native
+
+    probes = native().io.probe_results()
+    working = [name for name in ("io_uring", "aio", "threads") if not probes.get(name)]
+    if text.strip() == "all":
+        return working
+    names = list(dict.fromkeys(item.strip() for item in text.split(",")))
+    for name in names:
+        if name not in probes:
+            raise CommandError(
+                f"--backends: unknown backend {name!r}; choose from io_uring, aio, threads or all"
+            )
+        if probes[name]:
+            raise CommandError(
+                f"--backends: {name} does not work on this machine ({probes[name]}); "
+                f"working here: {','.join(working)}"
+            )
+    return names
 
 
-def measure_aiofiles(
-    directory: str, size: int, block_size: int, progress: Progress | None = None
-) -> tuple[float, float]:
-    """(write GB/s, read GB/s) of buffered ``aiofiles`` I/O in ``block_size`` chunks.
+def _check_directory(path: Path) -> bool:
+    """Checks ``--path`` is usable; returns True if it must be created (its parent exists)."""
+    fs_type = pseudo_filesystem(path)
+    if fs_type is not None:
+        raise CommandError(
+            f"--path: '{path}' is on a {fs_type} file system, a kernel interface with no "
+            "storage; pick a directory on the disk to measure"
+        )
+    if path.exists():
+        if not path.is_dir():
+            raise CommandError(f"--path: '{path}' exists and is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise CommandError(f"--path: '{path}' is not writable")
+        return False
+    parent = path.parent
+    if not parent.is_dir():
+        raise CommandError(
+            f"--path: cannot create '{path}': its parent '{parent}' is not an existing "
+            "directory; create it first or pick another path"
+        )
+    return True
 
-    The file is created in a private sub-directory of ``directory`` and removed
-    (the next run removes it if this process is killed first).
-    """
-    reclaim_stale(directory)
-    private = make_owned_dir(directory, "bench")
-    path = os.path.join(private, "aiofiles.bin")
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep; returns 0 (user errors raise CommandError: exit code 2)."""
     try:
-        return asyncio.run(_aiofiles_pass(path, size, block_size, progress))
+        size = parse_size(args.size, name="--size")
+    except ValueError as exc:
+        raise CommandError(f"{exc}") from None
+    if size < ALIGNMENT or size % ALIGNMENT:
+        raise CommandError(
+            f"--size: {args.size} must be a positive multiple of {_ALIGN_K}, e.g. 1GiB"
+        )
+    block_sizes = _block_sizes(args.block_sizes)
+    depths = _int_list("--queue-depths", args.queue_depths, 1, MAX_QUEUE_DEPTH)
+    threads = _int_list("--threads", args.threads, 1, MAX_THREADS)
+    if not 1 <= args.repeats <= 20:
+        raise CommandError(f"--repeats {args.repeats} must be in 1..20 (e.g. --repeats 3)")
+    backends = _backends(args.backends)
+    path = Path(args.path).absolute()
+    if args.plot:
+        plot_dir = Path(args.plot).absolute().parent
+        if not plot_dir.is_dir():
+            raise CommandError(f"--plot: directory '{plot_dir}' does not exist")
+    created = _check_directory(path)
+    if created:
+        try:
+            path.mkdir()
+        except OSError as exc:
+            raise CommandError(f"--path: cannot create '{path}': {exc.strerror}") from None
+    try:
+        reclaim_stale(path)  # a killed earlier run's files would count as used space
+        free = os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
+        if free < size:
+            raise CommandError(
+                f"--size: {format_size(size)} does not fit in '{path}' "
+                f"({format_size(free)} free); use a smaller --size"
+            )
+        return _sweep(args, path, size, block_sizes, depths, threads, backends)
     finally:
-        for step in (lambda: os.unlink(path), lambda: os.rmdir(private)):
+        if created:
             try:
-                step()
+                path.rmdir()  # only if we made it and it is empty again
             except OSError:
                 pass
 
 
-async def _aiofiles_pass(
-    path: str, size: int, block_size: int, progress: Progress | None
-) -> tuple[float, float]:
-    import aiofiles
+def _sweep(
+    args: argparse.Namespace,
+    path: Path,
+    size: int,
+    block_sizes: list[int],
+    depths: list[int],
+    threads: list[int],
+    backends: list[str],
+) -> int:
+    from tqdm import tqdm
 
-    block = bytes(_pattern(block_size).numpy().tobytes())
-    start = time.perf_counter()
-    async with aiofiles.open(path, "wb") as f:
-        written = 0
-        while written < size:
-            n = min(block_size, size - written)
-            await f.write(block[:n] if n < block_size else block)
-            written += n
-            if progress:
-                progress(n)
-        await f.flush()
-        # NOTE: fsync is part of the write: without it the "write" only fills
-        # the page cache and the number says nothing about the disk.
-        fd = f.fileno()
-        await asyncio.to_thread(os.fsync, fd)
-        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)  # drop cached pages before the read
-    write_s = time.perf_counter() - start
+    from infinity.bench import nvme_report
+    from infinity.bench.disk import measure_aiofiles, measure_engine
 
-    start = time.perf_counter()
-    async with aiofiles.open(path, "rb") as f:
-        remaining = size
-        while remaining > 0:
-            chunk = await f.read(min(block_size, remaining))
-            if not chunk:
-                raise OSError(f"short read of the baseline file '{path}'")
-            remaining -= len(chunk)
-            if progress:
-                progress(len(chunk))
-    read_s = time.perf_counter() - start
-    return size / write_s / GB, size / read_s / GB
+    combos = list(itertools.product(backends, threads, block_sizes, depths))
+    passes = 2 * len(combos) * args.repeats + (0 if args.no_baseline else 2 * len(block_sizes))
+    samples = []
+    baseline: dict[int, tuple[float, float]] = {}
+    with tqdm(
+        total=passes * size, unit="B", unit_scale=True, desc="bench nvme", file=sys.stderr
+    ) as bar:
+        # NOTE: repeats in interleaved passes, so drift hits every configuration alike.
+        for _repeat in range(args.repeats):
+            for backend, nthreads, bs, qd in combos:
+                bar.set_postfix_str(f"{backend} t={nthreads} bs={bs >> 10}K qd={qd}")
+                config = AioConfig(backend=backend, block_size=bs, queue_depth=qd, threads=nthreads)
+                try:
+                    samples.append(measure_engine(str(path), size, config, bar.update))
+                except OSError as exc:
+                    raise CommandError(f"measuring {backend} in '{path}' failed: {exc}") from None
+        if not args.no_baseline:
+            for bs in block_sizes:
+                bar.set_postfix_str(f"aiofiles bs={bs >> 10}K")
+                baseline[bs] = measure_aiofiles(str(path), size, bs, bar.update)
+    points, noise = nvme_report.combine_repeats(samples)
+    choice = nvme_report.recommend(points, noise)
+    print(nvme_report.table(points, baseline, size, choice, args.repeats))
+    if args.plot:
+        nvme_report.plot(points, baseline, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        print(nvme_report.json_line(nvme_report.summary(points, baseline, size, choice)))
+    return 0

@@ -1,214 +1,225 @@
-"""Train a model larger than the machine's RAM for a few steps and measure it.
+"""``infinity bench scale``: train the largest Llama the free disk holds.
 
-The model is a ``transformers`` Llama of :mod:`infinity.bench.scale_shapes`,
-built under :func:`infinity.init_empty` and offloaded with small device and
-host budgets, so nearly all of its states live on the NVMe disk. The report
-sets each measurement against what bounds it: the states against the RAM,
-the peak RSS against the budgets, the step time against the disk's I/O bound
-(the time this disk needs for one step's NVMe reads and writes, from rates
-measured in the same run with :mod:`infinity.bench.disk_mix`), and the time
-the disk was busy against the step (``nvme_busy_seconds``: the disk idles
-while the step computes without a transfer in flight). ``Config.device`` may
-be ``cuda``: the GPU computes, the states still go through the host budget to
-the disk. :func:`planned_nvme_bytes` is the planner's estimate of one step's
-NVMe bytes, to size a run for a disk before building anything.
+The size is picked so that the model's training states (16 bytes per bf16
+parameter) fit the free space under ``--nvme-path`` minus a safety margin;
+``--params`` and ``--max-disk`` cap it for a quicker run. Needs ``transformers``
+(the ``hf`` extra). The model family, the pick and the run are
+:mod:`infinity.bench.scale_run`'s.
 """
 
 from __future__ import annotations
 
-import resource
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import argparse
+import json
+import os
+import shutil
+import sys
 from typing import Any
 
-import psutil
-import torch
+from infinity.bench.scale_run import ScaleRun, bytes_per_param, pick_shape, run_scale, usable_disk
+from infinity.cli.main import CommandError
+from infinity.config import AioConfig, Config, ConfigError
+from infinity.devices.choice import choose_dtype, resolve_device
+from infinity.utils.sizes import format_size, parse_size
 
-import infinity
-from infinity.bench.disk_mix import faster, io_bound_seconds, measure_mix
-from infinity.bench.scale_shapes import Shape, bytes_per_param
-from infinity.config import Config
-from infinity.offload import engine_of
-from infinity.optim import CPUAdam
-from infinity.runtime.budgets import plan_for
-from infinity.runtime.params import ParamRegistry
-
-Note = Callable[[str], None]
-StepBar = Callable[[int], Any]  # wraps range(steps) in a progress bar
-GB = 10**9
+_COUNT_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 
-@dataclass(frozen=True)
-class ScaleRun:
-    """What to train and how."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``infinity bench scale``."""
+    parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
+    parser.add_argument(
+        "--params", help="at most this many parameters (e.g. 500M, 4B); default: what the disk fits"
+    )
+    parser.add_argument(
+        "--max-disk", help="bytes of disk to size the model for (default: the free space)"
+    )
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=0.1,
+        help="fraction of the free disk left untouched (default 0.1)",
+    )
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=8192,
+        help="vocabulary size (e.g. 128256: the embedding must fit the device budget whole)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bf16", "fp16", "fp32"),
+        help="compute dtype (default auto: bf16 where the device computes it natively, else fp32)",
+    )
+    parser.add_argument(
+        "--optimizer-state-dtype",
+        default="fp32",
+        choices=("fp32", "bf16", "int8"),
+        help="how Adam's moments are stored (Config.optimizer_state_dtype; default fp32)",
+    )
+    parser.add_argument(
+        "--overlap-optimizer",
+        action="store_true",
+        help="update each chunk as soon as its gradients are complete "
+        "(Config.overlap_optimizer: gradients homed on NVMe never go to the disk)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="compute device (cuda: the GPU computes; the states beyond the device and "
+        "host budgets still live on the disk; default cpu)",
+    )
+    parser.add_argument("--device-memory", default="1GiB", help="device budget (default 1GiB)")
+    parser.add_argument("--host-memory", default="4GiB", help="host budget (default 4GiB)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (the first warms up)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument(
+        "--measure-size", default="1GiB", help="bytes written and read to measure the disk"
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON line last")
 
-    shape: Shape
-    config: Config
-    steps: int = 3
-    batch: int = 1
-    seq_len: int = 256
-    measure_bytes: int = 1 << 30  # size of the disk bandwidth measurement
 
-
-def peak_rss() -> int:
-    """Peak resident set of this process so far, in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _init_weights(model: torch.nn.Module) -> Callable[[torch.nn.Module], None]:
-    """The model's own initialisation (``transformers``' ``_init_weights``), per module."""
-    init = getattr(model, "_init_weights", None)
-    if not callable(init):
-        raise TypeError(f"{type(model).__name__} has no _init_weights")
-    return init
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for the GPU's queued work (a step's wall time must include it)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or ``cpu``."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def planned_nvme_bytes(shape: Shape, config: Config) -> tuple[int, int]:
-    """NVMe bytes (read, written) per step the planner estimates (``Plan.traffic``)
-    for ``shape`` under ``config``: a meta model, nothing allocated or written."""
-    import transformers
-
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(shape.llama_config())
-    plan = plan_for(ParamRegistry.from_model(model), config, torch.device(config.device))
-    return plan.traffic["nvme_read_bytes"], plan.traffic["nvme_write_bytes"]
-
-
-def _planner_seconds(model: torch.nn.Module, config: Config) -> float:
-    """Time of one plan for the meta model (the engine plans once more inside offload)."""
-    start = time.perf_counter()
-    plan_for(ParamRegistry.from_model(model), config, torch.device(config.device))
-    return time.perf_counter() - start
-
-
-def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
-    """Build, offload and train the model; the report as a JSON-ready dict."""
-    import transformers
-
-    config = run.config
-    device = torch.device(config.device)
-    base_rss = psutil.Process().memory_info().rss
-    note(f"measuring the disk ({run.measure_bytes / GB:.1f} GB written and read)")
-    before = measure_mix(str(config.nvme_path), run.measure_bytes, config.aio)
-    note(f"building {run.shape.describe()}")
-    llama = transformers.LlamaForCausalLM  # NOTE: a lazy import, kept out of the timing
-    start = time.perf_counter()
-    with infinity.init_empty():
-        model: torch.nn.Module = llama(run.shape.llama_config(run.seq_len))
-    construct_s = time.perf_counter() - start
-    planner_s = _planner_seconds(model, config)
-    note("offloading: initialising the chunks (and writing them to the disk)")
-    start = time.perf_counter()
-    model = infinity.offload(model, config, init=_init_weights(model))
-    offload_s = time.perf_counter() - start
-    engine = engine_of(model)
-    params = sum(e.param.numel() for e in engine.registry.entries)
+def parse_count(text: str) -> int:
+    """``"4B"``, ``"500M"``, ``"2.5e9"`` or ``"123"`` as a number of parameters."""
+    raw = text.strip().upper()
+    scale = _COUNT_SUFFIXES.get(raw[-1:], 1)
+    number = raw[:-1] if raw[-1:] in _COUNT_SUFFIXES else raw
     try:
-        optimizer = CPUAdam(model.parameters(), lr=1e-4)
-        # NOTE: one batch, repeated: its loss must fall step after step, a check
-        # that the offloaded states round-trip through the disk intact.
-        g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, run.shape.vocab, (run.batch, run.seq_len), generator=g)
-        tokens = tokens.to(device)
-        steps: list[dict[str, float]] = []
-        losses: list[float] = []
-        for _ in bar(run.steps):
-            start = time.perf_counter()
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            _sync(device)
-            lap = dict(engine.step_timer.last)
-            lap["wall_seconds"] = time.perf_counter() - start
-            steps.append(lap)
-            losses.append(float(loss.detach()))
-        stats = infinity.stats(model)
-    finally:
-        engine.close()
-    note("measuring the disk again")
-    after = measure_mix(str(config.nvme_path), run.measure_bytes, config.aio)
-    # NOTE: on a shared disk the bandwidth drifts over minutes; the faster of the
-    # two measurements of each rate gives the lower (stricter) bound.
-    disk = faster(before, after)
-    # The first step records the warm-up trace; the steady state starts after it.
-    timed = steps[1:] or steps
-    step_s = statistics.median(s["wall_seconds"] for s in timed)
-    read_b = statistics.median(s.get("nvme_read_bytes", 0.0) for s in timed)
-    write_b = statistics.median(s.get("nvme_write_bytes", 0.0) for s in timed)
-    # NOTE: the bound is what this disk needs for the step's reads and writes,
-    # overwriting (as a step does) and doing both at once at the rate measured
-    # for that (disk_mix.py). The slower direction alone (``io_duplex_seconds``)
-    # is the bound of a disk that reads and writes at full speed at once; the
-    # sum (``io_serial_seconds``), of one that serialises them.
-    read_s, write_s = read_b / (disk.read_gbps * GB), write_b / (disk.write_gbps * GB)
-    io_bound = io_bound_seconds(read_b, write_b, disk)
-    busy = statistics.median(s.get("nvme_busy_seconds", 0.0) for s in timed)
-    # NOTE: the step timer splits each step into waiting on each tier and the
-    # rest; a step far above the I/O bound with little waiting is compute-bound.
-    wait_nvme = statistics.median(s.get("wait_nvme_seconds", 0.0) for s in timed)
-    compute = statistics.median(s.get("compute_seconds", 0.0) for s in timed)
-    per = bytes_per_param(config.dtype, config.optimizer_state_dtype)
-    return {
-        "model": run.shape.describe(),
-        "hidden": run.shape.hidden,
-        "layers": run.shape.layers,
-        "vocab": run.shape.vocab,
-        "intermediate": run.shape.intermediate,
-        "heads": run.shape.heads,
-        "dtype": config.dtype,
-        "device": device_name(device),
-        "optimizer_state_dtype": config.optimizer_state_dtype,
-        "overlap_optimizer": config.overlap_optimizer,
-        "params": params,
-        "bytes_per_param": per,
-        "states_bytes": int(params * per),
-        "ram_bytes": psutil.virtual_memory().total,
-        "nvme_bytes": stats["nvme_bytes"],
-        "device_budget_bytes": stats["device_budget_bytes"],
-        "host_budget_bytes": stats["host_budget_bytes"],
-        "device_peak_bytes": stats["device_peak_bytes"],
-        "host_peak_bytes": stats["host_peak_bytes"],
-        "base_rss_bytes": base_rss,
-        "peak_rss_bytes": peak_rss(),
-        "construct_seconds": construct_s,
-        "planner_seconds": planner_s,
-        "offload_seconds": offload_s,
-        "step_seconds": step_s,
-        "steps": [s["wall_seconds"] for s in steps],
-        "losses": losses,
-        "nvme_read_bytes_per_step": read_b,
-        "nvme_write_bytes_per_step": write_b,
-        "disk_read_gbps": disk.read_gbps,
-        "disk_write_gbps": disk.write_gbps,
-        "disk_both_gbps": disk.both_gbps,
-        "disk_first_write_gbps": disk.first_write_gbps,
-        # before building the model and after training it
-        "disk_measured": [m.as_dict() for m in (before, after)],
-        "io_bound_seconds": io_bound,
-        "io_serial_seconds": read_s + write_s,
-        "io_duplex_seconds": max(read_s, write_s),
-        # the disk had a transfer of the step in flight this long (median of steps 2+)
-        "nvme_busy_seconds": busy,
-        # NVMe bytes over the step's time, and over the time the disk was busy
-        "nvme_gbps": (read_b + write_b) / step_s / GB if step_s else 0.0,
-        "nvme_busy_gbps": (read_b + write_b) / busy / GB if busy else 0.0,
-        "wait_nvme_seconds": wait_nvme,
-        "compute_seconds": compute,
-        "vs_io_bound": step_s / io_bound if io_bound else None,
-        "batch": run.batch,
-        "seq_len": run.seq_len,
-    }
+        value = int(float(number) * scale)
+    except ValueError:
+        raise CommandError(f"--params {text!r} is not a count; write e.g. 500M or 4B") from None
+    if value < 1:
+        raise CommandError(f"--params {text!r} must be positive")
+    return value
+
+
+def _size(flag: str, text: str) -> int:
+    try:
+        return parse_size(text, name=flag)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def scale_config(args: argparse.Namespace) -> Config:
+    """The offload ``Config`` of a scale run from its flags (``add_arguments``)."""
+    try:
+        return Config(
+            dtype=args.dtype,
+            optimizer_state_dtype=args.optimizer_state_dtype,
+            overlap_optimizer=args.overlap_optimizer,
+            device=args.device,
+            device_memory=args.device_memory,
+            host_memory=args.host_memory,
+            nvme_path=args.nvme_path,
+            aio=AioConfig(),
+        )
+    except ConfigError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def table(report: dict[str, Any]) -> str:
+    """The human-readable report."""
+    r = report
+    rss_over = r["peak_rss_bytes"] / (r["device_budget_bytes"] + r["host_budget_bytes"])
+    rows = [
+        f"{r['model']}, {r['dtype']} on {r['device']}: {r['params']:,} parameters",
+        f"states       {format_size(r['states_bytes']):>10} ({r['bytes_per_param']:.4g} B/param, "
+        f"moments {r['optimizer_state_dtype']}"
+        f"{', overlapped step' if r.get('overlap_optimizer') else ''}) = "
+        f"{r['states_bytes'] / r['ram_bytes']:.2f}x the RAM ({format_size(r['ram_bytes'])}); "
+        f"{format_size(r['nvme_bytes'])} on the disk",
+        f"peak RSS     {format_size(r['peak_rss_bytes']):>10} = {rss_over:.2f}x the budgets "
+        f"(device {format_size(r['device_budget_bytes'])} + host "
+        f"{format_size(r['host_budget_bytes'])}); {format_size(r['base_rss_bytes'])} before "
+        "building",
+        f"init         {r['construct_seconds'] + r['offload_seconds']:8.1f} s (construct "
+        f"{r['construct_seconds']:.1f} s, offload {r['offload_seconds']:.1f} s); planner "
+        f"{r['planner_seconds']:.2f} s",
+        f"step         {r['step_seconds']:8.1f} s (median of steps 2+); I/O bound "
+        f"{r['io_bound_seconds']:.1f} s for {r['nvme_read_bytes_per_step'] / 1e9:.1f} GB read and "
+        f"{r['nvme_write_bytes_per_step'] / 1e9:.1f} GB written at {r['disk_read_gbps']:.2f} GB/s "
+        f"reading, {r['disk_write_gbps']:.2f} overwriting, {r['disk_both_gbps']:.2f} doing both "
+        f"(one after the other {r['io_serial_seconds']:.1f} s, both at full speed "
+        f"{r['io_duplex_seconds']:.1f} s)",
+        f"disk         busy {r['nvme_busy_seconds']:.1f} s of the step: "
+        f"{r['nvme_gbps']:.2f} GB/s over the step, {r['nvme_busy_gbps']:.2f} GB/s while busy",
+    ]
+    if r["vs_io_bound"] is not None:
+        rows.append(
+            f"step / bound {r['vs_io_bound']:8.2f}x; of the step, {r['wait_nvme_seconds']:.1f} s "
+            f"waiting on the disk and {r['compute_seconds']:.1f} s computing (forward, backward, "
+            "Adam)"
+        )
+    rows.append("losses       " + " ".join(f"{x:.3f}" for x in r["losses"]))
+    return "\n".join(rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Pick the size, train it and print the report."""
+    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 1 or args.vocab < 2:
+        raise CommandError("--steps, --batch-size and --seq-len must be >= 1, --vocab >= 2")
+    if not 0 <= args.margin < 1:
+        raise CommandError(f"--margin {args.margin} must be in [0, 1)")
+    if args.dtype == "auto":  # NOTE [dtype auto]: the shape is sized for the dtype it runs
+        args.dtype = choose_dtype(resolve_device(args.device)).dtype
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CommandError(
+                "--device cuda: no CUDA GPU here (torch.cuda.is_available() is False)"
+            )
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise CommandError(
+            "infinity bench scale builds a transformers Llama: pip install 'infinity[hf]'"
+        ) from None
+    try:
+        os.makedirs(args.nvme_path, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(f"cannot use --nvme-path {args.nvme_path!r}: {exc.strerror}") from None
+    measure = _size("--measure-size", args.measure_size)
+    free = shutil.disk_usage(args.nvme_path).free
+    disk = _size("--max-disk", args.max_disk) if args.max_disk else free
+    max_states = usable_disk(disk, args.margin, measure)
+    max_params = parse_count(args.params) if args.params else None
+    try:
+        shape = pick_shape(
+            vocab=args.vocab, dtype=args.dtype, max_states=max_states, max_params=max_params
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    states = shape.num_params * bytes_per_param(args.dtype, args.optimizer_state_dtype)
+    print(
+        f"{shape.describe()}: {format_size(states)} of states; disk {format_size(disk)}"
+        f"{'' if args.max_disk else ' free'} under {args.nvme_path}, "
+        f"{format_size(max_states)} usable",
+        file=sys.stderr,
+    )
+    if states > free:
+        raise CommandError(
+            f"{format_size(states)} of states do not fit the {format_size(free)} free under "
+            f"{args.nvme_path}; lower --params or --max-disk"
+        )
+    from tqdm import tqdm
+
+    from infinity.schedule.planner import PlanError
+
+    def bar(steps: int) -> Any:
+        return tqdm(range(steps), desc="bench scale", unit="step", file=sys.stderr)
+
+    scale_run = ScaleRun(
+        shape, scale_config(args), args.steps, args.batch_size, args.seq_len, measure_bytes=measure
+    )
+    try:
+        report = run_scale(scale_run, lambda m: print(f"... {m}", file=sys.stderr), bar)
+    except PlanError as exc:
+        raise CommandError(str(exc)) from None
+    print(table(report))
+    if args.json:
+        print(json.dumps(report))
+    return 0

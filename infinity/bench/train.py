@@ -1,324 +1,256 @@
-"""End-to-end step time of offloaded training against plain PyTorch, in one run.
+"""``infinity bench train``: offloaded step time against plain PyTorch.
 
-Cases (same model, same batches, same optimizer: ``--optimizer``, Adam by default):
-  a. plain PyTorch in RAM with ``torch.optim.AdamW(fused=True)`` (or torch's
-     counterpart of the chosen optimizer);
-  b. offloaded, device budget half the parameters, everything else in RAM;
-  c. offloaded, optimizer states on NVMe (parameters and gradients on the host);
-  d. offloaded, everything beyond a small host budget (15% of the states) on NVMe.
-c and d run with ``overlap_optimizer=True`` (this loop steps after every
-backward, without clipping; at c's budget the planner then sends gradients to
-NVMe instead, used from staging, and keeps optimizer states home); c0 and d0
-are the same without it (the default:
-the step's NVMe-bound updates trail into the next forward).
-Each offloaded step time is reported as a ratio to (a) and, for the NVMe
-cases, against ``max(compute time of (a), I/O lower bound)``, the lower bound
-being the NVMe bytes of one step divided by the bandwidth measured in the same
-run (``infinity.bench.nvme``).
-
-NOTE: ratios are *paired*: each round runs one block of every case, and the
-reported ratio is the median over rounds of (case / plain) within a round.
-This machine's speed drifts by 20% within a minute under other tenants'
-load; cases a few seconds apart see the same drift, a median over the whole
-run does not.
+The flags, their checks and the tables. The GPT cases are run by
+:mod:`infinity.bench.train_cases`; ``--gpt2`` (GPT-2 124M, plain vs infinity, where
+the time goes) by :mod:`infinity.bench.train_gpt2`.
 """
 
 from __future__ import annotations
 
-import statistics
-import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import argparse
+import json
+import os
+import sys
 from typing import Any
 
-import torch
+from infinity.bench.train_cases import OPTIMIZERS, run_all
+from infinity.bench.train_gpt2 import run_gpt2
+from infinity.cli.main import CommandError
+from infinity.models.gpt import GPTConfig
+from infinity.schedule.planner import PlanError
+from infinity.utils.sizes import format_size
 
-import infinity
-from infinity.bench.nvme import measure_engine
-from infinity.config import AioConfig, Config
-from infinity.core.plan import Plan
-from infinity.models.gpt import GPT, GPTConfig, init_weights
-from infinity.offload import engine_of
-from infinity.optim import CPUSGD, CPUAdafactor, CPUAdam, CPULion
-from infinity.runtime.budgets import plan_for
-from infinity.runtime.params import ParamRegistry
-from infinity.schedule.planner import NVME, PlanError
-
-Progress = Callable[[str], None]
-MakeOptimizer = Callable[[Any], torch.optim.Optimizer]
+TARGETS = {"b": ("vs_plain", 1.15), "c": ("vs_bound", 1.2), "d": ("vs_bound", 1.2)}
+# c0/d0 (no overlap) are reported for comparison, without a target.
+GPT2_TARGETS = {"default": 1.15, "overlap": 1.10}  # x plain, issue 18 part 4
 
 
-@dataclass
-class CaseResult:
-    """Median step time and per-step traffic of one case."""
-
-    name: str
-    description: str
-    step_seconds: float
-    steps: list[float] = field(default_factory=list)
-    rounds: list[float] = field(default_factory=list)  # median step time of each round
-    traffic: dict[str, float] = field(default_factory=dict)
-    config: dict | None = None
-
-
-def _batches(cfg: GPTConfig, batch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        (
-            torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g),
-            torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g),
-        )
-        for _ in range(n)
-    ]
-
-
-def _model(cfg: GPTConfig) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    model.apply(init_weights)
-    return model
-
-
-class Runner:
-    """One case, able to run one training step at a time (so cases can be interleaved)."""
-
-    def __init__(
-        self,
-        name: str,
-        description: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        config: Config | None,
-    ) -> None:
-        self.name, self.description = name, description
-        self.model, self.optimizer, self.config = model, optimizer, config
-        self.times: list[float] = []
-        self.rounds: list[float] = []
-        self.laps: list[dict[str, float]] = []
-
-    def block(self, batches: list[tuple], timed: bool) -> None:
-        """Consecutive training steps; all but the first are recorded if ``timed``.
-
-        NOTE: an offloaded step leaves writes in flight and updates queued for
-        the next forward. Inside a block each recorded step pays exactly the
-        leftovers of the step before it, as in a real training loop; the first
-        step only sets that up, and the wait at the end (untimed) keeps one
-        case's leftovers out of the next case's steps.
-        """
-        before = len(self.times)
-        for position, batch in enumerate(batches):
-            start = time.perf_counter()
-            self.model(*batch).backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            elapsed = time.perf_counter() - start
-            if timed and position > 0:
-                self.times.append(elapsed)
-                if self.config is not None:
-                    self.laps.append(dict(infinity.stats(self.model)["last_step"]))
-        if len(self.times) > before:
-            self.rounds.append(statistics.median(self.times[before:]))
-        if self.config is not None:
-            engine_of(self.model).synchronize()
-
-    def result(self) -> CaseResult:
-        """Median step time and mean traffic of the timed steps; releases the model."""
-        traffic = {}
-        if self.laps:
-            traffic = {
-                k: statistics.mean(lap.get(k, 0.0) for lap in self.laps) for k in self.laps[0]
-            }
-        if self.config is not None:
-            engine_of(self.model).close()
-        return CaseResult(
-            self.name,
-            self.description,
-            statistics.median(self.times),
-            self.times,
-            self.rounds,
-            traffic,
-            self.config.to_dict() if self.config is not None else None,
-        )
-
-
-# --optimizer: name -> (the infinity optimizer, plain PyTorch's, its description).
-# NOTE: torch has no Lion: the plain case then runs AdamW, which costs about the same.
-OPTIMIZERS: dict[str, tuple[MakeOptimizer, MakeOptimizer, str]] = {
-    "adam": (
-        lambda ps: CPUAdam(ps, lr=1e-4),
-        lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
-        "AdamW(fused=True)",
-    ),
-    "adafactor": (
-        lambda ps: CPUAdafactor(ps, lr=1e-2),
-        lambda ps: torch.optim.Adafactor(ps, lr=1e-2, foreach=True),
-        "Adafactor(foreach=True)",
-    ),
-    "lion": (
-        lambda ps: CPULion(ps, lr=3e-5),
-        lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
-        "AdamW(fused=True)",
-    ),
-    "sgd": (
-        lambda ps: CPUSGD(ps, lr=1e-2, momentum=0.9),
-        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True),
-        "SGD(foreach=True)",
-    ),
-}
-
-
-def plain_runner(cfg: GPTConfig, optimizer: str = "adam") -> Runner:
-    """Case (a): the model and torch's optimizer (AdamW(fused=True) for Adam) in RAM."""
-    model = _model(cfg)
-    _ours, make, label = OPTIMIZERS[optimizer]
-    return Runner("a", f"plain PyTorch, {label}", model, make(model.parameters()), None)
-
-
-def offloaded_runner(
-    name: str, description: str, cfg: GPTConfig, config: Config, optimizer: str = "adam"
-) -> Runner:
-    """One offloaded case, stepped by the infinity optimizer named ``optimizer``."""
-    model = infinity.offload(_model(cfg), config)
-    opt = OPTIMIZERS[optimizer][0](model.parameters())
-    return Runner(name, description, model, opt, config)
-
-
-def host_budget_for(cfg: GPTConfig, base: Config, wanted: Callable[[Plan], bool]) -> int:
-    """The smallest host budget whose plan satisfies ``wanted(plan)`` (binary search)."""
-    with torch.device("meta"):
-        registry = ParamRegistry.from_model(GPT(cfg))
-    lo, hi = 1 << 20, 1 << 40
-    while hi - lo > 1 << 20:
-        mid = (lo + hi) // 2
-        try:
-            ok = wanted(plan_for(registry, base.replace(host_memory=mid), torch.device("cpu")))
-        except PlanError:
-            ok = False
-        lo, hi = (lo, mid) if ok else (mid, hi)
-    return hi
-
-
-def nvme_budgets(cfg: GPTConfig, nvme: Config) -> tuple[int, int]:
-    """The host budgets of cases c/c0 and d/d0: the smallest that keeps parameters
-    and gradients in RAM (optimizer states on NVMe), and the "small" one, 15% of
-    AdamW's model states (at least what staging needs)."""
-    optim_only = host_budget_for(
-        cfg, nvme, lambda p: NVME not in p.param_home and NVME not in p.grad_home
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``infinity bench train``."""
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=18,
+        help="timed steps per case (ratios are medians over rounds of --block steps)",
     )
-    small = max(host_budget_for(cfg, nvme, lambda p: True), cfg.num_params * 16 * 15 // 100)
-    return optim_only, small
+    parser.add_argument("--warmup", type=int, default=4, help="untimed warm-up steps per case")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=4,
+        help="consecutive steps per case before the next case runs; the first of each "
+        "block is not timed (timed steps are rounded up to whole blocks)",
+    )
+    parser.add_argument("--nvme-path", default=".infinity/bench", help="directory on the NVMe disk")
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adam",
+        help="the optimizer of every case (infinity's offloaded, torch's in plain PyTorch; "
+        "AdamW for lion, which torch lacks); not with --gpt2",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object on the last line"
+    )
+    parser.add_argument(
+        "--gpt2",
+        action="store_true",
+        help="instead: transformers GPT2LMHeadModel 124M (fp32, batch 4 x --seq-len), plain "
+        "vs infinity default vs overlap_optimizer=True, one process per case; uses "
+        "--steps (rounded up to rounds of --block), --device-memory, --host-memory",
+    )
+    parser.add_argument("--device-memory", default="512MiB", help="--gpt2 only")
+    parser.add_argument("--host-memory", default="1GiB", help="--gpt2 only")
+    parser.add_argument(
+        "--compare-block-size",
+        metavar="SIZE",
+        help="--gpt2 only: add a case default@SIZE, the default step with aio.block_size=SIZE",
+    )
+    parser.add_argument(
+        "--compare-sched-batch",
+        action="store_true",
+        help="--gpt2 only: add default+batch, the default case with the engine's native threads "
+        "under SCHED_BATCH (no wake-up preemption of the compute thread)",
+    )
 
 
-def run_all(
-    cfg: GPTConfig,
-    *,
-    batch: int,
-    steps: int,
-    warmup: int,
-    nvme_dir: str,
-    block: int = 4,
-    progress: Progress | None = None,
-    optimizer: str = "adam",
-) -> dict:
-    """Every case plus the NVMe bandwidth of ``nvme_dir``; a JSON-ready report.
+def _verdict(case: dict) -> str:
+    """The target's verdict on the median, and how many rounds alone would disagree.
 
-    NOTE: the cases run in interleaved blocks of ``block`` consecutive steps
-    (a, b, c, d, then b, c, d, a, ...: the order rotates so that no case
-    always follows the same one) so that a burst of load from elsewhere on
-    the machine hits every case alike, while inside a block each step
-    overlaps its own successor as in a real training loop (see
-    :meth:`Runner.block`); a block times ``block - 1`` steps. Ratios are
-    paired per round (see the module note). ``optimizer`` names the optimizer of
-    every case (:data:`OPTIMIZERS`); the budgets are the same for all of them.
+    NOTE: a median a hair either side of its limit says little on a noisy
+    machine; the count of rounds on the other side tells the reader how firm
+    the verdict is.
     """
-    note = progress or (lambda _msg: None)
-    if block < 2:
-        raise ValueError(f"block={block} must be >= 2 (the first step of a block is not timed)")
-    rounds = -(-steps // (block - 1))
-    warm_rounds = -(-warmup // block) if warmup else 0
-    data = _batches(cfg, batch, (rounds + warm_rounds) * block)
-    param_bytes = cfg.num_params * 4
-    base = Config(device="cpu", dtype="fp32", device_memory=param_bytes // 2)
-    with tempfile.TemporaryDirectory(dir=nvme_dir) as tmp:
-        nvme = base.replace(nvme_path=tmp)
-        optim_only, small = nvme_budgets(cfg, nvme)
-        overlap = {"overlap_optimizer": True}  # the loop below steps after every backward
-        note("building the cases")
-        opt = optimizer
-        runners = [
-            plain_runner(cfg, opt),
-            offloaded_runner("b", "offloaded, device = 1/2 params, rest in RAM", cfg, base, opt),
-            offloaded_runner(
-                "c",
-                "c0's host budget, optimizer overlapped with backward (gradients leave first)",
-                cfg,
-                nvme.replace(host_memory=optim_only, **overlap),
-                opt,
-            ),
-            offloaded_runner(
-                "c0",
-                "as c, step after backward (default)",
-                cfg,
-                nvme.replace(host_memory=optim_only),
-                opt,
-            ),
-            offloaded_runner(
-                "d",
-                "small host budget, rest on NVMe, optimizer overlapped",
-                cfg,
-                nvme.replace(host_memory=small, **overlap),
-                opt,
-            ),
-            offloaded_runner(
-                "d0",
-                "as d, step after backward (default)",
-                cfg,
-                nvme.replace(host_memory=small),
-                opt,
-            ),
-        ]
-        for r in range(rounds + warm_rounds):
-            warm = r < warm_rounds
-            note(f"round {r + 1} of {rounds + warm_rounds}" + (" (warm-up)" if warm else ""))
-            turn = r % len(runners)
-            for runner in runners[turn:] + runners[:turn]:
-                runner.block(data[r * block : (r + 1) * block], timed=not warm)
-        results = [r.result() for r in runners]
-        plain = results[0]
-        note("NVMe bandwidth")
-        size = min(1 << 30, max(256 << 20, param_bytes * 2))
-        bw = measure_engine(tmp, size, AioConfig())
-    read_bps, write_bps = bw.read_gbps * 1e9, bw.write_gbps * 1e9
-    report: dict[str, Any] = {
-        "model": f"GPT {cfg.layers}x{cfg.hidden}",
-        "optimizer": optimizer,
-        "params": cfg.num_params,
-        "batch": batch,
-        "seq_len": cfg.seq_len,
-        "nvme_read_gbps": bw.read_gbps,
-        "nvme_write_gbps": bw.write_gbps,
-        "cases": [],
-    }
-    for case in results:
-        io_bound = (
-            case.traffic.get("nvme_read_bytes", 0) / read_bps
-            + case.traffic.get("nvme_write_bytes", 0) / write_bps
+    target = TARGETS.get(case["case"])
+    if target is None:
+        return ""
+    key, limit = target
+    rounds = case["round_ratios"] if key == "vs_plain" else case["bound_round_ratios"]
+    met = case[key] <= limit
+    against = sum((r > limit) if met else (r <= limit) for r in rounds)
+    side = "over" if met else "under"
+    return (
+        f"{key} <= {limit}: {'met' if met else 'MISSED'} "
+        f"({against} of {len(rounds)} rounds {side} the limit)"
+    )
+
+
+def _check_block(args: argparse.Namespace) -> None:
+    if args.block < 2:
+        raise CommandError(f"--block {args.block} must be >= 2 (a block's first step is untimed)")
+
+
+def _make_nvme_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(f"cannot use --nvme-path {path!r}: {exc.strerror}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every case and print the table (and JSON)."""
+    if args.gpt2:
+        if args.optimizer != "adam":
+            raise CommandError("--optimizer applies to the GPT cases only, not --gpt2")
+        return _run_gpt2(args)
+    sizes = (args.layers, args.hidden, args.heads, args.seq_len, args.batch_size, args.steps)
+    if min(sizes) < 1:
+        raise CommandError(
+            "--layers, --hidden, --heads, --seq-len, --batch-size and --steps must be >= 1"
         )
-        pairs = list(zip(case.rounds, plain.rounds, strict=True))
-        bound_ratios = [mine / max(p, io_bound) for mine, p in pairs]
-        report["cases"].append(
-            {
-                "case": case.name,
-                "description": case.description,
-                "step_seconds": case.step_seconds,
-                "vs_plain": statistics.median(mine / p for mine, p in pairs),
-                "io_lower_bound_seconds": io_bound,
-                "vs_bound": statistics.median(bound_ratios),
-                "round_ratios": [mine / p for mine, p in pairs],
-                "bound_round_ratios": bound_ratios,
-                "traffic_per_step": case.traffic,
-                "steps": case.steps,
-            }
+    _check_block(args)
+    if args.warmup < 0:
+        raise CommandError(f"--warmup {args.warmup} must be >= 0")
+    try:
+        cfg = GPTConfig(
+            vocab_size=256,
+            seq_len=args.seq_len,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
         )
-    return report
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    _make_nvme_dir(args.nvme_path)
+    try:
+        report = run_all(
+            cfg,
+            batch=args.batch_size,
+            steps=args.steps,
+            warmup=args.warmup,
+            nvme_dir=args.nvme_path,
+            block=args.block,
+            progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True),
+            optimizer=args.optimizer,
+        )
+    except PlanError as exc:
+        # NOTE: the cases' budgets are fractions of the model (device = half
+        # the parameters), so a tiny model can leave less than one module needs.
+        raise CommandError(
+            f"this model is too small for the bench's budgets: {exc} "
+            "(use more --layers or a larger --hidden)"
+        ) from None
+    print(
+        f"{report['model']}, {args.optimizer}: {report['params'] / 1e6:.1f}M parameters, batch "
+        f"{args.batch_size} x "
+        f"{args.seq_len} tokens; NVMe {report['nvme_read_gbps']:.2f} GB/s read, "
+        f"{report['nvme_write_gbps']:.2f} GB/s write (1 GB = 1e9 bytes)"
+    )
+    print(
+        f"{'case':<5}{'step s':>8}{'x plain':>9}{'IO bound s':>12}{'x bound':>9}"
+        f"{'rounds':>12}{'h2d':>11}{'d2h':>11}{'nvme rd':>11}{'nvme wr':>11}  target"
+    )
+    for case in report["cases"]:
+        t = case["traffic_per_step"]
+        rounds = case["bound_round_ratios"]
+        print(
+            f"{case['case']:<5}{case['step_seconds']:>8.3f}{case['vs_plain']:>9.2f}"
+            f"{case['io_lower_bound_seconds']:>12.3f}{case['vs_bound']:>9.2f}"
+            f"{f'{min(rounds):.2f}-{max(rounds):.2f}':>12}"
+            + "".join(
+                f"{format_size(t.get(k, 0)):>11}"
+                for k in ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes")
+            )
+            + f"  {_verdict(case)}"
+        )
+    print(
+        "x plain and x bound are medians over rounds of paired ratios; 'rounds' is their "
+        "range (x bound), a measure of this machine's noise"
+    )
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _breakdown_lines(case: dict[str, Any]) -> list[str]:
+    b = case["breakdown"]
+    cpu = b.get("thread_cpu", {})
+    lines = [
+        f"  {case['case']}: fwd+bwd {b['fwd_bwd_seconds']:.2f} s, step() {b['step_seconds']:.2f} s;"
+        " CPU s per step: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items()))
+    ]
+    if "engine" in b:
+        lines.append(
+            "    on the compute thread (exclusive s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(b["engine"].items()))
+        )
+    if "traffic" in b:
+        t = b["traffic"]
+        lines.append(
+            "    per step: "
+            + ", ".join(
+                f"{k.removesuffix('_bytes')} {format_size(t.get(k, 0))}"
+                for k in ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes")
+            )
+        )
+    return lines
+
+
+def _run_gpt2(args: argparse.Namespace) -> int:
+    """``--gpt2``: run the GPT-2 cases and print ratios and the breakdown (and JSON)."""
+    _check_block(args)
+    if min(args.steps, args.batch_size, args.seq_len) < 1 or args.warmup < 0:
+        raise CommandError("--steps, --batch-size, --seq-len must be >= 1 and --warmup >= 0")
+    _make_nvme_dir(args.nvme_path)
+    report = run_gpt2(
+        batch=args.batch_size,
+        seq_len=args.seq_len,
+        device_memory=args.device_memory,
+        host_memory=args.host_memory,
+        rounds=-(-args.steps // (args.block - 1)),
+        warmup_rounds=-(-args.warmup // args.block),
+        block=args.block,
+        compare_block_size=args.compare_block_size,
+        compare_sched_batch=args.compare_sched_batch,
+        nvme_dir=args.nvme_path,
+        progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True),
+    )
+    load = report["load_average"]
+    print(
+        f"{report['model']}, batch {report['batch']} x {report['seq_len']}, device "
+        f"{report['device_memory']}, host {report['host_memory']}, NVMe; {report['rounds']} rounds "
+        f"of {report['block'] - 1} timed steps; load average {min(load):.1f}-{max(load):.1f} "
+        f"on {os.cpu_count()} CPUs"
+    )
+    print(f"{'case':<9}{'step s':>8}{'x plain':>9}{'rounds':>13}  target")
+    for case in report["cases"]:
+        r = case["round_ratios"]
+        limit = GPT2_TARGETS.get(case["case"])
+        verdict = ""
+        if limit is not None:
+            verdict = f"<= {limit}: {'met' if case['vs_plain'] <= limit else 'MISSED'}"
+        print(
+            f"{case['case']:<9}{case['step_seconds']:>8.2f}{case['vs_plain']:>9.3f}"
+            f"{f'{min(r):.2f}-{max(r):.2f}':>13}  {verdict}"
+        )
+    print("where the time goes (medians per step):")
+    for case in report["cases"]:
+        print("\n".join(_breakdown_lines(case)))
+    if args.json:
+        print(json.dumps(report))
+    return 0

@@ -76,7 +76,7 @@ def _build(case: str, settings: dict[str, Any], nvme_dir: str) -> tuple[Any, Any
 def _block(
     model: Any, optimizer: Any, profile: Any, batches: list[torch.Tensor], batch: bool
 ) -> dict:
-    """Consecutive steps; every step but the first is recorded (see bench.train.Runner.block)."""
+    """Consecutive steps; every step but the first is recorded (see train_cases.Runner.block)."""
     import infinity
     from infinity.bench.step_profile import batch_native_threads, cpu_delta, thread_cpu
 

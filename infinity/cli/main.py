@@ -1,7 +1,10 @@
 """Entry point of the ``infinity`` command: one module per command.
 
-Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
-modules are imported only when their command runs, so ``infinity --help`` is fast.
+Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``
+(``module:name`` names an object of the module that does); modules are imported
+only when their command runs, so ``infinity --help`` is fast. ``infinity train``
+is the package ``infinity/cli/train/``, ``infinity plan`` ``plan.py``; the
+``infinity bench`` commands live beside their measurements in ``infinity/bench/``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import gc
 import importlib
 import signal
 import sys
-from types import ModuleType
+from typing import Any
 
 DESCRIPTION = (
     "Train PyTorch models larger than GPU and host memory: parameters, gradients\n"
@@ -34,31 +37,31 @@ _COMMANDS: list[tuple[tuple[str, ...], str, str, str]] = [
     ),
     (
         ("bench", "nvme"),
-        "infinity.cli.bench_nvme",
+        "infinity.bench.nvme",
         "NVMe throughput sweep (vs a Python baseline)",
         "infinity bench nvme --path /nvme --size 1GiB",
     ),
     (
         ("bench", "optim"),
-        "infinity.cli.bench_optim",
+        "infinity.bench.optim",
         "CPU Adam, Lion and SGD kernels vs torch's, against the memory roofline",
         "infinity bench optim --optimizers adam,lion --size 16M",
     ),
     (
         ("bench", "adam"),
-        "infinity.cli.bench_adam",
+        "infinity.bench.optim:RenamedAdam",
         "old name of `bench optim --optimizers adam`",
         "infinity bench adam --size 16M",
     ),
     (
         ("bench", "train"),
-        "infinity.cli.bench_train",
+        "infinity.bench.train",
         "end-to-end step time vs plain PyTorch",
         "infinity bench train --layers 4 --hidden 256",
     ),
     (
         ("bench", "scale"),
-        "infinity.cli.bench_scale",
+        "infinity.bench.scale",
         "train the largest Llama the free disk holds (states beyond RAM)",
         "infinity bench scale --nvme-path /nvme --params 500M",
     ),
@@ -136,7 +139,7 @@ def _build_parser(
         target.set_defaults(_module=module)
         # Only the selected command's module is imported to add its flags.
         if argv[: len(path)] == list(path):
-            importlib.import_module(module).add_arguments(target)
+            _command(module).add_arguments(target)
     return parser, group_parsers
 
 
@@ -150,14 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     args.argv = list(argv)  # NOTE: `train --nproc N` re-runs the command line as N processes
-    module = importlib.import_module(args._module)
-    return _run(module, args)
+    return _run(_command(args._module), args)
 
 
-def _run(module: ModuleType, args: argparse.Namespace) -> int:
-    """Run a command module; its exit code, or 2 after printing its error."""
+def _command(spec: str) -> Any:
+    """The command a ``_COMMANDS`` entry names: a module, or ``module:name`` an object in it."""
+    module, _, name = spec.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, name) if name else found
+
+
+def _run(command: Any, args: argparse.Namespace) -> int:
+    """Run a command; its exit code, or 2 after printing its error."""
     try:
-        return int(module.run(args) or 0)
+        return int(command.run(args) or 0)
     except CommandError as exc:
         # NOTE: one write of the whole line: under `--nproc` every rank shares this
         # stderr, and print's separate write of the newline let two ranks' lines

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from infinity.bench.scale_shapes import Shape, family, pick_shape
+from infinity.bench.scale_run import Shape, family, pick_shape
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,7 +134,7 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
     assert report["nvme_busy_gbps"] == pytest.approx(gbps / report["nvme_busy_seconds"], rel=1e-12)
     # The planner's estimate that bench/state_dtype.py --scale-io-seconds sizes a run
     # by: the same scale as what the step moved (the plan counts no cached re-reads).
-    from infinity.bench.scale import planned_nvme_bytes
+    from infinity.bench.scale_run import planned_nvme_bytes
     from infinity.config import Config
 
     config = Config(
@@ -152,7 +152,7 @@ def test_bench_scale_tiny_report_matches_independent_counts(tmp_path):
 
 
 def test_overlap_and_device_flags_reach_the_config(tmp_path):
-    from infinity.cli.bench_scale import add_arguments, scale_config
+    from infinity.bench.scale import add_arguments, scale_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -166,7 +166,7 @@ def test_overlap_and_device_flags_reach_the_config(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
 def test_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
-    from infinity.cli.bench_scale import add_arguments, run
+    from infinity.bench.scale import add_arguments, run
     from infinity.cli.main import CommandError
 
     parser = argparse.ArgumentParser()
@@ -195,14 +195,14 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
     ],
 )
 def test_io_bound_between_full_duplex_and_one_after_the_other(read_b, write_b, both, expected):
-    from infinity.bench.disk_mix import DiskMix, io_bound_seconds
+    from infinity.bench.disk import DiskMix, io_bound_seconds
 
     disk = DiskMix(read_gbps=1.0, write_gbps=1.0, first_write_gbps=0.5, both_gbps=both)
     assert io_bound_seconds(read_b, write_b, disk) == pytest.approx(expected, rel=1e-12)
 
 
 def test_measure_mix_rates_and_cleanup(tmp_path):
-    from infinity.bench.disk_mix import DiskMix, faster, measure_mix
+    from infinity.bench.disk import DiskMix, faster, measure_mix
     from infinity.config import AioConfig
 
     disk = measure_mix(str(tmp_path), 8 * MiB, AioConfig(block_size="1MiB", queue_depth=4))

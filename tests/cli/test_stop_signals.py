@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from infinity.cli.train_loop import StopSignals
+from infinity.cli.train.loop import StopSignals
 
 
 def _interrupt() -> None:

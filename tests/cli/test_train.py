@@ -21,7 +21,7 @@ import torch
 
 import infinity
 from infinity.cli.main import main
-from infinity.cli.train_loop import EVAL_SEED_OFFSET
+from infinity.cli.train.loop import EVAL_SEED_OFFSET
 from infinity.data import Batches, load_corpus
 from infinity.models.gpt import GPT, GPTConfig
 

@@ -15,10 +15,10 @@ from engine_helpers import batches, config, nvme_pair, tiny_gpt, train
 from harness import spawn_ranks
 
 import infinity
-from infinity.cli import train_checkpoints as ckpt
 from infinity.cli.main import _build_parser
-from infinity.cli.train_runs import RunDirectory
-from infinity.cli.train_settings import resolve_settings
+from infinity.cli.train import checkpoints as ckpt
+from infinity.cli.train.runs import RunDirectory
+from infinity.cli.train.settings import resolve_settings
 from infinity.distributed import DistributedError
 
 pytestmark = pytest.mark.distributed
@@ -47,7 +47,7 @@ def _save_then_die(rank: int, root: str) -> str | None:
     path = [str(run.path) if rank == 0 else None]
     dist.broadcast_object_list(path, src=0)
     if rank == 1:
-        run = RunDirectory(Path(path[0]), -1, [], fresh=True)  # as train_ranks.share_run_dir
+        run = RunDirectory(Path(path[0]), -1, [], fresh=True)  # as ranks.share_run_dir
     train(model, optimizer, data[:1])
     ckpt.save(run, model, optimizer, _state(1))
     train(model, optimizer, data[1:])

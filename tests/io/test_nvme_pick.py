@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from infinity.bench.nvme import Point
-from infinity.bench.nvme_pick import ASSUMED_NOISE, MIN_NOISE, combine_repeats, recommend
+from infinity.bench.disk import Point
+from infinity.bench.nvme_report import ASSUMED_NOISE, MIN_NOISE, combine_repeats, recommend
 
 
 def _p(backend: str, block: int, depth: int, w: float, r: float, cpu: float) -> Point:

@@ -81,7 +81,7 @@ def test_bad_lines_are_named_with_their_line_number(tmp_path):
 
 
 def test_loss_counts_only_trained_targets_and_is_zero_without_any():
-    from infinity.cli.train_pretrained import causal_lm_loss
+    from infinity.cli.train.pretrained import causal_lm_loss
 
     class Logits(torch.nn.Module):
         def __init__(self) -> None:
@@ -133,7 +133,7 @@ def test_fine_tuning_on_chat_examples_trains_on_the_assistant_tokens(capsys, tmp
     data = tmp_path / "chat.jsonl"
     _write(data, [{"messages": CHAT}] * 120)
 
-    from infinity.cli.train_pretrained import PretrainedModel, load_corpus
+    from infinity.cli.train.pretrained import PretrainedModel, load_corpus
 
     model = PretrainedModel(
         path=str(source), data=str(data), output="", seq_len=8, num_params=0,

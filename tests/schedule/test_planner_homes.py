@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_helpers import param_bytes, tiny_gpt
 
-from infinity.bench.train import host_budget_for
+from infinity.bench.train_cases import host_budget_for
 from infinity.config import Config
 from infinity.core.names import HOST, NVME
 from infinity.core.plan import Plan
@@ -31,7 +31,7 @@ from infinity.schedule.planner import MIN_PARAM_STAGING, PlanError
 from infinity.schedule.units import units_for
 
 CPU = torch.device("cpu")
-# bench/train_overhead.py's model (GPT 25.5M, fp32) and budgets.
+# `infinity bench train`'s model (GPT 25.5M, fp32) and budgets.
 BENCH = GPTConfig(vocab_size=256, seq_len=256, layers=8, hidden=512, heads=8)
 OPTIMIZERS = {"adam": ADAM, "lion": LION, "sgd": SGD, "adafactor": ADAFACTOR}
 
@@ -51,7 +51,7 @@ def _plans(registry: ParamRegistry, config: Config) -> dict[str, Plan]:
 
 @pytest.fixture(scope="module")
 def bench_plans(tmp_path_factory) -> dict[str, dict[str, Plan]]:
-    """The plans of bench/train_overhead.py's NVMe cases, per case and optimizer."""
+    """The plans of `infinity bench train`'s NVMe cases, per case and optimizer."""
     with torch.device("meta"):
         registry = ParamRegistry.from_model(GPT(BENCH))
     base = Config(
@@ -61,7 +61,7 @@ def bench_plans(tmp_path_factory) -> dict[str, dict[str, Plan]]:
         nvme_path=str(tmp_path_factory.mktemp("nvme")),
         nvme_memory="64GiB",
     )
-    # The same budgets as infinity/bench/train.py's run_all.
+    # The same budgets as infinity/bench/train_cases.py's run_all.
     optim_only = host_budget_for(
         BENCH, base, lambda p: NVME not in p.param_home and NVME not in p.grad_home
     )

@@ -1,7 +1,7 @@
 """``infinity bench optim``: each CPU optimizer kernel against its torch counterpart,
 in GB/s against the measured memory roofline.
 
-The contenders (``infinity/cli/optim_contenders.py``): for Adam, Lion and SGD
+The contenders (``infinity/bench/optim_contenders.py``): for Adam, Lion and SGD
 with momentum, our step and torch's, with fp32 gradients and mixed (bf16
 gradients in, bf16 parameters out), plus memory-bandwidth probes whose fastest
 is the roofline. All run on the same buffers and thread count, timed in
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import psutil
 import torch
 
-from infinity.cli import optim_contenders as contenders
+from infinity.bench import optim_contenders as contenders
 from infinity.cli.main import CommandError
 from infinity.optim import kernels
 from infinity.utils.sizes import parse_size
@@ -225,3 +226,27 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     return 0
+
+
+class RenamedAdam:
+    """``infinity bench adam``: the old name of ``infinity bench optim --optimizers adam``.
+
+    Kept so scripts and docs that call it keep working: the flags of ``bench optim``
+    with Adam as the default optimizer, and a one-line note (on stderr: ``--json``
+    still ends stdout with the JSON object). ``infinity/cli/main.py`` registers it
+    as ``infinity.bench.optim:RenamedAdam``.
+    """
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """Flags of ``infinity bench optim``, with ``--optimizers adam`` by default."""
+        add_arguments(parser, optimizers="adam")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        """Print the deprecation note, then run ``infinity bench optim``."""
+        sys.stderr.write(
+            "infinity: note: `infinity bench adam` is now `infinity bench optim --optimizers adam` "
+            "(the old name will go)\n"
+        )
+        return run(args)

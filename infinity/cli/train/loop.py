@@ -20,11 +20,12 @@ from types import FrameType, TracebackType
 import torch
 
 import infinity
-from infinity.cli import train_checkpoints as ckpt
-from infinity.cli import train_optimizers, train_ranks
-from infinity.cli.train_pretrained import PretrainedModel, build_model, causal_lm_loss
-from infinity.cli.train_report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
-from infinity.cli.train_settings import RunSettings
+from infinity.cli.train import checkpoints as ckpt
+from infinity.cli.train import optimizers as train_optimizers
+from infinity.cli.train import ranks as train_ranks
+from infinity.cli.train.pretrained import PretrainedModel, build_model, causal_lm_loss
+from infinity.cli.train.report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
+from infinity.cli.train.settings import RunSettings
 from infinity.data import Corpus
 from infinity.models.gpt import GPT, init_weights
 from infinity.offload import find_engine

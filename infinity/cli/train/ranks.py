@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from infinity.cli.main import CommandError
-from infinity.cli.train_report import HumanReport, JsonReport, RunSummary
-from infinity.cli.train_runs import RunDirectory
+from infinity.cli.train.report import HumanReport, JsonReport, RunSummary
+from infinity.cli.train.runs import RunDirectory
 from infinity.config import Config
 from infinity.data import Batches
 from infinity.distributed import Collectives, DistributedError, resolve_world

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from infinity.cli.main import CommandError
-from infinity.cli.train_optimizers import CHOICES, DEFAULT_OPTIMIZER
-from infinity.cli.train_pretrained import (
+from infinity.cli.train.optimizers import CHOICES, DEFAULT_OPTIMIZER
+from infinity.cli.train.pretrained import (
     PretrainedModel,
     describe,
     inspect_model,

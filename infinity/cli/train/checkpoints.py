@@ -7,7 +7,7 @@ process (``.step-N.partial-<host>-<pid>-...``) that is renamed into place
 only when complete, so a ``step-*`` directory is always a whole checkpoint:
 an interrupted save leaves the previous ones untouched, and its staging
 directory is reclaimed by the next save once the process is gone. A run
-writes and prunes only its own directory (``train_runs.py``).
+writes and prunes only its own directory (``runs.py``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import infinity
 from infinity.checkpoint import temporaries
 from infinity.checkpoint.format import fsync_dir
 from infinity.checkpoint.save import write_checkpoint
-from infinity.cli.train_runs import RUN_PREFIX, RunDirectory
-from infinity.cli.train_settings import RunSettings
+from infinity.cli.train.runs import RUN_PREFIX, RunDirectory
+from infinity.cli.train.settings import RunSettings
 from infinity.distributed.outcomes import rank_zero_writes
 from infinity.offload import engine_of
 

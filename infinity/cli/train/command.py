@@ -22,18 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import infinity
-from infinity.cli import train_checkpoints as ckpt
-from infinity.cli import train_ranks
 from infinity.cli.main import CommandError
-from infinity.cli.train_args import DEFAULT_CHECKPOINT_DIR, add_arguments
-from infinity.cli.train_loop import Session, StopSignals
-from infinity.cli.train_optimizers import CHOICES, tensor_state_bytes
-from infinity.cli.train_pretrained import PretrainedModel, save_model
-from infinity.cli.train_pretrained import describe as describe_pretrained
-from infinity.cli.train_pretrained import load_corpus as load_pretrained_corpus
-from infinity.cli.train_report import HumanReport, JsonReport, RunSummary, budget_lines
-from infinity.cli.train_runs import RUN_PREFIX, RunDirectory, check_directory
-from infinity.cli.train_settings import (
+from infinity.cli.train import checkpoints as ckpt
+from infinity.cli.train import ranks as train_ranks
+from infinity.cli.train.args import DEFAULT_CHECKPOINT_DIR, add_arguments
+from infinity.cli.train.loop import Session, StopSignals
+from infinity.cli.train.optimizers import CHOICES, tensor_state_bytes
+from infinity.cli.train.pretrained import PretrainedModel, save_model
+from infinity.cli.train.pretrained import describe as describe_pretrained
+from infinity.cli.train.pretrained import load_corpus as load_pretrained_corpus
+from infinity.cli.train.report import HumanReport, JsonReport, RunSummary, budget_lines
+from infinity.cli.train.runs import RUN_PREFIX, RunDirectory, check_directory
+from infinity.cli.train.settings import (
     RunSettings,
     as_flags,
     build_config,
@@ -390,7 +390,7 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     if plot and timeline is not None and run.ranks.main:
         title = f"{describe(settings.model)}, {settings.dtype}: memory over one training step"
         with stop.deferred("the plot"):  # NOTE: it imports matplotlib's native modules
-            from infinity.cli.timeline_plot import plot_timeline
+            from infinity.cli.train.timeline_plot import plot_timeline
 
             summary.plot = str(plot_timeline(timeline, summary.stats, Path(plot), title))
     summary.wall_seconds = time.perf_counter() - run.started

@@ -1,12 +1,12 @@
-"""The flags of ``infinity train`` (the command itself is :mod:`infinity.cli.train`)."""
+"""The flags of ``infinity train`` (the command itself is :mod:`infinity.cli.train.command`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from infinity.cli import train_ranks
-from infinity.cli.train_optimizers import CHOICES, HELP
-from infinity.cli.train_settings import DEFAULT_PLOT, PRESETS
+from infinity.cli.train import ranks
+from infinity.cli.train.optimizers import CHOICES, HELP
+from infinity.cli.train.settings import DEFAULT_PLOT, PRESETS
 from infinity.config import ACTIVATION_POLICIES
 from infinity.optim.state_formats import STATE_DTYPES
 
@@ -169,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="STEP",
         help="stop after this step with a checkpoint, to --resume later",
     )
-    train_ranks.add_arguments(parser)
+    ranks.add_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument(
         "--plot",
