@@ -1,15 +1,18 @@
-// The kernel's entry template: picks the instantiation of adam_loop (fp32 or
-// bf16 moments) or q8::q8_loop (int8 moments) for a step's dtypes. Included
-// by each per-ISA kernel inside its target region.
+// The kernel's entry templates: adam_dispatch picks the instantiation of
+// adam_loop (fp32 or bf16 moments) or q8::q8_loop (int8 moments) for a step's
+// dtypes; adam_range is what each per-ISA entry point (adam_range_<isa>,
+// cpp/simd/kernels_<isa>.cpp) runs. Included by those translation units inside
+// their target regions.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
 #include "adam/adam_math.hpp"
+#include "adam/adam_q8.hpp"
 #include "adam/adam_types.hpp"
-#include "adam/flat_dispatch.hpp"
-#include "adam/q8_codec.hpp"
+#include "adam/kernels.hpp"
+#include "simd/flat_dispatch.hpp"
 
 namespace infinity::adam {
 
@@ -40,7 +43,21 @@ inline __attribute__((always_inline)) int64_t adam_dispatch(const AdamBuffers& b
                           : with_state(grad_tag, out_tag, l2_tag, std::false_type{});
         }
     };
-    return flat_dispatch(b, c.use_l2, begin, with_stream);
+    return simd::flat_dispatch(b, c.use_l2, begin, with_stream);
+}
+
+/// Updates elements [begin, end) of `b` over Ops. A vector Ops leaves the
+/// elements after the last whole vector (a tensor's tail) to the scalar kernel.
+template <class Ops>
+inline __attribute__((always_inline)) void adam_range(const AdamBuffers& b, const AdamCoeffs& c,
+                                                      int64_t begin, int64_t end) {
+    [[maybe_unused]] const int64_t done = adam_dispatch<Ops>(b, c, begin, end);
+    if constexpr (Ops::kWidth > 1) {
+        // NOTE: streaming stores are weakly ordered; fence them before the task
+        // reports completion to the thread that will read the output.
+        Ops::stream_fence();
+        if (done < end) adam_range_scalar(b, c, done, end);
+    }
 }
 
 }  // namespace infinity::adam

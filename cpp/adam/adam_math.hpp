@@ -26,10 +26,15 @@
 #include <type_traits>
 
 #include "adam/adam_types.hpp"
-#include "adam/stochastic_round.hpp"
-#include "adam/tags.hpp"
+#include "simd/state_io.hpp"
+#include "simd/stochastic_round.hpp"
+#include "simd/tags.hpp"
 
 namespace infinity::adam {
+
+using simd::BF16Tag;
+using simd::F32Tag;
+using simd::NoOutTag;
 
 /// The coefficients of AdamCoeffs broadcast into vectors of the backend.
 template <class Ops>
@@ -67,56 +72,6 @@ inline __attribute__((always_inline)) void adam_update(typename Ops::V& p, typen
     p = Ops::add(p, Ops::div(Ops::mul(k.neg_step_size, m), den));
 }
 
-/// Loads one vector of a moment stored as S (F32Tag or BF16Tag) at element i.
-template <class Ops, class S>
-inline __attribute__((always_inline)) typename Ops::V load_moment(const void* base, int64_t i) {
-    if constexpr (std::is_same_v<S, F32Tag>) {
-        return Ops::load(static_cast<const float*>(base) + i);
-    } else {
-        return Ops::template load_grad<BF16Tag>(static_cast<const uint16_t*>(base) + i);
-    }
-}
-
-/// Stores one vector of a state as S at element i, bf16 rounded to nearest even:
-/// SGD's momentum buffer, whose bf16 values match torch's own rounding (a buffer
-/// at momentum 0.9 moves by 10% a step, far more than half a bf16 step, so
-/// nearest rounding does not freeze it as it would Adam's second moment).
-template <class Ops, class S>
-inline __attribute__((always_inline)) void store_moment_nearest(void* base, int64_t i,
-                                                                typename Ops::V x) {
-    if constexpr (std::is_same_v<S, F32Tag>) {
-        Ops::store(static_cast<float*>(base) + i, x);
-    } else {
-        Ops::template store_out<BF16Tag, false>(static_cast<uint16_t*>(base) + i, x);
-    }
-}
-
-/// Stores one vector of a moment as S at element i; bf16: rounded stochastically
-/// with the 16 random bits in the low half of each lane of `r16`
-/// (NOTE [bf16 stochastic rounding]).
-template <class Ops, class S>
-inline __attribute__((always_inline)) void store_moment(void* base, int64_t i, typename Ops::V x,
-                                                        typename Ops::I r16) {
-    if constexpr (std::is_same_v<S, F32Tag>) {
-        Ops::store(static_cast<float*>(base) + i, x);
-    } else {
-        Ops::store_u16(static_cast<uint16_t*>(base) + i, bf16_stochastic<Ops>(x, r16));
-    }
-}
-
-/// The random bits of elements [i, i + kWidth) of `b` under `key` (zeros when
-/// S is fp32: nothing is rounded, nothing is hashed).
-template <class Ops, class S, class B>
-inline __attribute__((always_inline)) typename Ops::I moment_bits(const B& b, uint32_t key,
-                                                                  int64_t i) {
-    if constexpr (std::is_same_v<S, F32Tag>) {
-        return Ops::iset1(0);
-    } else {
-        // NOTE: unsigned, so no offset a caller passes can overflow a signed sum.
-        return random_bits<Ops>(key, static_cast<uint64_t>(b.round_offset) + static_cast<uint64_t>(i));
-    }
-}
-
 /// Updates elements [i, i + Ops::kWidth); kStream: write out16 with streaming
 /// stores; S: how the moments are stored (F32Tag or BF16Tag); key: round_key().
 template <class Ops, class G, class O, class S, bool kL2, bool kStream>
@@ -126,13 +81,13 @@ inline __attribute__((always_inline)) void adam_vector(const AdamBuffers& b,
     using V = typename Ops::V;
     const auto* const grad = static_cast<const typename G::Storage*>(b.grad);
     V p = Ops::load(b.param + i);
-    V m = load_moment<Ops, S>(b.exp_avg, i);
-    V v = load_moment<Ops, S>(b.exp_avg_sq, i);
+    V m = simd::load_moment<Ops, S>(b.exp_avg, i);
+    V v = simd::load_moment<Ops, S>(b.exp_avg_sq, i);
     adam_update<Ops, kL2>(p, Ops::template load_grad<G>(grad + i), m, v, k);
     Ops::store(b.param + i, p);
-    const typename Ops::I r = moment_bits<Ops, S>(b, key, i);
-    store_moment<Ops, S>(b.exp_avg, i, m, low16<Ops>(r));
-    store_moment<Ops, S>(b.exp_avg_sq, i, v, high16<Ops>(r));
+    const typename Ops::I r = simd::moment_bits<Ops, S>(b, key, i);
+    simd::store_moment<Ops, S>(b.exp_avg, i, m, simd::low16<Ops>(r));
+    simd::store_moment<Ops, S>(b.exp_avg_sq, i, v, simd::high16<Ops>(r));
     if constexpr (!std::is_same_v<O, NoOutTag>) {
         // NOTE: the parameters' 16-bit copy stays round-to-nearest: it is
         // rewritten from the fp32 master every step, so its error never accumulates.
@@ -155,7 +110,7 @@ inline __attribute__((always_inline)) int64_t adam_loop(const AdamBuffers& b, co
     // elements all did about as well, 0 clearly worse.
     constexpr int64_t kAhead = 256;
     const VecCoeffs<Ops> k(c);
-    const uint32_t key = round_key(c.step, b.round_stream);
+    const uint32_t key = simd::round_key(c.step, b.round_stream);
     const auto* const grad = static_cast<const typename G::Storage*>(b.grad);
     const int64_t prefetch_end = b.n - kAhead;  // never form a pointer past the buffers
     int64_t i = begin;

@@ -6,11 +6,10 @@
 #include <string>
 #include <tuple>
 
-#include "adam/fp_env.hpp"
-#include "adam/isa.hpp"
-#include "adam/partition.hpp"
+#include "adam/kernels.hpp"
 #include "common/error.hpp"
-#include "common/thread_pool.hpp"
+#include "simd/flat_step.hpp"
+#include "simd/isa.hpp"
 
 namespace infinity::adam {
 namespace {
@@ -21,29 +20,13 @@ void require(bool ok, const std::string& message, SourceLocation where = SourceL
     if (!ok) throw_error<std::invalid_argument>(message, where);
 }
 
-size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
-
-bool known_state(StateFormat f) {
-    for (const StateFormatInfo& info : kStateFormats) {
-        if (info.code == f) return true;
-    }
-    return false;
-}
-
-size_t state_size(StateFormat f) {
-    for (const StateFormatInfo& info : kStateFormats) {
-        if (info.code == f) return static_cast<size_t>(info.element_bytes);
-    }
-    return 4;
-}
-
 void validate(const AdamBuffers& b, const AdamHyper& h, const std::string& where) {
     require(b.n >= 0, where + "n must be >= 0");
     require(b.round_offset >= 0, where + "round_offset must be >= 0");
     require(h.step >= 1, where + "step must be >= 1 (the step count after the increment)");
-    require(known_dtype(b.grad_dtype), where + "unknown grad dtype code");
-    require(known_state(b.state), where + "unknown optimizer state format code");
-    require(b.out16 == nullptr || out16_dtype(b.out_dtype),
+    require(simd::known_dtype(b.grad_dtype), where + "unknown grad dtype code");
+    require(simd::state_bytes(b.state) != 0, where + "unknown optimizer state format code");
+    require(b.out16 == nullptr || simd::out16_dtype(b.out_dtype),
             where + "out16 dtype must be bf16 or fp16");
     if (b.n > 0) {
         require(b.param && b.grad && b.exp_avg && b.exp_avg_sq,
@@ -90,9 +73,9 @@ bool check_overlaps(const std::vector<AdamBuffers>& buffers) {
             add_n(p, b.n, elem, name, written);
         };
         add(b.param, 4, "master", true);
-        add(b.grad, dtype_size(b.grad_dtype), "grad", false);
-        add(b.exp_avg, state_size(b.state), "exp_avg", true);
-        add(b.exp_avg_sq, state_size(b.state), "exp_avg_sq", true);
+        add(b.grad, simd::dtype_bytes(b.grad_dtype), "grad", false);
+        add(b.exp_avg, simd::state_bytes(b.state), "exp_avg", true);
+        add(b.exp_avg_sq, simd::state_bytes(b.state), "exp_avg_sq", true);
         if (b.state == StateFormat::kQ8) {
             const int64_t blocks = (b.n + kQBlock - 1) / kQBlock;
             add_n(b.exp_avg_scale, blocks, 4, "exp_avg_scale", true);
@@ -122,28 +105,25 @@ bool check_overlaps(const std::vector<AdamBuffers>& buffers) {
 
 /// Runs the planned update of `buffers` on the compute pool.
 void run(const std::vector<AdamBuffers>& buffers, const std::vector<AdamCoeffs>& coeffs) {
-    const RangeFn kernel = range_fn(active_isa());
+    const RangeFn kernel = adam_range_fn(simd::active_isa());
     std::vector<int64_t> sizes(buffers.size());
     for (size_t t = 0; t < buffers.size(); ++t) sizes[t] = buffers[t].n;
-    const TaskPlan plan = plan_tasks(sizes, compute_threads());
-    const auto run_task = [&](int64_t task) {
-        for (size_t s = plan.offsets[task]; s < plan.offsets[task + 1]; ++s) {
-            const Segment& seg = plan.segments[s];
-            kernel(buffers[seg.tensor], coeffs[seg.tensor], seg.begin, seg.end);
-        }
-    };
-    if (plan.num_tasks() <= 1) {
-        if (plan.num_tasks() == 1) run_task(0);
-        return;
-    }
-    const unsigned csr = current_fp_env();
-    compute_pool()->run(static_cast<int64_t>(plan.num_tasks()), [&](int64_t task) {
-        ScopedFpEnv env(csr);
-        run_task(task);
+    simd::run_segments_on_pool(sizes, [&](int64_t t, int64_t begin, int64_t end) {
+        kernel(buffers[t], coeffs[t], begin, end);
     });
 }
 
 }  // namespace
+
+RangeFn adam_range_fn(simd::Isa isa) {
+    switch (isa) {
+#if defined(__x86_64__)
+        case simd::Isa::kAvx512: return adam_range_avx512;
+        case simd::Isa::kAvx2: return adam_range_avx2;
+#endif
+        default: return adam_range_scalar;
+    }
+}
 
 void adam_step(const AdamBuffers& b, const AdamHyper& h) {
     validate(b, h, "adam_step: ");

@@ -1,64 +1,17 @@
-// Types shared by every CPU-Adam kernel: the buffers of one step and the
-// float coefficients derived once per call from the hyper-parameters.
+// Types of the CPU-Adam kernel: the buffers of one step and the float
+// coefficients derived once per call from the hyper-parameters. Dtype and
+// state-format codes are every kernel's (simd/formats.hpp).
 #pragma once
 
 #include <cstdint>
 
+#include "simd/formats.hpp"
+
 namespace infinity::adam {
 
-/// Element type of the gradient buffer and of the optional 16-bit output.
-enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-/// The codes Python passes for each DType, by torch's dtype name; exported as
-/// `_C.adam.dtype_codes` / `out16_dtype_codes` (read by infinity/_native/adam.py).
-struct DTypeInfo {
-    DType code;
-    const char* name;  ///< `torch.<name>`
-    bool out16;        ///< allowed as the dtype of the optional 16-bit output
-};
-inline constexpr DTypeInfo kDTypes[] = {
-    {DType::kF32, "float32", false},
-    {DType::kBF16, "bfloat16", true},
-    {DType::kF16, "float16", true},
-};
-
-/// Whether `d` is a known dtype (as a gradient) / allowed as the 16-bit output.
-constexpr bool known_dtype(DType d) {
-    for (const DTypeInfo& t : kDTypes) {
-        if (t.code == d) return true;
-    }
-    return false;
-}
-constexpr bool out16_dtype(DType d) {
-    for (const DTypeInfo& t : kDTypes) {
-        if (t.code == d) return t.out16;
-    }
-    return false;
-}
-
-/// How the two moments are stored (`Config(optimizer_state_dtype=...)`); the
-/// update itself always runs in fp32.
-enum class StateFormat : int {
-    kF32 = 0,   ///< fp32, exact
-    kBF16 = 1,  ///< bfloat16, stochastic rounding on every store (stochastic_round.hpp)
-    kQ8 = 2,    ///< 8-bit codes per element plus one fp32 absmax per kQBlock elements (q8_codec.hpp)
-};
-
-/// The codes Python passes for each StateFormat, by config name; exported as
-/// `_C.adam.state_formats`.
-struct StateFormatInfo {
-    StateFormat code;
-    const char* name;    ///< the value of `Config.optimizer_state_dtype`
-    int element_bytes;   ///< bytes per element of each moment (without the block scales)
-};
-inline constexpr StateFormatInfo kStateFormats[] = {
-    {StateFormat::kF32, "fp32", 4},
-    {StateFormat::kBF16, "bf16", 2},
-    {StateFormat::kQ8, "int8", 1},
-};
-
-/// Elements per quantisation block of kQ8 (one fp32 scale each). See NOTE [int8 block size].
-inline constexpr int64_t kQBlock = 256;
+using simd::DType;
+using simd::kQBlock;
+using simd::StateFormat;
 
 /// Flat buffers of one step; all hold `n` elements and do not overlap.
 struct AdamBuffers {

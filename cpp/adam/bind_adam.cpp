@@ -11,12 +11,12 @@
 #include <vector>
 
 #include "adam/adam_step.hpp"
-#include "adam/bandwidth.hpp"
-#include "adam/bind_args.hpp"
-#include "adam/isa.hpp"
 #include "adam/kernels.hpp"
 #include "common/error.hpp"
 #include "common/thread_pool.hpp"
+#include "simd/bandwidth.hpp"
+#include "simd/bind_args.hpp"
+#include "simd/isa.hpp"
 
 namespace py = pybind11;
 
@@ -29,7 +29,7 @@ using bind::to_state;
 
 py::dict dtype_codes(bool out16_only) {
     py::dict codes;
-    for (const adam::DTypeInfo& t : adam::kDTypes) {
+    for (const simd::DTypeInfo& t : simd::kDTypes) {
         if (t.out16 || !out16_only) codes[t.name] = static_cast<int>(t.code);
     }
     return codes;
@@ -99,31 +99,31 @@ void step_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
 
 std::vector<std::string> available_isas() {
     std::vector<std::string> out;
-    for (adam::Isa isa : adam::available_isas()) out.emplace_back(adam::isa_name(isa));
+    for (simd::Isa isa : simd::available_isas()) out.emplace_back(simd::isa_name(isa));
     return out;
 }
 
 }  // namespace
 
 void bind_adam(py::module_& m) {
-    // The native contract (adam_types.hpp, bandwidth.hpp), read by infinity/_native/adam.py.
+    // The native contract (simd/formats.hpp, simd/bandwidth.hpp), read by infinity/_native/adam.py.
     m.attr("dtype_codes") = dtype_codes(false);
     m.attr("out16_dtype_codes") = dtype_codes(true);
     py::dict kernels;
-    kernels["triad"] = static_cast<int>(adam::BandwidthKernel::kTriad);
-    kernels["axpy"] = static_cast<int>(adam::BandwidthKernel::kAxpy);
-    kernels["adam_pattern"] = static_cast<int>(adam::BandwidthKernel::kAdamPattern);
-    kernels["adam_prefetch"] = static_cast<int>(adam::BandwidthKernel::kAdamPatternPrefetch);
+    kernels["triad"] = static_cast<int>(simd::BandwidthKernel::kTriad);
+    kernels["axpy"] = static_cast<int>(simd::BandwidthKernel::kAxpy);
+    kernels["adam_pattern"] = static_cast<int>(simd::BandwidthKernel::kAdamPattern);
+    kernels["adam_prefetch"] = static_cast<int>(simd::BandwidthKernel::kAdamPatternPrefetch);
     m.attr("bandwidth_kernels") = kernels;
     py::dict formats;
     py::dict format_bytes;
-    for (const adam::StateFormatInfo& f : adam::kStateFormats) {
+    for (const simd::StateFormatInfo& f : simd::kStateFormats) {
         formats[f.name] = static_cast<int>(f.code);
         format_bytes[f.name] = f.element_bytes;
     }
     m.attr("state_formats") = formats;
     m.attr("state_element_bytes") = format_bytes;
-    m.attr("QBLOCK") = adam::kQBlock;
+    m.attr("QBLOCK") = simd::kQBlock;
 
     m.def("step", &step, py::call_guard<py::gil_scoped_release>(), py::arg("param"), py::arg("grad"),
           py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out16"),
@@ -164,9 +164,9 @@ void bind_adam(py::module_& m) {
           "step() over several tensors in one pool dispatch: one list entry per tensor, shared "
           "hyper-parameters, per-tensor step counts. Releases the GIL.");
     m.def("available_isas", &available_isas, "ISAs this CPU can run, widest first.");
-    m.def("active_isa", [] { return std::string(adam::isa_name(adam::active_isa())); },
+    m.def("active_isa", [] { return std::string(simd::isa_name(simd::active_isa())); },
           "The ISA the next step uses.");
-    m.def("force_isa", &adam::force_isa, py::arg("name"),
+    m.def("force_isa", &simd::force_isa, py::arg("name"),
           "Force an ISA by name; None returns to automatic choice.");
     m.def("set_num_threads", &set_compute_threads, py::arg("n"),
           "Threads of the compute pool (0 = default).");
@@ -176,10 +176,10 @@ void bind_adam(py::module_& m) {
     m.def(
         "bandwidth_probe",
         [](int kind, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int64_t n) {
-            if (kind < 0 || kind > static_cast<int>(adam::BandwidthKernel::kAdamPatternPrefetch)) {
+            if (kind < 0 || kind > static_cast<int>(simd::BandwidthKernel::kAdamPatternPrefetch)) {
                 throw_error<std::invalid_argument>("bandwidth_probe: unknown kernel");
             }
-            return adam::bandwidth_probe(static_cast<adam::BandwidthKernel>(kind), as_ptr<float>(a),
+            return simd::bandwidth_probe(static_cast<simd::BandwidthKernel>(kind), as_ptr<float>(a),
                                          as_ptr<float>(b), as_ptr<float>(c), as_ptr<float>(d), n);
         },
         py::call_guard<py::gil_scoped_release>(), py::arg("kind"), py::arg("a"), py::arg("b"),

@@ -1,12 +1,12 @@
-// Entry points of the per-ISA Lion kernels, one translation unit each, and the
-// run-time choice among them (the ISA the Adam kernels use: adam/isa.hpp, so
-// forcing one forces both).
+// Entry points of the per-ISA Lion kernels (defined in cpp/simd/kernels_<isa>.cpp,
+// one translation unit per ISA for every optimizer) and the run-time choice
+// among them (the ISA of simd/isa.hpp, the one every optimizer uses).
 #pragma once
 
 #include <cstdint>
 
-#include "adam/isa.hpp"
 #include "lion/lion_types.hpp"
+#include "simd/isa.hpp"
 
 namespace infinity::lion {
 
@@ -21,7 +21,7 @@ void lion_range_avx512(const LionBuffers& b, const LionCoeffs& c, int64_t begin,
 #endif
 
 /// The kernel entry point of `isa`.
-LionRangeFn lion_range_fn(adam::Isa isa);
+LionRangeFn lion_range_fn(simd::Isa isa);
 
 /// Encodes fp32 values into the signed int8 codes and block scales the kernel
 /// stores the momentum in, block by block from element 0: for state dicts.

@@ -1,6 +1,6 @@
 // The per-element Lion update (Chen et al. 2023, "Symbolic Discovery of
 // Optimization Algorithms"), written once over an "Ops" backend (scalar, AVX2,
-// AVX-512: adam/ops_*.hpp) like the Adam kernel, so every ISA stores the same
+// AVX-512: simd/ops_*.hpp) like the Adam kernel, so every ISA stores the same
 // bits. Per element, every line one correctly rounded fp32 operation, in the
 // order of the reference (torch ops with Python-float scalars):
 //   g = grad * grad_scale
@@ -13,27 +13,29 @@
 // so the scalar path and the vector paths agree bit for bit.
 //
 // The momentum is stored as fp32, bf16 (stochastic rounding, as the Adam
-// moments: adam/stochastic_round.hpp) or int8: the
-// signed block-wise codes of the Adam kernel's first moment (adam/q8_codec.hpp),
-// decoded into an L1 buffer per block of kQBlock elements, updated, re-encoded
-// with the block's new absmax.
+// moments: simd/stochastic_round.hpp) or int8: the signed block-wise codes of
+// the Adam kernel's first moment (simd/q8_codec.hpp), decoded into an L1
+// buffer per block of kQBlock elements, updated, re-encoded with the block's
+// new absmax. Included by cpp/simd/kernels_<isa>.cpp inside their target regions.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
-#include "adam/adam_math.hpp"
-#include "adam/flat_dispatch.hpp"
-#include "adam/q8_codec.hpp"
-#include "adam/tags.hpp"
+#include "lion/lion_kernels.hpp"
 #include "lion/lion_types.hpp"
+#include "simd/flat_dispatch.hpp"
+#include "simd/q8_codec.hpp"
+#include "simd/state_io.hpp"
+#include "simd/stochastic_round.hpp"
+#include "simd/tags.hpp"
 
 namespace infinity::lion {
 
-using adam::BF16Tag;
-using adam::F32Tag;
-using adam::kQBlock;
-using adam::NoOutTag;
+using simd::BF16Tag;
+using simd::F32Tag;
+using simd::kQBlock;
+using simd::NoOutTag;
 
 /// The coefficients of LionCoeffs broadcast into vectors of the backend.
 template <class Ops>
@@ -82,16 +84,16 @@ template <class Ops, class G, class O, class S, bool kDecay>
 inline __attribute__((always_inline)) int64_t lion_loop(const LionBuffers& b, const LionCoeffs& c,
                                                         int64_t begin, int64_t end) {
     const LionVec<Ops> k(c);
-    const uint32_t key = adam::round_key(c.step, b.round_stream);
+    const uint32_t key = simd::round_key(c.step, b.round_stream);
     const auto* const grad = static_cast<const typename G::Storage*>(b.grad);
     int64_t i = begin;
     for (; i + Ops::kWidth <= end; i += Ops::kWidth) {
         typename Ops::V p = Ops::load(b.param + i);
-        typename Ops::V m = adam::load_moment<Ops, S>(b.exp_avg, i);
+        typename Ops::V m = simd::load_moment<Ops, S>(b.exp_avg, i);
         lion_update<Ops, kDecay>(p, Ops::template load_grad<G>(grad + i), m, k);
         Ops::store(b.param + i, p);
-        const auto r = adam::moment_bits<Ops, S>(b, key, i);
-        adam::store_moment<Ops, S>(b.exp_avg, i, m, adam::low16<Ops>(r));
+        const auto r = simd::moment_bits<Ops, S>(b, key, i);
+        simd::store_moment<Ops, S>(b.exp_avg, i, m, simd::low16<Ops>(r));
         if constexpr (!std::is_same_v<O, NoOutTag>) {
             Ops::template store_out<O, false>(static_cast<typename O::Storage*>(b.out16) + i, p);
         }
@@ -106,7 +108,7 @@ inline __attribute__((always_inline)) void q8_lion_block(const LionBuffers& b,
                                                          int64_t len) {
     using V = typename Ops::V;
     using GS = typename G::Storage;
-    namespace q8 = adam::q8;
+    namespace q8 = simd::q8;
     constexpr int64_t W = Ops::kWidth;
     alignas(64) float m_f32[kQBlock];
     auto* const m_code = static_cast<uint8_t*>(b.exp_avg) + i0;
@@ -173,7 +175,19 @@ inline __attribute__((always_inline)) int64_t lion_dispatch(const LionBuffers& b
         }
         return begin;  // unreachable: formats are validated before any kernel runs
     };
-    return adam::flat_dispatch(b, c.use_decay, begin, with_state);
+    return simd::flat_dispatch(b, c.use_decay, begin, with_state);
+}
+
+/// Updates elements [begin, end) of `b` over Ops: what each per-ISA entry point
+/// (lion_range_<isa>) runs. A vector Ops leaves the elements after the last
+/// whole vector (a tensor's tail) to the scalar kernel.
+template <class Ops>
+inline __attribute__((always_inline)) void lion_range(const LionBuffers& b, const LionCoeffs& c,
+                                                      int64_t begin, int64_t end) {
+    [[maybe_unused]] const int64_t done = lion_dispatch<Ops>(b, c, begin, end);
+    if constexpr (Ops::kWidth > 1) {
+        if (done < end) lion_range_scalar(b, c, done, end);
+    }
 }
 
 }  // namespace infinity::lion

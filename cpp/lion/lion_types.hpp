@@ -1,17 +1,17 @@
 // Types of the fused CPU-Lion kernel: the buffers of one step and the float
 // coefficients derived once per call from the hyper-parameters. Dtype and
-// state-format codes are the Adam kernel's (adam/adam_types.hpp), so Python
-// passes the same codes to both.
+// state-format codes are every kernel's (simd/formats.hpp), so Python passes
+// the same codes to all.
 #pragma once
 
 #include <cstdint>
 
-#include "adam/adam_types.hpp"
+#include "simd/formats.hpp"
 
 namespace infinity::lion {
 
-using adam::DType;
-using adam::StateFormat;
+using simd::DType;
+using simd::StateFormat;
 
 /// Flat buffers of one step; all hold `n` elements and do not overlap.
 struct LionBuffers {

@@ -1,14 +1,14 @@
 // Python bindings of the CPU-SGD kernel (`infinity._C.sgd`). Buffers come in
 // as integer addresses: infinity/optim/sgd_kernel.py validates every tensor
 // (device, dtype, contiguity, size, overlap) before calling in here. Dtype and
-// state-format codes are the Adam kernel's (`_C.adam.dtype_codes`,
-// `_C.adam.state_formats`). See NOTE [raw pointers into native code].
+// state-format codes are every kernel's (simd/formats.hpp, exported as
+// `_C.adam.dtype_codes`, `_C.adam.state_formats`). See NOTE [raw pointers into native code].
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 
-#include "adam/bind_args.hpp"
 #include "sgd/sgd_kernels.hpp"
+#include "simd/bind_args.hpp"
 
 namespace py = pybind11;
 

@@ -1,12 +1,12 @@
-// Entry points of the per-ISA SGD kernels, one translation unit each, and the
-// run-time choice among them (the ISA the Adam kernels use: adam/isa.hpp, so
-// forcing one forces all).
+// Entry points of the per-ISA SGD kernels (defined in cpp/simd/kernels_<isa>.cpp,
+// one translation unit per ISA for every optimizer) and the run-time choice
+// among them (the ISA of simd/isa.hpp, the one every optimizer uses).
 #pragma once
 
 #include <cstdint>
 
-#include "adam/isa.hpp"
 #include "sgd/sgd_types.hpp"
+#include "simd/isa.hpp"
 
 namespace infinity::sgd {
 
@@ -20,11 +20,11 @@ void sgd_range_avx512(const SgdBuffers& b, const SgdCoeffs& c, int64_t begin, in
 #endif
 
 /// The kernel entry point of `isa`.
-SgdRangeFn sgd_range_fn(adam::Isa isa);
+SgdRangeFn sgd_range_fn(simd::Isa isa);
 
 /// Validates `b` and `h` (throws std::invalid_argument), then updates all
-/// `b.n` elements with the active ISA on the compute pool (the Adam kernels'
-/// pool and task split). The result is bitwise independent of the thread
+/// `b.n` elements with the active ISA on the compute pool (every optimizer's
+/// pool and task split: simd/flat_step.hpp). The result is bitwise independent of the thread
 /// count and of the ISA.
 void sgd_step(const SgdBuffers& b, const SgdHyper& h);
 

@@ -1,5 +1,5 @@
 // The per-element SGD update of torch.optim.SGD, written once over an "Ops"
-// backend (scalar, AVX2, AVX-512: adam/ops_*.hpp) like the Adam and Lion
+// backend (scalar, AVX2, AVX-512: simd/ops_*.hpp) like the Adam and Lion
 // kernels, so every ISA stores the same bits. Per element, every line one
 // correctly rounded fp32 operation, in the order of torch's single-tensor SGD
 // (Python-float scalars are rounded to float once, as ATen's CPU kernels do):
@@ -16,21 +16,23 @@
 //
 // The buffer is stored as fp32 or bf16 (round-to-nearest-even on every store);
 // the step itself uses the fp32 value before rounding, as torch uses its buffer.
+// Included by cpp/simd/kernels_<isa>.cpp inside their target regions.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
-#include "adam/adam_math.hpp"
-#include "adam/flat_dispatch.hpp"
-#include "adam/tags.hpp"
+#include "sgd/sgd_kernels.hpp"
 #include "sgd/sgd_types.hpp"
+#include "simd/flat_dispatch.hpp"
+#include "simd/state_io.hpp"
+#include "simd/tags.hpp"
 
 namespace infinity::sgd {
 
-using adam::BF16Tag;
-using adam::F32Tag;
-using adam::NoOutTag;
+using simd::BF16Tag;
+using simd::F32Tag;
+using simd::NoOutTag;
 
 /// The coefficients of SgdCoeffs broadcast into vectors of the backend.
 template <class Ops>
@@ -75,10 +77,10 @@ inline __attribute__((always_inline)) int64_t sgd_loop(const SgdBuffers& b, cons
         V buf = Ops::set1(0.0f);
         // NOTE: the first step writes the buffer without reading it: a new
         // buffer may hold anything (torch's starts as a clone of the gradient).
-        if constexpr (kMode == Momentum::kRunning) buf = adam::load_moment<Ops, S>(b.momentum_buffer, i);
+        if constexpr (kMode == Momentum::kRunning) buf = simd::load_moment<Ops, S>(b.momentum_buffer, i);
         sgd_update<Ops, kMode, kNesterov, kDecay>(p, Ops::template load_grad<G>(grad + i), buf, k);
         Ops::store(b.param + i, p);
-        if constexpr (kMode != Momentum::kNone) adam::store_moment_nearest<Ops, S>(b.momentum_buffer, i, buf);
+        if constexpr (kMode != Momentum::kNone) simd::store_moment_nearest<Ops, S>(b.momentum_buffer, i, buf);
         if constexpr (!std::is_same_v<O, NoOutTag>) {
             Ops::template store_out<O, false>(static_cast<typename O::Storage*>(b.out16) + i, p);
         }
@@ -118,7 +120,19 @@ inline __attribute__((always_inline)) int64_t sgd_dispatch(const SgdBuffers& b, 
         }
         return begin;  // unreachable: make_sgd_coeffs sets a known mode
     };
-    return adam::flat_dispatch(b, c.use_decay, begin, with_mode);
+    return simd::flat_dispatch(b, c.use_decay, begin, with_mode);
+}
+
+/// Updates elements [begin, end) of `b` over Ops: what each per-ISA entry point
+/// (sgd_range_<isa>) runs. A vector Ops leaves the elements after the last
+/// whole vector (a tensor's tail) to the scalar kernel.
+template <class Ops>
+inline __attribute__((always_inline)) void sgd_range(const SgdBuffers& b, const SgdCoeffs& c,
+                                                     int64_t begin, int64_t end) {
+    [[maybe_unused]] const int64_t done = sgd_dispatch<Ops>(b, c, begin, end);
+    if constexpr (Ops::kWidth > 1) {
+        if (done < end) sgd_range_scalar(b, c, done, end);
+    }
 }
 
 }  // namespace infinity::sgd

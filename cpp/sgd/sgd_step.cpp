@@ -4,10 +4,10 @@
 #include <string>
 #include <vector>
 
-#include "adam/flat_step.hpp"
-#include "adam/isa.hpp"
 #include "common/error.hpp"
 #include "sgd/sgd_kernels.hpp"
+#include "simd/flat_step.hpp"
+#include "simd/isa.hpp"
 
 namespace infinity::sgd {
 namespace {
@@ -19,24 +19,24 @@ void require(bool ok, const std::string& message, SourceLocation where = SourceL
 
 void validate(const SgdBuffers& b, const SgdHyper& h) {
     require(b.n >= 0, "n must be >= 0");
-    require(adam::known_dtype(b.grad_dtype), "unknown grad dtype code");
+    require(simd::known_dtype(b.grad_dtype), "unknown grad dtype code");
     require(b.state == StateFormat::kF32 || b.state == StateFormat::kBF16,
             "momentum_buffer state format must be fp32 or bf16");
-    require(b.out16 == nullptr || adam::out16_dtype(b.out_dtype), "out16 dtype must be bf16 or fp16");
+    require(b.out16 == nullptr || simd::out16_dtype(b.out_dtype), "out16 dtype must be bf16 or fp16");
     for (double x : {h.lr, h.momentum, h.dampening, h.weight_decay, h.grad_scale}) {
-        require(adam::fits_float(x), "hyper-parameters must be finite fp32 values");
+        require(simd::fits_float(x), "hyper-parameters must be finite fp32 values");
     }
     if (b.n == 0) return;
     const bool uses_buffer = h.momentum != 0.0;
     require(b.param && b.grad, "null buffer pointer for a non-empty step");
     require(!uses_buffer || b.momentum_buffer, "momentum != 0 needs a momentum_buffer");
     // NOTE: pointer arithmetic only (Python checked the same before calling).
-    std::vector<adam::BufferSpan> states;
+    std::vector<simd::BufferSpan> states;
     if (uses_buffer) {
         states.push_back(
-            adam::buffer_span(b.momentum_buffer, b.n, adam::state_bytes(b.state), "momentum_buffer"));
+            simd::buffer_span(b.momentum_buffer, b.n, simd::state_bytes(b.state), "momentum_buffer"));
     }
-    const std::string overlap = adam::find_step_overlap(b, states);
+    const std::string overlap = simd::find_step_overlap(b, states);
     require(overlap.empty(), overlap);
 }
 
@@ -45,7 +45,17 @@ void validate(const SgdBuffers& b, const SgdHyper& h) {
 void sgd_step(const SgdBuffers& b, const SgdHyper& h) {
     validate(b, h);
     if (b.n == 0) return;
-    adam::run_step_on_pool(b, make_sgd_coeffs(h), sgd_range_fn(adam::active_isa()));
+    simd::run_step_on_pool(b, make_sgd_coeffs(h), sgd_range_fn(simd::active_isa()));
+}
+
+SgdRangeFn sgd_range_fn(simd::Isa isa) {
+    switch (isa) {
+#if defined(__x86_64__)
+        case simd::Isa::kAvx512: return sgd_range_avx512;
+        case simd::Isa::kAvx2: return sgd_range_avx2;
+#endif
+        default: return sgd_range_scalar;
+    }
 }
 
 }  // namespace infinity::sgd

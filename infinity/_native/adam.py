@@ -1,7 +1,7 @@
 """The native CPU-Adam contract: the integer codes of the kernel's dtypes and probes.
 
-Defined once in ``cpp/adam/adam_types.hpp`` (``DType``) and
-``cpp/adam/bandwidth.hpp`` and read here from ``infinity._C.adam``.
+Defined once in ``cpp/simd/formats.hpp`` (``DType``) and
+``cpp/simd/bandwidth.hpp`` and read here from ``infinity._C.adam``.
 """
 
 from __future__ import annotations

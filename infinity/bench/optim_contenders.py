@@ -53,7 +53,7 @@ LION: dict[str, Any] = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.99, "weight_decay":
 SGD_HYPER = SGDHyperParams(
     lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, maximize=False
 )
-# name -> (native kind, bytes per element); see cpp/adam/bandwidth.hpp
+# name -> (native kind, bytes per element); see cpp/simd/bandwidth.hpp
 PROBE_BYTES = {"triad": 12, "axpy": 12, "adam_pattern": 28, "adam_prefetch": 28}
 
 Fn = Callable[[], object]

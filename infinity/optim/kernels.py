@@ -89,7 +89,7 @@ def adam_step(
             bf16 (rounded stochastically on every store, see
             NOTE [bf16 stochastic rounding] in docs/NOTES.md), or uint8 int8 codes
             with one fp32 scale per 256 elements in ``exp_avg_scale`` /
-            ``exp_avg_sq_scale`` (see ``cpp/adam/q8_codec.hpp``); both the same dtype.
+            ``exp_avg_sq_scale`` (see ``cpp/simd/q8_codec.hpp``); both the same dtype.
             The update itself runs in fp32.
         step: the 1-based step count *after* the increment (bias correction).
         lr, beta1, beta2, eps, weight_decay: as in ``torch.optim.AdamW``.

@@ -62,7 +62,7 @@ def lion_step(
         exp_avg: the momentum, updated in place: fp32, bf16 (rounded
             stochastically on every store, as Adam's moments), or uint8 int8
             codes with one fp32 scale per 256 elements in ``exp_avg_scale``
-            (the Adam kernel's signed codes, ``cpp/adam/q8_codec.hpp``). The
+            (the Adam kernel's signed codes, ``cpp/simd/q8_codec.hpp``). The
             update itself runs in fp32.
         lr, beta1, beta2, weight_decay: as in the Lion paper (and ``lion_pytorch``).
         grad_scale: factor applied to every gradient before the update.

@@ -6,7 +6,7 @@ NOTE [bf16 stochastic rounding] in docs/NOTES.md). ``"int8"`` stores one byte pe
 plus one fp32 scale per block of :data:`QBLOCK` elements:
 8-bit Adam's block-wise dynamic quantisation (signed codes for the first
 moment, unsigned for the second), decoded and re-encoded inside the fused
-kernel (``cpp/adam/q8_codec.hpp`` documents the codes, the rounding and the
+kernel (``cpp/simd/q8_codec.hpp`` documents the codes, the rounding and the
 block size). The update always runs in fp32; master weights stay fp32.
 
 :class:`StateFormat` says how many bytes a stored moment takes and cuts a

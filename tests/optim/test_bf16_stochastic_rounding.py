@@ -22,7 +22,7 @@ from infinity.optim import kernels
 from infinity.optim.lion_kernel import lion_step
 
 ISAS = kernels.available_isas()
-SEED = 0x1F0E2D3C  # kRoundSeed in cpp/adam/stochastic_round.hpp
+SEED = 0x1F0E2D3C  # kRoundSeed in cpp/simd/stochastic_round.hpp
 M32 = 0xFFFFFFFF
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 LION = dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)

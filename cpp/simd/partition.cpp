@@ -1,8 +1,8 @@
-#include "adam/partition.hpp"
+#include "simd/partition.hpp"
 
 #include <algorithm>
 
-namespace infinity::adam {
+namespace infinity::simd {
 namespace {
 
 // Below this many elements per thread, handing work to a worker costs more
@@ -54,4 +54,4 @@ TaskPlan plan_tasks(const std::vector<int64_t>& sizes, int threads) {
     return plan;
 }
 
-}  // namespace infinity::adam
+}  // namespace infinity::simd

@@ -1,4 +1,4 @@
-#include "adam/isa.hpp"
+#include "simd/isa.hpp"
 
 #include <atomic>
 #include <cstdlib>
@@ -7,7 +7,7 @@
 
 #include "common/error.hpp"
 
-namespace infinity::adam {
+namespace infinity::simd {
 namespace {
 
 bool cpu_has(Isa isa) {
@@ -100,14 +100,4 @@ void force_isa(const std::optional<std::string>& name) {
                                        "' is not available on this CPU; available: " + names);
 }
 
-RangeFn range_fn(Isa isa) {
-    switch (isa) {
-#if defined(__x86_64__)
-        case Isa::kAvx512: return adam_range_avx512;
-        case Isa::kAvx2: return adam_range_avx2;
-#endif
-        default: return adam_range_scalar;
-    }
-}
-
-}  // namespace infinity::adam
+}  // namespace infinity::simd

@@ -1,14 +1,14 @@
-// Run-time choice of the kernel: the widest instruction set the CPU (and OS)
-// supports, unless a caller forces one (tests, benchmarks).
+// Run-time choice of the kernels' instruction set: the widest the CPU (and OS)
+// supports, unless a caller forces one (tests, benchmarks). One choice for every
+// optimizer: each picks its entry point of the ISA (adam_range_fn, lion_range_fn,
+// sgd_range_fn), so forcing one forces all.
 #pragma once
 
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "adam/kernels.hpp"
-
-namespace infinity::adam {
+namespace infinity::simd {
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
@@ -25,7 +25,4 @@ Isa active_isa();
 /// here); std::nullopt returns to automatic choice.
 void force_isa(const std::optional<std::string>& name);
 
-/// The kernel entry point of `isa`.
-RangeFn range_fn(Isa isa);
-
-}  // namespace infinity::adam
+}  // namespace infinity::simd

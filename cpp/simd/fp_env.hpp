@@ -6,7 +6,7 @@
 #include <immintrin.h>
 #endif
 
-namespace infinity::adam {
+namespace infinity::simd {
 
 /// The caller's MXCSR (flush-to-zero, denormals-are-zero, rounding mode); 0 off x86.
 inline unsigned current_fp_env() {
@@ -43,4 +43,4 @@ class ScopedFpEnv {
     unsigned wanted_ = 0;
 };
 
-}  // namespace infinity::adam
+}  // namespace infinity::simd

@@ -1,8 +1,8 @@
 // The scalar "Ops" backend of the CPU optimizer kernels: one float per
 // "vector". The reference every vector backend must match bit for bit, the
-// fallback on CPUs without AVX2, and the tail of the vector kernels. Used by
-// the Adam kernels (adam_math.hpp, q8_codec.hpp), the Lion kernels
-// (cpp/lion/lion_math.hpp) and the SGD kernels (cpp/sgd/sgd_math.hpp).
+// fallback on CPUs without AVX2, and the tail of the vector kernels: every
+// optimizer's scalar kernel (kernels_scalar.cpp) and the int8 codec's
+// state-dict conversions run over it.
 //
 // NOTE: in an unnamed namespace, like the vector backends (ops_avx2.hpp): every
 // translation unit that includes it gets its own internal copy, so no inline
@@ -15,10 +15,10 @@
 #include <cstring>
 #include <type_traits>
 
-#include "adam/convert.hpp"
-#include "adam/tags.hpp"
+#include "simd/convert.hpp"
+#include "simd/tags.hpp"
 
-namespace infinity::adam {
+namespace infinity::simd {
 namespace {
 
 struct ScalarOps {
@@ -93,4 +93,4 @@ struct ScalarOps {
 };
 
 }  // namespace
-}  // namespace infinity::adam
+}  // namespace infinity::simd

@@ -1,6 +1,7 @@
-// What the optimizer bindings (`bind_adam.cpp`, `bind_lion.cpp`, `bind_sgd.cpp`) share: buffer
-// addresses from Python, the dtype and state-format codes Python passes
-// (`_C.adam.dtype_codes`, `_C.adam.state_formats`), checked with an error that
+// What the optimizer bindings (cpp/adam/bind_adam.cpp, cpp/lion/bind_lion.cpp,
+// cpp/sgd/bind_sgd.cpp) share: buffer addresses from Python, the dtype and
+// state-format codes Python passes (formats.hpp, exported as
+// `_C.adam.dtype_codes`, `_C.adam.state_formats`), checked with an error that
 // names the bad code, and the fields every kernel's buffers have (master,
 // gradient, optional 16-bit copy, element count).
 // See NOTE [raw pointers into native code].
@@ -10,8 +11,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "adam/adam_types.hpp"
 #include "common/error.hpp"
+#include "simd/formats.hpp"
 
 namespace infinity::bind {
 
@@ -20,16 +21,16 @@ T* as_ptr(uintptr_t address) {
     return reinterpret_cast<T*>(address);
 }
 
-inline adam::DType to_dtype(int code, const char* what) {
-    for (const adam::DTypeInfo& t : adam::kDTypes) {
+inline simd::DType to_dtype(int code, const char* what) {
+    for (const simd::DTypeInfo& t : simd::kDTypes) {
         if (static_cast<int>(t.code) == code) return t.code;
     }
     throw_error<std::invalid_argument>(std::string(what) +
                                        ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16)");
 }
 
-inline adam::StateFormat to_state(int code) {
-    for (const adam::StateFormatInfo& f : adam::kStateFormats) {
+inline simd::StateFormat to_state(int code) {
+    for (const simd::StateFormatInfo& f : simd::kStateFormats) {
         if (static_cast<int>(f.code) == code) return f.code;
     }
     throw_error<std::invalid_argument>("state_format code must be 0 (fp32), 1 (bf16) or 2 (int8)");

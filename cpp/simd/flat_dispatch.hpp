@@ -1,5 +1,5 @@
 // The dispatch every optimizer kernel's entry template ends with (Adam:
-// adam_dispatch.hpp, Lion: cpp/lion/lion_math.hpp, SGD: cpp/sgd/sgd_math.hpp):
+// cpp/adam/adam_dispatch.hpp, Lion: cpp/lion/lion_math.hpp, SGD: cpp/sgd/sgd_math.hpp):
 // from a step's run-time gradient dtype, 16-bit output dtype and one flag of the
 // kernel's (Adam's L2 mode, Lion's and SGD's weight decay) to the tag types its
 // loop templates take. Included through the math headers, inside each per-ISA
@@ -9,17 +9,17 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "adam/adam_types.hpp"
-#include "adam/tags.hpp"
+#include "simd/formats.hpp"
+#include "simd/tags.hpp"
 
-namespace infinity::adam {
+namespace infinity::simd {
 
 /// Calls `loop(grad_tag, out_tag, flag_tag)` with the tag of `b.grad_dtype`
 /// (F32Tag, BF16Tag or F16Tag), the tag of the 16-bit copy (NoOutTag when
 /// `b.out16` is null, else BF16Tag or F16Tag by `b.out_dtype`) and `flag` as
 /// std::true_type or std::false_type, and returns what it returns: the index
 /// of the first element the loop did not process. `b` is any kernel's buffers
-/// (AdamBuffers, lion::LionBuffers, sgd::SgdBuffers). An unknown grad dtype
+/// (adam::AdamBuffers, lion::LionBuffers, sgd::SgdBuffers). An unknown grad dtype
 /// returns `begin` (unreachable: every *_step validates the codes before any
 /// kernel runs), so no element is touched.
 template <class Buffers, class Loop>
@@ -42,4 +42,4 @@ inline __attribute__((always_inline)) int64_t flat_dispatch(const Buffers& b, bo
     return with_grad(std::false_type{});
 }
 
-}  // namespace infinity::adam
+}  // namespace infinity::simd

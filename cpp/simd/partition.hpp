@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "adam/adam_types.hpp"
+#include "simd/formats.hpp"
 
-namespace infinity::adam {
+namespace infinity::simd {
 
 /// Segments start at multiples of this many elements within their tensor: a
 /// multiple of the widest vector (16 floats), so scalar code only ever runs
@@ -39,4 +39,4 @@ struct TaskPlan {
 /// single task when splitting would cost more than it saves.
 TaskPlan plan_tasks(const std::vector<int64_t>& sizes, int threads);
 
-}  // namespace infinity::adam
+}  // namespace infinity::simd

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace infinity::adam {
+namespace infinity::simd {
 
 inline uint32_t float_bits(float f) {
     uint32_t u;
@@ -73,4 +73,4 @@ inline uint16_t float_to_half(float f) {
     return static_cast<uint16_t>(sign | q);
 }
 
-}  // namespace infinity::adam
+}  // namespace infinity::simd

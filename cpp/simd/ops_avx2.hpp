@@ -1,9 +1,8 @@
 // The AVX2 "Ops" backend of the CPU optimizer kernels (8 floats per
-// vector), shared by the Adam kernel (kernel_avx2.cpp), the Lion kernel
-// (cpp/lion/kernel_avx2.cpp) and the SGD kernel (cpp/sgd/kernel_avx2.cpp).
+// vector): every optimizer's AVX2 kernel (kernels_avx2.cpp) runs over it.
 //
 // NOTE: include it only inside the target region of a per-ISA translation
-// unit (see kernel_avx2.cpp): its intrinsics need the target's features. In an
+// unit (see kernels_avx2.cpp): its intrinsics need the target's features. In an
 // unnamed namespace (see ops_scalar.hpp) so each unit keeps its own copy.
 #pragma once
 
@@ -12,9 +11,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "adam/tags.hpp"
+#include "simd/tags.hpp"
 
-namespace infinity::adam {
+namespace infinity::simd {
 namespace {
 
 struct Avx2Ops {
@@ -34,6 +33,8 @@ struct Avx2Ops {
         __asm__("" : "+x"(x));
         return x;
     }
+    /// Orders the streaming stores of store_out<O, true> before later stores.
+    static void stream_fence() { _mm_sfence(); }
 
     // Integer lanes for the int8 codec (q8_codec.hpp).
     using I = __m256i;
@@ -121,4 +122,4 @@ struct Avx2Ops {
 };
 
 }  // namespace
-}  // namespace infinity::adam
+}  // namespace infinity::simd

@@ -1,8 +1,9 @@
-// What the one-tensor optimizer steps share (Lion: cpp/lion/lion_step.cpp,
-// SGD: cpp/sgd/sgd_step.cpp): element sizes of the dtype and state-format
-// codes, the check that a step's buffers are disjoint, and the run of a range
-// kernel over the compute pool with the Adam kernels' task split. The kernels'
-// entry templates share their dtype dispatch too (adam/flat_dispatch.hpp).
+// What the optimizer steps share (Adam: cpp/adam/adam_step.cpp, Lion:
+// cpp/lion/lion_step.cpp, SGD: cpp/sgd/sgd_step.cpp): element sizes of the
+// dtype and state-format codes, the check that a one-tensor step's buffers are
+// disjoint, and the run of a range kernel over the compute pool with one task
+// split (partition.hpp). The kernels' entry templates share their dtype
+// dispatch too (flat_dispatch.hpp).
 #pragma once
 
 #include <algorithm>
@@ -15,12 +16,12 @@
 #include <utility>
 #include <vector>
 
-#include "adam/adam_types.hpp"
-#include "adam/fp_env.hpp"
-#include "adam/partition.hpp"
 #include "common/thread_pool.hpp"
+#include "simd/formats.hpp"
+#include "simd/fp_env.hpp"
+#include "simd/partition.hpp"
 
-namespace infinity::adam {
+namespace infinity::simd {
 
 /// Bytes of one element of a buffer of dtype `d` (a known code).
 inline size_t dtype_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
@@ -77,17 +78,18 @@ std::string find_step_overlap(const Buffers& b, const std::vector<BufferSpan>& s
     return find_overlap(std::move(spans));
 }
 
-/// Calls `kernel(begin, end)` over all `n` elements of one tensor on the
-/// compute pool, with the Adam kernels' task split: segments start on kBlock
-/// boundaries, so an int8 block is one thread's and vectors never straddle
-/// two tasks, and each element is updated by exactly one call. Workers run
-/// with the caller's floating-point environment.
+/// Calls `kernel(tensor, begin, end)` over all elements of tensors of `sizes`
+/// elements on the compute pool, split into tasks by plan_tasks: segments
+/// start on kBlock boundaries, so an int8 block is one thread's and vectors
+/// never straddle two tasks, and each element is updated by exactly one call.
+/// Workers run with the caller's floating-point environment.
 template <class Kernel>
-void run_on_pool(int64_t n, const Kernel& kernel) {
-    const TaskPlan plan = plan_tasks({n}, compute_threads());
+void run_segments_on_pool(const std::vector<int64_t>& sizes, const Kernel& kernel) {
+    const TaskPlan plan = plan_tasks(sizes, compute_threads());
     const auto run_task = [&](int64_t task) {
         for (size_t s = plan.offsets[task]; s < plan.offsets[task + 1]; ++s) {
-            kernel(plan.segments[s].begin, plan.segments[s].end);
+            const Segment& seg = plan.segments[s];
+            kernel(seg.tensor, seg.begin, seg.end);
         }
     };
     if (plan.num_tasks() <= 1) {
@@ -102,10 +104,10 @@ void run_on_pool(int64_t n, const Kernel& kernel) {
 }
 
 /// Runs `kernel(b, c, begin, end)` (a per-ISA range function) over all
-/// `b.n` elements of a validated step on the compute pool (run_on_pool).
+/// `b.n` elements of a validated one-tensor step on the compute pool.
 template <class Buffers, class Coeffs, class RangeFn>
 void run_step_on_pool(const Buffers& b, const Coeffs& c, RangeFn kernel) {
-    run_on_pool(b.n, [&](int64_t begin, int64_t end) { kernel(b, c, begin, end); });
+    run_segments_on_pool({b.n}, [&](int64_t, int64_t begin, int64_t end) { kernel(b, c, begin, end); });
 }
 
-}  // namespace infinity::adam
+}  // namespace infinity::simd

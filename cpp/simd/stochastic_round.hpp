@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-namespace infinity::adam {
+namespace infinity::simd {
 
 /// The fixed seed of the moments' random bits. There is no run seed to take
 /// (Config has none): a fixed one keeps two runs of the same job identical.
@@ -93,4 +93,4 @@ inline __attribute__((always_inline)) typename Ops::I high16(typename Ops::I r) 
     return Ops::template shr<16>(r);
 }
 
-}  // namespace infinity::adam
+}  // namespace infinity::simd

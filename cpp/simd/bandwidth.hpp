@@ -1,9 +1,10 @@
-// Memory-bandwidth probes (the roofline of `infinity bench adam`).
+// Memory-bandwidth probes (the roofline of `infinity bench optim`), bound as
+// `_C.adam.bandwidth_probe`.
 #pragma once
 
 #include <cstdint>
 
-namespace infinity::adam {
+namespace infinity::simd {
 
 enum class BandwidthKernel : int {
     kTriad = 0,       ///< a = b + s*c          (STREAM triad: 2 reads, 1 write)
@@ -17,4 +18,4 @@ enum class BandwidthKernel : int {
 /// written once counts, write-allocate traffic does not).
 int64_t bandwidth_probe(BandwidthKernel kind, float* a, float* b, float* c, float* d, int64_t n);
 
-}  // namespace infinity::adam
+}  // namespace infinity::simd

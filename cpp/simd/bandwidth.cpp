@@ -1,7 +1,7 @@
-// Memory-bandwidth probes for `infinity bench adam`: STREAM-style loops run on
-// the same compute pool as the Adam kernel, so "fraction of the roofline"
+// Memory-bandwidth probes for `infinity bench optim`: STREAM-style loops run on
+// the same compute pool as the optimizer kernels, so "fraction of the roofline"
 // compares like with like.
-#include "adam/bandwidth.hpp"
+#include "simd/bandwidth.hpp"
 
 #include <algorithm>
 #include <stdexcept>
@@ -9,7 +9,7 @@
 #include "common/error.hpp"
 #include "common/thread_pool.hpp"
 
-namespace infinity::adam {
+namespace infinity::simd {
 namespace {
 
 constexpr int64_t kBlock = 1 << 16;  // elements per task (256 KiB per fp32 stream)
@@ -43,7 +43,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void adam_pattern_r
     for (int64_t i = begin; i < end; ++i) adam_pattern_at(p, g, m, v, i);
 }
 
-// The same with the Adam kernel's software prefetch (see adam_loop), so the
+// The same with the Adam kernel's software prefetch (see adam_loop, cpp/adam/adam_math.hpp), so the
 // roofline is not held back by a trick only the kernel uses.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void adam_pattern_prefetch_range(
     float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
@@ -94,4 +94,4 @@ int64_t bandwidth_probe(BandwidthKernel kind, float* a, float* b, float* c, floa
     throw_error<std::invalid_argument>("bandwidth_probe: unknown kernel");
 }
 
-}  // namespace infinity::adam
+}  // namespace infinity::simd
