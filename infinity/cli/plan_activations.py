@@ -7,11 +7,12 @@ from typing import Any
 
 import torch
 
-from infinity.activations.estimate import estimate
+from infinity.activations.estimate import estimate, step_memory
 from infinity.activations.policy import choose_blocks
 from infinity.config import Config, ConfigError
 from infinity.core.plan import Plan
 from infinity.runtime.budgets import DTYPE_OF
+from infinity.runtime.memory import resident_bytes
 from infinity.utils.sizes import format_size
 
 
@@ -47,7 +48,16 @@ def activations_at(
         return fits
 
     auto = choose_blocks(est.per_block, auto_room, host_room, has_nvme=nvme_room is not None)
+    work = _working_set(model, config, batch, seq_len, target)
     return {
+        "working_set_bytes": work,
+        # the step's peak per tier (runtime/memory.py): the device's lines and working set;
+        # the host's lines and this process's resident set now (the libraries and model)
+        "forecast_device_peak": plan.device_bytes + work,
+        "device_in_host": target == "cpu",
+        "forecast_resident_peak": resident_bytes()
+        + plan.host_bytes
+        + (plan.device_bytes + work if target == "cpu" else 0),
         "auto": {c: auto.count(c) for c in ("keep", "offload", "checkpoint")},
         "batch_size": batch,
         "seq_len": seq_len,
@@ -60,6 +70,23 @@ def activations_at(
         "nvme_room_bytes": nvme_room,
         "tokens_that_fit": {policy: fit(policy) for policy in on_device},
     }
+
+
+def _working_set(
+    model: torch.nn.Module, config: Config, batch: int, seq_len: int, target: str
+) -> int:
+    """The step's working set on the device (``step_memory``): the model's own loss over
+    ``batch x seq_len`` token ids, under ``config.activations`` ("auto" at its most)."""
+    ids = torch.zeros((batch, seq_len), dtype=torch.long, device=target)
+
+    def step(m: torch.nn.Module) -> torch.Tensor:
+        try:
+            return m(input_ids=ids, labels=ids).loss
+        except TypeError:  # not a transformers model: the GPT takes (ids, targets)
+            return m(ids, ids)
+
+    policy = "keep" if config.activations == "auto" else config.activations
+    return step_memory(model, step, DTYPE_OF[config.dtype], target, policy=policy).peak
 
 
 def activation_lines(act: dict[str, Any]) -> list[str]:
@@ -91,4 +118,10 @@ def activation_lines(act: dict[str, Any]) -> list[str]:
         f"checkpoint {format_size(need['checkpoint'])}, offload {format_size(need['offload'])}",
         f"  tokens per step that fit these budgets: keep {fits['keep']}, "
         f"checkpoint {fits['checkpoint']}, offload {fits['offload']}",
+        f"forecast peak of a step (Config.activations): working set "
+        f"{format_size(act['working_set_bytes'])} on the device beside its chunk slots = "
+        f"device {format_size(act['forecast_device_peak'])}; resident set "
+        f"{format_size(act['forecast_resident_peak'])} (this process now, the host's lines"
+        + (", the device's" if act["device_in_host"] else "")
+        + ")",
     ]
