@@ -203,6 +203,7 @@ class StepMemory:
     peak: int = 0
     saved: int = 0
     loss: int = 0
+    largest_moved: int = 0  # the largest saved tensor "offload" moves off the device
 
     @property
     def transient(self) -> int:
@@ -288,7 +289,9 @@ def step_memory(
                 return tensor
             if tensor.numel() * tensor.element_size() < min_bytes:
                 return tensor
-            return _Record(0, tensor), tensor.device
+            record = _Record(0, tensor)
+            result.largest_moved = max(result.largest_moved, record.nbytes)
+            return record, tensor.device
 
         def unpack(packed: Any) -> torch.Tensor:
             # NOTE: back as the store brings it back (records.py): its bytes as they

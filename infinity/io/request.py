@@ -15,9 +15,15 @@ from infinity.io.errors import NVMeIOError
 class IORequest:
     """The completion handle of one :meth:`IOEngine.read` or :meth:`IOEngine.write`.
 
-    It keeps the tensor (and the file object) alive until it is dropped, so
-    the memory under a transfer cannot be freed; the engine also keeps every
-    unfinished request, so dropping this handle early is safe too.
+    It keeps the tensor (and the file object) alive until the transfer is seen to
+    have finished (``done()`` true, or ``wait()`` returned), so the memory under a
+    transfer cannot be freed; the engine also keeps every unfinished request, so
+    dropping this handle early is safe too.
+
+    NOTE: not until the handle is dropped: the engine and the swap file keep their
+    last requests until their next submission, and a finished write's buffer then
+    stayed alive beside the one its owner counted (the activation store's write
+    window: found by counting the allocator against the budget's lines).
 
     NOTE: do not resize or ``set_()`` the tensor while the transfer runs: that
     would move its memory under the kernel.
@@ -37,17 +43,22 @@ class IORequest:
     ) -> None:
         self._handle = handle
         self._pid = pid
-        self._tensor = tensor
-        self._file = file
+        self._tensor: torch.Tensor | None = tensor
+        self._file: Any = file
         self.op = op
         self.offset = offset
         self.nbytes: int = handle.nbytes
         self.path = path
 
     @property
-    def tensor(self) -> torch.Tensor:
-        """The tensor being read into or written from."""
+    def tensor(self) -> torch.Tensor | None:
+        """The tensor being read into or written from (``None`` once it is seen finished)."""
         return self._tensor
+
+    def _finished(self) -> None:
+        """The transfer is over: the memory under it is the caller's again."""
+        self._tensor = None
+        self._file = None
 
     @property
     def bytes_done(self) -> int:
@@ -56,7 +67,10 @@ class IORequest:
 
     def done(self) -> bool:
         """True once the transfer has finished, successfully or not (never blocks)."""
-        return bool(self._handle.done())
+        if not self._handle.done():
+            return False
+        self._finished()
+        return True
 
     def exception(self) -> NVMeIOError | None:
         """The error of a finished, failed transfer; None if it succeeded or is still running."""
@@ -81,6 +95,7 @@ class IORequest:
                 f"{self.op} of {self.nbytes} bytes at offset {self.offset} of '{self.path}' "
                 f"did not finish within {timeout} s"
             )
+        self._finished()
         error = self.exception()
         if error is not None:
             raise error
@@ -113,6 +128,8 @@ def wait_all(requests: Iterable[IORequest], timeout: float | None = None) -> int
     if not native().io.wait_all([r._handle for r in reqs], timeout):
         pending = sum(not r.done() for r in reqs)
         raise TimeoutError(f"{pending} of {len(reqs)} requests did not finish within {timeout} s")
+    for r in reqs:
+        r._finished()
     for r in reqs:
         error = r.exception()
         if error is not None:

@@ -124,6 +124,9 @@ class MemoryForecast:
     baseline: int  # resident set when the model was offloaded
     device_in_host: bool
     tokens: int
+    # Host bytes of backward's working set: a saved tensor read from NVMe on demand
+    # lands in a host buffer before its copy to the device (the largest moved one).
+    host_working_set: int = 0
 
     @property
     def device_peak(self) -> int:
@@ -133,7 +136,12 @@ class MemoryForecast:
     @property
     def resident_peak(self) -> int:
         """The process's resident set at the step's peak."""
-        return self.baseline + self.host_lines + (self.device_peak if self.device_in_host else 0)
+        return (
+            self.baseline
+            + self.host_lines
+            + self.host_working_set
+            + (self.device_peak if self.device_in_host else 0)
+        )
 
     def describe(self) -> list[str]:
         """Lines for a run's header or ``infinity plan``."""
@@ -147,6 +155,11 @@ class MemoryForecast:
             f"{format_size(self.device_lines)} + buffers {format_size(self.resident)} + working "
             f"set; resident set {format_size(self.resident_peak)} = baseline "
             f"{format_size(self.baseline)} + host lines {format_size(self.host_lines)}"
+            + (
+                f" + a read on demand {format_size(self.host_working_set)}"
+                if self.host_working_set
+                else ""
+            )
             + (" + the device's" if self.device_in_host else ""),
         ]
 
@@ -238,6 +251,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         min_bytes=int(engine.config.activation_min_bytes),
     )
     lines = host_lines(engine)
+    store = engine.activations
     result = MemoryForecast(
         device_lines=sum(line["limit"] for line in device_lines(engine).values()),
         host_lines=sum(line["limit"] for line in lines.values()),
@@ -246,6 +260,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         baseline=engine.baseline_rss,
         device_in_host=engine.device.type != "cuda",  # NOTE: the fence is RAM too
         tokens=tokens,
+        host_working_set=0 if store is None or store.spill is None else work.largest_moved,
     )
     engine.forecast = result
     return result

@@ -230,7 +230,9 @@ def judge(outcome: Outcome) -> Verdict:
         raised=outcome.raised,
     )
     trained = outcome.trained
-    if trained.device_forecast is not None and not trained.device_peak <= trained.device_forecast:
+    if trained.over_limits:
+        verdict.message = "memory lines over their limits: " + "; ".join(trained.over_limits)
+    elif trained.device_forecast is not None and not trained.device_peak <= trained.device_forecast:
         verdict.message = (
             f"the device held {trained.device_peak} bytes at once, above the forecast "
             f"{trained.device_forecast} (its budget's slots + buffers + the step's working set)"

@@ -155,6 +155,8 @@ class Trained:
     # once over the first model's steps, and infinity.memory_forecast's device peak.
     device_peak: int | None = None
     device_forecast: int | None = None
+    # Budget lines over their limit, or lines over their budget (see _over_limits).
+    over_limits: list[str] = field(default_factory=list)
 
 
 def _parts(case: Case, ids: torch.Tensor, world: int) -> Iterator[torch.Tensor]:
@@ -358,7 +360,8 @@ def _trained(
     # round every difference to a whole ulp, which would drown small errors.
     entries = engine.registry.entries
     state = {entry.name: value for entry, value in read_params(engine, entries, master=True)}
-    placement = infinity.stats(model)["placement"]
+    stats = infinity.stats(model)
+    placement = stats["placement"]
     if case.nvme_direct and any(tiers.get("nvme") for tiers in placement.values()):
         # NOTE: a case that claims the direct route must have had it wherever its
         # plan kept an NVMe tier (Adafactor's homes, planned again, may not); whether
@@ -368,7 +371,23 @@ def _trained(
     for kind, tiers in (earlier or {}).items():
         for tier, count in tiers.items():
             placement[kind][tier] = placement[kind].get(tier, 0) + count
-    return Trained(state, losses, placement, list(evals or []), *device)
+    return Trained(
+        state, losses, placement, list(evals or []), *device, _over_limits(stats["memory"])
+    )
+
+
+def _over_limits(memory: dict) -> list[str]:
+    """Each budget line whose peak passed its limit, and each tier whose lines' limits
+    add up to more than its budget: the accounts' own promise, in every combination."""
+    faults = []
+    for tier in ("host", "device"):
+        lines = memory[tier]["lines"]
+        over = [name for name, line in lines.items() if line["peak"] > line["limit"]]
+        faults += [f"{tier} {name}: {lines[name]}" for name in over]
+        total = sum(line["limit"] for line in lines.values())
+        if total > memory[tier]["budget_bytes"]:
+            faults.append(f"{tier} lines {total} > budget {memory[tier]['budget_bytes']}")
+    return faults
 
 
 def _offload_reading_nvme_directly(model: torch.nn.Module, cfg: infinity.Config) -> torch.nn.Module:
