@@ -60,10 +60,14 @@ def split_allowance(allowance: int, spill: bool) -> tuple[int, int, int]:
 
     NOTE: the windows take at most a quarter and an eighth of the allowance, so that a
     small budget shrinks them rather than being exceeded; the host share is the rest.
+    The write window holds at least two I/O blocks where the allowance has them: its
+    piece buffer is half of it and at least one block (the sweep's host-line check
+    found a 3,353-byte window under a 4,096-byte piece).
     """
     if not spill:
         return allowance, 0, 0
-    read, write = min(READ_AHEAD, allowance // 4), min(WRITE_WINDOW, allowance // 8)
+    write = min(WRITE_WINDOW, max(allowance // 8, 2 * ALIGN), allowance)
+    read = min(READ_AHEAD, allowance // 4, allowance - write)
     return allowance - read - write, read, write
 
 

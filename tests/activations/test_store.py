@@ -255,6 +255,11 @@ def test_the_allowance_splits_into_three_lines_that_shrink_with_it() -> None:
     small = 8 << 20  # the windows shrink to a quarter and an eighth
     assert split_allowance(small, True) == (5 << 20, 2 << 20, 1 << 20)
     assert split_allowance(small, False) == (small, 0, 0)  # nothing to spill: no windows
+    # a tiny allowance keeps two I/O blocks for the write window (its piece is one)
+    tiny = 26_824  # a sweep case's: an eighth was 3,353 bytes, under the 4 KiB piece
+    share, read, write = split_allowance(tiny, True)
+    assert write == 8192 and share + read + write == tiny and min(share, read) >= 0
+    assert split_allowance(6000, True) == (0, 0, 6000)
 
 
 def test_a_tensor_larger_than_the_write_window_goes_through_it_in_pieces(tmp_path) -> None:
