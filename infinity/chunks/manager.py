@@ -76,6 +76,10 @@ class ChunkManager:
         self.device_account = TierAccount("device", plan.budgets.device)
         self.host_account = TierAccount("host", plan.budgets.host)
         self.nvme_account = TierAccount("nvme", plan.budgets.nvme)
+        # Whole-chunk and whole-tensor copies in host memory, outside the host budget:
+        # sharded chunks opened whole (Adafactor's step, state dicts, checkpoints) and
+        # an oversize tensor Adafactor steps whole (runtime/memory.py gives the limit).
+        self.transient_account = TierAccount("host transient copies", None)
         self.homes = HomeStore(plan, backend.alloc_host, self.host_account, self.traffic, swap_file)
         # NOTE [routes are data]: how bytes travel between the homes and the
         # device; a backend that reads NVMe into device memory shortens one.

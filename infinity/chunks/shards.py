@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from infinity.chunks.accounting import TierAccount
 from infinity.chunks.cache import Copy
 from infinity.chunks.spans import SpanKey, part_ranges
 from infinity.core.names import Key, Kind
@@ -107,6 +108,7 @@ class HostAccess(Protocol):
 
     plan: Plan
     collectives: Collectives | None
+    transient_account: TierAccount
 
     def open_host(
         self, key: Key, *, load: bool = True, writable: bool = True
@@ -136,8 +138,16 @@ def open_whole(
         return region, copy
     assert manager.collectives is not None
     whole = torch.zeros(whole_bytes(plan, key), dtype=torch.uint8)
+    account = manager.transient_account
+    account.add(whole.nbytes)
     if load and gather:
-        gather_whole(plan, manager.collectives, key, region, whole)
+        # NOTE: a unit's shards arrive in a buffer of their own (gather_whole), as large
+        gathered = whole.nbytes if key[0] is Kind.OPTIM else 0
+        account.add(gathered)
+        try:
+            gather_whole(plan, manager.collectives, key, region, whole)
+        finally:
+            account.sub(gathered)
     elif load:
         place_shard(plan, key, region, whole)
     return whole, WholeChunk(key, region, copy, whole)
@@ -152,6 +162,7 @@ def close_whole(
     if not isinstance(handle, WholeChunk):
         manager.close_host(handle, modified=modified, keep=keep)
         return
+    manager.transient_account.sub(handle.whole.nbytes)
     if modified:
         take_shard(manager.plan, handle.key, handle.whole, handle.region)
     manager.close_host(handle.copy, modified=modified, keep=keep)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from infinity.chunks.accounting import TierAccount
 from infinity.chunks.cache import Copy
 from infinity.chunks.homes import HomeStore
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
@@ -33,6 +34,7 @@ class ChunkManager(Protocol):
     homes: HomeStore
     host: HostStaging
     collectives: Collectives | None
+    transient_account: TierAccount
 
     def nbytes(self, key: Key) -> int: ...
     def open_host(

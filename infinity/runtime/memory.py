@@ -26,6 +26,10 @@ import torch
 from torch import nn
 
 from infinity.activations.estimate import StepFn, StepMemory, step_memory
+from infinity.chunks.shards import whole_bytes
+from infinity.chunks.spans import is_split
+from infinity.core.names import Kind
+from infinity.core.plan import FP32_BYTES, Plan
 from infinity.utils.sizes import format_size
 
 if TYPE_CHECKING:
@@ -124,8 +128,9 @@ class MemoryForecast:
     baseline: int  # resident set when the model was offloaded
     device_in_host: bool
     tokens: int
-    # Host bytes of backward's working set: a saved tensor read from NVMe on demand
-    # lands in a host buffer before its copy to the device (the largest moved one).
+    # Host bytes outside the lines: a saved tensor read from NVMe on demand lands in a
+    # host buffer before its copy to the device (the largest moved one), and the
+    # whole-chunk or whole-tensor copies of transient_limit.
     host_working_set: int = 0
 
     @property
@@ -156,7 +161,7 @@ class MemoryForecast:
             f"set; resident set {format_size(self.resident_peak)} = baseline "
             f"{format_size(self.baseline)} + host lines {format_size(self.host_lines)}"
             + (
-                f" + a read on demand {format_size(self.host_working_set)}"
+                f" + transient copies {format_size(self.host_working_set)}"
                 if self.host_working_set
                 else ""
             )
@@ -201,6 +206,34 @@ def host_lines(engine: OffloadEngine) -> dict[str, dict[str, int]]:
     return lines
 
 
+def transient_limit(plan: Plan, whole_tensors: bool) -> int:
+    """The most host bytes of whole-chunk and whole-tensor copies at once (outside the
+    host budget; ``ChunkManager.transient_account`` measures them).
+
+    Sharded, a chunk is opened whole on every rank: Adafactor's step opens its
+    gradient, unit and parameters at once, a unit's shards arriving in a buffer of the
+    unit's size (state dicts and checkpoints open one kind at a time: less). Unsharded,
+    Adafactor steps an oversize tensor whole: its fp32 master and its gradient."""
+    chunks = range(plan.layout.num_chunks)
+    if plan.sharded:
+        return max(
+            (
+                whole_bytes(plan, (Kind.GRAD, i))
+                + 2 * whole_bytes(plan, (Kind.OPTIM, i))
+                + whole_bytes(plan, (Kind.PARAM, i))
+                for i in chunks
+            ),
+            default=0,
+        )
+    if not whole_tensors:
+        return 0
+    per_element = FP32_BYTES + plan.element_size
+    return max(
+        (plan.layout.chunks[i].capacity * per_element for i in chunks if is_split(plan, i)),
+        default=0,
+    )
+
+
 def device_lines(engine: OffloadEngine) -> dict[str, dict[str, int]]:
     """Each device line's limit and measured peak (bytes)."""
     account = engine.chunks.manager.device_account
@@ -220,6 +253,11 @@ def memory_stats(engine: OffloadEngine) -> dict[str, Any]:
             "lines": host,
             "lines_peak_bytes": sum(line["peak"] for line in host.values()),
             "baseline_bytes": engine.baseline_rss,
+            # outside the host budget, transient: see transient_limit
+            "transient_copies": {
+                "limit": transient_limit(plan, engine.chunk_optimizer.whole_tensors),
+                "peak": engine.chunks.manager.transient_account.peak,
+            },
             "resident_peak_bytes": resident_peak_bytes(),
         },
         "device": {
@@ -260,7 +298,8 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         baseline=engine.baseline_rss,
         device_in_host=engine.device.type != "cuda",  # NOTE: the fence is RAM too
         tokens=tokens,
-        host_working_set=0 if store is None or store.spill is None else work.largest_moved,
+        host_working_set=(0 if store is None or store.spill is None else work.largest_moved)
+        + transient_limit(engine.plan, engine.chunk_optimizer.whole_tensors),
     )
     engine.forecast = result
     return result

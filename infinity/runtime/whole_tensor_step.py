@@ -42,11 +42,18 @@ def step_tensor_in_spans(
     tensor = run.tensor
     if len(runs) != 1 or tensor is None:
         raise AssertionError(f"oversize chunk {chunk} steps one whole tensor, got runs {runs}")
-    master, grad = _gather(engine, chunk, run)
-    shape = engine.layout.slots[tensor].shape
-    views = StepViews(master, grad, {}, None, {}, shape, engine.tensor_state(tensor))
-    engine.chunk_optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
-    _scatter(engine, chunk, run, master)
+    account = engine.manager.transient_account
+    copies = (run.end - run.start) * (4 + engine.dtype.itemsize)  # _gather's master, grad
+    account.add(copies)
+    try:
+        master, grad = _gather(engine, chunk, run)
+        shape = engine.layout.slots[tensor].shape
+        views = StepViews(master, grad, {}, None, {}, shape, engine.tensor_state(tensor))
+        engine.chunk_optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
+        _scatter(engine, chunk, run, master)
+        del master, grad, views
+    finally:
+        account.sub(copies)
     engine.manager.drop_param(chunk)
 
 

@@ -81,3 +81,25 @@ def test_the_allocators_peak_stays_within_the_lines(monkeypatch, tmp_path, activ
     if activations == "offload":
         act = infinity.stats(model)["activations"]
         assert act["nvme_peak_bytes"] > 0  # the windows were used, not bypassed
+
+
+def test_adafactor_stepping_an_oversize_tensor_whole_counts_its_copies(tmp_path):
+    # host staging too small for the oversize chunks whole: they travel in spans, and
+    # Adafactor (which reads whole tensors) steps each from copies of its master and
+    # gradient, outside the host budget, in the transient account
+    config = infinity.Config(
+        device="cpu",
+        dtype="fp32",
+        chunk_size="16KiB",
+        device_memory="2MiB",
+        host_memory="1MiB",
+        nvme_path=str(tmp_path),
+    )
+    model = infinity.offload(tiny_gpt(layers=2, hidden=64), config)
+    opt = infinity.optim.CPUAdafactor(model.parameters(), lr=1e-3)
+    for batch in batches(2, batch=2):
+        gpt_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    copies = infinity.stats(model)["memory"]["host"]["transient_copies"]
+    assert 0 < copies["peak"] <= copies["limit"], copies

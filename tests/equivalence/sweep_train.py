@@ -387,6 +387,9 @@ def _over_limits(memory: dict) -> list[str]:
         total = sum(line["limit"] for line in lines.values())
         if total > memory[tier]["budget_bytes"]:
             faults.append(f"{tier} lines {total} > budget {memory[tier]['budget_bytes']}")
+    copies = memory["host"]["transient_copies"]
+    if copies["peak"] > copies["limit"]:
+        faults.append(f"host transient copies: {copies}")
     return faults
 
 

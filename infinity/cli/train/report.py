@@ -180,7 +180,10 @@ def memory_rows(memory: dict[str, Any]) -> list[str]:
     rows = [f"{'memory line':<36}{'limit':>12}{'peak':>12}"]
     for tier in ("host", "device"):
         rows.append(f"{tier} (budget {format_size(memory[tier]['budget_bytes'])})")
-        for name, line in memory[tier]["lines"].items():
+        lines = dict(memory[tier]["lines"])
+        if tier == "host" and memory["host"]["transient_copies"]["limit"]:
+            lines["transient copies, beside it"] = memory["host"]["transient_copies"]
+        for name, line in lines.items():
             rows.append(
                 f"  {name:<34}{format_size(line['limit']):>12}{format_size(line['peak']):>12}"
             )
