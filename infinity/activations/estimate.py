@@ -219,8 +219,9 @@ class _LiveBytes(TorchDispatchMode):
     storage), so a weak reference's callback is the moment the bytes are freed.
     """
 
-    def __init__(self, existing: list[torch.Tensor]) -> None:
+    def __init__(self, existing: list[torch.Tensor], granule: int = 1) -> None:
         super().__init__()
+        self.granule = granule  # the allocator's rounding of every block
         self.live = 0
         self.peak = 0
         self.window: tuple[int, int] | None = None  # (live at its start, its peak)
@@ -237,7 +238,7 @@ class _LiveBytes(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
                 if storage not in self._seen:
-                    nbytes = storage.nbytes()
+                    nbytes = -(-storage.nbytes() // self.granule) * self.granule
                     self._seen[storage] = weakref.finalize(storage, self._free, nbytes)
                     self.live += nbytes
                     self.peak = max(self.peak, self.live)
@@ -281,7 +282,9 @@ def step_memory(
                 p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
         if policy == "checkpoint":
             CheckpointedBlocks(found)
-        tracker = _LiveBytes([*fake.parameters(), *fake.buffers()])
+        # NOTE: CUDA's caching allocator rounds every block up to 512 bytes
+        granule = 512 if torch.device(device).type == "cuda" else 1
+        tracker = _LiveBytes([*fake.parameters(), *fake.buffers()], granule)
 
         def pack(tensor: torch.Tensor) -> Any:
             base = tensor._base if tensor._base is not None else tensor
