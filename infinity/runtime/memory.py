@@ -131,7 +131,7 @@ class MemoryForecast:
     # Host bytes outside the lines: a saved tensor read from NVMe on demand lands in a
     # host buffer before its copy to the device (the largest moved one), and the
     # whole-chunk or whole-tensor copies of transient_limit.
-    host_working_set: int = 0
+    host_transients: int = 0
 
     @property
     def device_peak(self) -> int:
@@ -144,7 +144,7 @@ class MemoryForecast:
         return (
             self.baseline
             + self.host_lines
-            + self.host_working_set
+            + self.host_transients
             + (self.device_peak if self.device_in_host else 0)
         )
 
@@ -161,8 +161,8 @@ class MemoryForecast:
             f"set; resident set {format_size(self.resident_peak)} = baseline "
             f"{format_size(self.baseline)} + host lines {format_size(self.host_lines)}"
             + (
-                f" + transient copies {format_size(self.host_working_set)}"
-                if self.host_working_set
+                f" + transient copies {format_size(self.host_transients)}"
+                if self.host_transients
                 else ""
             )
             + (" + the device's" if self.device_in_host else ""),
@@ -298,7 +298,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         baseline=engine.baseline_rss,
         device_in_host=engine.device.type != "cuda",  # NOTE: the fence is RAM too
         tokens=tokens,
-        host_working_set=(0 if store is None or store.spill is None else work.largest_moved)
+        host_transients=(0 if store is None or store.spill is None else work.largest_moved)
         + transient_limit(engine.plan, engine.chunk_optimizer.whole_tensors),
     )
     engine.forecast = result
