@@ -79,10 +79,8 @@ class OffloadEngine:
     """Runtime state of one offloaded model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, config: Config) -> None:
-        # The process's resident set before the engine allocated (offload sets it), and
-        # the runtime.memory.MemoryForecast of a step, once one is made.
-        self.baseline_rss = 0
-        self.forecast: Any = None
+        self.baseline_rss = 0  # the resident set before the engine allocated (offload sets it)
+        self.forecast: Any = None  # runtime.memory.MemoryForecast, once one is made
         self.config = config
         self.dtype = DTYPE_OF[config.dtype]
         self.backend = make_backend(config.device)

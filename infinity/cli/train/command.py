@@ -349,8 +349,7 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     if args.eval_batches and not stopping():
         summary.eval_before = session.evaluate(args.eval_batches)
         report.event("eval", step=session.step, loss=summary.eval_before)
-    # NOTE: the memory report measures the steps: the peaks start over here and are
-    # read when the last step ends (the checkpoint, evaluation and plot come after).
+    # NOTE: the memory report measures the steps, not the checkpoint, eval and plot after
     reset_resident_peak()
     reset_device_peak(session.device)
     train_started = time.perf_counter()
