@@ -18,10 +18,9 @@ before it (one dependency direction, none knows the engine):
 - :class:`~infinity.runtime.gradients.GradientSink` (``sink``): gradient
   arrival, start and end of backward.
 
-The engine itself handles the forward side (a module starts or ends, autograd
-saves or unpacks a weight view) and keeps the methods hooks, the optimizer
-front-ends (``CPUAdam``, ``CPUSGD``, ``CPULion``), state access and checkpoints call.
-"""
+The engine itself handles the forward side (a module starts or ends, autograd saves or
+unpacks a weight view) and keeps the methods hooks, the optimizer front-ends (``CPUAdam``,
+``CPUSGD``, ``CPULion``), state access and checkpoints call."""
 
 from __future__ import annotations
 
@@ -104,8 +103,7 @@ class OffloadEngine:
         self.overlap = config.overlap_optimizer is True
         swap = open_swap(config, plan.nvme_bytes)
         self.swaps: list[SwapFile] = [swap] if swap is not None else []  # a re-home swaps it
-        # Frees the threads and the swap files when the model is collected (or at
-        # exit) if close() was not called; it holds no reference to the model.
+        # Frees threads and swap files when the model dies unclosed (holds no reference).
         self._release = weakref.finalize(model, release, self.backend, self.swaps)
         try:
             manager = build_manager(plan, self.dtype, self.backend, swap, self.collectives)

@@ -5,12 +5,10 @@ machine, offline). The model's parameters, gradients and optimizer states
 live in chunks over the device, host and NVMe tiers; by default the budgets
 are derived from the model so its states exceed both the device and the host
 budget. Shows a progress bar with the bytes each tier moves, and at the end a
-summary table and a memory-timeline PNG of one step. Ctrl-C stops after the
-current step with a checkpoint (exit code 130); ``--resume`` continues the
-same loss curve. With ``--model DIR --data PATH`` it fine-tunes a local
-``transformers`` model on the user's text instead (``train_pretrained.py``) and
-writes the result in the ``transformers`` layout.
-"""
+summary and memory tables and a memory-timeline PNG of one step. Ctrl-C stops after
+the current step with a checkpoint (exit code 130); ``--resume`` continues the same
+loss curve. ``--model DIR --data PATH`` fine-tunes a local ``transformers`` model on
+the user's text instead (``pretrained.py``), saved in the ``transformers`` layout."""
 
 from __future__ import annotations
 
