@@ -267,8 +267,11 @@ class ActivationStore:
                 n = min(piece, saved.nbytes - start)
                 buffer[:n].copy_(data[start : start + n])
                 saved.file.write(buffer[: align_up(n, ALIGN)], saved.offset + start).wait()
-        except BaseException:
-            self.spill.release()  # NOTE: no record holds the extent: the pack fails
+        except BaseException as exc:
+            # NOTE: no record holds the extent: a pack fails, an eviction's tensor raises
+            # this when backward asks for it (_forget must not release it again)
+            self.spill.release()
+            saved.failed = exc
             raise
         bisect.insort(self._nvme, saved, key=lambda s: s.seq)
         self._count(NVME, saved.nbytes)
@@ -435,7 +438,7 @@ class ActivationStore:
     def _forget(self, saved: _Record) -> None:
         """Free a dropped record's NVMe extent, unless the disk still writes it (then
         :meth:`_finish_write` calls this again; no wait on autograd's thread)."""
-        if saved.write is not None:
+        if saved.write is not None or (saved.failed is not None and saved not in self._nvme):
             return
         self._nvme.remove(saved)
         self._count(NVME, -saved.nbytes)
