@@ -358,9 +358,15 @@ class GradientFlow:
         return self.collectives.any(self.found_inf, "checking fp16 gradients for overflow")
 
     def _check_finite(self, grads: torch.Tensor) -> None:
-        """fp16: note an inf/NaN gradient (the step is then skipped)."""
-        if self.check_overflow and not bool(torch.isfinite(grads).all()):
-            self.found_inf = True
+        """fp16: note an inf/NaN gradient (the step is then skipped).
+
+        NOTE: from the extremes (a NaN anywhere makes both NaN, an infinity is one of
+        them): ``isfinite(grads).all()`` made a mask of the chunk, and its
+        intermediates, on the device beside every budget (found by the fence sweep)."""
+        if self.check_overflow and grads.numel():
+            low, high = torch.aminmax(grads)
+            if not bool(torch.isfinite(low) & torch.isfinite(high)):
+                self.found_inf = True
 
     def invalidate_grads(self) -> None:
         """Gradients were zeroed: the next flush overwrites instead of adding."""
