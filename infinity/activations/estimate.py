@@ -69,7 +69,7 @@ def estimate(
     is called as a ``transformers`` causal LM (``input_ids``, ``labels``), else
     with one tensor of token ids.
     """
-    meta = _without_hooks(_weightless(model))
+    meta = _weightless(model)
     result = ActivationEstimate(tokens=batch * seq_len)
     found = blocks_for(meta, blocks, required=False)
     names = {id(m): i for i, (_, m) in enumerate(found)}
@@ -121,17 +121,19 @@ def estimate(
 
 
 def _weightless(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are empty ``meta`` tensors.
+    """A copy of ``model`` whose parameters and buffers are empty ``meta`` tensors, with
+    no module hooks and no instance ``forward``: the model's own forward, nothing else.
 
     NOTE: a plain deep copy of an offloaded model copied the chunk slabs its parameters
     view, and the device tensors its hooks reach, on the device, inside the step whose
     first forward asked for the estimate (the fence sweep's allocator found it); a
     model in RAM would be copied whole. The fake run needs shapes only, so the copy
-    starts from ``meta`` stand-ins and without the hooks' dictionaries."""
+    starts from ``meta`` stand-ins and without the hooks' dictionaries (the engine's
+    hooks would fetch chunks for a fake forward); its checkpoint wrappers go too."""
     memo: dict[int, Any] = {}
     for module in model.modules():
         for name, value in vars(module).items():
-            if name.endswith("hooks") and isinstance(value, dict):
+            if "hooks" in name and isinstance(value, dict):
                 memo[id(value)] = type(value)()  # the engine's hooks stay behind
         for p in module._parameters.values():
             if p is not None:
@@ -141,25 +143,10 @@ def _weightless(model: nn.Module) -> nn.Module:
         for b in module._buffers.values():
             if b is not None:
                 memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    return copy.deepcopy(model, memo)
-
-
-def _without_hooks(model: nn.Module) -> nn.Module:
-    """``model`` with no module hooks and no instance ``forward``.
-
-    NOTE: a copy of an offloaded model carries the engine's hooks (they would fetch
-    chunks for a fake forward) and its checkpoint wrappers; the estimate wants the
-    model's own forward on fake tensors, nothing else. Parameters are replaced by
-    fake ones (:func:`_fake_weights`), which drops their tensor hooks."""
-    for module in model.modules():
-        for hooks in (
-            module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
-            module._backward_pre_hooks, module._forward_hooks_always_called,
-            module._forward_hooks_with_kwargs, module._forward_pre_hooks_with_kwargs,
-        ):  # fmt: skip
-            hooks.clear()
+    copied = copy.deepcopy(model, memo)
+    for module in copied.modules():
         module.__dict__.pop("forward", None)
-    return model
+    return copied
 
 
 def _fake_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> set[int]:
@@ -272,7 +259,7 @@ def step_memory(
     """
     from infinity.activations.checkpointing import CheckpointedBlocks
 
-    fake = _without_hooks(_weightless(model))
+    fake = _weightless(model)
     result = StepMemory()
     found = blocks_for(fake, blocks, required=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
