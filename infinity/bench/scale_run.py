@@ -6,7 +6,7 @@ nearly all of its states live on the NVMe disk. The report sets each measurement
 against what bounds it: the states against the RAM, the peak RSS against the
 budgets, the step time against the disk's I/O bound (the time this disk needs for
 one step's NVMe reads and writes, from rates measured in the same run with
-:func:`infinity.bench.disk.measure_mix`), and the time the disk was busy against
+:func:`infinity.io.rates.measure_mix`), and the time the disk was busy against
 the step (``nvme_busy_seconds``: the disk idles while the step computes without a
 transfer in flight). ``Config.device`` may be ``cuda``: the GPU computes, the
 states still go through the host budget to the disk. :func:`planned_nvme_bytes`
@@ -34,8 +34,8 @@ import psutil
 import torch
 
 import infinity
-from infinity.bench.disk import faster, io_bound_seconds, measure_mix
 from infinity.config import Config
+from infinity.io.rates import faster, io_bound_seconds, measure_mix
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.optim.chunk_optimizer import ADAM

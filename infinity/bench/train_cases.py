@@ -95,7 +95,7 @@ class Runner:
         self.model, self.optimizer, self.config = model, optimizer, config
         self.times: list[float] = []
         self.rounds: list[float] = []
-        self.laps: list[dict[str, float]] = []
+        self.laps: list[dict[str, float | str]] = []
 
     def block(self, batches: list[tuple], timed: bool) -> None:
         """Consecutive training steps; all but the first are recorded if ``timed``.
@@ -126,8 +126,9 @@ class Runner:
         """Median step time and mean traffic of the timed steps; releases the model."""
         traffic = {}
         if self.laps:
+            numbers = [k for k, v in self.laps[0].items() if isinstance(v, float | int)]
             traffic = {
-                k: statistics.mean(lap.get(k, 0.0) for lap in self.laps) for k in self.laps[0]
+                k: statistics.mean(float(lap.get(k, 0.0)) for lap in self.laps) for k in numbers
             }
         if self.config is not None:
             engine_of(self.model).close()

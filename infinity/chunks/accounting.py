@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 
@@ -50,6 +50,11 @@ class Traffic:
     wait_seconds: dict[str, float] = field(default_factory=lambda: {"device": 0.0, "nvme": 0.0})
     # The swap file's I/O engine busy clock (IOEngine.busy_seconds), if there is one.
     nvme_busy_clock: Callable[[], float] | None = field(default=None, repr=False)
+    # Host time in the optimizer's chunk updates, their waits for data excluded.
+    host_optimizer_seconds: float = 0.0
+    # Brackets a wait in which the device may idle (the backend's ``stall``: NOTE
+    # [the step's bound]).
+    stall: Callable[[], AbstractContextManager[None]] = field(default=nullcontext, repr=False)
 
     def snapshot(self) -> dict[str, float]:
         """A flat copy of the counters. ``nvme_busy_seconds``: the time the swap
@@ -61,6 +66,7 @@ class Traffic:
             "nvme_read_bytes": self.nvme_read_bytes,
             "nvme_write_bytes": self.nvme_write_bytes,
             "nvme_busy_seconds": self.nvme_busy_clock() if self.nvme_busy_clock else 0.0,
+            "host_optimizer_seconds": self.host_optimizer_seconds,
         }
         for tier, seconds in self.wait_seconds.items():
             out[f"wait_{tier}_seconds"] = seconds
@@ -73,6 +79,7 @@ class Traffic:
         self.d2h_bytes += other.d2h_bytes
         self.nvme_read_bytes += other.nvme_read_bytes
         self.nvme_write_bytes += other.nvme_write_bytes
+        self.host_optimizer_seconds += other.host_optimizer_seconds
         for tier, seconds in other.wait_seconds.items():
             self.wait_seconds[tier] = self.wait_seconds.get(tier, 0.0) + seconds
 
@@ -81,6 +88,18 @@ class Traffic:
         """Time a blocking wait on ``tier``."""
         start = time.perf_counter()
         try:
-            yield
+            with self.stall():
+                yield
         finally:
             self.wait_seconds[tier] = self.wait_seconds.get(tier, 0.0) + time.perf_counter() - start
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        """Time a host update of optimizer states (its waits counted apart)."""
+        start, waited = time.perf_counter(), sum(self.wait_seconds.values())
+        try:
+            with self.stall():
+                yield
+        finally:
+            waited = sum(self.wait_seconds.values()) - waited
+            self.host_optimizer_seconds += time.perf_counter() - start - waited

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,6 +80,28 @@ class DeviceBackend(abc.ABC):
 
     def free_memory(self) -> int | None:
         """Bytes the device could still allocate now, or ``None`` if not known."""
+        return None
+
+    # --- the step's bound (NOTE [the step's bound], runtime/step_timer.py) --------------
+    def open_span(self) -> None:
+        """A step's device work starts (its first forward): the device's own clock, if
+        it has one, starts counting its compute."""
+
+    def stall(self) -> AbstractContextManager[None]:
+        """Bracket host work or a wait during which the device may idle for the engine,
+        so the idle time is not counted as compute (a no-op without a device clock)."""
+        return nullcontext()
+
+    def close_span(self) -> Callable[[], float] | None:
+        """The step ends: its device compute seconds, read later (the clock's events
+        may still be pending), or ``None`` where compute shares the host's cores and
+        the step timer measures it on the host's clock."""
+        return None
+
+    def take_link_seconds(self) -> Callable[[], tuple[float, float]] | None:
+        """Seconds the host-device link was busy copying (to the device, from it) since
+        the last call, read later; ``None`` where copies are not timed on the device
+        (the step timer then counts their bytes at a measured memcpy rate)."""
         return None
 
     def synchronize(self) -> None:

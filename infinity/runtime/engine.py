@@ -338,6 +338,7 @@ class OffloadEngine:
             # it): its end-of-backward callback will not come, so settle it now.
             self.sink.end_backward()
         self.activation_policy.begin_forward(shape, new_iteration=not self.sink.running)
+        self.step_timer.begin_span()
         if not self.sink.running:
             self.fetcher.start_iteration()
             self.timeline.finish_iteration()

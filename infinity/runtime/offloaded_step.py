@@ -203,7 +203,8 @@ def chunk_ready(engine: StepContext, work: ChunkWork) -> bool:
 
 def finish_chunk(engine: StepContext, work: ChunkWork, grad_scale: float) -> int:
     """Run the update of one planned chunk; returns the tensors updated."""
-    step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
+    with engine.manager.traffic.updating():
+        step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
     engine.sample(Phase.OPTIMIZER, work.chunk)
     for index in work.updated:
         engine.tensor_steps[index] += 1

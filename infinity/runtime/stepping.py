@@ -10,9 +10,12 @@ loss-scale state, and reads and writes the optimizer state as torch's.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from infinity.chunks.manager import ChunkManager
+from infinity.io.rates import DiskMix, disk_rates
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.offloaded import MomentState
 from infinity.optim.registry import engine_of_param
@@ -48,7 +51,9 @@ class UpdatePipeline:
         self.prefetch = prefetch
         self.manager = chunks.manager
         self.step_count = 0
-        self.step_timer = StepTimer(self.manager.traffic)
+        self.step_timer = StepTimer(
+            self.manager.traffic, self.manager.backend, _disk_of(self.manager)
+        )
         self.loss_scale = Lifecycle(LossScale.UNSCALED, LEGAL_LOSS_SCALE, "loss scale")
         # Weak reference to the optimizer holding this model's parameters (it registers).
         self.optimizer: Callable[[], Any] | None = None
@@ -131,3 +136,17 @@ class UpdatePipeline:
         """Set moments and step counts by tensor index (``None``: never stepped)."""
         self.queue.settle()
         optim_state.write_moments(self.chunks, values)
+
+
+def _disk_of(manager: ChunkManager) -> Callable[[], DiskMix | None] | None:
+    """The rates of the disk under ``manager``'s swap file, measured when first asked
+    (after its transfers in flight land); None without an NVMe tier."""
+    swap = manager.homes.swap_file
+    if swap is None:
+        return None
+    directory, config = os.path.dirname(swap.path), swap.engine.config
+
+    def rates() -> DiskMix | None:
+        return disk_rates(directory, config, before=manager.synchronize)
+
+    return rates

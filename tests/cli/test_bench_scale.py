@@ -195,14 +195,14 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
     ],
 )
 def test_io_bound_between_full_duplex_and_one_after_the_other(read_b, write_b, both, expected):
-    from infinity.bench.disk import DiskMix, io_bound_seconds
+    from infinity.io.rates import DiskMix, io_bound_seconds
 
     disk = DiskMix(read_gbps=1.0, write_gbps=1.0, first_write_gbps=0.5, both_gbps=both)
     assert io_bound_seconds(read_b, write_b, disk) == pytest.approx(expected, rel=1e-12)
 
 
 def test_measure_mix_rates_and_cleanup(tmp_path):
-    from infinity.bench.disk import DiskMix, faster, measure_mix
+    from infinity.io.rates import DiskMix, faster, measure_mix
     from infinity.config import AioConfig
 
     disk = measure_mix(str(tmp_path), 8 * MiB, AioConfig(block_size="1MiB", queue_depth=4))

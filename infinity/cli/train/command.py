@@ -355,11 +355,8 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     while session.step < settings.steps and not stopping():
         record = session.train_step()
         report.step(record)
-        summary.losses[record.step] = record.loss
-        summary.last_step = record.step
+        summary.add_step(record)
         summary.tokens += session.tokens_per_step
-        for key, value in (record.traffic | record.waits).items():
-            summary.step_totals[key] = summary.step_totals.get(key, 0.0) + value
         if args.checkpoint_every and record.step % args.checkpoint_every == 0:
             _save(run, session, summary)
         if args.stop_after is not None and record.step >= args.stop_after:

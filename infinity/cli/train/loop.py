@@ -24,7 +24,7 @@ from infinity.cli.train import checkpoints as ckpt
 from infinity.cli.train import optimizers as train_optimizers
 from infinity.cli.train import ranks as train_ranks
 from infinity.cli.train.pretrained import PretrainedModel, build_model, causal_lm_loss
-from infinity.cli.train.report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
+from infinity.cli.train.report import BOUND_KEYS, TRAFFIC_KEYS, WAIT_KEYS, StepRecord
 from infinity.cli.train.settings import RunSettings
 from infinity.data import Corpus
 from infinity.models.gpt import GPT, init_weights
@@ -245,6 +245,7 @@ class Session:
         self.tokens += self.tokens_per_step
         self.last_loss = self.ranks.mean(total / s.grad_accum, "averaging the loss")
         seconds = time.perf_counter() - started
+        last = infinity.stats(self.model)["last_step"]
         counters = self._snapshot()
         delta = {k: counters[k] - self._traffic[k] for k in COUNTER_KEYS}
         self._traffic = counters
@@ -258,6 +259,7 @@ class Session:
             waits={k: delta[k] for k in WAIT_KEYS},
             grad_norm=None if norm is None or not math.isfinite(norm) else norm,
             skipped=skipped,
+            bound={k: last[k] for k in BOUND_KEYS if k in last},
         )
 
     @torch.no_grad()

@@ -8,7 +8,9 @@ stdout: ``start``, ``step``, ``eval``, ``checkpoint``, ``summary``), for tools.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -17,6 +19,15 @@ from infinity.utils.sizes import format_size
 # sent_bytes: payload this process sent to the others in collectives (0 for one process)
 TRAFFIC_KEYS = ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes", "sent_bytes")
 WAIT_KEYS = ("wait_nvme_seconds", "wait_device_seconds")
+# The step's bound (infinity.stats(model)["last_step"], runtime/step_timer.py).
+BOUND_PARTS = {
+    "device_compute_seconds": "device compute",
+    "host_optimizer_seconds": "host optimizer",
+    "h2d_seconds": "host→device",
+    "d2h_seconds": "device→host",
+    "nvme_seconds": "NVMe",
+}
+BOUND_KEYS = (*BOUND_PARTS, "seconds", "bound_seconds", "step_over_bound", "bound_by")
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,7 @@ class StepRecord:
     waits: dict[str, float]  # seconds this step waited on each tier (WAIT_KEYS)
     grad_norm: float | None = None
     skipped: bool = False  # fp16: overflow, the update was skipped
+    bound: dict[str, float | str] = field(default_factory=dict)  # the step's (BOUND_KEYS)
 
 
 @dataclass
@@ -54,6 +66,40 @@ class RunSummary:
     stats: dict[str, Any] = field(default_factory=dict)
     ranks: list[dict[str, float]] = field(default_factory=list)  # per process, with several
     optimizer: str = "adamw"  # --optimizer
+    # Medians over the steps after the first (BOUND_KEYS; bound_by: the most frequent).
+    bound: dict[str, float | str] = field(default_factory=dict)
+    _bounds: list[dict[str, float | str]] = field(default_factory=list, repr=False)
+
+    def add_step(self, record: StepRecord) -> None:
+        """Count one finished step in the totals."""
+        self.losses[record.step] = record.loss
+        self.last_step = record.step
+        for key, value in (record.traffic | record.waits).items():
+            self.step_totals[key] = self.step_totals.get(key, 0.0) + value
+        if record.bound:
+            self._bounds.append(record.bound)
+            steady = self._bounds[1:] or self._bounds  # the first step records the trace
+            self.bound = {
+                k: statistics.median(float(b.get(k, 0.0)) for b in steady)
+                for k in BOUND_KEYS
+                if k != "bound_by"
+            }
+            self.bound["bound_by"] = Counter(str(b["bound_by"]) for b in steady).most_common(1)[0][
+                0
+            ]
+
+
+def bound_row(bound: dict[str, float | str]) -> str | None:
+    """The summary's line on the step's bound: the median step against the slowest of
+    its resources, and each resource's seconds."""
+    if not bound:
+        return None
+    parts = ", ".join(f"{name} {float(bound.get(k, 0.0)):.3f} s" for k, name in BOUND_PARTS.items())
+    return (
+        f"step bound: a step took {float(bound['seconds']):.3f} s, "
+        f"{float(bound['step_over_bound']):.2f}x its bound {float(bound['bound_seconds']):.3f} s "
+        f"({bound['bound_by']}); per step {parts} (median over steps)"
+    )
 
 
 def _mb(nbytes: float) -> str:
@@ -136,6 +182,7 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
             f"optimizer per-tensor states: {format_size(stats['optimizer_tensor_state_bytes'])} "
             "in host memory, inside the host budget (not in the host peak, which counts chunks)"
         )
+    rows.extend(row for row in [bound_row(summary.bound)] if row is not None)
     rows.extend(memory_rows(stats["memory"]))
     rows.extend(rank_rows(summary.ranks))
     if summary.train_seconds > 0:
@@ -356,5 +403,6 @@ class JsonReport:
     def finish(self, summary: RunSummary) -> None:
         """The ``summary`` event (losses keyed by step)."""
         data = asdict(summary)
+        data.pop("_bounds")
         data["losses"] = {str(k): v for k, v in summary.losses.items()}
         self.event("summary", **data)
