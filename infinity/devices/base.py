@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,20 +84,42 @@ class DeviceBackend(abc.ABC):
         return None
 
     # --- the step's bound (NOTE [the step's bound], runtime/step_timer.py) --------------
+    # Where compute shares the host's cores (the CPU, the fence), the device's
+    # clock is the host's: the span's wall time less the brackets in it. A GPU
+    # times its own stream instead (devices/cuda.py).
+    _span_start: float | None = None
+    _stall_depth = 0
+    _stalled = 0.0
+
     def open_span(self) -> None:
-        """A step's device work starts (its first forward): the device's own clock, if
-        it has one, starts counting its compute."""
+        """A step's device work starts (its first forward): the device's clock starts
+        counting its compute."""
+        if self._span_start is None:
+            self._span_start, self._stalled = time.perf_counter(), 0.0
 
-    def stall(self) -> AbstractContextManager[None]:
-        """Bracket host work or a wait during which the device may idle for the engine,
-        so the idle time is not counted as compute (a no-op without a device clock)."""
-        return nullcontext()
+    @contextmanager
+    def stall(self) -> Iterator[None]:
+        """Bracket host work or a wait during which the device may idle for the engine
+        (a wait for a transfer, a host update), so that time is not counted as
+        compute. Brackets nest; the outermost counts."""
+        outermost = self._span_start is not None and self._stall_depth == 0
+        start = time.perf_counter()
+        self._stall_depth += 1
+        try:
+            yield
+        finally:
+            self._stall_depth -= 1
+            if outermost:
+                self._stalled += time.perf_counter() - start
 
-    def close_span(self) -> Callable[[], float] | None:
-        """The step ends: its device compute seconds, read later (the clock's events
-        may still be pending), or ``None`` where compute shares the host's cores and
-        the step timer measures it on the host's clock."""
-        return None
+    def close_span(self) -> Callable[[], float]:
+        """The step ends: its device compute seconds, read later (a device's events
+        may still be pending when the host gets here)."""
+        if self._span_start is None:
+            return lambda: 0.0
+        seconds = max(0.0, time.perf_counter() - self._span_start - self._stalled)
+        self._span_start = None
+        return lambda: seconds
 
     def take_link_seconds(self) -> Callable[[], tuple[float, float]] | None:
         """Seconds the host-device link was busy copying (to the device, from it) since

@@ -22,17 +22,19 @@ from infinity.io import IORequest, SwapFile, aligned_empty
 
 
 class _CopyHandle(TransferHandle):
-    __slots__ = ("_dst", "_job", "_src")
+    __slots__ = ("_backend", "_dst", "_job", "_src")
 
-    def __init__(self, job: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def __init__(self, job: Any, dst: torch.Tensor, src: torch.Tensor, backend: CpuBackend) -> None:
         self._job = job
+        self._backend = backend  # its clock: a wait is time the "device" idles
         # The native thread holds raw addresses: these references keep both
         # buffers alive until the handle is dropped (once done).
         # See NOTE [raw pointers into native code] (docs/NOTES.md).
         self._dst, self._src = dst, src
 
     def wait(self) -> None:
-        self._job.wait()
+        with self._backend.stall():
+            self._job.wait()
 
     def done(self) -> bool:
         return self._job.done()
@@ -88,7 +90,7 @@ class CpuBackend(DeviceBackend):
             self._inflight.popleft()
         delay_us = int(self.copy_delay_s * 1e6)
         job = self._queue.submit(dst.data_ptr(), src.data_ptr(), nbytes, delay_us)
-        handle = _CopyHandle(job, dst, src)
+        handle = _CopyHandle(job, dst, src, self)
         self._inflight.append(handle)
         return handle
 

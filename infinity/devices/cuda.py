@@ -43,7 +43,8 @@ class _EventHandle(TransferHandle):
         self._clock = clock
 
     def wait(self) -> None:
-        self._event.synchronize()
+        with self._clock.stall():
+            self._event.synchronize()
 
     def done(self) -> bool:
         return self._event.query()

@@ -4,9 +4,9 @@ A step (the interval between two optimizer steps) uses four resources, each with
 a least time for its work (NOTE [the step's bound]):
 
 - the device's compute, from the step's first forward to ``optimizer.step()``,
-  less the time the device idled for the engine (a GPU's events,
-  :meth:`~infinity.devices.base.DeviceBackend.close_span`; where compute shares
-  the host's cores, that span's wall time less its waits and host updates);
+  less the time the device idled for the engine's waits and host updates
+  (:meth:`~infinity.devices.base.DeviceBackend.stall`: a GPU's events; where compute
+  shares the host's cores, the host's clock);
 - the host optimizer: its chunk updates, waits excluded;
 - the host-device link each way: the copies' busy time on a GPU's copy stream, or
   their bytes at a measured memcpy rate on the CPU;
@@ -59,9 +59,7 @@ class _Pending:
     """A lap whose device clock may still be running: resolved when first read."""
 
     lap: dict[str, float]
-    span_seconds: float
-    span: dict[str, float]  # traffic counted inside the span (waits, host updates)
-    device_compute: Callable[[], float] | None
+    device_compute: Callable[[], float]
     link: Callable[[], tuple[float, float]] | None
 
 
@@ -81,18 +79,13 @@ class StepTimer:
         self._disk = disk
         self._start = time.perf_counter()
         self._base = traffic.snapshot()
-        self._span_start: float | None = None
-        self._span_base: dict[str, float] = {}
         self._pending: _Pending | None = None
         self._last: Lap = {}
 
     def begin_span(self) -> None:
         """A forward starts: the first of a step opens its span (later ones, of
         accumulated micro-batches or an evaluation, continue it)."""
-        if self._span_start is None:
-            self._backend.open_span()
-            self._span_start = time.perf_counter()
-            self._span_base = self._traffic.snapshot()
+        self._backend.open_span()
 
     def lap(self) -> None:
         """Close the current interval (called at the end of an optimizer step)."""
@@ -103,18 +96,9 @@ class StepTimer:
         waiting = sum(v for k, v in delta.items() if k.startswith("wait_"))
         delta["seconds"] = seconds
         delta["compute_seconds"] = max(0.0, seconds - waiting)
-        span_seconds, span = 0.0, {}
-        if self._span_start is not None:
-            span_seconds = now - self._span_start
-            span = {k: current[k] - self._span_base.get(k, 0.0) for k in current}
         self._pending = _Pending(
-            delta,
-            span_seconds,
-            span,
-            self._backend.close_span(),
-            self._backend.take_link_seconds(),
+            delta, self._backend.close_span(), self._backend.take_link_seconds()
         )
-        self._span_start = None
         self._start, self._base = now, current
 
     @property
@@ -129,14 +113,8 @@ class StepTimer:
     def _resolve(self, pending: _Pending) -> Lap:
         lap: Lap = dict(pending.lap)
         d = pending.lap
-        span = pending.span
         optimizer = d.get("host_optimizer_seconds", 0.0)
-        if pending.device_compute is not None:
-            compute = pending.device_compute()
-        else:
-            waits = sum(v for k, v in span.items() if k.startswith("wait_"))
-            updates = span.get("host_optimizer_seconds", 0.0)
-            compute = max(0.0, pending.span_seconds - waits - updates)
+        compute = pending.device_compute()
         if pending.link is not None:
             h2d, d2h = pending.link()
         else:
