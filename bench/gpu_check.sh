@@ -12,7 +12,8 @@
 #              sweep on cuda (every kept example and pinned case, SWEEP_DRAWN drawn)
 #   train      the main job: `infinity train --steps 30`, the same with
 #              `--activations offload`, and `--model DIR --data FILE` (a tiny Llama)
-#   step       bench/gpu_step.py at 4 x 512 and 16 x 1024 tokens (plain, host, overlap)
+#   step       bench/gpu_step.py at 4 x 512 and 16 x 1024 tokens (plain, host, overlap; at
+#              4 x 512 also the device budgets params+half and all-but-opt), clipping 1.0
 #   disk       the swap folder's rates: `infinity bench nvme`, and fio's fastest
 #              engine where fio is installed (the NVMe rows' bound)
 #   deepspeed  ZeRO-2 and ZeRO-3 CPU-offload rows on gpu_step's model and batches,
@@ -60,7 +61,8 @@ print(f"{start[start.find("device "):][:70]}; loss {losses[0]:.3f} -> {losses[-1
       f"held-out {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}")
 EOF
 }
-step_rows() { grep -hE '^ *(plain|host|nvme)' "$@" | sed 's/  */ /g'; }
+# each row's name, step seconds and ratio to plain (the whole table is in the log)
+step_rows() { grep -hE '^ *(plain|host|nvme)' "$@" | awk '{print $1, $2, $3 "x"}'; }
 first_lines() { grep -iE "$2" "$1" | head -3; }
 
 # run_stage NAME LIMIT LOG DETAIL -- COMMAND...: COMMAND under `timeout`, capped by
@@ -129,13 +131,13 @@ if wants step; then
   if [[ $DEVICE == cuda ]]; then
     # Two batch sizes: launch-bound (4 x 512) and compute-bound (16 x 1024).
     run_stage step 100 gpu_step.txt "step_rows $OUT/gpu_step.txt" -- $PY bench/gpu_step.py --nvme-path "$SCRATCH" \
-      --rows host,host+overlap,nvme+overlap
+      --rows host,host+overlap,nvme+overlap,host+overlap@params+half,host+overlap@all-but-opt
     run_stage step-large 80 gpu_step_large.txt "step_rows $OUT/gpu_step_large.txt" -- $PY bench/gpu_step.py \
       --nvme-path "$SCRATCH" --batch 16 --seq 1024 --rows host,host+overlap
   else
     run_stage step 100 gpu_step.txt "step_rows $OUT/gpu_step.txt" -- $PY bench/gpu_step.py --device cpu \
       --layers 2 --hidden 128 --vocab 512 --batch 2 --seq 64 --steps 3 --warmup 1 \
-      --nvme-path "$SCRATCH" --rows host,nvme
+      --nvme-path "$SCRATCH" --rows host,nvme,host@params+half,host+overlap@all-but-opt
   fi
 fi
 

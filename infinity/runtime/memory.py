@@ -9,15 +9,17 @@ what autograd saves and computes on the device beyond the parameters (intermedia
 the loss's logits and their gradient, a gradient before it lands in its chunk). It is
 forecast from a forward, loss and backward on fake tensors
 (:func:`infinity.activations.estimate.step_memory`), and measured where the device has an
-allocator that counts (CUDA, the fence). The forecast of the process's resident set
-adds the baseline it had when the model was offloaded (the interpreter, the libraries,
-the model's own weights if it was built in RAM).
+allocator that counts (CUDA, the fence). On CUDA the device also holds the math
+libraries' workspaces, measured (:func:`library_workspaces`). The forecast of the
+process's resident set adds the baseline it had when the model was offloaded (the
+interpreter, the libraries, the model's own weights if it was built in RAM).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +114,43 @@ def reset_device_peak(device: torch.device) -> None:
         torch.get_device_module(device.type).reset_peak_memory_stats(device)
 
 
+def library_workspaces(device: torch.device, dtypes: Iterable[torch.dtype]) -> int:
+    """Device bytes the math libraries' workspaces add when a step's matmuls first run:
+    the growth of CUDA's allocated bytes over a tiny matmul forward and backward in each
+    of ``dtypes``; 0 where the workspaces already exist, and on any other device (nothing
+    is run there).
+
+    NOTE: cuBLAS and cuBLASLt take a workspace from torch's caching allocator per
+    (handle, stream), and a handle per thread: the forward's matmuls make one on the
+    loop's thread, the first backward another on autograd's device thread. They stay
+    allocated, so the step's peak holds them, above what was allocated before it, as
+    long as they were not made yet. Their size depends on the torch build, the GPU and
+    ``CUBLAS_WORKSPACE_CONFIG`` (32 MiB each at ``:4096:8``), so it is measured, on
+    the threads and stream the step uses, not guessed."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.cuda.device(device), torch.inference_mode(False), torch.enable_grad():
+        for dtype in dict.fromkeys(dtypes):
+            _matmul_step(device, dtype)
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.memory_allocated(device) - before)
+
+
+def _matmul_step(device: torch.device, dtype: torch.dtype) -> None:
+    """A (8, 8) linear layer with a bias (addmm: cuBLASLt where torch uses it) and a
+    batched matmul (cuBLAS), forward on this thread and backward on autograd's; every
+    tensor it makes is freed on return."""
+    x, w, b = (
+        torch.ones(shape, dtype=dtype, device=device, requires_grad=True)
+        for shape in ((8, 8), (8, 8), (8,))
+    )
+    y = torch.nn.functional.linear(x, w, b)
+    z = torch.bmm(y.unsqueeze(0), w.unsqueeze(0))
+    torch.autograd.grad(z.sum(), (x, w, b))
+
+
 @dataclass(frozen=True)
 class MemoryForecast:
     """The step's peak per tier: each budget's lines at their limits, plus the working set
@@ -132,11 +171,15 @@ class MemoryForecast:
     # host buffer before its copy to the device (the largest moved one), and the
     # whole-chunk or whole-tensor copies of transient_limit.
     host_transients: int = 0
+    # Device bytes the math libraries' workspaces add when the step's matmuls first run
+    # (CUDA; 0 elsewhere, or where they exist already): see library_workspaces.
+    library_workspaces: int = 0
 
     @property
     def device_peak(self) -> int:
-        """Bytes on the device at the step's peak: slots, buffers, working set."""
-        return self.device_lines + self.resident + self.working_set.peak
+        """Bytes on the device at the step's peak: slots, buffers, working set, and the
+        libraries' workspaces the step makes."""
+        return self.device_lines + self.resident + self.working_set.peak + self.library_workspaces
 
     @property
     def resident_peak(self) -> int:
@@ -158,7 +201,13 @@ class MemoryForecast:
             f"{format_size(work.loss)}, the rest transient); no budget holds it",
             f"forecast peak: device {format_size(self.device_peak)} = slots "
             f"{format_size(self.device_lines)} + buffers {format_size(self.resident)} + working "
-            f"set; resident set {format_size(self.resident_peak)} = baseline "
+            "set"
+            + (
+                f" + library workspaces {format_size(self.library_workspaces)}"
+                if self.library_workspaces
+                else ""
+            )
+            + f"; resident set {format_size(self.resident_peak)} = baseline "
             f"{format_size(self.baseline)} + host lines {format_size(self.host_lines)}"
             + (
                 f" + transient copies {format_size(self.host_transients)}"
@@ -300,6 +349,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         tokens=tokens,
         host_transients=(0 if store is None or store.spill is None else work.largest_moved)
         + transient_limit(engine.plan, engine.chunk_optimizer.whole_tensors),
+        library_workspaces=library_workspaces(engine.device, (engine.dtype, torch.float32)),
     )
     engine.forecast = result
     return result

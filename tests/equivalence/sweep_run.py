@@ -235,7 +235,8 @@ def judge(outcome: Outcome) -> Verdict:
     elif trained.device_forecast is not None and not trained.device_peak <= trained.device_forecast:
         verdict.message = (
             f"the device held {trained.device_peak} bytes at once, above the forecast "
-            f"{trained.device_forecast} (its budget's slots + buffers + the step's working set)"
+            f"{trained.device_forecast} (its budget's slots + buffers + the step's working set"
+            " + the libraries' workspaces)"
         )
     elif bound > MEANINGFUL * one_step:
         verdict.message = (

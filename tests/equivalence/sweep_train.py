@@ -228,6 +228,7 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
 
 
 LOOP_SCALAR_BYTES = 16
+CUDA_BLOCK = 512
 
 
 def _device_allocated(case: Case) -> int:
@@ -248,19 +249,31 @@ def _device_peak(case: Case) -> int:
 
 def _forecast(case: Case, model: torch.nn.Module, batch: torch.Tensor, rank: int) -> int | None:
     """``infinity.memory_forecast``'s device peak for one micro-batch of this rank, on the
-    fence (``None`` elsewhere).
+    fence and on CUDA (``None`` on the CPU, whose device is RAM).
 
-    NOTE: not yet on CUDA: its allocator also holds the libraries' workspaces (cuBLAS
-    per thread, cuDNN), which the forecast does not model; a lent GPU should measure
-    them before the check runs there (issue 41)."""
-    if case.backend != "fence":
+    NOTE: on CUDA the allocator also holds cuBLAS's workspaces (one per thread: the
+    loop's and autograd's), made by the first matmuls and kept: the forecast measures
+    what they add (``MemoryForecast.library_workspaces``, 0 once an earlier case made
+    them), so they count on both sides of the check."""
+    if case.backend not in ("fence", "cuda"):
         return None
     ids = list(_parts(case, batch, case.world))[rank].to(case.backend)
     forecast = infinity.memory_forecast(model, lambda m: _loss(case, m, ids), ids.numel())
     # NOTE: plus what this loop holds on the device beside the model's step: the
     # micro-batch it moved there, and its scalars (the loss divided for accumulation,
     # scaled for fp16)
-    return forecast.device_peak + ids.nbytes + LOOP_SCALAR_BYTES
+    return forecast.device_peak + _loop_bytes(case, ids)
+
+
+def _loop_bytes(case: Case, ids: torch.Tensor) -> int:
+    """The loop's micro-batch and scalars as the device's allocator counts them.
+
+    NOTE: CUDA's caching allocator rounds every block up to CUDA_BLOCK bytes (the
+    working set's fake run rounds as it does): the batch is one block, each scalar
+    (fp32, at most LOOP_SCALAR_BYTES of them on the fence) another."""
+    if case.backend != "cuda":
+        return ids.nbytes + LOOP_SCALAR_BYTES
+    return -(-ids.nbytes // CUDA_BLOCK) * CUDA_BLOCK + LOOP_SCALAR_BYTES // 4 * CUDA_BLOCK
 
 
 def _reinitialised(model: torch.nn.Module) -> torch.nn.Module:
