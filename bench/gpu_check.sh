@@ -57,7 +57,7 @@ events = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")
 start = next(e for e in events if e["event"] == "start")["lines"][0]
 summary = next(e for e in events if e["event"] == "summary")
 losses = list(summary["losses"].values())
-print(f"{start[start.find("device "):][:70]}; loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+print(f"{start[start.find('device '):][:70]}; loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
       f"held-out {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}")
 EOF
 }
@@ -101,11 +101,11 @@ fi
 
 if wants tests; then
   if [[ $DEVICE == cuda ]]; then
-    run_stage tests 200 tests.log "last_result $OUT/tests.log" -- \
+    run_stage tests 230 tests.log "last_result $OUT/tests.log" -- \
       env INFINITY_CUDA_SWEEP_DRAWN="${SWEEP_DRAWN:-24}" $PY -m pytest -q -m cuda -rs \
       -p no:cacheprovider --timeout 120 --junitxml "$OUT/junit.xml" tests/cuda
   else
-    run_stage tests 200 tests.log "last_result $OUT/tests.log" -- \
+    run_stage tests 230 tests.log "last_result $OUT/tests.log" -- \
       env INFINITY_FENCE_TESTS=1 $PY -m pytest -q -p no:cacheprovider tests/fence
   fi
 fi
