@@ -134,9 +134,9 @@ class CudaBackend(DeviceBackend):
     # every host update run inside the step (``stall``). The GPU reaches the first
     # event when its queued work is done and the second when the host, done, records
     # it: the time between them is exactly the time the GPU idled for the engine (0
-    # if it was still busy). The step's compute is its span, from its first forward
-    # to ``optimizer.step()``, less those idle times; the hooks' own host work between
-    # kernels stays in it (plain PyTorch launches its kernels too).
+    # if it was still busy). The engine's hooks are bracketed too (runtime/hooks.py).
+    # The step's compute is its span, from its first forward to ``optimizer.step()``,
+    # less those idle times: the model's own kernels and launches, as plain PyTorch's.
     def _record(self) -> torch.cuda.Event:
         event = _timed_event()
         event.record(torch.cuda.current_stream(self.device))

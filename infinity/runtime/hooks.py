@@ -48,6 +48,16 @@ def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
+def _bracketed(hook: Callable[..., Any], stall: Callable[[], Any]) -> Callable[..., Any]:
+    """``hook`` inside the backend's idle bracket: NOTE [the step's bound]."""
+
+    def bracketed(*args: Any) -> Any:
+        with stall():
+            return hook(*args)
+
+    return bracketed
+
+
 class HookSet:
     """Every hook the engine put on a model, removable at once."""
 
@@ -107,8 +117,11 @@ class HookSet:
                 )
             )
         policy.attach()
-        before_grad = _opaque(_weak(engine.before_grad))
-        on_grad = _opaque(_weak(engine.on_grad))
+        # NOTE [the step's bound]: the engine's own host work in its hooks is time the
+        # device may idle; bracketed, it is not counted as the device's compute.
+        stall = engine.backend.stall
+        before_grad = _opaque(_bracketed(_weak(engine.before_grad), stall))
+        on_grad = _opaque(_bracketed(_weak(engine.on_grad), stall))
         for entry in engine.registry.entries:
             if entry.trainable:
                 param = entry.param
@@ -118,14 +131,16 @@ class HookSet:
     def _enter(self, module: nn.Module) -> None:
         depth = self._depth.get(module, 0)
         if depth == 0:
-            self._engine.begin_module(module)
+            with self._engine.backend.stall():
+                self._engine.begin_module(module)
         self._depth[module] = depth + 1
 
     def _leave(self, module: nn.Module) -> None:
         depth = self._depth.get(module, 0)
         if depth <= 1:
             self._depth.pop(module, None)
-            self._engine.end_module(module)
+            with self._engine.backend.stall():
+                self._engine.end_module(module)
         else:
             self._depth[module] = depth - 1
 
