@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from infinity.activations.estimate import StepFn, StepMemory, step_memory
 from infinity.chunks.shards import whole_bytes
@@ -140,14 +141,22 @@ def library_workspaces(device: torch.device, dtypes: Iterable[torch.dtype]) -> i
 
 def _matmul_step(device: torch.device, dtype: torch.dtype) -> None:
     """A (8, 8) linear layer with a bias (addmm: cuBLASLt where torch uses it) and a
-    batched matmul (cuBLAS), forward on this thread and backward on autograd's; every
-    tensor it makes is freed on return."""
+    batched matmul (cuBLAS), forward on this thread, then recomputed (as a checkpointed
+    block is) and differentiated on autograd's; every tensor it makes is freed on return.
+
+    NOTE: the recomputation is what a lent H200 showed missing: a checkpointed block's
+    forward runs on autograd's thread, whose first cuBLASLt call takes a workspace of
+    its own (1 MiB there), which a plain backward never asks for."""
     x, w, b = (
         torch.ones(shape, dtype=dtype, device=device, requires_grad=True)
         for shape in ((8, 8), (8, 8), (8,))
     )
-    y = torch.nn.functional.linear(x, w, b)
-    z = torch.bmm(y.unsqueeze(0), w.unsqueeze(0))
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(t, w, b)
+        return torch.bmm(y.unsqueeze(0), w.unsqueeze(0))
+
+    z = checkpoint(block, x, use_reentrant=False)
     torch.autograd.grad(z.sum(), (x, w, b))
 
 

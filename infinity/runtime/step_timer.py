@@ -12,7 +12,8 @@ a least time for its work (NOTE [the step's bound]):
   their bytes at a measured memcpy rate on the CPU;
 - the disk: the step's NVMe bytes at the swap folder's measured rates
   (:func:`~infinity.io.rates.disk_rates`), reads and writes at once where the disk
-  does both faster (:func:`~infinity.io.rates.io_bound_seconds`).
+  does both faster (:func:`~infinity.io.rates.io_bound_seconds`), or the time the
+  disk was busy with them if that was less (the probe saw a slower disk).
 
 Everything else should hide behind the largest of them, ``bound_seconds``;
 ``step_over_bound`` says how far the step is from it. Where compute shares the
@@ -128,7 +129,11 @@ class StepTimer:
         if disk is not None:
             lap["nvme_read_seconds"] = read / (disk.read_gbps * GB)
             lap["nvme_write_seconds"] = write / (disk.write_gbps * GB)
-            lap["nvme_seconds"] = io_bound_seconds(read, write, disk)
+            # NOTE: the probe is small; where the engine's own transfers kept the
+            # disk busy for less time, the disk is faster than the probe saw.
+            busy = d.get("nvme_busy_seconds", 0.0)
+            at_rates = io_bound_seconds(read, write, disk)
+            lap["nvme_seconds"] = min(at_rates, busy) if busy > 0 else at_rates
         parts = {"host to device": h2d, "device to host": d2h}
         if self._backend.computes_apart:
             parts |= {"device compute": compute, "host optimizer": optimizer}
