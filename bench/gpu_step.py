@@ -287,7 +287,8 @@ def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], row: Row) 
     laps: list[dict] = []
 
     def lap() -> None:
-        laps.append(dict(infinity.stats(model)["last_step"]))
+        stats = infinity.stats(model)
+        laps.append({**stats["last_step"], "bound_by": stats["last_step_bound_by"]})
 
     try:
         _timed(step, data[: args.warmup], args.warmup, args.device)

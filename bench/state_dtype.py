@@ -144,14 +144,14 @@ def disk(report: dict) -> float:
 
 
 def size_for_disk(args: argparse.Namespace, overlap: bool) -> dict:
-    """``--scale-io-seconds``: measure this disk (``infinity.io.rates.measure_mix``, the rates the runs'
+    """``--scale-io-seconds``: measure this disk (``io.rates.measure_mix``, the rates the runs'
     bound is made of), then pick the largest model of the scale family, at most
     ``--scale-params``, whose fp32-moment step the planner (``Plan.traffic``) gives
     at most that I/O bound (``io_bound_seconds``); the smallest member if none does."""
-    from infinity.io.rates import io_bound_seconds, measure_mix
     from infinity.bench.scale import parse_count
     from infinity.bench.scale_run import family, planned_nvme_bytes
     from infinity.config import AioConfig
+    from infinity.io.rates import io_bound_seconds, measure_mix
     from infinity.utils.sizes import parse_size
 
     os.makedirs(args.nvme_path, exist_ok=True)

@@ -17,7 +17,9 @@ def stats(model: nn.Module) -> dict[str, Any]:
     Peaks are exact (the manager's accounting of occupied slots, homes
     included); traffic counters are totals since ``offload``; ``last_step``
     splits the wall time of the latest optimizer step interval into waiting on
-    each tier and everything else (computing). ``activations`` (with
+    each tier and everything else (computing), and sets it against its bound
+    (``bound_seconds``, ``step_over_bound``: runtime/step_timer.py), which
+    ``last_step_bound_by`` names. ``activations`` (with
     ``Config(activations="offload")``): saved tensors per tier now and at peak,
     NVMe bytes written and read, and the reads backward waited for. ``world``: this process's rank
     among the processes its chunks are sharded over, and what it communicated.
@@ -42,6 +44,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
             for value in states.values()
         ),
         "last_step": dict(engine.step_timer.last),
+        "last_step_bound_by": engine.step_timer.bound_by,
         **io_stats(engine.chunks),
     }
     out["world"] = {

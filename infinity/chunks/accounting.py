@@ -52,9 +52,12 @@ class Traffic:
     nvme_busy_clock: Callable[[], float] | None = field(default=None, repr=False)
     # Host time in the optimizer's chunk updates, their waits for data excluded.
     host_optimizer_seconds: float = 0.0
+    # Host time in the engine's hooks (fetches, releases, gradients), waits included.
+    hook_seconds: float = 0.0
     # Brackets a wait in which the device may idle (the backend's ``stall``: NOTE
     # [the step's bound]).
     stall: Callable[[], AbstractContextManager[None]] = field(default=nullcontext, repr=False)
+    _hook_depth: int = field(default=0, repr=False)
 
     def snapshot(self) -> dict[str, float]:
         """A flat copy of the counters. ``nvme_busy_seconds``: the time the swap
@@ -67,6 +70,7 @@ class Traffic:
             "nvme_write_bytes": self.nvme_write_bytes,
             "nvme_busy_seconds": self.nvme_busy_clock() if self.nvme_busy_clock else 0.0,
             "host_optimizer_seconds": self.host_optimizer_seconds,
+            "hook_seconds": self.hook_seconds,
         }
         for tier, seconds in self.wait_seconds.items():
             out[f"wait_{tier}_seconds"] = seconds
@@ -80,6 +84,7 @@ class Traffic:
         self.nvme_read_bytes += other.nvme_read_bytes
         self.nvme_write_bytes += other.nvme_write_bytes
         self.host_optimizer_seconds += other.host_optimizer_seconds
+        self.hook_seconds += other.hook_seconds
         for tier, seconds in other.wait_seconds.items():
             self.wait_seconds[tier] = self.wait_seconds.get(tier, 0.0) + seconds
 
@@ -92,6 +97,23 @@ class Traffic:
                 yield
         finally:
             self.wait_seconds[tier] = self.wait_seconds.get(tier, 0.0) + time.perf_counter() - start
+
+    @contextmanager
+    def in_hook(self) -> Iterator[None]:
+        """Time one of the engine's hooks: host work in which the device may idle
+        (NOTE [the step's bound]). Hooks nest (a fetch inside a gradient's); the
+        outermost counts."""
+        if self._hook_depth:
+            yield
+            return
+        start = time.perf_counter()
+        self._hook_depth = 1
+        try:
+            with self.stall():
+                yield
+        finally:
+            self._hook_depth = 0
+            self.hook_seconds += time.perf_counter() - start
 
     @contextmanager
     def updating(self) -> Iterator[None]:

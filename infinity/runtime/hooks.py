@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -33,7 +33,8 @@ _opaque = torch.compiler.disable
 
 
 def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A tensor hook that calls the engine's ``method`` through a weak reference.
+    """A tensor hook that calls the engine's ``method`` through a weak reference, timed
+    as the engine's host work (NOTE [the step's bound]).
 
     NOTE: tensor hooks live in the C++ tensor, where the garbage collector cannot
     see them: a hook holding the engine (which holds the parameter) would be a
@@ -43,19 +44,12 @@ def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
 
     def hook(*args: Any) -> Any:
         bound = ref()
-        return None if bound is None else bound(*args)
+        if bound is None:
+            return None
+        with cast(Any, bound).__self__.manager.traffic.in_hook():
+            return bound(*args)
 
     return hook
-
-
-def _bracketed(hook: Callable[..., Any], stall: Callable[[], Any]) -> Callable[..., Any]:
-    """``hook`` inside the backend's idle bracket: NOTE [the step's bound]."""
-
-    def bracketed(*args: Any) -> Any:
-        with stall():
-            return hook(*args)
-
-    return bracketed
 
 
 class HookSet:
@@ -117,11 +111,8 @@ class HookSet:
                 )
             )
         policy.attach()
-        # NOTE [the step's bound]: the engine's own host work in its hooks is time the
-        # device may idle; bracketed, it is not counted as the device's compute.
-        stall = engine.backend.stall
-        before_grad = _opaque(_bracketed(_weak(engine.before_grad), stall))
-        on_grad = _opaque(_bracketed(_weak(engine.on_grad), stall))
+        before_grad = _opaque(_weak(engine.before_grad))
+        on_grad = _opaque(_weak(engine.on_grad))
         for entry in engine.registry.entries:
             if entry.trainable:
                 param = entry.param
@@ -131,7 +122,7 @@ class HookSet:
     def _enter(self, module: nn.Module) -> None:
         depth = self._depth.get(module, 0)
         if depth == 0:
-            with self._engine.backend.stall():
+            with self._engine.manager.traffic.in_hook():
                 self._engine.begin_module(module)
         self._depth[module] = depth + 1
 
@@ -139,7 +130,7 @@ class HookSet:
         depth = self._depth.get(module, 0)
         if depth <= 1:
             self._depth.pop(module, None)
-            with self._engine.backend.stall():
+            with self._engine.manager.traffic.in_hook():
                 self._engine.end_module(module)
         else:
             self._depth[module] = depth - 1

@@ -16,7 +16,9 @@ a least time for its work (NOTE [the step's bound]):
   disk was busy with them if that was less (the probe saw a slower disk).
 
 Everything else should hide behind the largest of them, ``bound_seconds``;
-``step_over_bound`` says how far the step is from it. Where compute shares the
+``step_over_bound`` says how far the step is from it. ``hook_seconds`` is the host
+time inside the engine's hooks: where the step is far above its bound with little
+waiting, this is what the device idled for. Where compute shares the
 host's cores, the device compute and the host optimizer add up into one.
 """
 
@@ -32,7 +34,7 @@ from infinity.chunks.accounting import Traffic
 from infinity.devices.base import DeviceBackend
 from infinity.io.rates import GB, DiskMix, io_bound_seconds
 
-Lap = dict[str, float | str]
+Lap = dict[str, float]
 
 _memcpy_rate: list[float] = []
 
@@ -82,6 +84,7 @@ class StepTimer:
         self._base = traffic.snapshot()
         self._pending: _Pending | None = None
         self._last: Lap = {}
+        self._bound_by = ""
 
     def begin_span(self) -> None:
         """A forward starts: the first of a step opens its span (later ones, of
@@ -105,13 +108,20 @@ class StepTimer:
     @property
     def last(self) -> Lap:
         """The last interval: traffic deltas, ``seconds``, ``compute_seconds`` and its
-        bound (module docstring). Reading it first waits for the device's clock."""
+        bound (module docstring), all numbers. Reading it first waits for the device's
+        clock."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._last = self._resolve(pending)
+            self._last, self._bound_by = self._resolve(pending)
         return self._last
 
-    def _resolve(self, pending: _Pending) -> Lap:
+    @property
+    def bound_by(self) -> str:
+        """The resource that bounds the last interval (``""`` before the first step)."""
+        _ = self.last
+        return self._bound_by
+
+    def _resolve(self, pending: _Pending) -> tuple[Lap, str]:
         lap: Lap = dict(pending.lap)
         d = pending.lap
         optimizer = d.get("host_optimizer_seconds", 0.0)
@@ -140,10 +150,9 @@ class StepTimer:
         else:
             parts["host compute and optimizer"] = compute + optimizer
         if disk is not None:
-            parts["nvme"] = float(lap["nvme_seconds"])
+            parts["nvme"] = lap["nvme_seconds"]
         bound_by = max(parts, key=lambda name: parts[name])
         bound = parts[bound_by]
         lap["bound_seconds"] = bound
-        lap["bound_by"] = bound_by
         lap["step_over_bound"] = d["seconds"] / bound if bound > 0 else float("inf")
-        return lap
+        return lap, bound_by

@@ -202,8 +202,8 @@ def test_io_bound_between_full_duplex_and_one_after_the_other(read_b, write_b, b
 
 
 def test_measure_mix_rates_and_cleanup(tmp_path):
-    from infinity.io.rates import DiskMix, faster, measure_mix
     from infinity.config import AioConfig
+    from infinity.io.rates import DiskMix, faster, measure_mix
 
     disk = measure_mix(str(tmp_path), 8 * MiB, AioConfig(block_size="1MiB", queue_depth=4))
     assert all(rate > 0 for rate in disk.as_dict().values())

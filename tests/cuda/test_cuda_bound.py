@@ -55,6 +55,12 @@ def _plain_compute_seconds(model: GPT) -> float:
     return statistics.median(times[1:])
 
 
+def _lap(model) -> dict:
+    """The last step's lap, with what bounded it."""
+    stats = infinity.stats(model)
+    return {**stats["last_step"], "bound_by": stats["last_step_bound_by"]}
+
+
 def _laps(model: GPT, device_memory: int) -> list[dict]:
     model = infinity.offload(
         copy.deepcopy(model),
@@ -67,7 +73,7 @@ def _laps(model: GPT, device_memory: int) -> list[dict]:
         model(ids, ids).backward()
         opt.step()
         opt.zero_grad()
-        laps.append(dict(infinity.stats(model)["last_step"]))
+        laps.append(_lap(model))
     return laps[2:]
 
 

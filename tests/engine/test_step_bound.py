@@ -19,6 +19,12 @@ from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 
 
+def _lap(model) -> dict:
+    """The last step's lap, with what bounded it."""
+    stats = infinity.stats(model)
+    return {**stats["last_step"], "bound_by": stats["last_step_bound_by"]}
+
+
 def _laps(model, steps: int = 4, timed: list[float] | None = None) -> list[dict]:
     """The laps of every step after the first (which records the trace), in order."""
     laps: list[dict] = []
@@ -36,10 +42,10 @@ def _laps(model, steps: int = 4, timed: list[float] | None = None) -> list[dict]
 
     def record(index: int) -> None:
         if index > 1:
-            laps.append(dict(infinity.stats(model)["last_step"]))
+            laps.append(_lap(model))
 
     train(model, opt, batches(steps), before_step=record)
-    laps.append(dict(infinity.stats(model)["last_step"]))
+    laps.append(_lap(model))
     return laps
 
 

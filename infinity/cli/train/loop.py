@@ -245,7 +245,8 @@ class Session:
         self.tokens += self.tokens_per_step
         self.last_loss = self.ranks.mean(total / s.grad_accum, "averaging the loss")
         seconds = time.perf_counter() - started
-        last = infinity.stats(self.model)["last_step"]
+        stats = infinity.stats(self.model)
+        last = {**stats["last_step"], "bound_by": stats["last_step_bound_by"]}
         counters = self._snapshot()
         delta = {k: counters[k] - self._traffic[k] for k in COUNTER_KEYS}
         self._traffic = counters
