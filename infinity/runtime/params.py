@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from infinity.activations.estimate import forward_order
 from infinity.chunks.layout import ChunkLayout, TensorInfo
 from infinity.runtime.errors import ModelChangedError
 from infinity.schedule.device_slots import HeldBlock
@@ -79,15 +80,32 @@ class ParamRegistry:
     recomputed: list[nn.Module] = field(default_factory=list)
 
     @classmethod
-    def from_model(cls, model: nn.Module, recomputed: Sequence[nn.Module] = ()) -> ParamRegistry:
+    def from_model(
+        cls,
+        model: nn.Module,
+        recomputed: Sequence[nn.Module] = (),
+        order: Sequence[str] | None = None,
+    ) -> ParamRegistry:
         """Collect every parameter of ``model`` (tied ones once); ``recomputed``: its
-        blocks whose forward runs again in backward (see :meth:`working_sets`)."""
+        blocks whose forward runs again in backward (see :meth:`working_sets`).
+
+        ``order``: module names whose parameters come first, in that order; by default
+        the order the forward first uses them
+        (:func:`~infinity.activations.estimate.forward_order`), so chunks are packed in
+        the order backward completes them; ``()``: registration order. Modules it does
+        not name follow in registration order."""
         reg = cls(recomputed=list(recomputed))
         reg.parents[model] = None
-        for mod_name, module in model.named_modules(remove_duplicate=True):
+        modules = dict(model.named_modules(remove_duplicate=True))
+        for mod_name, module in modules.items():
             reg.module_names[module] = mod_name
             for child in module.children():
                 reg.parents.setdefault(child, module)
+        if order is None:
+            order = forward_order(model) or ()
+        used = [name for name in order if name in modules]
+        for mod_name in dict.fromkeys([*used, *modules]):
+            module = modules[mod_name]
             own = []
             for p_name, param in module.named_parameters(recurse=False):
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
