@@ -88,8 +88,7 @@ class OffloadEngine:
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
         prepare_nvme(config)
-        # See NOTE [homes planned for the optimizer]: planned here for Adam's units (the
-        # largest of infinity.optim's), again for the optimizer constructed (use_optimizer).
+        # NOTE [homes planned for the optimizer]: for Adam's units here, the optimizer's later.
         planned: ChunkOptimizer[Any] = ADAM.with_state_dtype(config.optimizer_state_dtype)
         # Data parallel: the processes every chunk is sharded over (one: unsharded).
         self.world = resolve_world(config.process_group)
