@@ -9,6 +9,7 @@ from torch import nn
 from infinity.offload import engine_of
 from infinity.runtime.memory import memory_stats
 from infinity.runtime.tier_stats import io_stats, tier_stats
+from infinity.utils.transient import PRETRAINED_READS
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
@@ -59,7 +60,9 @@ def stats(model: nn.Module) -> dict[str, Any]:
     # "offload" / "auto" per tier (now and peak), NVMe traffic, and how often backward
     # waited for a read (reads_not_ahead: none started); "auto"'s choice per block.
     out["activations"] = engine.activation_policy.snapshot()
-    out["memory"] = memory_stats(engine)
+    out["memory"] = memory = memory_stats(engine)
+    # Beside the host budget while weights load (infinity.load_pretrained): one block.
+    memory["host"]["pretrained_read_block"] = PRETRAINED_READS.line()
     if engine.scaler is not None:
         out["loss_scale"] = engine.scaler.scale
         out["skipped_steps"] = engine.scaler.skipped_steps

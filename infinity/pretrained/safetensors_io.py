@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from infinity.utils.transient import PRETRAINED_READS
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-READ_BLOCK = 16 << 20  # bytes per pread: the loader's whole working memory
+READ_BLOCK = PRETRAINED_READS.limit  # bytes per pread: the loader's whole working memory
 HEADER_ALIGN = 8
 
 DTYPES: dict[str, torch.dtype] = {
@@ -123,11 +125,13 @@ def checkpoint_tensors(path: str | os.PathLike[str]) -> dict[str, TensorRecord]:
 
 
 class RangeReader:
-    """Reads tensors' bytes with ``os.pread`` through one reused block buffer."""
+    """Reads tensors' bytes with ``os.pread`` through one reused block buffer (counted
+    in ``PRETRAINED_READS``: the memory report shows it beside the host budget)."""
 
     def __init__(self, block: int = READ_BLOCK) -> None:
         self._buffer = bytearray(block)
         self._fds: dict[Path, int] = {}
+        PRETRAINED_READS.take(block)
 
     def _fd(self, file: Path) -> int:
         if file not in self._fds:
@@ -169,10 +173,12 @@ class RangeReader:
         return out
 
     def close(self) -> None:
-        """Close every file opened."""
+        """Close every file opened and free the buffer."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        PRETRAINED_READS.give_back(len(self._buffer))
+        self._buffer = bytearray()
 
     def __enter__(self) -> RangeReader:
         return self

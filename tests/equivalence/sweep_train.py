@@ -404,9 +404,10 @@ def _over_limits(memory: dict) -> list[str]:
         total = sum(line["limit"] for line in lines.values())
         if total > memory[tier]["budget_bytes"]:
             faults.append(f"{tier} lines {total} > budget {memory[tier]['budget_bytes']}")
-    copies = memory["host"]["transient_copies"]
-    if copies["peak"] > copies["limit"]:
-        faults.append(f"host transient copies: {copies}")
+    for beside in ("transient_copies", "pretrained_read_block"):
+        line = memory["host"][beside]
+        if line["peak"] > line["limit"]:
+            faults.append(f"host {beside}: {line}")
     return faults
 
 

@@ -230,6 +230,8 @@ def memory_rows(memory: dict[str, Any]) -> list[str]:
         lines = dict(memory[tier]["lines"])
         if tier == "host" and memory["host"]["transient_copies"]["limit"]:
             lines["transient copies, beside it"] = memory["host"]["transient_copies"]
+        if tier == "host" and memory["host"].get("pretrained_read_block", {}).get("peak"):
+            lines["pretrained read block, beside it"] = memory["host"]["pretrained_read_block"]
         for name, line in lines.items():
             rows.append(
                 f"  {name:<34}{format_size(line['limit']):>12}{format_size(line['peak']):>12}"
