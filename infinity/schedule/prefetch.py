@@ -62,10 +62,24 @@ class Prefetcher:
         to them (NOTE [prefetch within the slots]); without, it does not look."""
         self.depth = depth
         self.budget_bytes = budget_bytes
-        self._nbytes = nbytes
         self._slots = dict(slots) if slots else None
-        self._grad_bytes = grad_bytes or (lambda _chunk: 0)
         self._accesses = trace.accesses
+        # NOTE: the sizes are fixed for the trace's life, and plan() runs after every
+        # access, walking tens of accesses: looked up once here, not called each time.
+        chunks = {chunk for _, chunk in trace.accesses}
+        self._sizes = {chunk: nbytes(chunk) for chunk in chunks}
+        grads = grad_bytes or (lambda _chunk: 0)
+        self._grads = {chunk: grads(chunk) for chunk in chunks}
+        self._nbytes = self._sizes.__getitem__
+        self._grad_bytes = self._grads.__getitem__
+        # The trace with repeats of one access merged (a chunk's modules run one after
+        # another: the walk skipped each repeat in turn), and each position's run.
+        self._runs: list[tuple[Phase, int]] = []
+        self._run_of: list[int] = []
+        for access in trace.accesses:
+            if not self._runs or self._runs[-1] != access:
+                self._runs.append(access)
+            self._run_of.append(len(self._runs) - 1)
 
     def plan(self, position: int, on_device: Callable[[int], bool]) -> list[int]:
         """Chunks to fetch after ``position``: the first needs not already on the
@@ -83,11 +97,17 @@ class Prefetcher:
                 grads.add(current)
         chosen: list[int] = []
         ahead = spent = 0
-        accesses = self._accesses
+        runs = self._runs
+        if position < 0:
+            start = 0
+        elif position < len(self._run_of):
+            start = self._run_of[position] + 1
+        else:
+            start = len(runs)
         # NOTE: indexed, not islice: islice walks from the trace's start on every
         # call, and this runs after every access.
-        for k in range(max(position + 1, 0), len(accesses)):
-            phase, chunk = accesses[k]
+        for k in range(start, len(runs)):
+            phase, chunk = runs[k]
             if phase == Phase.GRAD:
                 need = self._grad_bytes(chunk)
                 if chunk not in grads and need > (grad_slot or 0):
