@@ -147,6 +147,8 @@ class GradientFlow:
             raise AssertionError(f"device copy {copy.key} is dirty but only gradients flow back")
         grads = copy.typed(self.dtype)
         self._zero_unwritten(i, grads)
+        if self.grads.norms_wanted and self.grads[i] is GradState.RECEIVING:
+            self._take_norms(i, grads)
         key: Key = (Kind.GRAD, i)
         nbytes = self.homes.nbytes(key)
         source = copy.tensor
@@ -205,6 +207,26 @@ class GradientFlow:
             home.pending.append(self.homes.write(key, home.tensor))
             home.dirty = False  # the sum is on its way home
         self.grads.flushed(i)
+
+    def _take_norms(self, i: int, grads: torch.Tensor) -> None:
+        """Keep the 2-norms of chunk ``i``'s tensors' gradients, taken on the device before
+        they leave: NOTE [gradient norms on the device]. Not for a sharded chunk (the
+        device holds this rank's part of the sum), a chunk in spans, or fp16 (its norms
+        are of unscaled values)."""
+        if self.collectives is not None or self.check_overflow or is_split(self.homes.plan, i):
+            return
+        slots = [s for s in self.homes.plan.layout.chunks[i].slots if s.numel]
+        if not slots:
+            return
+        norms = torch.stack(
+            [
+                torch.linalg.vector_norm(
+                    grads[s.offset : s.offset + s.numel].view(s.shape), 2.0, dtype=torch.float32
+                )
+                for s in slots
+            ]
+        )
+        self.grads.norms[i] = (tuple(s.index for s in slots), norms)
 
     def _flush_in_spans(self, copy: Copy, i: int) -> None:
         """:meth:`write_back_device` of an oversize gradient chunk, span by span through

@@ -19,8 +19,12 @@ flush without a device slot, consuming what is still being added to) raises
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from infinity.chunks.states import IllegalTransition, check_transition
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GradState(enum.IntEnum):
@@ -68,18 +72,23 @@ class IllegalGradTransition(IllegalTransition):
 
 class GradStates:
     """The gradient state of every chunk, plus the element ranges written into
-    each device gradient slot (what the flush need not zero).
+    each device gradient slot (what the flush need not zero), and the norms of a
+    cycle's gradients taken on the device (NOTE [gradient norms on the device]).
 
     Every change goes through :meth:`set` (checked against
     :data:`LEGAL_GRAD_TRANSITIONS`); the predicates are derived from the state.
     """
 
-    __slots__ = ("states", "written")
+    __slots__ = ("norms", "norms_wanted", "states", "written")
 
     def __init__(self, num_chunks: int) -> None:
         self.states = [GradState.NONE] * num_chunks
         # Per chunk in RECEIVING / ADDING: element ranges written since its slot was taken.
         self.written: dict[int, list[tuple[int, int]]] = {}
+        # Per chunk whose cycle's gradients were flushed once, whole: its tensors'
+        # indices and the fp32 2-norms of their gradients, on the device.
+        self.norms: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.norms_wanted = False  # the model's gradients are clipped by norm
 
     def __getitem__(self, chunk: int) -> GradState:
         return self.states[chunk]
@@ -97,6 +106,7 @@ class GradStates:
         """A device slot starts receiving gradients for ``chunk``."""
         self.set(chunk, _G.ADDING if self.states[chunk] is _G.FLUSHED else _G.RECEIVING)
         self.written[chunk] = []
+        self.norms.pop(chunk, None)  # more gradients come: the norms are of a part
 
     def flushed(self, chunk: int) -> None:
         """The device slot went home (its gradients copied or added in)."""
@@ -112,6 +122,7 @@ class GradStates:
         new = _ZEROED[self.states[chunk]]
         if new is not self.states[chunk]:
             self.set(chunk, new)
+        self.norms.pop(chunk, None)
 
     def zero_all(self) -> None:
         """Every chunk's gradients were zeroed."""

@@ -54,6 +54,7 @@ class GradientNorms:
         self._version = ledger.version
         # The ledger's version when zeroed gradients were last collected for the norms.
         self._collected: int | None = None
+        self.device_hits = 0  # chunks whose norms came from the device (tests read it)
 
     def _norm_cache(self) -> dict[float, dict[int, torch.Tensor]]:
         if self._version != self.ledger.version:
@@ -103,10 +104,12 @@ class GradientNorms:
             self.ledger.collect_zeroed()  # may change the version: before taking the cache
             self._collected = self.ledger.version
         cache = self._norm_cache().setdefault(norm_type, {})
-        members = self.chunks.chunk_members[self.chunks.chunk_of(index)]
-        indices = [e.index for e in members]
-        for entry, view in self.grad_views(indices, keep=True, collect=False):
-            cache[entry.index] = self._norm_of(view, entry.index, norm_type)
+        chunk = self.chunks.chunk_of(index)
+        if not self._from_device(chunk, norm_type, cache):
+            members = self.chunks.chunk_members[chunk]
+            indices = [e.index for e in members]
+            for entry, view in self.grad_views(indices, keep=True, collect=False):
+                cache[entry.index] = self._norm_of(view, entry.index, norm_type)
         if index not in cache:
             raise RuntimeError(
                 f"{self.chunks.registry.entries[index].name} has no gradient in infinity's "
@@ -114,6 +117,29 @@ class GradientNorms:
                 "after backward"
             )
         return cache[index]
+
+    def _from_device(self, chunk: int, norm_type: float, cache: dict[int, torch.Tensor]) -> bool:
+        """Fill ``cache`` with ``chunk``'s norms taken on the device at its flush, if
+        they are the ones asked for; False if not (read from the chunks then).
+
+        NOTE [gradient norms on the device]: 2-norms of the stored values, the same
+        expression as :meth:`_norm_of` with no pending factor and no loss scale."""
+        grads = self.chunks.manager.grads
+        grads.norms_wanted = True  # the next backward takes them
+        taken = grads.norms.get(chunk)
+        if taken is None or norm_type != 2.0 or self.scaler is not None:
+            return False
+        indices, norms = taken
+        factors = self.ledger.factors
+        if any(factors[i] != 1.0 for i in indices):
+            return False
+        has_grad = self.chunks.has_grad
+        # NOTE: one small copy; it waits for the chunk's norms (queued at its flush).
+        for i, value in zip(indices, norms.to("cpu"), strict=True):
+            if has_grad[i]:
+                cache[i] = value
+        self.device_hits += 1
+        return True
 
     def _norm_of(self, view: torch.Tensor, index: int, norm_type: float) -> torch.Tensor:
         factor = self.ledger.factors[index]

@@ -183,12 +183,21 @@ class MemoryForecast:
     # Device bytes the math libraries' workspaces add when the step's matmuls first run
     # (CUDA; 0 elsewhere, or where they exist already): see library_workspaces.
     library_workspaces: int = 0
+    # Device bytes of the gradient norms taken at the flushes when gradients are clipped
+    # (NOTE [gradient norms on the device]): see grad_norm_bytes.
+    grad_norms: int = 0
 
     @property
     def device_peak(self) -> int:
-        """Bytes on the device at the step's peak: slots, buffers, working set, and the
-        libraries' workspaces the step makes."""
-        return self.device_lines + self.resident + self.working_set.peak + self.library_workspaces
+        """Bytes on the device at the step's peak: slots, buffers, working set, the
+        libraries' workspaces the step makes and the gradient norms."""
+        return (
+            self.device_lines
+            + self.resident
+            + self.working_set.peak
+            + self.library_workspaces
+            + self.grad_norms
+        )
 
     @property
     def resident_peak(self) -> int:
@@ -359,9 +368,26 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         host_transients=(0 if store is None or store.spill is None else work.largest_moved)
         + transient_limit(engine.plan, engine.chunk_optimizer.whole_tensors),
         library_workspaces=library_workspaces(engine.device, (engine.dtype, torch.float32)),
+        grad_norms=grad_norm_bytes(engine.plan, 512 if engine.device.type == "cuda" else 1),
     )
     engine.forecast = result
     return result
+
+
+def grad_norm_bytes(plan: Plan, granule: int) -> int:
+    """The most device bytes the gradient norms taken at the flushes hold at once (NOTE
+    [gradient norms on the device]): one fp32 per tensor of every trainable chunk
+    kept, plus, while a chunk's are taken, one allocation per tensor before they are
+    stacked (``granule``: the allocator's rounding). 0 where none are taken."""
+    if plan.sharded:
+        return 0
+    counts = [
+        sum(1 for s in spec.slots if s.numel)
+        for i, spec in enumerate(plan.layout.chunks)
+        if spec.trainable and not is_split(plan, i)
+    ]
+    kept = sum(-(-4 * n // granule) * granule for n in counts)
+    return kept + max(counts, default=0) * -(-4 // granule) * granule
 
 
 def _resident_on_device(model: nn.Module) -> int:

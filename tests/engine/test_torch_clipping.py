@@ -17,12 +17,14 @@ from engine_helpers import (
     global_rel_error,
     gpt_loss,
     nvme_pair,
+    reference_pair,
     tiny_gpt,
     train,
 )
 from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 
 import infinity
+from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 
 GRAD_RTOL = 1e-6  # same kernels on the same fp32 gradients: rounding only
@@ -229,3 +231,45 @@ def test_zeroed_and_stale_gradients():
     model.zero_grad()
     with pytest.raises(RuntimeError, match="no gradient"):
         torch.linalg.vector_norm(stale)
+
+
+def _clipped_run(*, from_device: bool, accum: int = 1, steps: int = 4):
+    """Train with clipping at 0.05; ``from_device=False`` drops the norms taken at the
+    flush before each clip, so every norm is read from the chunks (the reference)."""
+    model = infinity.offload(tiny_gpt(), config(device_memory="256KiB", chunk_size="16KiB"))
+    opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
+    grads = engine_of(model).manager.grads
+
+    def clip(step: int) -> None:
+        if not from_device:
+            grads.norms.clear()
+        clip_grad_norm_(model.parameters(), 0.05)
+
+    losses = train(model, opt, batches(steps * accum), accum=accum, before_step=clip)
+    return model, losses, engine_of(model).norms.device_hits
+
+
+def test_norms_taken_on_the_device_equal_the_norms_of_the_chunks():
+    """NOTE [gradient norms on the device]: after the first clip the next backward takes
+    each chunk's norms at its flush; clipping with them trains bit for bit as with the
+    norms read back from the chunks (the same expression on the same values)."""
+    ours, losses, hits = _clipped_run(from_device=True)
+    ref, ref_losses, ref_hits = _clipped_run(from_device=False)
+    assert hits > 0 and ref_hits == 0
+    assert losses == ref_losses
+    for name, value in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], value), name
+
+
+def test_accumulated_gradients_are_not_clipped_with_one_micro_batch_norms():
+    """Under accumulation a chunk's second flush adds to its home: the norms of the first
+    are dropped, and clipping reads the sums (against a plain model clipping its own)."""
+    ours, _, hits = _clipped_run(from_device=True, accum=2)
+    ref, ref_opt = reference_pair(tiny_gpt(), lr=1e-3, weight_decay=0.1)
+
+    def clip(step: int) -> None:
+        clip_grad_norm_(ref.parameters(), 0.05)
+
+    train(ref, ref_opt, batches(8), accum=2, before_step=clip)
+    assert hits == 0
+    assert global_rel_error(ours, ref) < 1e-6
