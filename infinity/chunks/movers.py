@@ -1,7 +1,7 @@
 """Movers: the code that runs each route a parameter chunk takes to the device.
 
 :func:`device_mover` maps a route of ``core/routes.py`` (data) to the function
-that starts it; :meth:`ChunkManager.fetch_param` looks the route of a chunk's
+that starts it; :meth:`MoverAccess.fetch_param` looks the route of a chunk's
 home up and calls its mover, which fills the device copy and returns the
 transfer (``None``: a prefetch found no room now). See NOTE [routes are data].
 """
@@ -26,7 +26,7 @@ from infinity.core.routes import HOST_TO_DEVICE, NVME_TO_DEVICE, NVME_VIA_STAGIN
 from infinity.devices.base import DeviceBackend
 
 
-class ChunkManager(Protocol):
+class MoverAccess(Protocol):
     """What movers use of :class:`~infinity.chunks.manager.ChunkManager`
     (a protocol: the manager imports this module)."""
 
@@ -41,21 +41,19 @@ class ChunkManager(Protocol):
 
 # A mover starts filling ``copy`` (a device slot of parameter chunk ``chunk``);
 # with ``prefetch`` it never blocks, and returns None where it would have to.
-Mover = Callable[[ChunkManager, int, Copy, bool], Pending | None]
+Mover = Callable[[MoverAccess, int, Copy, bool], Pending | None]
 
 # Spans of one device fill in flight at once: one landing from NVMe while the
 # previous one is copied to the device.
 FILL_WINDOW = 2
 
 
-def from_host_home(manager: ChunkManager, chunk: int, copy: Copy, prefetch: bool) -> Pending:
+def from_host_home(manager: MoverAccess, chunk: int, copy: Copy, prefetch: bool) -> Pending:
     """host -> device: one copy from the chunk's host home."""
     return manager.backend.copy_async(copy.tensor, manager.homes.host((Kind.PARAM, chunk)))
 
 
-def through_staging(
-    manager: ChunkManager, chunk: int, copy: Copy, prefetch: bool
-) -> Pending | None:
+def through_staging(manager: MoverAccess, chunk: int, copy: Copy, prefetch: bool) -> Pending | None:
     """nvme -> staging -> device: read into a staging slot, then copy (an oversize
     chunk span by span, a few staging slots at a time)."""
     if is_split(manager.plan, chunk):
@@ -63,7 +61,7 @@ def through_staging(
     return staged_copy(manager, (Kind.PARAM, chunk), copy.tensor, prefetch=prefetch)
 
 
-def nvme_to_device(manager: ChunkManager, chunk: int, copy: Copy, prefetch: bool) -> Pending:
+def nvme_to_device(manager: MoverAccess, chunk: int, copy: Copy, prefetch: bool) -> Pending:
     """nvme -> device: the backend's reader puts the home's bytes in the device slot
     (an oversize chunk span by span, as its spans are written home).
 
@@ -129,7 +127,7 @@ def device_mover(route: Route) -> Mover:
 
 
 def staged_copy(
-    manager: ChunkManager, key: Key, dst: torch.Tensor, *, prefetch: bool
+    manager: MoverAccess, key: Key, dst: torch.Tensor, *, prefetch: bool
 ) -> Pending | None:
     """Read ``key`` (a parameter chunk or span) into host staging, then copy it to ``dst``
     on the device; None if ``prefetch`` found no staging slot."""
@@ -146,7 +144,7 @@ class SpanFill:
     """Fill a device parameter slot of an NVMe-homed oversize chunk, span by span
     through host staging; advances whenever polled (``done``) or waited on."""
 
-    def __init__(self, manager: ChunkManager, chunk: int, dst: torch.Tensor) -> None:
+    def __init__(self, manager: MoverAccess, chunk: int, dst: torch.Tensor) -> None:
         self._manager = manager
         self._chunk = chunk
         self._dst = dst

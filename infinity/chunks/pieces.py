@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from infinity.chunks.shards import HostAccess, close_whole, open_whole
-from infinity.chunks.span_access import ChunkManager, open_span
+from infinity.chunks.span_access import SpanAccess, open_span
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_ranges
 from infinity.core.names import Kind
 
@@ -54,7 +54,7 @@ class Window(NamedTuple):
 
 
 def windows(
-    manager: ChunkManager,
+    manager: SpanAccess,
     kind: Kind,
     chunk: int,
     *,
@@ -100,9 +100,7 @@ def _whole(
         close_whole(manager, handle, modified=write, keep=keep)
 
 
-def home_bytes(
-    manager: ChunkManager, kind: Kind, chunk: int
-) -> Generator[torch.Tensor, None, None]:
+def home_bytes(manager: SpanAccess, kind: Kind, chunk: int) -> Generator[torch.Tensor, None, None]:
     """The bytes of ``(kind, chunk)``'s home in order (every rank's shard when sharded):
     piece after piece, each window after window.
 

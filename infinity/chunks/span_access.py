@@ -13,38 +13,29 @@ from typing import Protocol
 
 import torch
 
-from infinity.chunks.accounting import TierAccount
 from infinity.chunks.cache import Copy
 from infinity.chunks.homes import HomeStore
+from infinity.chunks.shards import HostAccess
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
 from infinity.chunks.staging import HostStaging
 from infinity.core.names import HOST, Key, Kind
-from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
-from infinity.distributed import Collectives
 
 
-class ChunkManager(Protocol):
+class SpanAccess(HostAccess, Protocol):
     """What these functions use of :class:`~infinity.chunks.manager.ChunkManager`
     (a protocol: the manager imports this module)."""
 
-    plan: Plan
     dtype: torch.dtype
     backend: DeviceBackend
     homes: HomeStore
     host: HostStaging
-    collectives: Collectives | None
-    transient_account: TierAccount
 
     def nbytes(self, key: Key) -> int: ...
-    def open_host(
-        self, key: Key, *, load: bool = True, writable: bool = True
-    ) -> tuple[torch.Tensor, Copy | None]: ...
-    def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None: ...
 
 
 def open_span(
-    manager: ChunkManager,
+    manager: SpanAccess,
     kind: Kind,
     chunk: int,
     start: int,
@@ -80,7 +71,7 @@ def open_span(
 
 
 def write_initial(
-    manager: ChunkManager, i: int, values: torch.Tensor, *, background: bool = False
+    manager: SpanAccess, i: int, values: torch.Tensor, *, background: bool = False
 ) -> None:
     """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``.
 
@@ -111,7 +102,7 @@ def write_initial(
     manager.close_host(copy, modified=True, keep=background)
 
 
-def write_initial_spans(manager: ChunkManager, chunk: int, values: torch.Tensor) -> None:
+def write_initial_spans(manager: SpanAccess, chunk: int, values: torch.Tensor) -> None:
     """``write_initial`` of an oversize chunk: parameters (and fp32 master, zero
     moments) from fp32 ``values``, span by span."""
     trainable = manager.plan.grad_home[chunk] is not None
@@ -130,7 +121,7 @@ def write_initial_spans(manager: ChunkManager, chunk: int, values: torch.Tensor)
 
 
 def each_span(
-    manager: ChunkManager,
+    manager: SpanAccess,
     kind: Kind,
     chunk: int,
     start: int,
@@ -166,7 +157,7 @@ def each_span(
 
 
 def read_elements(
-    manager: ChunkManager,
+    manager: SpanAccess,
     kind: Kind,
     chunk: int,
     part: int,
@@ -183,7 +174,7 @@ def read_elements(
 
 
 def write_elements(
-    manager: ChunkManager, kind: Kind, chunk: int, part: int, start: int, values: torch.Tensor
+    manager: SpanAccess, kind: Kind, chunk: int, part: int, start: int, values: torch.Tensor
 ) -> None:
     """Set elements ``[start, start + len(values))`` of part ``part`` of ``(kind, chunk)``."""
     flat = values.reshape(-1)

@@ -19,14 +19,14 @@ import torch
 
 from infinity.chunks.grad_flow import typed
 from infinity.chunks.shards import close_whole, open_whole
-from infinity.chunks.span_access import ChunkManager, read_elements, write_elements
+from infinity.chunks.span_access import SpanAccess, read_elements, write_elements
 from infinity.chunks.spans import is_split
 from infinity.core.layout import TensorSlot
 from infinity.core.names import Kind
 
 
 def tensor_values(
-    manager: ChunkManager,
+    manager: SpanAccess,
     kind: Kind,
     chunk: int,
     slots: Sequence[TensorSlot],
