@@ -115,11 +115,11 @@ def reset_device_peak(device: torch.device) -> None:
         torch.get_device_module(device.type).reset_peak_memory_stats(device)
 
 
-def library_workspaces(device: torch.device, dtypes: Iterable[torch.dtype]) -> int:
-    """Device bytes the math libraries' workspaces add when a step's matmuls first run:
-    the growth of CUDA's allocated bytes over a tiny matmul forward and backward in each
-    of ``dtypes``; 0 where the workspaces already exist, and on any other device (nothing
-    is run there).
+def probe_libraries(device: torch.device, dtypes: Iterable[torch.dtype]) -> tuple[int, int]:
+    """(device bytes, host bytes) the math libraries add when a step's matmuls first run:
+    the growth of CUDA's allocated bytes and of the resident set over a tiny matmul
+    forward, recomputation and backward in each of ``dtypes``; (0, 0) where they were
+    loaded already, and on any other device (nothing is run there).
 
     NOTE: cuBLAS and cuBLASLt take a workspace from torch's caching allocator per
     (handle, stream), and a handle per thread: the forward's matmuls make one on the
@@ -127,16 +127,20 @@ def library_workspaces(device: torch.device, dtypes: Iterable[torch.dtype]) -> i
     allocated, so the step's peak holds them, above what was allocated before it, as
     long as they were not made yet. Their size depends on the torch build, the GPU and
     ``CUBLAS_WORKSPACE_CONFIG`` (32 MiB each at ``:4096:8``), so it is measured, on
-    the threads and stream the step uses, not guessed."""
+    the threads and stream the step uses, not guessed. CUDA also loads the libraries'
+    kernels into host memory when first used (an H200's main job grew its resident
+    set by ~650 MB after ``offload``): what the matmuls load is measured here; other
+    kernels' modules are not."""
     if device.type != "cuda":
-        return 0
+        return 0, 0
     torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
+    before, rss = torch.cuda.memory_allocated(device), resident_bytes()
     with torch.cuda.device(device), torch.inference_mode(False), torch.enable_grad():
         for dtype in dict.fromkeys(dtypes):
             _matmul_step(device, dtype)
     torch.cuda.synchronize(device)
-    return max(0, torch.cuda.memory_allocated(device) - before)
+    grown = max(0, resident_bytes() - rss)
+    return max(0, torch.cuda.memory_allocated(device) - before), grown
 
 
 def _matmul_step(device: torch.device, dtype: torch.dtype) -> None:
@@ -183,6 +187,8 @@ class MemoryForecast:
     # Device bytes the math libraries' workspaces add when the step's matmuls first run
     # (CUDA; 0 elsewhere, or where they exist already): see library_workspaces.
     library_workspaces: int = 0
+    # Host bytes the math libraries load when the step's matmuls first run (CUDA).
+    library_host: int = 0
     # Device bytes of the gradient norms taken at the flushes when gradients are clipped
     # (NOTE [gradient norms on the device]): see grad_norm_bytes.
     grad_norms: int = 0
@@ -206,6 +212,7 @@ class MemoryForecast:
             self.baseline
             + self.host_lines
             + self.host_transients
+            + self.library_host
             + (self.device_peak if self.device_in_host else 0)
         )
 
@@ -232,6 +239,7 @@ class MemoryForecast:
                 if self.host_transients
                 else ""
             )
+            + (f" + libraries loaded {format_size(self.library_host)}" if self.library_host else "")
             + (" + the device's" if self.device_in_host else ""),
         ]
 
@@ -357,6 +365,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
     )
     lines = host_lines(engine)
     store = engine.activations
+    libraries = probe_libraries(engine.device, (engine.dtype, torch.float32))
     result = MemoryForecast(
         device_lines=sum(line["limit"] for line in device_lines(engine).values()),
         host_lines=sum(line["limit"] for line in lines.values()),
@@ -367,7 +376,8 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         tokens=tokens,
         host_transients=(0 if store is None or store.spill is None else work.largest_moved)
         + transient_limit(engine.plan, engine.chunk_optimizer.whole_tensors),
-        library_workspaces=library_workspaces(engine.device, (engine.dtype, torch.float32)),
+        library_workspaces=libraries[0],
+        library_host=libraries[1],
         grad_norms=grad_norm_bytes(engine.plan, 512 if engine.device.type == "cuda" else 1),
     )
     engine.forecast = result
