@@ -76,6 +76,7 @@ class Prefetcher:
         # another: the walk skipped each repeat in turn), and each position's run.
         self._runs: list[tuple[Phase, int]] = []
         self._run_of: list[int] = []
+        self._walks: dict[int, list[int]] = {}  # by the run a walk starts at
         for access in trace.accesses:
             if not self._runs or self._runs[-1] != access:
                 self._runs.append(access)
@@ -84,6 +85,23 @@ class Prefetcher:
     def plan(self, position: int, on_device: Callable[[int], bool]) -> list[int]:
         """Chunks to fetch after ``position``: the first needs not already on the
         device, counting in-flight/resident upcoming chunks against the limits."""
+        runs = self._runs
+        if position < 0:
+            start = 0
+        elif position < len(self._run_of):
+            start = self._run_of[position] + 1
+        else:
+            start = len(runs)
+        # NOTE: the walk depends on the position alone (what is resident only filters
+        # its result), and plan() runs after every access: each walk is made once.
+        walk = self._walks.get(start)
+        if walk is None:
+            walk = self._walks[start] = self._walk(position, start)
+        return [chunk for chunk in walk if not on_device(chunk)]
+
+    def _walk(self, position: int, start: int) -> list[int]:
+        """The chunks the plan after ``position`` counts, in order of need, resident or not
+        (``start``: the run after ``position``'s)."""
         free = _Slots(self._slots)
         seen: set[int] = set()
         grads: set[int] = set()
@@ -95,17 +113,9 @@ class Prefetcher:
             if phase != Phase.FORWARD and self._grad_bytes(current):
                 grad_slot = free.take(self._grad_bytes(current))
                 grads.add(current)
-        chosen: list[int] = []
-        ahead = spent = 0
+        walk: list[int] = []
+        spent = 0
         runs = self._runs
-        if position < 0:
-            start = 0
-        elif position < len(self._run_of):
-            start = self._run_of[position] + 1
-        else:
-            start = len(runs)
-        # NOTE: indexed, not islice: islice walks from the trace's start on every
-        # call, and this runs after every access.
         for k in range(start, len(runs)):
             phase, chunk = runs[k]
             if phase == Phase.GRAD:
@@ -119,15 +129,13 @@ class Prefetcher:
             if phase not in NEED_PHASES or chunk in seen:
                 continue
             seen.add(chunk)
-            if ahead >= self.depth:
+            if len(walk) >= self.depth:
                 break
             size = self._nbytes(chunk)
-            if spent + size > self.budget_bytes and ahead:
+            if spent + size > self.budget_bytes and walk:
                 break
-            if free.take(size) is None and ahead:
+            if free.take(size) is None and walk:
                 break  # it would be pushed out again before its use
-            ahead += 1
             spent += size
-            if not on_device(chunk):
-                chosen.append(chunk)
-        return chosen
+            walk.append(chunk)
+        return walk
