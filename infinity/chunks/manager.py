@@ -72,7 +72,7 @@ class ChunkManager:
         self.collectives = collectives
         self.dtype = dtype
         self.backend = backend
-        self.traffic = Traffic(stall=backend.stall)
+        self.traffic = Traffic(stall=backend.clock.stall)
         self.device_account = TierAccount("device", plan.budgets.device)
         self.host_account = TierAccount("host", plan.budgets.host)
         self.nvme_account = TierAccount("nvme", plan.budgets.nvme)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import abc
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+
+from infinity.devices.step_clock import HostClock
 
 if TYPE_CHECKING:  # NOTE: infinity.io loads the native module; `infinity plan` needs none
     from infinity.io import IORequest, SwapFile
@@ -46,6 +47,12 @@ class DeviceBackend(abc.ABC):
     # (the CPU backend): then host and device bytes compete for the same RAM.
     shares_host_memory: bool = False
 
+    @functools.cached_property
+    def clock(self) -> HostClock:
+        """The step's clock of its compute and link (NOTE [the step's bound]): the host's,
+        unless a backend whose compute runs apart from the host sets its own (CUDA)."""
+        return HostClock()
+
     @abc.abstractmethod
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` on the device, allocated once, 4 KiB aligned."""
@@ -81,50 +88,6 @@ class DeviceBackend(abc.ABC):
 
     def free_memory(self) -> int | None:
         """Bytes the device could still allocate now, or ``None`` if not known."""
-        return None
-
-    # --- the step's bound (NOTE [the step's bound], runtime/step_timer.py) --------------
-    # Where compute shares the host's cores (the CPU, the fence), the device's
-    # clock is the host's: the span's wall time less the brackets in it. A GPU
-    # times its own stream instead (devices/cuda.py).
-    _span_start: float | None = None
-    _stall_depth = 0
-    _stalled = 0.0
-
-    def open_span(self) -> None:
-        """A step's device work starts (its first forward): the device's clock starts
-        counting its compute."""
-        if self._span_start is None:
-            self._span_start, self._stalled = time.perf_counter(), 0.0
-
-    @contextmanager
-    def stall(self) -> Iterator[None]:
-        """Bracket host work or a wait during which the device may idle for the engine
-        (a wait for a transfer, a host update), so that time is not counted as
-        compute. Brackets nest; the outermost counts."""
-        outermost = self._span_start is not None and self._stall_depth == 0
-        start = time.perf_counter()
-        self._stall_depth += 1
-        try:
-            yield
-        finally:
-            self._stall_depth -= 1
-            if outermost:
-                self._stalled += time.perf_counter() - start
-
-    def close_span(self) -> Callable[[], float]:
-        """The step ends: its device compute seconds, read later (a device's events
-        may still be pending when the host gets here)."""
-        if self._span_start is None:
-            return lambda: 0.0
-        seconds = max(0.0, time.perf_counter() - self._span_start - self._stalled)
-        self._span_start = None
-        return lambda: seconds
-
-    def take_link_seconds(self) -> Callable[[], tuple[float, float]] | None:
-        """Seconds the host-device link was busy copying (to the device, from it) since
-        the last call, read later; ``None`` where copies are not timed on the device
-        (the step timer then counts their bytes at a measured memcpy rate)."""
         return None
 
     def synchronize(self) -> None:

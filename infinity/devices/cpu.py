@@ -33,7 +33,7 @@ class _CopyHandle(TransferHandle):
         self._dst, self._src = dst, src
 
     def wait(self) -> None:
-        with self._backend.stall():
+        with self._backend.clock.stall():
             self._job.wait()
 
     def done(self) -> bool:

@@ -5,7 +5,7 @@ a least time for its work (NOTE [the step's bound]):
 
 - the device's compute, from the step's first forward to ``optimizer.step()``,
   less the time the device idled for the engine's waits and host updates
-  (:meth:`~infinity.devices.base.DeviceBackend.stall`: a GPU's events; where compute
+  (:mod:`infinity.devices.step_clock`: a GPU's events; where compute
   shares the host's cores, the host's clock);
 - the host optimizer: its chunk updates, waits excluded;
 - the host-device link each way: the copies' busy time on a GPU's copy stream, or
@@ -89,7 +89,7 @@ class StepTimer:
     def begin_span(self) -> None:
         """A forward starts: the first of a step opens its span (later ones, of
         accumulated micro-batches or an evaluation, continue it)."""
-        self._backend.open_span()
+        self._backend.clock.open_span()
 
     def lap(self) -> None:
         """Close the current interval (called at the end of an optimizer step)."""
@@ -101,7 +101,7 @@ class StepTimer:
         delta["seconds"] = seconds
         delta["compute_seconds"] = max(0.0, seconds - waiting)
         self._pending = _Pending(
-            delta, self._backend.close_span(), self._backend.take_link_seconds()
+            delta, self._backend.clock.close_span(), self._backend.clock.take_link_seconds()
         )
         self._start, self._base = now, current
 

@@ -1,0 +1,163 @@
+"""A device's clock of a step's compute and of its host-device link (NOTE [the step's bound]).
+
+Every backend has one (``DeviceBackend.clock``). The engine opens a span at a step's
+first forward, brackets with :meth:`HostClock.stall` every place where its host
+thread waits or works while the device may run dry (a wait for a transfer, a wait of
+the compute stream on a copy, a host update, its hooks), and closes the span at
+``optimizer.step()``: the device's compute is the span less the idle time inside
+the brackets.
+
+- :class:`HostClock` where compute shares the host's cores (the CPU, the fence): the
+  host's clock, the brackets' wall time.
+- :class:`EventClock` on a GPU: a bracket is two events on the compute stream. The
+  GPU reaches the first when its queued work is done and the second when the host,
+  done, records it: the time between them is exactly the time it idled for the engine
+  (0 if it was still busy). Copies are timed by events on the copy stream, per
+  direction. Events are read when the step's lap is first read, so the step itself
+  never waits for them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+# Timed pairs kept before the finished ones are folded into sums: a model run
+# forward only (no optimizer step closes its spans) keeps this many at most.
+FOLD_AT = 1024
+
+
+class HostClock:
+    """The step clock of a device that computes on the host's cores."""
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._depth = 0
+        self._stalled = 0.0
+
+    def open_span(self) -> None:
+        """A step's device work starts (its first forward; later calls continue it)."""
+        if self._start is None:
+            self._start, self._stalled = time.perf_counter(), 0.0
+
+    @contextmanager
+    def stall(self) -> Iterator[None]:
+        """Host work or a wait during which the device may idle for the engine: not
+        counted as compute. Brackets nest; the outermost counts."""
+        outermost = self._start is not None and self._depth == 0
+        start = time.perf_counter()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if outermost:
+                self._stalled += time.perf_counter() - start
+
+    def close_span(self) -> Callable[[], float]:
+        """The step ends: its device compute seconds, read later."""
+        if self._start is None:
+            return lambda: 0.0
+        seconds = max(0.0, time.perf_counter() - self._start - self._stalled)
+        self._start = None
+        return lambda: seconds
+
+    def copied(self, to_device: bool, start: object, end: object) -> None:
+        """A copy was timed (only an event clock times copies)."""
+
+    def take_link_seconds(self) -> Callable[[], tuple[float, float]] | None:
+        """Seconds the link was busy (to the device, from it) since the last call, read
+        later; ``None``: copies are not timed here (their bytes are counted at a
+        measured memcpy rate instead)."""
+        return None
+
+
+class Event(Protocol):
+    """What the clock uses of a timing event (``torch.cuda.Event(enable_timing=True)``)."""
+
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+
+class EventClock(HostClock):
+    """The step clock of a GPU: events on its compute and copy streams."""
+
+    def __init__(self, record: Callable[[], Event]) -> None:
+        """``record()`` records a new timing event on the current compute stream."""
+        super().__init__()
+        self._record = record
+        self._first: Event | None = None
+        self._stalls: list[tuple[Event, Event]] = []
+        self._stalled_ms = 0.0
+        self._copies: list[tuple[bool, Event, Event]] = []
+        self._copied_ms = [0.0, 0.0]
+
+    def open_span(self) -> None:
+        if self._first is None:
+            self._first = self._record()
+            self._stalls, self._stalled_ms = [], 0.0
+
+    @contextmanager
+    def stall(self) -> Iterator[None]:
+        outermost = self._first is not None and self._depth == 0
+        first = self._record() if outermost else None
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if first is not None:
+                self._stalls.append((first, self._record()))
+                if len(self._stalls) > FOLD_AT:
+                    self._stalled_ms += _fold(self._stalls)
+
+    def close_span(self) -> Callable[[], float]:
+        first, stalls, stalled_ms = self._first, self._stalls, self._stalled_ms
+        self._first, self._stalls, self._stalled_ms = None, [], 0.0
+        if first is None:
+            return lambda: 0.0
+        end = self._record()
+
+        def seconds() -> float:
+            end.synchronize()
+            idle = stalled_ms + sum(a.elapsed_time(b) for a, b in stalls)
+            return max(0.0, first.elapsed_time(end) - idle) / 1e3
+
+        return seconds
+
+    def copied(self, to_device: bool, start: object, end: object) -> None:
+        """A copy between ``start`` and ``end`` (events on the copy stream)."""
+        self._copies.append((to_device, start, end))  # type: ignore[arg-type]
+        if len(self._copies) > FOLD_AT:
+            pending = []
+            for way, a, b in self._copies:
+                if b.query():
+                    self._copied_ms[0 if way else 1] += a.elapsed_time(b)
+                else:
+                    pending.append((way, a, b))
+            self._copies = pending
+
+    def take_link_seconds(self) -> Callable[[], tuple[float, float]]:
+        copies, folded = self._copies, self._copied_ms
+        self._copies, self._copied_ms = [], [0.0, 0.0]
+
+        def seconds() -> tuple[float, float]:
+            ms = list(folded)
+            for way, a, b in copies:
+                b.synchronize()
+                ms[0 if way else 1] += a.elapsed_time(b)
+            return ms[0] / 1e3, ms[1] / 1e3
+
+        return seconds
+
+
+def _fold(pairs: list[tuple[Event, Event]]) -> float:
+    """Milliseconds of the finished pairs, which leave ``pairs``."""
+    done = [i for i, (_, b) in enumerate(pairs) if b.query()]
+    ms = sum(pairs[i][0].elapsed_time(pairs[i][1]) for i in done)
+    for i in reversed(done):
+        del pairs[i]
+    return ms
