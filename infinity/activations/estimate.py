@@ -132,7 +132,10 @@ def forward_order(model: nn.Module, seq_len: int = 8) -> list[str] | None:
     gradients out of order: a 16-layer Llama held up to three half-filled gradient
     chunks at once in backward, whose evictions moved 1.4x the plan's bytes to the
     device and 1.9x from it. Packed in forward order, a chunk's gradients arrive
-    together."""
+    together. A model without an embedding table takes no token ids: it keeps its
+    registration order without the fake run (whose first use costs ~5 MiB)."""
+    if not any(isinstance(m, nn.Embedding) for m in model.modules()):
+        return None
     try:
         meta = _weightless(model)
     except Exception:  # an uncopyable model keeps its registration order

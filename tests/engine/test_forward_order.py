@@ -53,6 +53,10 @@ def test_forward_order_is_the_order_a_real_forward_calls_the_modules() -> None:
 
 
 def test_a_model_forward_order_cannot_run_keeps_registration_order() -> None:
+    # an embedding, but a forward that fails on token ids (the shapes do not chain)
+    broken = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(3, 3))
+    assert forward_order(broken) is None
+    # no embedding: takes no token ids, not run at all
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     assert forward_order(model) is None
     offloaded = infinity.offload(model, infinity.Config(device="cpu", dtype="fp32"))
