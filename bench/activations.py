@@ -47,7 +47,7 @@ import torch
 import infinity
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
-from infinity.runtime.memory import reset_resident_peak, resident_peak_bytes
+from infinity.utils.process_memory import reset_resident_peak, resident_peak_bytes
 from infinity.utils.sizes import format_size, parse_size
 
 ROWS = (

@@ -23,7 +23,7 @@ import sys
 import torch
 
 import infinity
-from infinity.runtime.memory import reset_resident_peak, resident_bytes, resident_peak_bytes
+from infinity.utils.process_memory import reset_resident_peak, resident_bytes, resident_peak_bytes
 from infinity.utils.sizes import format_size
 
 

@@ -19,8 +19,8 @@ from infinity.runtime.materialize import (
     materialize_buffers,
     native_init,
 )
-from infinity.runtime.memory import baseline_resident_set, return_freed_memory
 from infinity.runtime.state_dict import install_state_dict_hooks
+from infinity.utils.process_memory import return_freed_memory
 
 
 def offload(model: nn.Module, config: Config | None = None, init: Init | None = None) -> nn.Module:
@@ -60,9 +60,7 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     world = resolve_world(config.process_group)
     if world.sharded:
         check_agreement(Collectives(world), config, model)
-    baseline = baseline_resident_set()
     engine = OffloadEngine(model, config)
-    engine.baseline_rss = baseline
     if engine.activations is not None and engine.backend.shares_host_memory:
         return_freed_memory()  # NOTE [freed memory returns]: RAM over speed, as asked
     try:

@@ -12,7 +12,7 @@ from infinity.activations.policy import choose_blocks
 from infinity.config import Config, ConfigError
 from infinity.core.plan import Plan
 from infinity.runtime.budgets import DTYPE_OF
-from infinity.runtime.memory import resident_bytes
+from infinity.utils.process_memory import resident_bytes
 from infinity.utils.sizes import format_size
 
 

@@ -69,6 +69,7 @@ from infinity.runtime.swap import (
 from infinity.runtime.update_queue import UpdateQueue
 from infinity.schedule.eviction import TraceDrivenPolicy
 from infinity.schedule.trace import TraceRecorder
+from infinity.utils.process_memory import baseline_resident_set
 
 log = logging.getLogger("infinity")
 _S = TensorState
@@ -78,13 +79,13 @@ class OffloadEngine:
     """Runtime state of one offloaded model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, config: Config) -> None:
-        self.baseline_rss = 0  # the resident set before the engine allocated (offload sets it)
         self.forecast: Any = None  # runtime.memory.MemoryForecast, once one is made
         self.config = config
         self.dtype = DTYPE_OF[config.dtype]
         self.backend = make_backend(config.device)
         self.device = self.backend.device
         self.registry = ParamRegistry.from_model(model, recomputed_blocks(model, config))
+        self.baseline_rss = baseline_resident_set()  # before anything is allocated
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
         prepare_nvme(config)
@@ -127,8 +128,7 @@ class OffloadEngine:
         )
         self._param_count = len(self.registry.entries)
         self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
-        # Parameters a recomputation in backward sees through a view (_stand_in), by
-        # module: (attribute, the Parameter to put back at the module's end_module).
+        # By module: (attribute, Parameter) a recomputation sees through a view (_stand_in).
         self._stand_ins: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
         self._closed = False
 

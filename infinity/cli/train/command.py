@@ -43,7 +43,7 @@ from infinity.devices.choice import choose_dtype
 from infinity.models.gpt import GPTConfig
 from infinity.models.gpt import describe as describe_gpt
 from infinity.offload import engine_of
-from infinity.runtime.memory import reset_device_peak, reset_resident_peak
+from infinity.utils.process_memory import reset_device_peak, reset_resident_peak
 
 DEMO_BUDGET_ATTEMPTS = 6
 _Budgets = tuple[infinity.Config, tuple[str, ...]]  # the config, and which budgets are derived

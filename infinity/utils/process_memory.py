@@ -1,0 +1,90 @@
+"""The process's memory as the operating system and the device allocator count it: the
+resident set and its peak, the device allocator's peak, and giving freed blocks back.
+
+What a step's forecast starts from (:func:`baseline_resident_set`) and what the memory
+report measures against it (``runtime/memory.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import psutil
+import torch
+
+
+def resident_bytes() -> int:
+    """This process's resident set now."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def baseline_resident_set() -> int:
+    """The resident set a step's forecast starts from, measured before the engine
+    allocates: the interpreter, the libraries, the model as built, and what offloading
+    itself imports and runs (the registry's fake forward: ``forward_order``).
+
+    NOTE: torch._dynamo is imported first: the hooks' ``torch.compiler.disable``
+    imports it when they are made (~80 MiB: dynamo, sympy, mpmath), and it stays."""
+    import torch._dynamo  # noqa: F401
+
+    return resident_bytes()
+
+
+def resident_peak_bytes() -> int:
+    """This process's peak resident set (``VmHWM``: since it started, or since a tool
+    reset it through ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# glibc's mallopt parameter, and the size from which its allocations are mappings of their
+# own (given back to the system when freed).
+_M_MMAP_THRESHOLD = -3
+RETURNED_FROM_BYTES = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Make glibc give freed blocks of 1 MiB and more back to the system at once
+    (NOTE [freed memory returns]); ``False`` where it is not glibc or the environment
+    sets the threshold already."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, RETURNED_FROM_BYTES))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+def reset_resident_peak() -> bool:
+    """Start the resident set's peak (``VmHWM``) over, so that it measures what follows
+    (the training steps, not loading or set-up); ``False`` where the kernel offers no way."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def device_peak_bytes(device: torch.device) -> int | None:
+    """The device allocator's peak bytes (CUDA, the fence); ``None`` where the device is
+    host memory without an allocator of its own (the CPU)."""
+    if device.type == "cpu":
+        return None
+    return int(torch.get_device_module(device.type).max_memory_allocated(device))
+
+
+def reset_device_peak(device: torch.device) -> None:
+    """Start the device allocator's peak over (nothing on the CPU)."""
+    if device.type != "cpu":
+        torch.get_device_module(device.type).reset_peak_memory_stats(device)
