@@ -10,7 +10,7 @@ the loss's logits and their gradient, a gradient before it lands in its chunk). 
 forecast from a forward, loss and backward on fake tensors
 (:func:`infinity.activations.estimate.step_memory`), and measured where the device has an
 allocator that counts (CUDA, the fence). On CUDA the device also holds the math
-libraries' workspaces, measured (:func:`library_workspaces`). The forecast of the
+libraries' workspaces, measured (:func:`probe_libraries`). The forecast of the
 process's resident set adds the baseline it had when the model was offloaded (the
 interpreter, the libraries, the model's own weights if it was built in RAM).
 """
