@@ -101,9 +101,15 @@ fi
 
 if wants tests; then
   if [[ $DEVICE == cuda ]]; then
+    # NOTE: a failing test saves the caching allocator's snapshot (tests/cuda/conftest.py),
+    # one archive back: what was alive at a device peak the forecast missed.
     run_stage tests 230 tests.log "last_result $OUT/tests.log" -- \
-      env INFINITY_CUDA_SWEEP_DRAWN="${SWEEP_DRAWN:-24}" $PY -m pytest -q -m cuda -rs \
+      env INFINITY_CUDA_SWEEP_DRAWN="${SWEEP_DRAWN:-24}" \
+      INFINITY_CUDA_MEMORY_SNAPSHOTS="$SCRATCH/snapshots" $PY -m pytest -q -m cuda -rs \
       -p no:cacheprovider --timeout 120 --junitxml "$OUT/junit.xml" tests/cuda
+    if [[ -d $SCRATCH/snapshots ]]; then
+      tar czf "$OUT/snapshots.tgz" -C "$SCRATCH" snapshots
+    fi
   else
     run_stage tests 230 tests.log "last_result $OUT/tests.log" -- \
       env INFINITY_FENCE_TESTS=1 $PY -m pytest -q -p no:cacheprovider tests/fence
