@@ -14,6 +14,7 @@
 #              `--activations offload`, and `--model DIR --data FILE` (a tiny Llama)
 #   step       bench/gpu_step.py at 4 x 512 and 16 x 1024 tokens (plain, host, overlap; at
 #              4 x 512 also the device budgets params+half and all-but-opt), clipping 1.0
+#   traffic    bench/traffic_vs_plan.py: a step's host-device bytes against the plan
 #   disk       the swap folder's rates: `infinity bench nvme`, and fio's fastest
 #              engine where fio is installed (the NVMe rows' bound)
 #   deepspeed  ZeRO-2 and ZeRO-3 CPU-offload rows on gpu_step's model and batches,
@@ -31,7 +32,7 @@ export PYTHONUNBUFFERED=1 INFINITY_BUILD_JOBS=${INFINITY_BUILD_JOBS:-16}
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8} HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
 DEVICE=${CHECK_DEVICE:-cuda}
-STAGES=",${GPU_STAGES:-build,tests,train,step,disk,deepspeed},"
+STAGES=",${GPU_STAGES:-build,tests,train,step,traffic,disk,deepspeed},"
 BUDGET=${GPU_CHECK_BUDGET:-470}
 SCRATCH=$(mktemp -d /tmp/gpu-check-work.XXXXXX)
 trap 'rm -rf "$SCRATCH"' EXIT
@@ -145,6 +146,13 @@ if wants step; then
       --layers 2 --hidden 128 --vocab 512 --batch 2 --seq 64 --steps 3 --warmup 1 \
       --nvme-path "$SCRATCH" --rows host,nvme,host@params+half,host+overlap@all-but-opt
   fi
+fi
+
+if wants traffic; then
+  # Bytes a step moves against the plan, parameters in forward order and in registration
+  # order (issue 43 part 4: the 1.26B Llama moved 1.40x the plan's host-to-device bytes).
+  run_stage traffic 90 traffic.txt "grep -E '^ +(8|16) ' $OUT/traffic.txt | awk '{print \$1, \$3, \$5, \$6}'" -- \
+    $PY bench/traffic_vs_plan.py --device "$DEVICE" --layers 8,16 --fractions 0.25
 fi
 
 if wants disk; then
