@@ -23,8 +23,9 @@ import infinity
 from infinity.cli.train import checkpoints as ckpt
 from infinity.cli.train import optimizers as train_optimizers
 from infinity.cli.train import ranks as train_ranks
+from infinity.cli.train.measures import BOUND_KEYS
 from infinity.cli.train.pretrained import PretrainedModel, build_model, causal_lm_loss
-from infinity.cli.train.report import BOUND_KEYS, TRAFFIC_KEYS, WAIT_KEYS, StepRecord
+from infinity.cli.train.report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
 from infinity.cli.train.settings import RunSettings
 from infinity.data import Corpus
 from infinity.models.gpt import GPT, init_weights

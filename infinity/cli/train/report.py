@@ -10,24 +10,16 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
+from infinity.cli.train.measures import BOUND_KEYS, BOUND_WINDOW, bound_row, memory_rows
 from infinity.utils.sizes import format_size
 
 # sent_bytes: payload this process sent to the others in collectives (0 for one process)
 TRAFFIC_KEYS = ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes", "sent_bytes")
 WAIT_KEYS = ("wait_nvme_seconds", "wait_device_seconds")
-# The step's bound (infinity.stats(model)["last_step"], runtime/step_timer.py).
-BOUND_PARTS = {
-    "device_compute_seconds": "device compute",
-    "host_optimizer_seconds": "host optimizer",
-    "h2d_seconds": "host→device",
-    "d2h_seconds": "device→host",
-    "nvme_seconds": "NVMe",
-}
-BOUND_KEYS = (*BOUND_PARTS, "seconds", "bound_seconds", "step_over_bound", "bound_by")
 
 
 @dataclass(frozen=True)
@@ -66,9 +58,10 @@ class RunSummary:
     stats: dict[str, Any] = field(default_factory=dict)
     ranks: list[dict[str, float]] = field(default_factory=list)  # per process, with several
     optimizer: str = "adamw"  # --optimizer
-    # Medians over the steps after the first (BOUND_KEYS; bound_by: the most frequent).
-    bound: dict[str, float | str] = field(default_factory=dict)
-    _bounds: list[dict[str, float | str]] = field(default_factory=list, repr=False)
+    # The last steps' bounds, the run's first step left out (it records the trace).
+    _bounds: deque[dict[str, float | str]] = field(
+        default_factory=lambda: deque(maxlen=BOUND_WINDOW), repr=False
+    )
 
     def add_step(self, record: StepRecord) -> None:
         """Count one finished step in the totals."""
@@ -76,30 +69,19 @@ class RunSummary:
         self.last_step = record.step
         for key, value in (record.traffic | record.waits).items():
             self.step_totals[key] = self.step_totals.get(key, 0.0) + value
-        if record.bound:
+        if record.bound and record.step > self.first_step:
             self._bounds.append(record.bound)
-            steady = self._bounds[1:] or self._bounds  # the first step records the trace
-            self.bound = {
-                k: statistics.median(float(b.get(k, 0.0)) for b in steady)
-                for k in BOUND_KEYS
-                if k != "bound_by"
-            }
-            self.bound["bound_by"] = Counter(str(b["bound_by"]) for b in steady).most_common(1)[0][
-                0
-            ]
 
-
-def bound_row(bound: dict[str, float | str]) -> str | None:
-    """The summary's line on the step's bound: the median step against the slowest of
-    its resources, and each resource's seconds."""
-    if not bound:
-        return None
-    parts = ", ".join(f"{name} {float(bound.get(k, 0.0)):.3f} s" for k, name in BOUND_PARTS.items())
-    return (
-        f"step bound: a step took {float(bound['seconds']):.3f} s, "
-        f"{float(bound['step_over_bound']):.2f}x its bound {float(bound['bound_seconds']):.3f} s "
-        f"({bound['bound_by']}); per step {parts} (median over steps)"
-    )
+    def bound(self) -> dict[str, float | str]:
+        """Medians of the last steps' bounds (BOUND_KEYS; ``bound_by``: the most frequent)."""
+        if not self._bounds:
+            return {}
+        out: dict[str, float | str] = {
+            k: statistics.median(float(b.get(k, 0.0)) for b in self._bounds)
+            for k in BOUND_KEYS[:-1]
+        }
+        out["bound_by"] = Counter(str(b["bound_by"]) for b in self._bounds).most_common(1)[0][0]
+        return out
 
 
 def _mb(nbytes: float) -> str:
@@ -182,7 +164,7 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
             f"optimizer per-tensor states: {format_size(stats['optimizer_tensor_state_bytes'])} "
             "in host memory, inside the host budget (not in the host peak, which counts chunks)"
         )
-    rows.extend(row for row in [bound_row(summary.bound)] if row is not None)
+    rows.extend(row for row in [bound_row(summary.bound())] if row is not None)
     rows.extend(memory_rows(stats["memory"]))
     rows.extend(rank_rows(summary.ranks))
     if summary.train_seconds > 0:
@@ -219,41 +201,6 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
             "per byte); a higher locked-memory limit (ulimit -l) lets them register"
         )
     return "\n".join(rows)
-
-
-def memory_rows(memory: dict[str, Any]) -> list[str]:
-    """Each budget's lines, their peaks against their limits; the device allocator's peak
-    and the resident set's against the forecast (``infinity.stats(model)["memory"]``)."""
-    rows = [f"{'memory line':<36}{'limit':>12}{'peak':>12}"]
-    for tier in ("host", "device"):
-        rows.append(f"{tier} (budget {format_size(memory[tier]['budget_bytes'])})")
-        lines = dict(memory[tier]["lines"])
-        if tier == "host" and memory["host"]["transient_copies"]["limit"]:
-            lines["transient copies, beside it"] = memory["host"]["transient_copies"]
-        if tier == "host" and memory["host"].get("pretrained_read_block", {}).get("peak"):
-            lines["pretrained read block, beside it"] = memory["host"]["pretrained_read_block"]
-        for name, line in lines.items():
-            rows.append(
-                f"  {name:<34}{format_size(line['limit']):>12}{format_size(line['peak']):>12}"
-            )
-    forecast = memory.get("forecast") or {}
-
-    def against(measured: int, key: str) -> str:
-        if not forecast:
-            return format_size(measured)
-        return (
-            f"{format_size(measured)}, forecast {format_size(forecast[key])} "
-            f"({measured / forecast[key]:.2f}x)"
-        )
-
-    allocated = memory["device"].get("allocated_peak_bytes")
-    if allocated is not None:
-        rows.append(f"device allocator peak: {against(allocated, 'device_peak')}")
-    rows.append(
-        f"resident set peak: {against(memory['host']['resident_peak_bytes'], 'resident_peak')} "
-        f"(baseline {format_size(memory['host']['baseline_bytes'])} at offload)"
-    )
-    return rows
 
 
 def rank_rows(ranks: list[dict[str, float]]) -> list[str]:
@@ -405,6 +352,7 @@ class JsonReport:
     def finish(self, summary: RunSummary) -> None:
         """The ``summary`` event (losses keyed by step)."""
         data = asdict(summary)
+        data["bound"] = summary.bound()
         data.pop("_bounds")
         data["losses"] = {str(k): v for k, v in summary.losses.items()}
         self.event("summary", **data)
