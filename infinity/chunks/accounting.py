@@ -57,7 +57,10 @@ class Traffic:
     # Brackets a wait in which the device may idle (the backend's ``stall``: NOTE
     # [the step's bound]).
     stall: Callable[[], AbstractContextManager[None]] = field(default=nullcontext, repr=False)
-    _hook_depth: int = field(default=0, repr=False)
+    _hook_timer: _HookTimer = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._hook_timer = _HookTimer(self)
 
     def snapshot(self) -> dict[str, float]:
         """A flat copy of the counters. ``nvme_busy_seconds``: the time the swap
@@ -98,22 +101,11 @@ class Traffic:
         finally:
             self.wait_seconds[tier] = self.wait_seconds.get(tier, 0.0) + time.perf_counter() - start
 
-    @contextmanager
-    def in_hook(self) -> Iterator[None]:
+    def in_hook(self) -> AbstractContextManager[None]:
         """Time one of the engine's hooks: host work in which the device may idle
         (NOTE [the step's bound]). Hooks nest (a fetch inside a gradient's); the
         outermost counts."""
-        if self._hook_depth:
-            yield
-            return
-        start = time.perf_counter()
-        self._hook_depth = 1
-        try:
-            with self.stall():
-                yield
-        finally:
-            self._hook_depth = 0
-            self.hook_seconds += time.perf_counter() - start
+        return self._hook_timer
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -125,3 +117,30 @@ class Traffic:
         finally:
             waited = sum(self.wait_seconds.values()) - waited
             self.host_optimizer_seconds += time.perf_counter() - start - waited
+
+
+class _HookTimer:
+    """``with traffic.in_hook():`` — one reusable object (NOTE: around every hook call,
+    a thousand a step: no generator, no allocation)."""
+
+    __slots__ = ("_depth", "_stall", "_start", "_traffic")
+
+    def __init__(self, traffic: Traffic) -> None:
+        self._traffic = traffic
+        self._depth = 0
+        self._start = 0.0
+        self._stall: AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> None:
+        if self._depth == 0:
+            self._start = time.perf_counter()
+            self._stall = self._traffic.stall()
+            self._stall.__enter__()
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            assert self._stall is not None
+            self._stall.__exit__(None, None, None)
+            self._traffic.hook_seconds += time.perf_counter() - self._start

@@ -20,13 +20,29 @@ the brackets.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 # Timed pairs kept before the finished ones are folded into sums: a model run
 # forward only (no optimizer step closes its spans) keeps this many at most.
 FOLD_AT = 1024
+
+
+class _Bracket:
+    """``with clock.stall():`` — one reusable object per clock (NOTE: the hooks open one
+    around every call, a thousand a step: no generator, no allocation)."""
+
+    __slots__ = ("_clock",)
+
+    def __init__(self, clock: HostClock) -> None:
+        self._clock = clock
+
+    def __enter__(self) -> None:
+        self._clock._enter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._clock._leave()
 
 
 class HostClock:
@@ -36,25 +52,29 @@ class HostClock:
         self._start: float | None = None
         self._depth = 0
         self._stalled = 0.0
+        self._mark: float | None = None  # when the outermost bracket opened in a span
+        self._bracket = _Bracket(self)
 
     def open_span(self) -> None:
         """A step's device work starts (its first forward; later calls continue it)."""
         if self._start is None:
             self._start, self._stalled = time.perf_counter(), 0.0
 
-    @contextmanager
-    def stall(self) -> Iterator[None]:
+    def stall(self) -> AbstractContextManager[None]:
         """Host work or a wait during which the device may idle for the engine: not
         counted as compute. Brackets nest; the outermost counts."""
-        outermost = self._start is not None and self._depth == 0
-        start = time.perf_counter()
+        return self._bracket
+
+    def _enter(self) -> None:
+        if self._depth == 0:
+            self._mark = time.perf_counter() if self._start is not None else None
         self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if outermost:
-                self._stalled += time.perf_counter() - start
+
+    def _leave(self) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._mark is not None:
+            self._stalled += time.perf_counter() - self._mark
+            self._mark = None
 
     def close_span(self) -> Callable[[], float]:
         """The step ends: its device compute seconds, read later."""
@@ -94,25 +114,25 @@ class EventClock(HostClock):
         self._stalled_ms = 0.0
         self._copies: list[tuple[bool, Event, Event]] = []
         self._copied_ms = [0.0, 0.0]
+        self._opened: Event | None = None  # the outermost bracket's first event
 
     def open_span(self) -> None:
         if self._first is None:
             self._first = self._record()
             self._stalls, self._stalled_ms = [], 0.0
 
-    @contextmanager
-    def stall(self) -> Iterator[None]:
-        outermost = self._first is not None and self._depth == 0
-        first = self._record() if outermost else None
+    def _enter(self) -> None:
+        if self._depth == 0:
+            self._opened = self._record() if self._first is not None else None
         self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if first is not None:
-                self._stalls.append((first, self._record()))
-                if len(self._stalls) > FOLD_AT:
-                    self._stalled_ms += _fold(self._stalls)
+
+    def _leave(self) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._opened is not None:
+            self._stalls.append((self._opened, self._record()))
+            self._opened = None
+            if len(self._stalls) > FOLD_AT:
+                self._stalled_ms += _fold(self._stalls)
 
     def close_span(self) -> Callable[[], float]:
         first, stalls, stalled_ms = self._first, self._stalls, self._stalled_ms
