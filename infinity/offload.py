@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -14,13 +17,14 @@ from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.hooks import HookSet
 from infinity.runtime.materialize import (
     Init,
+    PendingBuffer,
     check_initialisable,
     fill_chunks,
+    make_meta_params_real,
     materialize_buffers,
     native_init,
 )
 from infinity.runtime.state_dict import install_state_dict_hooks
-from infinity.utils.process_memory import return_freed_memory
 
 
 def offload(model: nn.Module, config: Config | None = None, init: Init | None = None) -> nn.Module:
@@ -61,15 +65,17 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     if world.sharded:
         check_agreement(Collectives(world), config, model)
     engine = OffloadEngine(model, config)
-    if engine.activations is not None and engine.backend.shares_host_memory:
-        return_freed_memory()  # NOTE [freed memory returns]: RAM over speed, as asked
     try:
         pending = materialize_buffers(model, engine.device)
         _move_buffers(model, engine.device)
-        with torch.no_grad():
-            fill_chunks(engine, model, init, pending)
+        on_meta = make_meta_params_real(engine.registry, engine.dtype, engine.device)
+        engine.fill = _filler(model, init, pending, on_meta)
         hooks = HookSet(model, engine)
         hooks.handles.extend(install_state_dict_hooks(engine))
+        if world.sharded:
+            # NOTE [the layout is decided once, late]: except under data parallel, where
+            # laying out is collective and a read on one rank alone would hang it.
+            engine.lay_out(why="offload() (data parallel)")
     except BaseException:
         engine.close()
         raise
@@ -79,6 +85,23 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     if world.sharded:
         _decline_data_parallel_wrappers(model)
     return model
+
+
+def _filler(
+    model: nn.Module, init: Init | None, pending: list[PendingBuffer], on_meta: set[int]
+) -> Callable[[OffloadEngine], None]:
+    """What writes ``model``'s initial values into the engine's homes once they are laid
+    out (holding the model weakly: its hooks hold the engine)."""
+    ref = weakref.ref(model)
+
+    def fill(engine: OffloadEngine) -> None:
+        target = ref()
+        if target is None:
+            raise ReferenceError("the offloaded model was dropped before its chunks were laid out")
+        with torch.no_grad():
+            fill_chunks(engine, target, init, pending, on_meta)
+
+    return fill
 
 
 def _decline_data_parallel_wrappers(model: nn.Module) -> None:

@@ -32,7 +32,7 @@ from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import PlanError
 from infinity.utils.sizes import format_size
 
-# The optimizer the plan is made for (NOTE [homes planned for the optimizer]): the
+# The optimizer the plan is made for (NOTE [the layout is decided once, late]): the
 # names of `infinity train --optimizer`, each with the chunk optimizer its front-end
 # (CPUAdam, CPULion, CPUSGD, CPUAdafactor) binds.
 OPTIMIZERS: dict[str, ChunkOptimizer] = {

@@ -32,7 +32,7 @@ from infinity.utils.sizes import format_size, parse_size
 _warned_buffered: set[str] = set()  # file systems already warned about (one warning each)
 
 
-def _prepare_directory(directory: Path) -> None:
+def prepare_directory(directory: Path) -> None:
     """Make sure ``directory`` exists (creating only its last component), or explain why not."""
     if directory.exists():
         if not directory.is_dir():
@@ -163,7 +163,7 @@ class SwapFile:
             raise ValueError("engine is closed")
 
         root = Path(os.fspath(directory)).absolute()
-        _prepare_directory(root)
+        prepare_directory(root)
         reclaim_stale(root)
         try:
             private_dir = make_owned_dir(root, name)

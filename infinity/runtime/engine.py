@@ -28,7 +28,8 @@ import logging
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -45,6 +46,7 @@ from infinity.core.plan import Plan
 from infinity.devices.factory import make_backend
 from infinity.distributed import Collectives, resolve_world
 from infinity.io import SwapFile
+from infinity.io.swapfile import prepare_directory
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.stepper import MomentState
@@ -56,23 +58,51 @@ from infinity.runtime.grad_norms import GradientNorms
 from infinity.runtime.gradients import GradientSink
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.offloaded_step import ChunkWork
+from infinity.runtime.optimizer_binding import bind_optimizer, first_plan, stored_as
 from infinity.runtime.params import ParamEntry, ParamRegistry, check_model, tensor_index
-from infinity.runtime.rehome import bind_optimizer, build_manager
 from infinity.runtime.stepping import UpdatePipeline
 from infinity.runtime.swap import (
+    activation_host_room,
     close_activation_store,
     open_activation_store,
     open_swap,
     prepare_nvme,
     release,
+    swap_directory,
 )
 from infinity.runtime.update_queue import UpdateQueue
-from infinity.schedule.eviction import TraceDrivenPolicy
+from infinity.schedule.eviction import LRUPolicy, TraceDrivenPolicy
 from infinity.schedule.trace import TraceRecorder
-from infinity.utils.process_memory import baseline_resident_set
+from infinity.utils.process_memory import baseline_resident_set, return_freed_memory
 
 log = logging.getLogger("infinity")
 _S = TensorState
+# What OffloadEngine.lay_out makes (read before it, they make it: __getattr__).
+_LAID_OUT = frozenset(
+    (
+        "home_plan",
+        "layout",
+        "swap",
+        "manager",
+        "policy",
+        "chunks",
+        "chunk_io",
+        "trace",
+        "queue",
+        "fetcher",
+        "ledger",
+        "norms",
+        "pipeline",
+        "sink",
+        "chunk_members",
+        "states",
+        "tensor_steps",
+        "has_grad",
+        "timeline",
+        "step_timer",
+        "activations",
+    )
+)
 
 
 class OffloadEngine:
@@ -89,40 +119,36 @@ class OffloadEngine:
         if not self.registry.entries:
             raise ValueError("the model has no parameters: there is nothing to offload")
         prepare_nvme(config)
-        # NOTE [homes planned for the optimizer]: for Adam's units here, the optimizer's later.
-        planned: ChunkOptimizer[Any] = ADAM.with_state_dtype(config.optimizer_state_dtype)
         # Data parallel: the processes every chunk is sharded over (one: unsharded).
         self.world = resolve_world(config.process_group)
         self.collectives = Collectives(self.world)
-        plan = plan_for(self.registry, config, self.device, planned, world=self.world)
+        # NOTE [the layout is decided once, late]: Adam's plan (the largest units)
+        # checks the budgets now; the homes are planned and allocated in lay_out.
+        self.offload_optimizer: ChunkOptimizer[Any] = ADAM.with_state_dtype(
+            config.optimizer_state_dtype
+        )
+        self.offload_plan = plan_for(
+            self.registry, config, self.device, self.offload_optimizer, world=self.world
+        )
+        if self.offload_plan.nvme_bytes:
+            # A bad nvme_path fails here, at offload, not at the optimizer's construction.
+            prepare_directory(Path(swap_directory(config)))
         self.scaler = (
             LossScaler(config.initial_loss_scale, config.loss_scale_window, config.min_loss_scale)
             if config.dtype == "fp16"
             else None
         )
         self.overlap = config.overlap_optimizer is True
-        swap = open_swap(config, plan.nvme_bytes)
-        self.swaps: list[SwapFile] = [swap] if swap is not None else []  # a re-home swaps it
+        self.swaps: list[SwapFile] = []
         # Frees threads and swap files when the model dies unclosed (holds no reference).
         self._release = weakref.finalize(model, release, self.backend, self.swaps)
-        try:
-            manager = build_manager(plan, self.dtype, self.backend, swap, self.collectives)
-        except BaseException:
-            self._release()  # the model lives on: its finalizer would not run soon
-            raise
-        self.assemble(plan, manager, swap, planned)
-        # activations="offload": where saved tensors go (pack/unpack below).
-        self.activations = open_activation_store(
-            config, plan, self.backend, self.manager.host_account.reserved
-        )
-        if self.activations is not None:
-            self.chunks.activation_bytes = self.activations.tier_bytes
         checkpoint = config.activations == "checkpoint"
+        # Its store and device room are set by lay_out (they follow the plan).
         self.activation_policy = ActivationPolicy(
             config.activations,
             blocks_for(model, config.activation_blocks, required=checkpoint),
-            self.activations,
-            device_room=max(0, self.plan.budgets.device - self.plan.device_bytes),
+            None,
+            device_room=0,
             device_free=self.backend.free_memory,
             estimate=first_forward_estimate(model, self.dtype, self.device, config),
         )
@@ -131,14 +157,76 @@ class OffloadEngine:
         # By module: (attribute, Parameter) a recomputation sees through a view (_stand_in).
         self._stand_ins: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
         self._closed = False
+        # Writes the model's initial values into the homes (offload sets it; lay_out runs it).
+        self.fill: Callable[[OffloadEngine], None] | None = None
+        self.laid_out_by = ""  # what made lay_out run ("": it has not)
+        self._layout_failure: BaseException | None = None
+        self._laying_out = False
 
-    def assemble(
-        self, plan: Plan, manager: ChunkManager, swap: SwapFile | None, units: ChunkOptimizer[Any]
+    # --- the layout, decided once ----------------------------------------------------------
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            # NOTE [the layout is decided once, late]: a component read before any
+            # optimizer was constructed and before the first forward (a load, a state
+            # dict, stats) lays the chunks out for the offload plan's Adam.
+            if name not in _LAID_OUT or "_laying_out" not in self.__dict__:
+                raise AttributeError(name)
+            if self._laying_out:
+                raise AttributeError(f"OffloadEngine.{name} was read before lay_out made it")
+            self.lay_out(why=f"a read of its {name} before any optimizer or forward")
+            return self.__dict__[name]
+
+    @property
+    def laid_out(self) -> bool:
+        """Whether the homes are planned and allocated and the initial values written."""
+        return "chunks" in self.__dict__
+
+    def lay_out(
+        self, units: ChunkOptimizer[Any] | None = None, plan: Plan | None = None, why: str = ""
     ) -> None:
-        """Build the components on ``manager`` (homes allocated for ``plan``, its units
-        sized for ``units``): at offload, and again after a re-home
-        (``runtime/rehome.py``): the model's hooks hold this object, not them."""
-        self.home_plan = plan  # the homes as allocated (units sized for `units`)
+        """Plan the homes for ``units`` (default: the offload plan's Adam), allocate them,
+        build the components on them and write the model's initial values; once.
+
+        ``plan``: made already for ``units`` with the offload plan's budgets. On any
+        failure what was made is released and the model is unusable: every later use
+        raises, naming the failure (the initial values may be half written).
+        """
+        if self.laid_out:
+            return
+        if self._layout_failure is not None:
+            failure = self._layout_failure
+            raise RuntimeError(
+                f"this model's chunks could not be laid out ({type(failure).__name__}: "
+                f"{failure}); call infinity.offload() on a new model"
+            ) from failure
+        self._laying_out = True
+        try:
+            self._lay_out(units or self.offload_optimizer, plan or self.offload_plan)
+            self.laid_out_by = why or "lay_out()"
+        except BaseException as exc:
+            for name in _LAID_OUT:
+                self.__dict__.pop(name, None)
+            self._layout_failure = exc
+            self._release()  # the model lives on: its finalizer would not run soon
+            raise
+        finally:
+            self._laying_out = False
+
+    def _lay_out(self, units: ChunkOptimizer[Any], plan: Plan) -> None:
+        swap = open_swap(self.config, plan.nvme_bytes)
+        if swap is not None:
+            self.swaps.append(swap)  # the finalizer removes it
+        manager = ChunkManager(
+            plan,
+            self.dtype,
+            self.backend,
+            swap,
+            device_policy=TraceDrivenPolicy(),
+            host_policy=LRUPolicy,
+            collectives=self.collectives,
+        )
+        self.home_plan = plan  # the homes as allocated (a re-cut changes chunks.plan)
         self.layout = plan.layout
         self.swap = swap
         self.manager = manager
@@ -170,6 +258,19 @@ class OffloadEngine:
         self.has_grad = self.chunks.has_grad
         self.timeline = self.chunks.timeline
         self.step_timer = self.pipeline.step_timer
+        # activations="offload": where saved tensors go (pack/unpack below).
+        self.activations = open_activation_store(
+            self.config, plan, self.backend, manager.host_account.reserved
+        )
+        if self.activations is not None:
+            self.chunks.activation_bytes = self.activations.tier_bytes
+            if self.backend.shares_host_memory:
+                return_freed_memory()  # NOTE [freed memory returns]: RAM over speed, as asked
+        self.activation_policy.store = self.activations
+        self.activation_policy.device_room = max(0, plan.budgets.device - plan.device_bytes)
+        fill, self.fill = self.fill, None
+        if fill is not None:
+            fill(self)
 
     # --- what other layers read or set ---------------------------------------------------
     @property
@@ -192,9 +293,41 @@ class OffloadEngine:
         self, chunk_optimizer: ChunkOptimizer[Any], owner: str, ref: Callable[[], Any]
     ) -> None:
         """An optimizer ``owner`` (held weakly by ``ref``) was constructed over this
-        model: plan the homes again for its ``chunk_optimizer``, or cut the units
-        for it inside them (see :func:`~infinity.runtime.rehome.bind_optimizer`)."""
-        bind_optimizer(self, chunk_optimizer, owner)
+        model: the homes are planned for its ``chunk_optimizer`` where they are not yet
+        (NOTE [the layout is decided once, late]), else its units are cut inside them
+        (:func:`~infinity.runtime.optimizer_binding.recut`; a clear error if they do
+        not fit)."""
+        first = not self.laid_out
+        if first:
+            wanted = stored_as(chunk_optimizer, self.config)
+            plan = first_plan(
+                self.registry,
+                self.config,
+                self.device,
+                self.world,
+                self.offload_plan,
+                self.offload_optimizer,
+                wanted,
+            )
+            if plan is not None:
+                self.lay_out(wanted, plan, why=f"the construction of {owner}")
+            else:
+                self.lay_out(why=f"the construction of {owner}, whose own plan did not fit")
+        bind_optimizer(
+            self.chunks,
+            self.home_plan,
+            self.queue,
+            chunk_optimizer,
+            owner,
+            self.config,
+            self.laid_out_by if not first else "",
+        )
+        if self.activations is not None:
+            # NOTE: a re-cut plan holds this optimizer's per-tensor states, which the
+            # host room of saved activations leaves out (nothing is saved now).
+            self.activations.set_allowance(
+                activation_host_room(self.chunks.plan, self.manager.host_account.reserved)
+            )
         self.pipeline.optimizer = ref
 
     @property
@@ -233,10 +366,6 @@ class OffloadEngine:
     def chunk_view(self, chunk_bytes: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
         """``entry``'s tensor inside a chunk's bytes (compute dtype, its shape)."""
         return self.chunks.chunk_view(chunk_bytes, entry)
-
-    def release_new(self, entry: ParamEntry) -> None:
-        """Turn a meta parameter into a real one holding its placeholder (same object)."""
-        self.chunks.release_new(entry)
 
     def release(self, entry: ParamEntry) -> None:
         """Point the parameter back at its placeholder (no chunk memory held)."""
@@ -329,6 +458,7 @@ class OffloadEngine:
     def begin_forward(self, shape: tuple[int, int] | None = None) -> None:
         """The root module's forward starts: check the model and that what the forward
         will save fits (``shape``: its batch and sequence), start a new iteration."""
+        self.lay_out(why="the first forward")
         self.manager.check_io()
         self.queue.check_failed()
         check_model(self.registry, self.dtype, self.device, self._param_count)
@@ -387,6 +517,9 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
+        if not self.laid_out:
+            self._release()  # nothing was allocated but the backend (and a failed lay-out's)
+            return
         failures = self.manager.failures
         try:
             if failures.first is None and self.queue.failure is None:

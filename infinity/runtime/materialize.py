@@ -21,7 +21,7 @@ from torch import nn
 from infinity.chunks.states import TensorState
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.hf_models import is_pretrained_model
-from infinity.runtime.params import ParamEntry
+from infinity.runtime.params import ParamEntry, ParamRegistry, placeholder
 
 InitFn = Callable[[nn.Module], None]
 # ``offload(model, cfg, init=LOAD)``: meta parameters stay unset (their chunks hold
@@ -197,13 +197,38 @@ class _ScratchPool:
         self._free.setdefault(values.numel(), []).append(values)
 
 
+def make_meta_params_real(
+    registry: ParamRegistry, dtype: torch.dtype, device: torch.device
+) -> set[int]:
+    """Turn each meta parameter into a real one holding its placeholder (the same
+    object); the indices of those that were on ``meta`` (their values are made by
+    ``init`` in :func:`fill_chunks`).
+
+    NOTE: a meta tensor's .data cannot be re-pointed at real memory; swap_tensors
+    turns the same Parameter object (tied references and all) into a real one, so
+    user references stay valid. At offload, before the optimizer registry holds
+    weak references to the parameters (swap_tensors refuses a tensor with one).
+    """
+    on_meta = {e.index for e in registry.entries if e.param.is_meta}
+    for entry in registry.entries:
+        if entry.index in on_meta:
+            if entry.placeholder is None:
+                entry.placeholder = placeholder(entry.shape, dtype, device)
+            fresh = nn.Parameter(entry.placeholder, requires_grad=entry.trainable)
+            torch.utils.swap_tensors(entry.param, fresh)
+    return on_meta
+
+
 def fill_chunks(
     engine: OffloadEngine,
     model: nn.Module,
     init: Init | None,
     pending: list[PendingBuffer] = (),  # type: ignore[assignment]
+    on_meta: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> None:
     """Write every chunk's initial values and release the model's own parameter memory.
+    ``on_meta``: the parameters :func:`make_meta_params_real` made real, which
+    ``init`` fills.
 
     ``init`` also runs on each module owning a ``pending`` buffer that it did
     not run on already; a pending buffer it leaves untouched is an error. With
@@ -240,14 +265,7 @@ def fill_chunks(
             del open_chunks[chunk_index]
             progress.advance()
 
-    on_meta = {e.index for e in engine.registry.entries if e.param.is_meta}
     initialised: set[nn.Module] = set()
-    for entry in engine.registry.entries:
-        if entry.index in on_meta:
-            # NOTE: a meta tensor's .data cannot be re-pointed at real memory;
-            # swap_tensors turns the same Parameter object (tied references and
-            # all) into a real one, so user references stay valid.
-            engine.release_new(entry)
     for module, entries in engine.registry.owners.items():
         todo = [e for e in entries if e.index not in done]
         if not todo:

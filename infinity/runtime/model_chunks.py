@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
-from torch import nn
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.layout import ChunkLayout
@@ -108,13 +107,6 @@ class ModelChunks:
         slot = self.layout.slots[entry.index]
         flat = typed(chunk_bytes, self.dtype)
         return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-
-    def release_new(self, entry: ParamEntry) -> None:
-        """Turn a meta parameter into a real one holding its placeholder (same object)."""
-        if entry.placeholder is None:
-            entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
-        fresh = nn.Parameter(entry.placeholder, requires_grad=entry.trainable)
-        torch.utils.swap_tensors(entry.param, fresh)
 
     def require_set(self, entries: Iterable[ParamEntry], what: str) -> None:
         """Raise :class:`UnsetParameterError` if any of ``entries`` was never loaded."""

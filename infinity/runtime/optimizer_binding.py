@@ -1,29 +1,72 @@
 """Which optimizer a model's optimizer units are laid out for: the one constructed over it.
 
-``offload()`` runs before the user constructs an optimizer, so the homes are
-planned for Adam's (NOTE [homes planned for the optimizer]). The optimizer
-front-end constructed over the model (:mod:`infinity.optim.front_end`) names
-its chunk optimizer; :func:`wanted_layout` checks it may take the units over,
-then the homes are planned again for it (``runtime/rehome.py``) or, where the
-new plan keeps the same homes (or cannot be moved to), :func:`recut` cuts
-each unit inside its home for that optimizer's state slots (the fp32 master
-first, as in every layout, so masters written at offload stay valid). Once
-any tensor holds optimizer state (a step, a loaded checkpoint or state dict),
-the layout is fixed: another optimizer is refused, naming both.
+NOTE [the layout is decided once, late]: ``offload()`` only checks the budgets
+with Adam's plan; the homes are planned and allocated for the first optimizer
+constructed over the model (:func:`first_plan`), or for Adam at the first
+forward or read of the chunks. An optimizer constructed after that has its
+units cut inside the homes (:func:`recut`: the fp32 master first, as in every
+layout, so masters written at offload stay valid); where they do not fit the
+error says to construct it first. Once any tensor holds optimizer state (a
+step, a loaded checkpoint or state dict), the layout is fixed: another
+optimizer is refused, naming both.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import torch
 
 from infinity.chunks.spans import is_split
 from infinity.config import Config, ConfigError
-from infinity.core.plan import Plan
+from infinity.core.plan import Plan, PlanError
+from infinity.distributed import World
 from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.runtime.budgets import plan_for
 from infinity.runtime.model_chunks import ModelChunks
+from infinity.runtime.params import ParamRegistry
 from infinity.runtime.update_queue import UpdateQueue
 from infinity.schedule.units import units_for
 from infinity.utils.sizes import format_size
+
+log = logging.getLogger("infinity")
+
+
+def stored_as(chunk_optimizer: ChunkOptimizer[Any], config: Config) -> ChunkOptimizer[Any]:
+    """``chunk_optimizer`` storing its state as ``config.optimizer_state_dtype``; a
+    :class:`~infinity.config.ConfigError` if it cannot."""
+    try:
+        return chunk_optimizer.with_state_dtype(config.optimizer_state_dtype)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def first_plan(
+    registry: ParamRegistry,
+    config: Config,
+    device: torch.device,
+    world: World,
+    offload_plan: Plan,
+    offload_optimizer: ChunkOptimizer[Any],
+    wanted: ChunkOptimizer[Any],
+) -> Plan | None:
+    """The homes planned for ``wanted`` with the budgets ``offload_plan`` resolved
+    (``offload_plan`` itself where it was made for the same units); ``None``, with
+    a warning, where no plan for ``wanted`` fits them (its units are then cut inside
+    the offload plan's homes)."""
+    if same_layout(wanted, offload_optimizer):
+        return offload_plan
+    try:
+        return plan_for(registry, config, device, wanted, world=world, budgets=offload_plan.budgets)
+    except PlanError as exc:
+        log.warning(
+            "infinity: no plan for %s fits the budgets (%s); its units are cut inside the homes "
+            "planned for Adam",
+            wanted.front_end or wanted.name,
+            exc,
+        )
+        return None
 
 
 def same_layout(a: ChunkOptimizer[Any], b: ChunkOptimizer[Any]) -> bool:
@@ -43,10 +86,7 @@ def wanted_layout(
     its state so, and ``ValueError`` naming both optimizers if the units already
     hold another optimizer's state. Nothing changes here.
     """
-    try:
-        wanted = chunk_optimizer.with_state_dtype(config.optimizer_state_dtype)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    wanted = stored_as(chunk_optimizer, config)
     current = chunks.chunk_optimizer
     if same_layout(wanted, current):
         return None
@@ -64,6 +104,42 @@ def wanted_layout(
     if wanted.whole_tensors:
         _check_whole_tensors(chunks, owner, overlap=config.overlap_optimizer is True)
     return wanted
+
+
+def bind_optimizer(
+    chunks: ModelChunks,
+    home_plan: Plan,
+    queue: UpdateQueue,
+    chunk_optimizer: ChunkOptimizer[Any],
+    owner: str,
+    config: Config,
+    laid_out_by: str,
+) -> None:
+    """Cut ``chunks``' units (homes of ``home_plan``, planned at ``laid_out_by``) for
+    ``chunk_optimizer`` of the optimizer class ``owner``, where they are cut for
+    another (with a warning, unless ``laid_out_by`` is "": planned just now, a
+    warning said why not for it); raises as :func:`wanted_layout` and :func:`recut`
+    do (nothing changed)."""
+    wanted = wanted_layout(chunks, chunk_optimizer, owner, config)
+    if wanted is None:
+        return
+    recut(chunks, home_plan, queue, wanted, config)
+    home = chunks.home_optimizer
+    if laid_out_by and not same_layout(wanted, home):
+        advice = (
+            "under data parallel they are laid out at offload(), for Adam"
+            if chunks.plan.sharded
+            else f"construct {owner} right after infinity.offload(), before the first forward "
+            "or any read of the model, to plan them for it"
+        )
+        log.warning(
+            "infinity: the homes were planned for %s at %s; %s's units are cut inside them "
+            "(its traffic, but the host and NVMe bytes reserved stay): %s",
+            home.front_end or home.name,
+            laid_out_by,
+            owner,
+            advice,
+        )
 
 
 def recut(

@@ -131,8 +131,8 @@ def close_activation_store(store: ActivationStore | None) -> None:
 def release(backend: DeviceBackend, swaps: list[SwapFile]) -> None:
     """Stop the copy thread, remove the swap files and stop their I/O workers.
 
-    ``swaps`` is the engine's own list: a re-home (``runtime/rehome.py``) adds
-    the new file and takes out the old one. Each step waits for the transfers
+    ``swaps`` is the engine's own list: ``OffloadEngine.lay_out`` adds its file
+    (after this finalizer was made at offload). Each step waits for the transfers
     it owns and runs even if the one before raised. NOTE: this is the model's
     finalizer, so it takes only the resources: a finalizer that reached the
     engine would reach the model (the engine's registry holds its parameters)

@@ -2,12 +2,12 @@
 
 :func:`tensor_state_bytes`: the host bytes of an optimizer's per-tensor states
 (Adafactor's factors), which every plan reserves in the host budget.
-:func:`units_for`, pure: the plan of an offloaded model, made for one optimizer (Adam's at
-offload, NOTE [homes planned for the optimizer]), with every unit sized for
-another :class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`. Homes,
-staging slots and the layout stay; only what a unit holds (and so what each
-step moves) changes. Used by ``runtime/optimizer_binding.py`` where planning
-the homes again would keep them, or they cannot move.
+:func:`units_for`, pure: the plan of an offloaded model, made for one optimizer (the
+first constructed over it, or Adam: NOTE [the layout is decided once, late]), with
+every unit sized for another :class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`.
+Homes, staging slots and the layout stay; only what a unit holds (and so what each
+step moves) changes. Used by ``runtime/optimizer_binding.py`` for an optimizer
+constructed after the homes were laid out.
 """
 
 from __future__ import annotations
@@ -84,11 +84,23 @@ def units_for(
             f"({format_size(plan.tensor_state_bytes)}) do not fit beside the homes and staging "
             f"planned for {planned_for.front_end or planned_for.name if planned_for else 'Adam'} "
             f"({format_size(plan.home_bytes(HOST) + plan.staging_bytes)}). Raise host_memory to "
-            f"at least {plan.budgets.host_for_states(plan.host_bytes)} bytes",
+            f"at least {plan.budgets.host_for_states(plan.host_bytes)} bytes"
+            + (
+                f"; or: {_FIRST.format(name=optimizer.front_end or optimizer.name)}"
+                if planned_for is not None and planned_for.name != optimizer.name
+                else ""
+            ),
             needed=plan.budgets.host_for_states(plan.host_bytes),
         )
     object.__setattr__(plan, "traffic", estimate_traffic(plan, consume_grads=consume_grads))
     return plan
+
+
+# NOTE [the layout is decided once, late]: the way to homes planned for an optimizer.
+_FIRST = (
+    "Construct {name} first, right after infinity.offload() and before any other optimizer, "
+    "forward or read of the model (the homes are then planned for it)"
+)
 
 
 def _too_large(
@@ -111,7 +123,6 @@ def _too_large(
         )
     return head + (
         f"its home holds: the homes were planned for {planned_for.front_end or planned_for.name} "
-        f"(slots {', '.join(planned_for.state_slots) or 'none'}), constructed first, and could "
-        f"not be planned again for {name} (see the warning logged before this). Construct "
-        f"{name} alone over the offloaded model, or raise the budgets"
+        f"(slots {', '.join(planned_for.state_slots) or 'none'}) before {name} was constructed. "
+        f"{_FIRST.format(name=name)}, or raise the budgets"
     )

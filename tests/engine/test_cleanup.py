@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from engine_helpers import batches, config, nvme_pair, param_bytes, tiny_gpt
 
 import infinity
+from infinity.optim import CPUAdam
 
 
 def native_threads() -> list[str]:
@@ -215,6 +217,7 @@ HANDLERS_FOLLOW_ENGINES = """
 import gc, signal, sys
 from engine_helpers import config, nvme_pair, tiny_gpt
 import infinity
+from infinity.optim import CPUAdam
 
 signal.signal(signal.SIGHUP, signal.SIG_IGN)
 before = signal.getsignal(signal.SIGTERM)
@@ -244,7 +247,7 @@ def test_handlers_only_while_an_engine_with_swap_files_lives(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
-def test_a_failed_offload_frees_what_it_made_while_the_model_lives(tmp_path, monkeypatch):
+def test_a_failed_lay_out_frees_what_it_made_while_the_model_lives(tmp_path, monkeypatch):
     from infinity.runtime import engine as engine_module
 
     def no_memory(*args, **kwargs):
@@ -252,14 +255,19 @@ def test_a_failed_offload_frees_what_it_made_while_the_model_lives(tmp_path, mon
 
     gc.collect()
     baseline = native_threads()
-    monkeypatch.setattr(engine_module, "build_manager", no_memory)
+    monkeypatch.setattr(engine_module, "ChunkManager", no_memory)
     model = tiny_gpt()  # kept alive: its finalizer cannot be what cleans up
     pbytes = param_bytes(model, 4)
     budgets = {"device_memory": pbytes * 6 // 10, "host_memory": pbytes * 2}
+    infinity.offload(model, config(nvme_path=str(tmp_path), chunk_size="24KiB", **budgets))
+    # NOTE [the layout is decided once, late]: the optimizer's construction allocates.
     with pytest.raises(MemoryError, match="injected"):
-        infinity.offload(model, config(nvme_path=str(tmp_path), chunk_size="24KiB", **budgets))
+        CPUAdam(model.parameters())
     assert os.listdir(tmp_path) == []
     assert native_threads() == baseline
+    # every later use names the failure, never computes with half-written chunks
+    with pytest.raises(RuntimeError, match="could not be laid out.*MemoryError.*injected"):
+        model(torch.zeros((1, 4), dtype=torch.long))
 
 
 def test_no_handler_is_installed_from_another_thread(tmp_path):

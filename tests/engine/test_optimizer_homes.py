@@ -36,7 +36,7 @@ def test_lion_moves_well_under_adams_nvme_bytes_on_a_small_host(tmp_path):
     """
     model = _offload(tmp_path, 1.5, overlap_optimizer=True)
     engine = engine_of(model)
-    adams = _nvme_bytes(engine.home_plan.traffic)
+    adams = _nvme_bytes(engine.offload_plan.traffic)  # Adam's, not allocated
     opt = CPULion(model.parameters(), lr=1e-3)
     planned = _nvme_bytes(engine.chunks.plan.traffic)
     assert planned <= 0.65 * adams, (planned, adams)

@@ -224,9 +224,9 @@ def test_adafactor_gathers_a_tensor_staged_in_spans(tmp_path):
         model = tiny_llama(vocab, hidden=64, intermediate=128, tie=True)
         cfg = {"device_memory": "3MiB", "host_memory": host, "chunk_size": 64 << 10}
         model = infinity.offload(model, config(nvme_path=str(tmp_path / where), **cfg))
+        opt = CPUAdafactor(model.parameters(), lr=2e-2, weight_decay=0.01)
         plan = engine_of(model).plan
         spans = plan.span_elems < max(c.capacity for c in plan.layout.chunks)
-        opt = CPUAdafactor(model.parameters(), lr=2e-2, weight_decay=0.01)
         losses = train(model, opt, data, loss_fn=loss_fn)
         return model, losses, spans
 

@@ -509,7 +509,7 @@ EXAMPLES: tuple[Case, ...] = (
         why=(
             "issue 29, sweep seed 38: Adafactor's plan kept every home (all on NVMe) but "
             "not the staging; its units re-cut in Adam's staging left no room for the "
-            "per-tensor states, and constructing CPUAdafactor raised (now: re-homed)"
+            "per-tensor states, and constructing CPUAdafactor raised (now: planned for it)"
         ),
     ),
     Case(
