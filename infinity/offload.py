@@ -45,9 +45,14 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     a buffer left on ``meta`` that ``init`` does not fill is an error, never
     uninitialised memory.
 
-    Outside a forward pass, parameters hold zero-byte placeholders: their
-    shape, dtype and ``numel()`` are right, their values are in the chunks
-    (read them with ``model.state_dict()``).
+    Nothing is allocated here (NOTE [the layout is decided once, late]): the
+    homes are planned for the first optimizer constructed over the model (so
+    construct it next), or for Adam's state at the first forward or read of the
+    model; then the initial values are written and, outside a forward pass,
+    parameters hold zero-byte placeholders: their shape, dtype and ``numel()``
+    are right, their values are in the chunks (read them with
+    ``model.state_dict()``). Under data parallel laying out is collective: every
+    rank must construct the same optimizer (checked).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() needs an nn.Module, got {type(model).__name__}")
@@ -72,10 +77,6 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
         engine.fill = _filler(model, init, pending, on_meta)
         hooks = HookSet(model, engine)
         hooks.handles.extend(install_state_dict_hooks(engine))
-        if world.sharded:
-            # NOTE [the layout is decided once, late]: except under data parallel, where
-            # laying out is collective and a read on one rank alone would hang it.
-            engine.lay_out(why="offload() (data parallel)")
     except BaseException:
         engine.close()
         raise

@@ -44,7 +44,7 @@ from infinity.config import Config
 from infinity.core.names import Phase
 from infinity.core.plan import Plan
 from infinity.devices.factory import make_backend
-from infinity.distributed import Collectives, resolve_world
+from infinity.distributed import Collectives, DistributedError, resolve_world
 from infinity.io import SwapFile
 from infinity.io.swapfile import prepare_directory
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
@@ -58,7 +58,12 @@ from infinity.runtime.grad_norms import GradientNorms
 from infinity.runtime.gradients import GradientSink
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.offloaded_step import ChunkWork
-from infinity.runtime.optimizer_binding import bind_optimizer, first_plan, stored_as
+from infinity.runtime.optimizer_binding import (
+    bind_optimizer,
+    check_whole_tensors,
+    first_plan,
+    stored_as,
+)
 from infinity.runtime.params import ParamEntry, ParamRegistry, check_model, tensor_index
 from infinity.runtime.stepping import UpdatePipeline
 from infinity.runtime.swap import (
@@ -174,7 +179,7 @@ class OffloadEngine:
                 raise AttributeError(name)
             if self._laying_out:
                 raise AttributeError(f"OffloadEngine.{name} was read before lay_out made it")
-            self.lay_out(why=f"a read of its {name} before any optimizer or forward")
+            self.lay_out(f"a read of its {name} before any optimizer or forward")
             return self.__dict__[name]
 
     @property
@@ -183,14 +188,19 @@ class OffloadEngine:
         return "chunks" in self.__dict__
 
     def lay_out(
-        self, units: ChunkOptimizer[Any] | None = None, plan: Plan | None = None, why: str = ""
+        self,
+        why: str = "lay_out()",
+        units: ChunkOptimizer[Any] | None = None,
+        plan: Plan | None = None,
     ) -> None:
-        """Plan the homes for ``units`` (default: the offload plan's Adam), allocate them,
-        build the components on them and write the model's initial values; once.
+        """Plan the homes, allocate them, build the components on them and write the
+        model's initial values; once (``why``: what asked, for messages).
 
-        ``plan``: made already for ``units`` with the offload plan's budgets. On any
-        failure what was made is released and the model is unusable: every later use
-        raises, naming the failure (the initial values may be half written).
+        ``units`` and ``plan``: a chunk optimizer and its plan made with the offload
+        plan's budgets (default: the offload plan's Adam). Under data parallel every
+        rank must lay out for the same units (checked: a collective). On any failure
+        what was made is released and the model is unusable: every later use raises,
+        naming the failure (the initial values may be half written).
         """
         if self.laid_out:
             return
@@ -200,10 +210,14 @@ class OffloadEngine:
                 f"this model's chunks could not be laid out ({type(failure).__name__}: "
                 f"{failure}); call infinity.offload() on a new model"
             ) from failure
+        if units is None or plan is None:
+            units, plan = self.offload_optimizer, self.offload_plan
         self._laying_out = True
         try:
-            self._lay_out(units or self.offload_optimizer, plan or self.offload_plan)
-            self.laid_out_by = why or "lay_out()"
+            if self.world.sharded:
+                self._agree_on_units(units, why)
+            self._lay_out(units, plan)
+            self.laid_out_by = why
         except BaseException as exc:
             for name in _LAID_OUT:
                 self.__dict__.pop(name, None)
@@ -212,6 +226,28 @@ class OffloadEngine:
             raise
         finally:
             self._laying_out = False
+
+    def _agree_on_units(self, units: ChunkOptimizer[Any], why: str) -> None:
+        """Raise on every rank unless all lay out for the same units.
+
+        NOTE: the layout is collective (each chunk is sharded; a meta model's initial
+        values are rank 0's, broadcast). A rank that reads the model alone before the
+        others construct their optimizer waits here for them, then every rank raises.
+        """
+        mine = (f"{units.name} stored as {units.state_format}", why)
+        everyone = cast(
+            "list[tuple[str, str]]",
+            self.collectives.gather_object(mine, "agreeing on the units to lay out for"),
+        )
+        differ = [r for r, theirs in enumerate(everyone) if theirs[0] != everyone[0][0]]
+        if differ:
+            (a, a_why), (b, b_why) = everyone[0], everyone[differ[0]]
+            raise DistributedError(
+                f"the ranks lay their chunks out for different optimizers: rank 0 for {a} "
+                f"(at {a_why}), rank {differ[0]} for {b} (at {b_why}). Under data parallel "
+                "construct the same optimizer on every rank right after infinity.offload(), "
+                "before any forward or read of the model"
+            )
 
     def _lay_out(self, units: ChunkOptimizer[Any], plan: Plan) -> None:
         swap = open_swap(self.config, plan.nvme_bytes)
@@ -309,10 +345,12 @@ class OffloadEngine:
                 self.offload_optimizer,
                 wanted,
             )
+            if wanted.whole_tensors:  # before anything is allocated
+                check_whole_tensors(plan or self.offload_plan, owner, overlap=self.overlap)
             if plan is not None:
-                self.lay_out(wanted, plan, why=f"the construction of {owner}")
+                self.lay_out(f"the construction of {owner}", wanted, plan)
             else:
-                self.lay_out(why=f"the construction of {owner}, whose own plan did not fit")
+                self.lay_out(f"the construction of {owner}, whose own plan did not fit")
         bind_optimizer(
             self.chunks,
             self.home_plan,
@@ -458,7 +496,7 @@ class OffloadEngine:
     def begin_forward(self, shape: tuple[int, int] | None = None) -> None:
         """The root module's forward starts: check the model and that what the forward
         will save fits (``shape``: its batch and sequence), start a new iteration."""
-        self.lay_out(why="the first forward")
+        self.lay_out("the first forward")
         self.manager.check_io()
         self.queue.check_failed()
         check_model(self.registry, self.dtype, self.device, self._param_count)

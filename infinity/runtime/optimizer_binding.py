@@ -102,7 +102,7 @@ def wanted_layout(
             "infinity.offload(...) and infinity.load_pretrained(model, dir)"
         )
     if wanted.whole_tensors:
-        _check_whole_tensors(chunks, owner, overlap=config.overlap_optimizer is True)
+        check_whole_tensors(chunks.plan, owner, overlap=config.overlap_optimizer is True)
     return wanted
 
 
@@ -127,9 +127,7 @@ def bind_optimizer(
     home = chunks.home_optimizer
     if laid_out_by and not same_layout(wanted, home):
         advice = (
-            "under data parallel they are laid out at offload(), for Adam"
-            if chunks.plan.sharded
-            else f"construct {owner} right after infinity.offload(), before the first forward "
+            f"construct {owner} right after infinity.offload(), before the first forward "
             "or any read of the model, to plan them for it"
         )
         log.warning(
@@ -170,7 +168,7 @@ def recut(
     chunks.tensor_states.clear()  # NOTE: no tensor has stepped: nothing is lost
 
 
-def _check_whole_tensors(chunks: ModelChunks, owner: str, *, overlap: bool) -> None:
+def check_whole_tensors(plan: Plan, owner: str, *, overlap: bool) -> None:
     """Raise :class:`~infinity.config.ConfigError` where the whole tensors an optimizer
     reads in its step (``ChunkOptimizer.whole_tensors``) cannot be brought together.
 
@@ -181,7 +179,6 @@ def _check_whole_tensors(chunks: ModelChunks, owner: str, *, overlap: bool) -> N
     NOTE [collective updates run in a fixed order]: not during backward, where
     chunks complete at different moments on each rank, and not over a shard in spans.
     """
-    plan = chunks.plan
     if not plan.sharded:
         return
     if overlap:
