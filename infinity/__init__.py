@@ -30,7 +30,7 @@ from infinity.pretrained import (
     load_pretrained,
     save_pretrained,
 )
-from infinity.runtime.errors import ModelChangedError, UnsetParameterError
+from infinity.runtime.params import ModelChangedError, UnsetParameterError
 from infinity.schedule.planner import PlanError
 from infinity.stats import stats
 
@@ -90,7 +90,7 @@ def timeline(model: nn.Module) -> dict[str, list[Any]]:
     host tiers, and which parameter/gradient chunks were on the device."""
     from infinity.offload import engine_of
 
-    return engine_of(model).timeline.as_dict()
+    return engine_of(model).chunks.timeline.as_dict()
 
 
 __all__ = [

@@ -14,17 +14,17 @@ from infinity.distributed import Collectives, resolve_world
 from infinity.distributed.agreement import check_agreement
 from infinity.optim import registry
 from infinity.runtime.engine import OffloadEngine
-from infinity.runtime.hooks import HookSet
+from infinity.runtime.hooks import HookSet, install_state_dict_hooks
 from infinity.runtime.materialize import (
     Init,
     PendingBuffer,
     check_initialisable,
     fill_chunks,
+    fill_parameterless_buffers,
     make_meta_params_real,
     materialize_buffers,
     native_init,
 )
-from infinity.runtime.state_dict import install_state_dict_hooks
 
 
 def offload(model: nn.Module, config: Config | None = None, init: Init | None = None) -> nn.Module:
@@ -40,7 +40,7 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     parameters stay *unset* until :func:`infinity.load_pretrained`,
     :func:`infinity.load_checkpoint` or ``model.load_state_dict`` writes them,
     and a forward or read of one still unset raises
-    :class:`~infinity.runtime.errors.UnsetParameterError` naming it. Build large models under
+    :class:`~infinity.runtime.params.UnsetParameterError` naming it. Build large models under
     :func:`infinity.init_empty` so buffers the constructor computes are real;
     a buffer left on ``meta`` that ``init`` does not fill is an error, never
     uninitialised memory.
@@ -73,6 +73,7 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     try:
         pending = materialize_buffers(model, engine.device)
         _move_buffers(model, engine.device)
+        pending = fill_parameterless_buffers(pending, init)
         on_meta = make_meta_params_real(engine.registry, engine.dtype, engine.device)
         engine.fill = _filler(model, init, pending, on_meta)
         hooks = HookSet(model, engine)

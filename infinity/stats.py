@@ -7,8 +7,7 @@ from typing import Any
 from torch import nn
 
 from infinity.offload import engine_of
-from infinity.runtime.memory import memory_stats
-from infinity.runtime.tier_stats import io_stats, tier_stats
+from infinity.runtime.memory import io_stats, memory_stats, tier_stats
 from infinity.utils.transient import PRETRAINED_READS
 
 
@@ -19,7 +18,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
     included); traffic counters are totals since ``offload``; ``last_step``
     splits the wall time of the latest optimizer step interval into waiting on
     each tier and everything else (computing), and sets it against its bound
-    (``bound_seconds``, ``step_over_bound``: runtime/step_timer.py), which
+    (``bound_seconds``, ``step_over_bound``: runtime/stepping.py), which
     ``last_step_bound_by`` names. ``activations`` (with
     ``Config(activations="offload")``): saved tensors per tier now and at peak,
     NVMe bytes written and read, and the reads backward waited for. ``world``: this process's rank
@@ -36,7 +35,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "device": engine.backend.name,
         "dtype": engine.config.dtype,
         **tier_stats(engine.chunks),
-        "steps": engine.step_count,
+        "steps": engine.pipeline.step_count,
         # per-tensor optimizer states in host memory, inside the host budget but not
         # chunks (Adafactor's factors; 0 for the others): see NOTE [per-tensor optimizer state]
         "optimizer_tensor_state_bytes": sum(
@@ -44,8 +43,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
             for states in engine.chunks.tensor_states.values()
             for value in states.values()
         ),
-        "last_step": dict(engine.step_timer.last),
-        "last_step_bound_by": engine.step_timer.bound_by,
+        "last_step": dict(engine.pipeline.step_timer.last),
+        "last_step_bound_by": engine.pipeline.step_timer.bound_by,
         **io_stats(engine.chunks),
     }
     out["world"] = {

@@ -251,7 +251,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
             _sync(device)
-            lap = dict(engine.step_timer.last)
+            lap = dict(engine.pipeline.step_timer.last)
             lap["wall_seconds"] = time.perf_counter() - start
             steps.append(lap)
             losses.append(float(loss.detach()))

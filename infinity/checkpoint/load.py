@@ -35,8 +35,8 @@ from infinity.checkpoint.optimizer_groups import hyper_updates
 from infinity.checkpoint.schema import CheckpointMeta, parse_meta
 from infinity.core.names import Kind
 from infinity.offload import engine_of
-from infinity.runtime.chunk_io import Window
 from infinity.runtime.engine import OffloadEngine
+from infinity.runtime.model_chunks import Window
 
 
 def _read_into(f: io.BufferedReader, offset: int, dst: torch.Tensor) -> None:
@@ -154,9 +154,9 @@ def _load(
     engine.chunks.mark_set(e.index for e in engine.registry.entries)
     for entry in engine.registry.entries:
         if entry.trainable:
-            engine.tensor_steps[entry.index] = meta.tensors[entry.name].step
-    engine.reset_gradients()
-    engine.step_count = meta.step_count
+            engine.chunks.tensor_steps[entry.index] = meta.tensors[entry.name].step
+    engine.ledger.reset()
+    engine.pipeline.step_count = meta.step_count
     if engine.scaler is not None and meta.loss_scaler is not None:
         engine.scaler.load_state_dict(meta.loss_scaler)
     for group, values in updates:
@@ -178,7 +178,7 @@ def _write_chunks(
         for kind in kinds:
             for window in _windows(engine, kind, chunk):
                 at, parts = window.start, window.parts
-                for entry in engine.chunk_members[chunk]:
+                for entry in engine.chunks.chunk_members[chunk]:
                     slot = chunk_io.slot(entry.index)
                     where = window.overlap(slot.offset, slot.numel)
                     if where is None:

@@ -176,7 +176,7 @@ def _write_meta(
                 "optim_offset": optim_at.get(slot.chunk),
                 "chunk_capacity": io.chunk_specs[slot.chunk].capacity,
                 "element_offset": slot.offset,
-                "step": engine.tensor_steps[entry.index],
+                "step": engine.chunks.tensor_steps[entry.index],
             }
         )
         states = {name: at for (index, name), at in _tail_items(optim_at) if index == entry.index}
@@ -193,7 +193,7 @@ def _write_meta(
             "front_end": engine.chunk_optimizer.front_end,
             "state_slots": list(engine.chunk_optimizer.state_slots),
         },
-        "step_count": engine.step_count,
+        "step_count": engine.pipeline.step_count,
         "tensors": tensors,
         "files": {PARAM_FILE: param_info, OPTIM_FILE: optim_info},
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,

@@ -2,7 +2,7 @@
 
 A component the :class:`~infinity.chunks.manager.ChunkManager` holds (and
 builds): it owns the gradient lifecycle of every chunk
-(:class:`~infinity.chunks.grad_state.GradStates`) and the fp16 overflow note,
+(:class:`~infinity.chunks.states.GradStates`) and the fp16 overflow note,
 and uses the device cache and host staging it is given, never the manager.
 Gradients are the only data that flows device -> host: a flush copies a device
 gradient chunk to its home (host, or host staging then NVMe), overwriting at
@@ -17,15 +17,13 @@ from typing import cast
 
 import torch
 
-from infinity.chunks.accounting import Traffic
-from infinity.chunks.cache import Copy, Pending, TierCache
-from infinity.chunks.clock import Clock
-from infinity.chunks.grad_state import GradState, GradStates
+from infinity.chunks.cache import ChainedTransfer, Copy, Pending, TierCache
 from infinity.chunks.homes import HomeStore, Key, Kind
+from infinity.chunks.pools import Traffic
 from infinity.chunks.shards import device_shard
 from infinity.chunks.spans import is_split, span_key, span_ranges
 from infinity.chunks.staging import HostStaging
-from infinity.chunks.transfers import ChainedTransfer
+from infinity.chunks.states import Clock, GradState, GradStates
 from infinity.core.names import HOST
 from infinity.devices.base import DeviceBackend
 from infinity.distributed import Collectives

@@ -16,20 +16,17 @@ from collections.abc import Callable, Collection, Hashable
 
 import torch
 
-from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.cache import Copy, EvictionPolicy, TierCache
-from infinity.chunks.clock import Clock
-from infinity.chunks.gathers import InUse, gather_param, start_gathers
 from infinity.chunks.grad_flow import GradientFlow, chunk_key
 from infinity.chunks.grad_flow import typed as typed  # NOTE: re-exported (runtime uses it)
-from infinity.chunks.grad_state import GradStates
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.movers import device_mover
-from infinity.chunks.pools import SlabPool
+from infinity.chunks.pools import SlabPool, TierAccount, Traffic
+from infinity.chunks.shards import InUse, gather_param, start_gathers
 from infinity.chunks.span_access import write_initial
 from infinity.chunks.spans import first_span
 from infinity.chunks.staging import HostStaging
-from infinity.chunks.update_state import UpdateStates
+from infinity.chunks.states import Clock, GradStates, UpdateStates
 from infinity.core.names import HOST, NVME
 from infinity.core.plan import Plan
 from infinity.core.routes import Purpose, Stop, route_table
@@ -390,5 +387,5 @@ class ChunkManager:
 
     def check_io(self) -> None:
         """Raise :class:`~infinity.io.NVMeIOError` if any NVMe transfer has failed
-        (see :mod:`infinity.chunks.io_failures`)."""
+        (see :mod:`infinity.chunks.homes`)."""
         self.failures.check()

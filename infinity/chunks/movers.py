@@ -14,12 +14,11 @@ from typing import Protocol
 
 import torch
 
-from infinity.chunks.accounting import Traffic
-from infinity.chunks.cache import Copy, Pending, TierCache
+from infinity.chunks.cache import ChainedTransfer, Copy, Pending, TierCache
 from infinity.chunks.homes import HomeStore, Reader
+from infinity.chunks.pools import Traffic
 from infinity.chunks.spans import AllOf, SpanKey, is_split, span_key, span_ranges, transfer_keys
 from infinity.chunks.staging import HostStaging
-from infinity.chunks.transfers import ChainedTransfer
 from infinity.core.names import Key, Kind
 from infinity.core.plan import Plan
 from infinity.core.routes import HOST_TO_DEVICE, NVME_TO_DEVICE, NVME_VIA_STAGING_TO_DEVICE, Route

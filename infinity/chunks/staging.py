@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from infinity.chunks.accounting import TierAccount, Traffic
 from infinity.chunks.cache import Copy, EvictionPolicy, Pending, TierCache
-from infinity.chunks.clock import Clock
 from infinity.chunks.homes import HomeStore, Key, Kind
-from infinity.chunks.pools import SlabPool
+from infinity.chunks.pools import SlabPool, TierAccount, Traffic
 from infinity.chunks.shards import device_shard
 from infinity.chunks.spans import SpanKey, base_key, first_span, is_split
+from infinity.chunks.states import Clock
 from infinity.core.names import HOST
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend

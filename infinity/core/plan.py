@@ -15,7 +15,7 @@ from infinity.utils.sizes import format_size
 
 FP32_BYTES = 4
 # Sharded: at most this many of the last parameter chunks demanded stay pinned on
-# every rank's device (``InUse`` in chunks/gathers.py), room permitting.
+# every rank's device (``InUse`` in chunks/shards.py), room permitting.
 IN_USE_CHUNKS = 2
 
 
@@ -85,7 +85,7 @@ class Plan:
     shard_count: int = 1
     shard_rank: int = 0
     # Slots of the largest device size beyond the minimum: what a sharded plan may
-    # keep pinned for the chunks used last and prefetched ones (chunks/gathers.py).
+    # keep pinned for the chunks used last and prefetched ones (chunks/shards.py).
     spare_device_slots: int = 0
     # Host bytes of the optimizer's per-tensor states (Adafactor's factors), kept in
     # host memory beside the homes and reserved in the host budget (0 for the others).

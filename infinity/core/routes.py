@@ -90,7 +90,7 @@ def route_table(*, nvme_to_device: bool = False) -> RouteTable:
     into device memory (GPU-direct storage), so parameters skip host staging.
 
     NOTE: a sharded plan's parameters are gathered from every rank's shard
-    (``chunks/gathers.py``) whatever the table says: the gather is its route.
+    (``chunks/shards.py``) whatever the table says: the gather is its route.
     """
     return RouteTable(
         {

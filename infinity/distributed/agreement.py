@@ -80,3 +80,27 @@ def _first_difference(
                     "folder and the device index may differ)"
                 )
     return f"the model or Config differs across ranks 0 and {rank}. {_SAME_EVERYWHERE}"
+
+
+def check_same_units(collectives: Collectives, units: str, why: str) -> None:
+    """Raise on every rank unless all lay their chunks out for the same ``units`` (a
+    chunk optimizer and its state format; ``why``: what asked, for the message).
+
+    NOTE [the layout is decided once, late]: the layout is collective (each chunk is
+    sharded; a meta model's initial values are rank 0's, broadcast). A rank that
+    reads the model alone before the others construct their optimizer waits here
+    for them, then every rank raises.
+    """
+    everyone = cast(
+        "list[tuple[str, str]]",
+        collectives.gather_object((units, why), "agreeing on the units to lay out for"),
+    )
+    differ = [r for r, theirs in enumerate(everyone) if theirs[0] != everyone[0][0]]
+    if differ:
+        (a, a_why), (b, b_why) = everyone[0], everyone[differ[0]]
+        raise DistributedError(
+            f"the ranks lay their chunks out for different optimizers: rank 0 for {a} "
+            f"(at {a_why}), rank {differ[0]} for {b} (at {b_why}). Under data parallel "
+            "construct the same optimizer on every rank right after infinity.offload(), "
+            "before any forward or read of the model"
+        )

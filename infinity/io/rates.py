@@ -24,7 +24,7 @@ have bytes left (or one after the other, if that is faster), then the rest alone
 :func:`disk_rates` is the engine's measurement of the swap folder's disk (cached
 per file system for the process): what ``infinity.stats(model)["last_step"]``
 turns a step's NVMe bytes into seconds with (the step's bound,
-:mod:`infinity.runtime.step_timer`).
+:mod:`infinity.runtime.stepping`).
 """
 
 from __future__ import annotations

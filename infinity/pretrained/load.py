@@ -178,44 +178,59 @@ def offload_pretrained(
     if collectives is not None:
         agree(collectives, failures[0] if failures else None, what, "nothing was offloaded")
     filled: set[int] = set()
-    with RangeReader() as reader:
+    # NOTE [the layout is decided once, late]: the file is read when the model is laid
+    # out (its optimizer's construction, or the first forward), so the homes are
+    # planned for that optimizer; the reader (and its block) exists only then.
+    readers: list[RangeReader] = []
 
-        def fill(module: nn.Module) -> None:
-            if init is not None:
-                init(module)
-            for param in module.parameters(recurse=False):
-                record = matched.params.get(id(param))
-                # NOTE: only parameters being initialised right now hold memory here;
-                # others are placeholders (filled, or copied in from real values).
-                if record is None or id(param) in filled or is_placeholder(param):
-                    continue
-                filled.add(id(param))
-                # NOTE: sharded, every rank starts from rank 0's initial values
-                # (offload broadcasts them): only rank 0 reads. After a failed read
-                # it keeps initialising without the file, so that no rank waits in a
-                # broadcast it never joins, and every rank raises at the end.
-                if world.rank != 0 or failures:
-                    continue
-                try:
-                    reader.copy_into(record, [param.data.view(-1)])
-                except BaseException as exc:
-                    if collectives is None:
-                        raise
-                    failures.append(exc)
+    def fill(module: nn.Module) -> None:
+        if init is not None:
+            init(module)
+        for param in module.parameters(recurse=False):
+            record = matched.params.get(id(param))
+            # NOTE: only parameters being initialised right now hold memory here;
+            # others are placeholders (filled, or copied in from real values).
+            if record is None or id(param) in filled or is_placeholder(param):
+                continue
+            filled.add(id(param))
+            # NOTE: sharded, every rank starts from rank 0's initial values
+            # (offload broadcasts them): only rank 0 reads. After a failed read
+            # it keeps initialising without the file, so that no rank waits in a
+            # broadcast it never joins, and every rank raises at the end.
+            if world.rank != 0 or failures:
+                continue
+            try:
+                readers[0].copy_into(record, [param.data.view(-1)])
+            except BaseException as exc:
+                if collectives is None:
+                    raise
+                failures.append(exc)
 
-        model = offload(model, config, init=fill)
-        # NOTE: parameters that had values already were copied in, not initialised.
-        rest = {k: r for k, r in matched.params.items() if k not in filled}
-        try:
-            _stream_params(engine_of(model), reader, rest)
-            _load_buffers(reader, matched)
-        except BaseException as exc:
-            if collectives is None:
-                raise
-            failures.append(exc)
-    if collectives is not None:
-        after = "the offloaded model is not usable: call it again on every rank"
-        agree(collectives, failures[0] if failures else None, what, after)
+    model = offload(model, config, init=fill)
+    engine = engine_of(model)
+    write_initial = engine.fill
+    assert write_initial is not None
+
+    def fill_from_file(engine: OffloadEngine) -> None:
+        with RangeReader() as reader:
+            readers.append(reader)
+            try:
+                write_initial(engine)
+                # NOTE: parameters that had values already were copied in, not initialised.
+                rest = {k: r for k, r in matched.params.items() if k not in filled}
+                _stream_params(engine, reader, rest)
+                _load_buffers(reader, matched)
+            except BaseException as exc:
+                if collectives is None:
+                    raise
+                failures.append(exc)
+            finally:
+                readers.clear()
+        if collectives is not None:
+            after = "the offloaded model is not usable: offload it again on every rank"
+            agree(collectives, failures[0] if failures else None, what, after)
+
+    engine.fill = fill_from_file
     return model, matched.result
 
 

@@ -7,11 +7,11 @@ before it (one dependency direction, none knows the engine):
   plan, layout, chunk manager, tensor states, step counts, gradient states;
 - :class:`~infinity.runtime.update_queue.UpdateQueue` (``queue``): updates
   queued early (during backward) or trailing (into the next forward);
-- :class:`~infinity.runtime.fetcher.ParamFetcher` (``fetcher``): accesses,
+- :class:`~infinity.runtime.update_queue.ParamFetcher` (``fetcher``): accesses,
   the trace, prefetch;
 - :class:`~infinity.runtime.grad_ledger.GradientLedger` (``ledger``): which
   tensors hold a gradient, pending clip factors, zeroing;
-- :class:`~infinity.runtime.grad_norms.GradientNorms` (``norms``): norms and
+- :class:`~infinity.runtime.gradients.GradientNorms` (``norms``): norms and
   scaling through the ``param.grad`` sentinels;
 - :class:`~infinity.runtime.stepping.UpdatePipeline` (``pipeline``): the
   optimizer step, early steps, loss scale, optimizer state;
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -44,26 +43,17 @@ from infinity.config import Config
 from infinity.core.names import Phase
 from infinity.core.plan import Plan
 from infinity.devices.factory import make_backend
-from infinity.distributed import Collectives, DistributedError, resolve_world
+from infinity.distributed import Collectives, resolve_world
+from infinity.distributed.agreement import check_same_units
 from infinity.io import SwapFile
 from infinity.io.swapfile import prepare_directory
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.stepper import MomentState
-from infinity.runtime.budgets import DTYPE_OF, plan_for
-from infinity.runtime.chunk_io import ChunkIO
-from infinity.runtime.fetcher import ParamFetcher
+from infinity.runtime.budgets import DTYPE_OF, bind_optimizer, first_layout, plan_for
 from infinity.runtime.grad_ledger import GradientLedger
-from infinity.runtime.grad_norms import GradientNorms
-from infinity.runtime.gradients import GradientSink
-from infinity.runtime.model_chunks import ModelChunks
-from infinity.runtime.offloaded_step import ChunkWork
-from infinity.runtime.optimizer_binding import (
-    bind_optimizer,
-    check_whole_tensors,
-    first_plan,
-    stored_as,
-)
+from infinity.runtime.gradients import GradientNorms, GradientSink
+from infinity.runtime.model_chunks import ChunkIO, ModelChunks
 from infinity.runtime.params import ParamEntry, ParamRegistry, check_model, tensor_index
 from infinity.runtime.stepping import UpdatePipeline
 from infinity.runtime.swap import (
@@ -75,7 +65,7 @@ from infinity.runtime.swap import (
     release,
     swap_directory,
 )
-from infinity.runtime.update_queue import UpdateQueue
+from infinity.runtime.update_queue import ParamFetcher, UpdateQueue
 from infinity.schedule.eviction import LRUPolicy, TraceDrivenPolicy
 from infinity.schedule.trace import TraceRecorder
 from infinity.utils.process_memory import baseline_resident_set, return_freed_memory
@@ -84,29 +74,8 @@ log = logging.getLogger("infinity")
 _S = TensorState
 # What OffloadEngine.lay_out makes (read before it, they make it: __getattr__).
 _LAID_OUT = frozenset(
-    (
-        "home_plan",
-        "layout",
-        "swap",
-        "manager",
-        "policy",
-        "chunks",
-        "chunk_io",
-        "trace",
-        "queue",
-        "fetcher",
-        "ledger",
-        "norms",
-        "pipeline",
-        "sink",
-        "chunk_members",
-        "states",
-        "tensor_steps",
-        "has_grad",
-        "timeline",
-        "step_timer",
-        "activations",
-    )
+    "home_plan layout swap manager policy chunks chunk_io trace queue fetcher ledger norms "
+    "pipeline sink activations".split()
 )
 
 
@@ -215,7 +184,7 @@ class OffloadEngine:
         self._laying_out = True
         try:
             if self.world.sharded:
-                self._agree_on_units(units, why)
+                check_same_units(self.collectives, f"{units.name} as {units.state_format}", why)
             self._lay_out(units, plan)
             self.laid_out_by = why
         except BaseException as exc:
@@ -226,28 +195,6 @@ class OffloadEngine:
             raise
         finally:
             self._laying_out = False
-
-    def _agree_on_units(self, units: ChunkOptimizer[Any], why: str) -> None:
-        """Raise on every rank unless all lay out for the same units.
-
-        NOTE: the layout is collective (each chunk is sharded; a meta model's initial
-        values are rank 0's, broadcast). A rank that reads the model alone before the
-        others construct their optimizer waits here for them, then every rank raises.
-        """
-        mine = (f"{units.name} stored as {units.state_format}", why)
-        everyone = cast(
-            "list[tuple[str, str]]",
-            self.collectives.gather_object(mine, "agreeing on the units to lay out for"),
-        )
-        differ = [r for r, theirs in enumerate(everyone) if theirs[0] != everyone[0][0]]
-        if differ:
-            (a, a_why), (b, b_why) = everyone[0], everyone[differ[0]]
-            raise DistributedError(
-                f"the ranks lay their chunks out for different optimizers: rank 0 for {a} "
-                f"(at {a_why}), rank {differ[0]} for {b} (at {b_why}). Under data parallel "
-                "construct the same optimizer on every rank right after infinity.offload(), "
-                "before any forward or read of the model"
-            )
 
     def _lay_out(self, units: ChunkOptimizer[Any], plan: Plan) -> None:
         swap = open_swap(self.config, plan.nvme_bytes)
@@ -288,12 +235,6 @@ class OffloadEngine:
             self.pipeline,
             overlap=self.overlap,
         )
-        self.chunk_members = self.chunks.chunk_members
-        self.states = self.chunks.states
-        self.tensor_steps = self.chunks.tensor_steps
-        self.has_grad = self.chunks.has_grad
-        self.timeline = self.chunks.timeline
-        self.step_timer = self.pipeline.step_timer
         # activations="offload": where saved tensors go (pack/unpack below).
         self.activations = open_activation_store(
             self.config, plan, self.backend, manager.host_account.reserved
@@ -319,38 +260,26 @@ class OffloadEngine:
         """The per-element optimizer the optimizer units are laid out for."""
         return self.chunks.chunk_optimizer
 
-    @property
-    def optimizer(self) -> Callable[[], Any] | None:
-        """Weak reference to the optimizer holding this model's parameters (the last
-        one constructed over them: :meth:`use_optimizer`)."""
-        return self.pipeline.optimizer
-
     def use_optimizer(
         self, chunk_optimizer: ChunkOptimizer[Any], owner: str, ref: Callable[[], Any]
     ) -> None:
         """An optimizer ``owner`` (held weakly by ``ref``) was constructed over this
         model: the homes are planned for its ``chunk_optimizer`` where they are not yet
         (NOTE [the layout is decided once, late]), else its units are cut inside them
-        (:func:`~infinity.runtime.optimizer_binding.recut`; a clear error if they do
+        (:func:`~infinity.runtime.budgets.recut`; a clear error if they do
         not fit)."""
         first = not self.laid_out
         if first:
-            wanted = stored_as(chunk_optimizer, self.config)
-            plan = first_plan(
+            units, plan, why = first_layout(
                 self.registry,
                 self.config,
                 self.device,
                 self.world,
-                self.offload_plan,
-                self.offload_optimizer,
-                wanted,
+                (self.offload_optimizer, self.offload_plan),
+                chunk_optimizer,
+                owner,
             )
-            if wanted.whole_tensors:  # before anything is allocated
-                check_whole_tensors(plan or self.offload_plan, owner, overlap=self.overlap)
-            if plan is not None:
-                self.lay_out(f"the construction of {owner}", wanted, plan)
-            else:
-                self.lay_out(f"the construction of {owner}, whose own plan did not fit")
+            self.lay_out(why, units, plan)
         bind_optimizer(
             self.chunks,
             self.home_plan,
@@ -368,47 +297,11 @@ class OffloadEngine:
             )
         self.pipeline.optimizer = ref
 
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps taken (skipped fp16 steps not counted)."""
-        return self.pipeline.step_count
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.pipeline.step_count = value
-
-    @property
-    def trailing(self) -> deque[ChunkWork]:
-        """Updates queued by the last step that have not run yet."""
-        return self.queue.trailing
-
-    @property
-    def trailing_chunk_steps(self) -> int:
-        """Chunk updates that ran after ``optimizer.step()`` returned."""
-        return self.queue.trailing_chunk_steps
-
-    @property
-    def early_chunk_steps(self) -> int:
-        """Chunk updates that ran during a backward (overlap_optimizer)."""
-        return self.queue.early_chunk_steps
-
     def note_loss_scaled(self) -> None:
         """The loss of the coming backward was multiplied by the fp16 loss scale."""
         self.pipeline.note_loss_scaled()
 
     # --- delegated to the components --------------------------------------------------
-    def set_state(self, entry: ParamEntry, state: TensorState) -> None:
-        """Move one parameter to ``state`` (checked against the whitelist)."""
-        self.chunks.set_state(entry, state)
-
-    def chunk_view(self, chunk_bytes: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
-        """``entry``'s tensor inside a chunk's bytes (compute dtype, its shape)."""
-        return self.chunks.chunk_view(chunk_bytes, entry)
-
-    def release(self, entry: ParamEntry) -> None:
-        """Point the parameter back at its placeholder (no chunk memory held)."""
-        self.chunks.release(entry)
-
     def on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: a parameter's gradient is ready."""
         self.sink.on_grad(param)
@@ -432,14 +325,6 @@ class OffloadEngine:
     def write_moments(self, values: dict[int, MomentState | None]) -> None:
         """Set moments and step counts by tensor index (``None``: never stepped)."""
         self.pipeline.write_moments(values)
-
-    def reset_gradients(self) -> None:
-        """Forget every gradient (after loading a checkpoint)."""
-        self.ledger.reset()
-
-    def settle_step(self) -> None:
-        """Finish every queued update (before anything reads or changes chunk data)."""
-        self.queue.settle()
 
     def synchronize(self) -> None:
         """Finish queued updates and wait for every transfer in flight."""
@@ -505,11 +390,11 @@ class OffloadEngine:
             # it): its end-of-backward callback will not come, so settle it now.
             self.sink.end_backward()
         self.activation_policy.begin_forward(shape, new_iteration=not self.sink.running)
-        self.step_timer.begin_span()
+        self.pipeline.step_timer.begin_span()
         if not self.sink.running:
             self.fetcher.start_iteration()
-            self.timeline.finish_iteration()
-            for counters in self.states:
+            self.chunks.timeline.finish_iteration()
+            for counters in self.chunks.states:
                 counters.reset_step()
 
     def end_forward(self) -> None:

@@ -3,7 +3,7 @@
 A component of :class:`~infinity.runtime.engine.OffloadEngine`, built on
 :class:`~infinity.runtime.model_chunks.ModelChunks`. It is the only component
 that moves the per-tensor gradient states (``chunks.has_grad``, see
-:mod:`infinity.runtime.lifecycles`) and the pending gradient factors.
+:mod:`infinity.runtime.model_chunks`) and the pending gradient factors.
 
 - ``param.grad`` set to ``None`` (or a sentinel zeroed in place) by the user is
   how the engine learns gradients were zeroed: :meth:`collect_zeroed` turns
@@ -11,28 +11,46 @@ that moves the per-tensor gradient states (``chunks.has_grad``, see
 - A multiplication of a gradient (clipping) is only recorded, as a pending
   factor per tensor. The step folds a common factor into the fused kernel's
   gradient scale; the factors are written into the chunks only when something
-  needs the scaled values in place (see :mod:`infinity.runtime.grad_norms`).
+  needs the scaled values in place (see :mod:`infinity.runtime.gradients`).
 
 ``version`` changes whenever a gradient as the user sees it may have changed,
 so a cache of norms keyed by it never serves stale values.
+
+``param.grad`` of an offloaded parameter after backward is a sentinel
+(:class:`GradientInChunks`), not data. Gradients live in chunks (possibly on NVMe),
+so there is no tensor to hand out. The sentinel says "this parameter has a gradient"
+(``p.grad is not None`` keeps its meaning, and setting it to ``None`` —
+``optimizer.zero_grad()`` — is how the engine learns gradients were zeroed). It
+answers exactly the ops gradient clipping uses, from the chunks:
+
+- ``torch.linalg.vector_norm(grad, p)`` (and ``torch._foreach_norm``): the
+  gradient's norm, as a real fp32 tensor on the parameter's device (see
+  :mod:`infinity.runtime.gradients`);
+- ``grad.mul_(c)`` (and ``torch._foreach_mul_``) with a scalar ``c``: recorded,
+  applied in the optimizer step (or in the chunks when needed).
+
+So ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm`` and
+``clip_grads_with_norm_`` work unchanged, for any mix of offloaded and ordinary
+parameters. Any other computation fails loudly with the fix instead of silently
+seeing nothing.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import closing
+from typing import Any, Protocol
 
 import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
 from infinity.chunks.pieces import windows
-from infinity.chunks.update_state import UpdateState
-from infinity.runtime.errors import ModelChangedError
+from infinity.chunks.states import UpdateState
 from infinity.runtime.model_chunks import ModelChunks
-from infinity.runtime.params import ParamEntry
-from infinity.runtime.sentinel import GradientInChunks, is_zeroed
+from infinity.runtime.params import ModelChangedError, ParamEntry
 
 
 class GradientLedger:
@@ -178,3 +196,145 @@ class GradientLedger:
 def _times(factor: float) -> Callable[[torch.Tensor], object]:
     """Multiply a gradient in place by ``factor``."""
     return lambda grads: grads.mul_(factor)
+
+
+_aten = torch.ops.aten
+
+_HELP = (
+    "the gradient of an offloaded parameter lives in infinity's chunks, not in param.grad: "
+    "param.grad supports only gradient clipping (torch.nn.utils.clip_grad_norm_, "
+    "get_total_norm, clip_grads_with_norm_). Read gradients with `infinity.gradients(model)`."
+)
+
+
+class GradientOwner(Protocol):
+    """What a sentinel asks of its model's engine (its gradient-norm component)."""
+
+    def grad_norm(self, index: int, norm_type: float) -> torch.Tensor:
+        """The norm of tensor ``index``'s gradient as torch would see it."""
+        ...
+
+    def scale_grad(self, index: int, factor: float) -> None:
+        """Multiply tensor ``index``'s gradient by ``factor``."""
+
+
+class GradientInChunks(torch.Tensor):
+    """Stands in ``param.grad`` for a gradient held in chunk memory."""
+
+    _engine: weakref.ReferenceType[GradientOwner] | None
+    _index: int
+    _zeroed: bool
+
+    @staticmethod
+    def __new__(
+        cls, like: torch.Tensor, engine: GradientOwner | None = None, index: int = -1
+    ) -> GradientInChunks:
+        grad = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device
+        )
+        grad._engine = weakref.ref(engine) if engine is not None else None
+        grad._index = index
+        grad._zeroed = False
+        return grad
+
+    # NOTE: torch declares __torch_dispatch__ as a plain function attribute;
+    # subclasses override it with a classmethod, as torch's docs show.
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        # zero_grad(set_to_none=False) zeroes in place: accept it as "zeroed".
+        if func is _aten.zero_.default:
+            args[0]._zeroed = True
+            return args[0]
+        if func in (_aten.detach.default, _aten.alias.default):
+            return args[0]
+        if func is _aten.linalg_vector_norm.default:
+            return _vector_norm(*args, **kwargs)
+        if func in (_aten.mul_.Tensor, _aten.mul_.Scalar):
+            args[0]._scale(_scalar(args[1], func))
+            return args[0]
+        if func is _aten._foreach_norm.Scalar:
+            return _foreach_norm(*args, **kwargs)
+        if func in (_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar):
+            _foreach_mul_(args[0], _scalar(args[1], func))
+            return None
+        raise RuntimeError(f"{func}: {_HELP}")
+
+    # NOTE: printing must not dispatch; torch's __repr__ takes an extra keyword.
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"GradientInChunks(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def _owner(self) -> GradientOwner:
+        engine = self._engine() if self._engine is not None else None
+        if engine is None:
+            raise RuntimeError(f"this gradient's offloaded model is gone: {_HELP}")
+        return engine
+
+    def _norm(self, norm_type: float) -> torch.Tensor:
+        if self._zeroed:
+            return torch.zeros((), device=self.device)
+        return self._owner().grad_norm(self._index, norm_type).to(self.device)
+
+    def _scale(self, factor: float) -> None:
+        if not self._zeroed:
+            self._owner().scale_grad(self._index, factor)
+
+
+def _scalar(value: Any, func: Any) -> float:
+    """A multiplier given as a number or a one-element tensor, as a float."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or isinstance(value, GradientInChunks):
+            raise RuntimeError(f"{func} by a tensor of shape {tuple(value.shape)}: {_HELP}")
+        # NOTE: the value torch would multiply by: the factor in the gradient's dtype.
+        return float(value.item())
+    return float(value)
+
+
+def _vector_norm(
+    grad: GradientInChunks,
+    ord: float = 2,
+    dim: Sequence[int] | None = None,
+    keepdim: bool = False,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    if dim is not None and len(dim) not in (0, grad.dim()):
+        raise RuntimeError(f"vector_norm over dims {dim}: {_HELP}")
+    norm = grad._norm(float(ord))
+    if keepdim:
+        norm = norm.reshape([1] * grad.dim())
+    return norm if dtype is None else norm.to(dtype)
+
+
+def _foreach_norm(
+    tensors: Sequence[torch.Tensor], ord: float = 2, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """Norms of a list mixing sentinels and ordinary tensors (in order)."""
+    plain = [t for t in tensors if not isinstance(t, GradientInChunks)]
+    plain_norms = iter(torch._foreach_norm(plain, ord, dtype=dtype) if plain else [])
+    return [
+        _vector_norm(t, ord, dtype=dtype) if isinstance(t, GradientInChunks) else next(plain_norms)
+        for t in tensors
+    ]
+
+
+def _foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
+    plain = [t for t in tensors if not isinstance(t, GradientInChunks)]
+    if plain:
+        torch._foreach_mul_(plain, factor)
+    for t in tensors:
+        if isinstance(t, GradientInChunks):
+            t._scale(factor)
+
+
+def is_zeroed(grad: torch.Tensor | None) -> bool:
+    """True when the user dropped or zeroed a sentinel gradient."""
+    if grad is None:
+        return True
+    return isinstance(grad, GradientInChunks) and grad._zeroed

@@ -11,12 +11,45 @@ breaks the graph at each one and runs it eagerly, so a compiled model's graphs
 end at the forward boundaries of the modules owning parameters. Tracing into
 the engine instead would fail (it does I/O, reads storage pointers, keeps
 Python state) and would guard on state that changes every step.
+
+Also here: parameters a model's own forward reads without calling their module
+(:func:`head_read_directly`), ``model.to`` (:class:`MoveGuard`), and
+``state_dict`` / ``load_state_dict`` (:func:`install_state_dict_hooks`).
+
+Fused losses — TRL's ``SFTTrainer`` (its fused LM head), Liger,
+cut-cross-entropy — run the backbone, then take ``lm_head.weight`` and
+multiply by it in their own kernel, in tiles, so the head module's forward,
+and with it the engine's fetch, never runs. The weight would then be the
+parameter's placeholder (NaN). For a ``transformers`` model the engine
+therefore keeps the output embedding's parameters bound from the end of the
+backbone's forward to the end of the root's (where the head is used in
+either case), exactly as if the head's forward had been running.
+
+``model.to(...)`` is a no-op where the model already is, a clear error elsewhere.
+Training loops move the model to "their" device before training
+(``transformers.Trainer`` calls ``model.to(args.device)``, under ``torchrun``
+with ``device(type='cpu', index=0)``). For an offloaded model that device is
+the engine's, but ``Tensor.to`` treats ``cpu:0`` and ``cpu`` as different and
+would copy every parameter placeholder into a full-size tensor (the whole
+model in RAM) that the engine must then refuse. The guard answers a move to
+the engine's own device and dtype with the model unchanged, and any other
+move with an error that says to choose the device and dtype in ``Config``.
+
+NOTE: the guard is an attribute of this one model instance (``model.to``),
+installed by ``offload`` and removed with the other hooks; ``nn.Module`` and
+every library stay unpatched.
+
+Outside a forward, parameters hold zero-byte placeholders; these hooks put the
+real values (read from the chunks) into ``state_dict()`` and route values given
+to ``load_state_dict()`` into the chunks (masters included), instead of letting
+torch copy into a placeholder.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -25,9 +58,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
 from infinity.activations.trace import batch_shape
-from infinity.runtime.direct_reads import head_read_directly
 from infinity.runtime.engine import OffloadEngine
-from infinity.runtime.move_guard import MoveGuard
+from infinity.runtime.params import ParamEntry, ParamRegistry, is_pretrained_model
+from infinity.runtime.state_access import read_params, write_params
 
 _opaque = torch.compiler.disable
 
@@ -156,3 +189,140 @@ class HookSet:
         self.handles.clear()
         self._move_guard.remove()
         self._engine.activation_policy.remove()
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """Bind ``owner``'s parameters once ``backbone``'s forward has ended, until the
+    root's forward ends (``owner``: the head, or whichever module owns its weight)."""
+
+    backbone: nn.Module
+    owner: nn.Module
+
+
+def head_read_directly(model: nn.Module, registry: ParamRegistry) -> DirectRead | None:
+    """The :class:`DirectRead` of ``model``'s output embedding, if ``model`` is (or
+    wraps, like a ``peft`` model) a ``transformers`` model whose head is offloaded."""
+    hf = next((m for m in model.modules() if is_pretrained_model(m)), None)
+    if hf is None:
+        return None
+    get_head = getattr(hf, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    backbone = getattr(hf, getattr(hf, "base_model_prefix", ""), None)
+    weight = getattr(head, "weight", None)
+    if not isinstance(backbone, nn.Module) or not isinstance(weight, nn.Parameter):
+        return None
+    if head in registry.owners:
+        # NOTE: with tied weights the head owns the weight too: its own forward
+        # (when a loop does call it) then nests inside the direct read's binding.
+        return DirectRead(backbone, head)
+    for module, entries in registry.owners.items():
+        if any(e.param is weight for e in entries):
+            return DirectRead(backbone, module)
+    return None
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``a`` and ``b`` are one device (``cpu`` is ``cpu:0``; ``cuda`` is the current GPU)."""
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        current = torch.cuda.current_device()
+        return (a.index if a.index is not None else current) == (
+            b.index if b.index is not None else current
+        )
+    return (a.index or 0) == (b.index or 0)
+
+
+class MoveGuard:
+    """Installed as ``model.to`` of an offloaded model; :meth:`remove` restores the method."""
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        self._model = weakref.ref(model)
+        self._device = device
+        self._dtype = dtype
+        model.__dict__["to"] = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> nn.Module:
+        model = self._model()
+        assert model is not None, "the guard lives in its model's __dict__"
+        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        moves = device is not None and not same_device(device, self._device)
+        converts = dtype is not None and dtype != self._dtype
+        if moves or converts:
+            wanted = ", ".join(str(x) for x in (device, dtype) if x is not None)
+            raise ValueError(
+                f"model.to({wanted}) on an offloaded model: its parameters live in infinity's "
+                f"chunks on {self._device} as {str(self._dtype).replace('torch.', '')}. Choose "
+                "the device and dtype with infinity.Config(device=..., dtype=...) before "
+                "offload(), or on a GPU call torch.cuda.set_device(local_rank) first"
+            )
+        return model  # already there: parameters and buffers stay as they are
+
+    def remove(self) -> None:
+        """Give the model its ordinary ``to`` back."""
+        model = self._model()
+        if model is not None and model.__dict__.get("to") is self:
+            del model.__dict__["to"]
+
+
+def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
+    """Hooks on every module that owns parameters; returns their handles."""
+    handles: list[RemovableHandle] = []
+    for module, _entries in engine.registry.owners.items():
+        names = {
+            name: engine.registry.by_id[id(p)] for name, p in module.named_parameters(recurse=False)
+        }
+        consumed: list[str] = []
+
+        def save_hook(
+            mod: nn.Module,
+            state_dict: dict[str, Any],
+            prefix: str,
+            local_metadata: dict[str, Any],
+            names: dict[str, ParamEntry] = names,
+        ) -> None:
+            wanted = {
+                prefix + name: entry for name, entry in names.items() if prefix + name in state_dict
+            }
+            by_index = {e.index: key for key, e in wanted.items()}
+            for entry, value in read_params(engine, wanted.values()):
+                state_dict[by_index[entry.index]] = value
+                # a tied parameter appears under each of its names
+                for key, other in wanted.items():
+                    if other is entry:
+                        state_dict[key] = value
+
+        def load_pre_hook(
+            mod: nn.Module,
+            state_dict: dict[str, Any],
+            prefix: str,
+            local_metadata: dict[str, Any],
+            strict: bool,
+            missing: list[str],
+            unexpected: list[str],
+            errors: list[str],
+            names: dict[str, ParamEntry] = names,
+            consumed: list[str] = consumed,
+        ) -> None:
+            values: dict[int, torch.Tensor] = {}
+            for name, entry in names.items():
+                key = prefix + name
+                if key in state_dict:
+                    values[entry.index] = state_dict.pop(key)
+                    consumed.append(key)
+            if values:
+                write_params(engine, values)
+
+        def load_post_hook(
+            mod: nn.Module, incompatible: Any, consumed: list[str] = consumed
+        ) -> None:
+            for key in consumed:
+                if key in incompatible.missing_keys:
+                    incompatible.missing_keys.remove(key)
+            consumed.clear()
+
+        handles.append(module.register_state_dict_post_hook(save_hook))
+        handles.append(module.register_load_state_dict_pre_hook(load_pre_hook))
+        handles.append(module.register_load_state_dict_post_hook(load_post_hook))
+    return handles

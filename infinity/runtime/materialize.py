@@ -20,8 +20,7 @@ from torch import nn
 
 from infinity.chunks.states import TensorState
 from infinity.runtime.engine import OffloadEngine
-from infinity.runtime.hf_models import is_pretrained_model
-from infinity.runtime.params import ParamEntry, ParamRegistry, placeholder
+from infinity.runtime.params import ParamEntry, ParamRegistry, is_pretrained_model, placeholder
 
 InitFn = Callable[[nn.Module], None]
 # ``offload(model, cfg, init=LOAD)``: meta parameters stay unset (their chunks hold
@@ -245,7 +244,7 @@ def fill_chunks(
         slot = layout.slots[entry.index]
         chunk = open_chunks.get(slot.chunk)
         if chunk is None:
-            members = engine.chunk_members[slot.chunk]
+            members = engine.chunks.chunk_members[slot.chunk]
             chunk = open_chunks[slot.chunk] = _OpenChunk(
                 scratch.take(layout.chunks[slot.chunk].capacity), len(members)
             )
@@ -253,7 +252,7 @@ def fill_chunks(
 
     def finish(entry: ParamEntry) -> None:
         done.add(entry.index)
-        engine.release(entry)
+        engine.chunks.release(entry)
         chunk_index = layout.slots[entry.index].chunk
         chunk = open_chunks[chunk_index]
         chunk.pending -= 1
@@ -293,7 +292,20 @@ def fill_chunks(
     engine.manager.synchronize()
     _fill_buffers(pending, None if lazy else init, initialised)  # type: ignore[arg-type]
     for entry in engine.registry.entries:
-        engine.set_state(entry, TensorState.HOLD)
+        engine.chunks.set_state(entry, TensorState.HOLD)
+
+
+def fill_parameterless_buffers(
+    pending: list[PendingBuffer], init: Init | None
+) -> list[PendingBuffer]:
+    """Fill the pending buffers of modules that own no parameter (rotary embeddings'
+    frequencies, say) now, at offload, raising as :func:`fill_chunks` would if ``init``
+    leaves one untouched; the others, whose modules' parameters get memory only when
+    the model is laid out (NOTE [the layout is decided once, late]), are returned."""
+    owns_params = [any(True for _ in b.module.parameters(recurse=False)) for b in pending]
+    early = [b for b, owns in zip(pending, owns_params, strict=True) if not owns]
+    _fill_buffers(early, None if init == LOAD else init, set())  # type: ignore[arg-type]
+    return [b for b, owns in zip(pending, owns_params, strict=True) if owns]
 
 
 def _fill_buffers(

@@ -3,33 +3,65 @@
 The base every component of the engine is built on: the parameter registry,
 the plan and its layout, the chunk manager, which tensors each chunk holds,
 their states (:mod:`infinity.chunks.states`), their optimizer step counts and
-gradient states (:class:`~infinity.runtime.lifecycles.TensorGrads`), and the
-memory timeline. It knows no other component.
+gradient states (:class:`TensorGrads`), and the memory timeline. It knows no
+other component. Below it, the engine's own small lifecycles, the timeline and
+:class:`ChunkIO`, the narrow surface the checkpoints read through.
 
 NOTE: ``has_grad`` is stored here because every component reads it (and the
 step plans from it); only the gradient ledger
 (:class:`~infinity.runtime.grad_ledger.GradientLedger`) moves it, as only the
 update queue moves the manager's update states.
+
+The engine's own small lifecycles (a tensor's gradient, the backward pass, the
+loss scale): each was a flag (``has_grad[i]``, ``_backward_active``, ``loss_scaled``) that
+several methods set and cleared by hand. Here each is a state with a whitelist
+of moves, like the chunk lifecycles of :mod:`infinity.chunks.states`; an
+illegal move raises :class:`~infinity.chunks.states.IllegalTransition` (an
+engine bug), and every predicate the engine asks is derived from the state::
+
+    tensor gradient:  NONE --arrives--> HELD --arrives again (accumulation)--> HELD
+                      HELD --zeroed (zero_grad, a loaded checkpoint)--> NONE
+    backward pass:    IDLE --first gradient event--> RUNNING --ended (or found interrupted)--> IDLE
+    loss scale:       UNSCALED --scale_loss--> SCALED --scale_loss (accumulation)--> SCALED
+                      SCALED --the fp16 step reads it--> UNSCALED
+
+The memory timeline (bytes per tier and resident chunks at every moment of a
+step): the engine samples it whenever it records an access; the last complete
+iteration is kept for ``infinity.timeline(model)`` (and the ``infinity train``
+plot), so a user tuning budgets can see where the peaks are.
+
+``ChunkIO``, the stored bytes of one offloaded model for code outside the engine:
+checkpoints and pretrained weights read and write a model's tensors through
+this narrow surface (``engine.chunk_io``), never through the engine's chunk
+manager, layout or plan: where each tensor sits (:meth:`ChunkIO.slot`), the few
+facts of the stored format they record or check, and each chunk's bytes as
+:mod:`~infinity.chunks.pieces` windows (whole chunk or spans alike). So the
+engine's insides can change without touching them, and the import contract in
+``pyproject.toml`` keeps ``infinity.checkpoint`` and ``infinity.pretrained``
+from importing ``infinity.chunks``.
+
+The caller settles queued updates first (``engine.synchronize`` /
+``queue.settle``): the windows read and write the homes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, cast
+import enum
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, cast
 
 import torch
 
-from infinity.chunks.homes import Kind
 from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager, typed
-from infinity.chunks.states import StateCounters, TensorState
-from infinity.core.names import Phase
+from infinity.chunks.pieces import Window, home_bytes, windows
+from infinity.chunks.states import E, StateCounters, TensorState, check_transition
+from infinity.core.layout import ChunkSpec, TensorSlot
+from infinity.core.names import Kind, Phase
 from infinity.core.plan import Plan
 from infinity.optim.chunk_optimizer import ChunkOptimizer
-from infinity.runtime.errors import UnsetParameterError
-from infinity.runtime.lifecycles import TensorGrads
-from infinity.runtime.params import ParamEntry, ParamRegistry, placeholder
-from infinity.runtime.timeline import Moment, Timeline
+from infinity.runtime.params import ParamEntry, ParamRegistry, UnsetParameterError, placeholder
 
 
 class ModelChunks:
@@ -156,3 +188,212 @@ class ModelChunks:
                 *self.activation_bytes(),
             )
         )
+
+
+class Lifecycle(Generic[E]):
+    """One object's state in a machine given by its legal transitions."""
+
+    __slots__ = ("_legal", "state", "what")
+
+    def __init__(self, initial: E, legal: frozenset[tuple[E, E]], what: str) -> None:
+        self.state = initial
+        self._legal = legal
+        self.what = what
+
+    def move(self, new: E) -> None:
+        """Go to ``new``; raise ``IllegalTransition`` if the whitelist does not allow it."""
+        check_transition(self._legal, self.state, new, self.what, 0)
+        self.state = new
+
+
+class Backward(enum.IntEnum):
+    """Whether a backward pass of the model is running."""
+
+    IDLE = 0
+    RUNNING = 1
+
+
+LEGAL_BACKWARD: frozenset[tuple[Backward, Backward]] = frozenset(
+    {(Backward.IDLE, Backward.RUNNING), (Backward.RUNNING, Backward.IDLE)}
+)
+
+
+class LossScale(enum.IntEnum):
+    """fp16: whether the loss of the gradients now held was multiplied by the loss scale."""
+
+    UNSCALED = 0
+    SCALED = 1
+
+
+LEGAL_LOSS_SCALE: frozenset[tuple[LossScale, LossScale]] = frozenset(
+    {
+        (LossScale.UNSCALED, LossScale.SCALED),
+        (LossScale.SCALED, LossScale.SCALED),
+        (LossScale.SCALED, LossScale.UNSCALED),
+    }
+)
+
+
+class TensorGrad(enum.IntEnum):
+    """Whether a tensor's gradient of this accumulation cycle is in the chunks."""
+
+    NONE = 0
+    HELD = 1
+
+
+LEGAL_TENSOR_GRAD: frozenset[tuple[TensorGrad, TensorGrad]] = frozenset(
+    {
+        (TensorGrad.NONE, TensorGrad.HELD),
+        (TensorGrad.HELD, TensorGrad.HELD),
+        (TensorGrad.HELD, TensorGrad.NONE),
+    }
+)
+
+
+class TensorGrads:
+    """The gradient state of every tensor of a model, with a count of held ones.
+
+    ``grads[i]`` is True when tensor ``i`` has a gradient in the chunks (what
+    ``param.grad is not None`` means to the user). Every change goes through
+    :meth:`set`.
+    """
+
+    __slots__ = ("held", "states")
+
+    def __init__(self, num_tensors: int) -> None:
+        self.states = [TensorGrad.NONE] * num_tensors
+        self.held = 0
+
+    def __getitem__(self, index: int) -> bool:
+        return self.states[index] is TensorGrad.HELD
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def set(self, index: int, new: TensorGrad) -> None:
+        """Move tensor ``index`` to ``new``; raise ``IllegalTransition`` if not allowed."""
+        old = self.states[index]
+        check_transition(LEGAL_TENSOR_GRAD, old, new, "gradient of tensor", index)
+        self.states[index] = new
+        self.held += (new is TensorGrad.HELD) - (old is TensorGrad.HELD)
+
+    def received(self, index: int) -> None:
+        """Tensor ``index``'s gradient arrived in its chunk."""
+        self.set(index, TensorGrad.HELD)
+
+    def dropped(self, index: int) -> None:
+        """Tensor ``index``'s gradient was zeroed."""
+        self.set(index, TensorGrad.NONE)
+
+    def drop_all(self) -> None:
+        """Every held gradient was zeroed."""
+        for index, state in enumerate(self.states):
+            if state is TensorGrad.HELD:
+                self.dropped(index)
+
+    @property
+    def any(self) -> bool:
+        """Some tensor has a gradient in the chunks."""
+        return self.held > 0
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One access and the tiers right after it."""
+
+    phase: Phase
+    chunk: int
+    device_bytes: int
+    host_bytes: int
+    device_chunks: tuple[int, ...]  # parameter chunks resident on the device
+    device_grads: tuple[int, ...]  # gradient chunks on the device
+    # Saved activations (activations="offload") in host memory and on NVMe.
+    activation_host_bytes: int = 0
+    activation_nvme_bytes: int = 0
+
+
+@dataclass
+class Timeline:
+    """Moments of the running iteration; ``last`` holds the previous complete one."""
+
+    current: list[Moment] = field(default_factory=list)
+    last: list[Moment] = field(default_factory=list)
+
+    def add(self, moment: Moment) -> None:
+        """Append one sample to the running iteration."""
+        self.current.append(moment)
+
+    def finish_iteration(self) -> None:
+        """The iteration ended: keep it as ``last`` (a forward-only pass, such as an
+        evaluation, does not replace a training step)."""
+        trained = any(m.phase != Phase.FORWARD for m in self.current)
+        if self.current and (trained or not self.last):
+            self.last = self.current
+        self.current = []
+
+    def as_dict(self) -> dict[str, list]:
+        """Columns of the last complete iteration (or the running one if none)."""
+        moments = self.last or self.current
+        return {
+            "phase": [m.phase.value for m in moments],
+            "chunk": [m.chunk for m in moments],
+            "device_bytes": [m.device_bytes for m in moments],
+            "host_bytes": [m.host_bytes for m in moments],
+            "device_chunks": [list(m.device_chunks) for m in moments],
+            "device_grads": [list(m.device_grads) for m in moments],
+            "activation_host_bytes": [m.activation_host_bytes for m in moments],
+            "activation_nvme_bytes": [m.activation_nvme_bytes for m in moments],
+        }
+
+
+class ChunkIO:
+    """Read and write the bytes behind one model's tensors, chunk piece by chunk piece."""
+
+    def __init__(self, chunks: ModelChunks) -> None:
+        self._chunks = chunks
+
+    # --- facts of the stored format -------------------------------------------------------
+    @property
+    def chunk_specs(self) -> tuple[ChunkSpec, ...]:
+        """Every chunk in order: its capacity in elements, its tensors, trainable or not."""
+        return self._chunks.layout.chunks
+
+    def slot(self, index: int) -> TensorSlot:
+        """Where tensor ``index`` lives: its chunk and elements."""
+        return self._chunks.layout.slots[index]
+
+    @property
+    def element_size(self) -> int:
+        """Bytes of one parameter (or gradient) element: the compute dtype's."""
+        return self._chunks.plan.element_size
+
+    @property
+    def has_master(self) -> bool:
+        """The optimizer units begin with an fp32 master copy (16-bit compute)."""
+        return self._chunks.plan.has_master
+
+    def in_shard(self, index: int) -> bool:
+        """Some of tensor ``index``'s elements are kept by this process (always, unsharded)."""
+        slot = self.slot(index)
+        start, end = self._chunks.plan.home_window(slot.chunk)
+        return slot.offset < end and slot.offset + slot.numel > start
+
+    # --- bytes ------------------------------------------------------------------------------
+    def windows(
+        self, kind: Kind, chunk: int, *, load: bool = True, write: bool = False
+    ) -> Generator[Window, None, None]:
+        """The windows of ``(kind, chunk)`` (see :func:`infinity.chunks.pieces.windows`).
+
+        Sharded, a window covers the whole chunk: reading gathers it (collective: every
+        rank walks the same chunks in the same order), writing stores this rank's
+        shard of it (every rank writes the same values)."""
+        return windows(self._chunks.manager, kind, chunk, load=load, write=write)
+
+    def home_bytes(self, kind: Kind, chunk: int) -> Generator[torch.Tensor, None, None]:
+        """The stored bytes of ``(kind, chunk)`` in home order (uint8; each valid until the
+        next is drawn): see :func:`infinity.chunks.pieces.home_bytes`."""
+        return home_bytes(self._chunks.manager, kind, chunk)
+
+    def params_written(self, chunk: int) -> None:
+        """Chunk ``chunk``'s parameter bytes were written at home: drop its device copy."""
+        self._chunks.manager.drop_param(chunk)

@@ -4,10 +4,15 @@ A tied parameter (one ``Parameter`` registered in several modules) is one
 entry here and lives once in a chunk. Outside a module's forward, a parameter's
 ``.data`` is a *placeholder*: right shape, dtype and device, zero bytes of
 storage, so metadata (``numel()``, ``shape``) works and no chunk memory is held.
+
+Also :class:`UnsetParameterError` (a parameter used before any load set it) and
+:func:`is_pretrained_model` (a ``transformers`` model, recognised without
+importing ``transformers``).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -16,7 +21,6 @@ from torch import nn
 
 from infinity.activations.estimate import forward_order
 from infinity.chunks.layout import ChunkLayout, TensorInfo
-from infinity.runtime.errors import ModelChangedError
 from infinity.schedule.device_slots import HeldBlock
 
 _NAN_CELLS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -196,3 +200,23 @@ def check_model(
             f"the model now has {now} parameters but had {count} when it was "
             "offloaded; build the final model first, then call infinity.offload()"
         )
+
+
+class ModelChangedError(RuntimeError):
+    """The model's parameters were replaced, added or converted after ``offload``."""
+
+
+class UnsetParameterError(RuntimeError):
+    """A parameter offloaded with ``init="load"`` was used before anything loaded it."""
+
+
+def is_pretrained_model(module: nn.Module) -> bool:
+    """``module`` is a ``transformers.PreTrainedModel``.
+
+    NOTE: looked up in ``sys.modules``, never imported: a module can only be a
+    PreTrainedModel if ``transformers`` is already loaded, and the core package
+    does not depend on it.
+    """
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    return pretrained is not None and isinstance(module, pretrained)

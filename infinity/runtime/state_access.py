@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.tensor_views import tensor_values
+from infinity.chunks.pieces import tensor_values
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry, tensor_index
 
@@ -25,7 +25,7 @@ def read_params(
     """Copies of parameter values (compute dtype; fp32 masters when ``master``)."""
     entries = list(entries)
     engine.chunks.require_set(entries, "reading parameter values")
-    engine.settle_step()
+    engine.queue.settle()
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
         kind = Kind.OPTIM if use_master else Kind.PARAM
@@ -39,7 +39,7 @@ def read_params(
 
 def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None:
     """Set parameters (by tensor index) to ``values``; fp32 masters follow."""
-    engine.settle_step()
+    engine.queue.settle()
     entries = [engine.registry.entries[i] for i in values]
     _write_entries(engine, entries, values)
     engine.chunks.mark_set(values)
@@ -107,7 +107,7 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
     its fp32 master. Each chunk is opened once (both kinds at a time) and its
     device copy dropped afterwards.
     """
-    engine.settle_step()
+    engine.queue.settle()
     entries = [engine.registry.entries[i] for i in writers]
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         slots = [engine.layout.slots[entry.index] for entry in group]
@@ -146,7 +146,7 @@ def param_bytes_by_chunk(
     """
     entries = list(entries)
     engine.chunks.require_set(entries, "reading parameter values")
-    engine.settle_step()
+    engine.queue.settle()
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         slots = [engine.layout.slots[entry.index] for entry in group]
         with closing(

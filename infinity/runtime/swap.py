@@ -1,10 +1,30 @@
 """The engine's native resources: the NVMe swap file (with its I/O engine) and
-their release, which must not need the model (see :func:`release`)."""
+their release, which must not need the model (see :func:`release`), and the
+removal of swap files when the process is ended by SIGTERM or SIGHUP.
+
+By default these signals end the process at once: no ``close()``, finalizer or
+``atexit`` runs, and the swap files (as large as the NVMe state) would stay
+until the next run in the same place reclaims them. So while an engine with a
+swap file lives, a handler is installed for each of them (from the main thread
+only, and only over the default action or a Python handler: an ignored signal
+stays ignored). It unlinks every swap file of this process, then chains: it
+calls the handler installed before it, or restores the default action and
+raises the signal again, so the process still dies by it (exit status -15, or
+143 in a shell). The signal is never swallowed.
+
+NOTE: unlinking is safe even if the chained handler lets the process go on:
+a file stays usable through its open descriptor until it is closed, and only
+then is its space freed.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
 
 import torch.distributed as dist
 
@@ -17,7 +37,6 @@ from infinity.distributed import resolve_world
 from infinity.io import IOEngine, SwapFile
 from infinity.io.filesystems import pseudo_filesystem
 from infinity.io.owned_dirs import reclaim_stale
-from infinity.runtime import signals
 
 
 def prepare_nvme(config: Config) -> None:
@@ -72,7 +91,7 @@ def open_swap(config: Config, nbytes: int) -> SwapFile | None:
     except BaseException:
         engine.close()
         raise
-    signals.guard(swap.path, swap.directory)
+    guard(swap.path, swap.directory)
     return swap
 
 
@@ -92,7 +111,7 @@ def open_activation_store(
             swap_directory(config),
             config.aio,
             limit,
-            on_open=lambda swap: signals.guard(swap.path, swap.directory),
+            on_open=lambda swap: guard(swap.path, swap.directory),
         )
     share, read, write = split_allowance(
         activation_host_room(plan, host_reserved), spill is not None
@@ -125,7 +144,7 @@ def close_activation_store(store: ActivationStore | None) -> None:
         store.close()
     finally:
         for path in paths:
-            signals.unguard(path)
+            unguard(path)
 
 
 def release(backend: DeviceBackend, swaps: list[SwapFile]) -> None:
@@ -159,5 +178,58 @@ def release_swap(swap: SwapFile) -> None:
     try:
         swap.close()
     finally:
-        signals.unguard(swap.path)
+        unguard(swap.path)
         swap.engine.close()
+
+
+SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+_files: dict[str, tuple[int, str]] = {}  # swap file -> (owner pid, its directory)
+_previous: dict[int, Any] = {}  # signal -> the handler ours replaced (kept for stale chains)
+_installed: set[int] = set()
+
+
+def guard(path: str, directory: str) -> None:
+    """Remove ``path`` and its (then empty) ``directory`` if SIGTERM/SIGHUP ends the process."""
+    _files[path] = (os.getpid(), directory)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal.signal works only there; an engine made there later installs it
+    for signum in SIGNALS:
+        if signum in _installed:
+            continue
+        current = signal.getsignal(signum)
+        if current is signal.SIG_IGN or current is None:
+            continue  # ignored, or a handler from C that Python cannot chain to
+        _previous[signum] = current
+        signal.signal(signum, _on_signal)
+        _installed.add(signum)
+
+
+def unguard(path: str) -> None:
+    """``path`` was removed normally; the last one restores the handlers (if still ours)."""
+    _files.pop(path, None)
+    if _files or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in list(_installed):
+        if signal.getsignal(signum) is _on_signal:
+            signal.signal(signum, _previous[signum])
+        # NOTE: if another handler replaced ours it may chain to ours later;
+        # ours then only chains on, as _previous is kept.
+        _installed.discard(signum)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> Any:
+    pid = os.getpid()
+    for path, (owner, directory) in list(_files.items()):
+        if owner != pid:
+            continue  # a forked child must not remove its parent's files
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+    previous = _previous.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        return previous(signum, frame)
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)  # dies here: the default action of SIGTERM/SIGHUP
+    return None

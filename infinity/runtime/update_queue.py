@@ -3,7 +3,7 @@
 A component of :class:`~infinity.runtime.engine.OffloadEngine`, built on
 :class:`~infinity.runtime.model_chunks.ModelChunks` and the access trace. It is
 the only component that moves the manager's update states
-(:mod:`infinity.chunks.update_state`), and the one every reader of chunk
+(:mod:`infinity.chunks.states`), and the one every reader of chunk
 bytes settles through (:meth:`UpdateQueue.settle`).
 
 NOTE: ``optimizer.step()`` updates host-homed chunks at once, but a chunk whose
@@ -13,6 +13,12 @@ else) first touches that chunk. The values seen are the same as with an eager
 step; what changes is that the disk traffic of the update overlaps compute.
 With ``overlap_optimizer=True`` a chunk's update is also queued *early*, during
 backward, as soon as its gradients are complete.
+
+:class:`ParamFetcher`, the other component here, owns every access of an
+iteration, its trace, and the prefetch. Each access (a forward fetch, a backward
+unpack, a gradient arrival) becomes the current moment, is compared with the
+trace of the first iteration, lets the queued updates that must come first
+run, and (after it) starts fetching the chunks the trace says come next.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.update_state import UpdateState
+from infinity.chunks.states import UpdateState
+from infinity.config import Config
 from infinity.core.names import HOST, Phase
 from infinity.io import NVMeIOError
 from infinity.runtime.model_chunks import ModelChunks
@@ -34,6 +41,8 @@ from infinity.runtime.offloaded_step import (
     prefetch_chunk,
     run_works,
 )
+from infinity.schedule.eviction import TraceDrivenPolicy
+from infinity.schedule.prefetch import Prefetcher
 from infinity.schedule.trace import TraceRecorder
 
 _U = UpdateState
@@ -262,7 +271,7 @@ class UpdateQueue:
 
     def _collective_updates(self) -> bool:
         """Each chunk update is collective: sharded chunks stepped by an optimizer that
-        reads whole tensors (``runtime/whole_tensor_step.py`` gathers them)."""
+        reads whole tensors (``runtime/step_context.py`` gathers them)."""
         return self.chunks.plan.sharded and self.chunks.chunk_optimizer.whole_tensors
 
     def before_access(self, phase: Phase, chunk: int) -> None:
@@ -288,7 +297,7 @@ class UpdateQueue:
         """Finish every queued update (before anything reads or changes chunk data).
 
         Every engine entry point passes here or checks itself: after an I/O
-        error it raises instead (see :mod:`infinity.chunks.io_failures`).
+        error it raises instead (see :mod:`infinity.chunks.homes`).
         """
         self.manager.check_io()
         self.check_failed()
@@ -304,3 +313,93 @@ class UpdateQueue:
         """Chunk ``chunk`` has an update queued: its parameters (home and every copy)
         still hold the values from before the step."""
         return self.manager.updates.trailing(chunk)
+
+
+class ParamFetcher:
+    """Records accesses, keeps the eviction policy on the trace, and prefetches."""
+
+    def __init__(
+        self,
+        chunks: ModelChunks,
+        queue: UpdateQueue,
+        trace: TraceRecorder,
+        policy: TraceDrivenPolicy,
+        config: Config,
+    ) -> None:
+        """``policy`` is the device cache's eviction policy (given to the manager too)."""
+        self.chunks = chunks
+        self.manager = chunks.manager
+        self.queue = queue
+        self.trace = trace
+        self.policy = policy
+        self.config = config
+        self.prefetcher: Prefetcher | None = None
+
+    def access(self, phase: Phase, chunk: int) -> None:
+        """Record one access: it becomes the current moment of the iteration."""
+        self.manager.moment = self.trace.moment
+        self.trace.record(phase, chunk)
+        self.policy.active = self.trace.on_track
+        self.manager.poll()
+        self.queue.before_access(phase, chunk)
+
+    def prefetch(self) -> None:
+        """Start fetching the chunks the trace says come next (never blocks)."""
+        if self.prefetcher is None or not self.trace.on_track:
+            return
+        if self.chunks.plan.sharded:
+            # NOTE: gathers are collective, so the list must be the same on every
+            # rank: the next needs in the trace, whatever each rank has cached.
+            self.manager.prefetch_gathers(self.prefetcher.plan(self.manager.moment, _never))
+            return
+        resident = self.manager.device
+        for chunk in self.prefetcher.plan(
+            self.manager.moment, lambda c: (Kind.PARAM, c) in resident
+        ):
+            if self.manager.updates.queued(chunk):
+                break  # its update has not run: the home still holds old values
+            if not self.manager.prefetch_param(chunk):
+                break  # no room without evicting something needed sooner
+
+    def start_iteration(self) -> None:
+        """A forward starts a new iteration: the last one may have become the trace."""
+        previous = self.trace.trace
+        self.manager.in_use.next_iteration()
+        self.trace.start_iteration()
+        if self.trace.trace is not previous:
+            self._new_trace()
+
+    def _new_trace(self) -> None:
+        """A finished iteration became the trace: rebuild Belady's uses and the prefetcher."""
+        trace = self.trace.trace
+        if trace is None:
+            return
+        uses: dict[Hashable, list[int]] = {}
+        for position, (phase, chunk) in enumerate(trace.accesses):
+            kind = Kind.GRAD if phase == Phase.GRAD else Kind.PARAM
+            uses.setdefault((kind, chunk), []).append(position)
+        self.policy.set_trace(uses, len(trace))
+        depth = self.config.prefetch_depth
+        budget = self.config.prefetch_bytes
+        if budget == "auto":
+            budget = depth * self.chunks.layout.chunk_bytes
+        plan = self.chunks.plan
+        self.prefetcher = (
+            Prefetcher(
+                trace,
+                depth,
+                int(budget),
+                plan.device_param_bytes,
+                # NOTE [prefetch within the slots]
+                slots=plan.device_slots,
+                grad_bytes=lambda c: (
+                    plan.device_param_bytes(c) if plan.grad_home[c] is not None else 0
+                ),
+            )
+            if depth
+            else None
+        )
+
+
+def _never(_chunk: int) -> bool:
+    return False

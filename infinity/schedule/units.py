@@ -6,7 +6,7 @@
 first constructed over it, or Adam: NOTE [the layout is decided once, late]), with
 every unit sized for another :class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`.
 Homes, staging slots and the layout stay; only what a unit holds (and so what each
-step moves) changes. Used by ``runtime/optimizer_binding.py`` for an optimizer
+step moves) changes. Used by ``runtime/budgets.py`` for an optimizer
 constructed after the homes were laid out.
 """
 
@@ -29,7 +29,7 @@ def tensor_state_bytes(layout: ChunkLayout, optimizer: ChunkOptimizer[Any]) -> i
     of ``layout``: Adafactor's row and column factors; 0 for the others.
 
     NOTE: they live in host memory beside the units, whatever the homes, and a
-    sharded rank keeps them whole (``runtime/whole_tensor_step.py``): so they are
+    sharded rank keeps them whole (``runtime/step_context.py``): so they are
     a fixed host cost, not divided by the shard count. See
     NOTE [per-tensor optimizer state].
     """

@@ -6,13 +6,13 @@ import itertools
 
 import pytest
 
-from infinity.chunks.grad_state import (
+from infinity.chunks.states import (
     LEGAL_GRAD_TRANSITIONS,
     GradStates,
     IllegalGradTransition,
+    IllegalTransition,
 )
-from infinity.chunks.grad_state import GradState as G
-from infinity.chunks.states import IllegalTransition
+from infinity.chunks.states import GradState as G
 
 ILLEGAL = sorted(set(itertools.product(G, G)) - LEGAL_GRAD_TRANSITIONS)
 

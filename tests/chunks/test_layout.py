@@ -7,8 +7,13 @@ import random
 
 import pytest
 
-from infinity.chunks.chunk_size import chunk_cap, search_chunk_size
-from infinity.chunks.layout import IO_ALIGNMENT, TensorInfo, build_layout
+from infinity.chunks.layout import (
+    IO_ALIGNMENT,
+    TensorInfo,
+    build_layout,
+    chunk_cap,
+    search_chunk_size,
+)
 
 
 def _tensors(sizes, trainable=None):

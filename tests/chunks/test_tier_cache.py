@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from infinity.chunks.accounting import TierAccount
 from infinity.chunks.cache import TierCache
-from infinity.chunks.pools import SlabPool
+from infinity.chunks.pools import SlabPool, TierAccount
 from infinity.schedule.eviction import LRUPolicy
 
 SLOT = 4096

@@ -7,14 +7,14 @@ import itertools
 
 import pytest
 
-from infinity.chunks.states import IllegalTransition
-from infinity.chunks.update_state import (
+from infinity.chunks.states import (
     LEGAL_UPDATE_TRANSITIONS,
+    IllegalTransition,
     IllegalUpdateTransition,
     StaleRead,
     UpdateStates,
 )
-from infinity.chunks.update_state import UpdateState as U
+from infinity.chunks.states import UpdateState as U
 
 ILLEGAL = sorted(set(itertools.product(U, U)) - LEGAL_UPDATE_TRANSITIONS)
 # Each state reached by the engine's own moves from IDLE.

@@ -1,4 +1,4 @@
-"""The step's bound on a GPU (``infinity.stats(model)["last_step"]``, runtime/step_timer.py).
+"""The step's bound on a GPU (``infinity.stats(model)["last_step"]``, runtime/stepping.py).
 
 The references are CUDA events the test records itself around plain PyTorch's
 forward and backward of the same model, and the bytes the engine counted: the

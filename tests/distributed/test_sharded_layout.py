@@ -16,9 +16,9 @@ from engine_helpers import tiny_llama
 from harness import run_ranks
 
 import infinity
+from infinity.distributed import DistributedError
 from infinity.offload import engine_of
 from infinity.optim import CPUSGD
-from infinity.distributed import DistributedError
 
 pytestmark = pytest.mark.distributed
 

@@ -45,7 +45,7 @@ def _expected_chunk(engine, chunk: int, ref: torch.nn.Module):
     spec = engine.layout.chunks[chunk]
     expected = torch.zeros(spec.capacity)
     has_grad = torch.zeros(spec.capacity, dtype=torch.bool)
-    for entry in engine.chunk_members[chunk]:
+    for entry in engine.chunks.chunk_members[chunk]:
         slot = engine.layout.slots[entry.index]
         grad = ref_grads[entry.name].grad
         if grad is not None:

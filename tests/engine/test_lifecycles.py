@@ -13,7 +13,7 @@ import infinity
 from infinity.chunks.states import IllegalTransition
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
-from infinity.runtime.lifecycles import (
+from infinity.runtime.model_chunks import (
     LEGAL_BACKWARD,
     LEGAL_LOSS_SCALE,
     LEGAL_TENSOR_GRAD,
@@ -90,11 +90,11 @@ def test_the_engine_states_follow_backward_zero_grad_and_the_loss_scale():
     trainable = [p for p in model.parameters() if p.requires_grad]
     index = {id(e.param): e.index for e in engine.registry.entries}
     # What torch shows (a sentinel in .grad) is what the states say.
-    assert all(engine.has_grad[index[id(p)]] == (p.grad is not None) for p in trainable)
-    assert engine.has_grad.held == len(trainable)
+    assert all(engine.chunks.has_grad[index[id(p)]] == (p.grad is not None) for p in trainable)
+    assert engine.chunks.has_grad.held == len(trainable)
     opt.step()
     assert engine.pipeline.loss_scale.state is LossScale.UNSCALED
     opt.zero_grad()
     opt.step()  # collects the zeroed sentinels: nothing held any more
-    assert not engine.has_grad.any
+    assert not engine.chunks.has_grad.any
     engine.close()

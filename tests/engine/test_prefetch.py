@@ -149,8 +149,8 @@ def test_overlapped_optimizer_step_is_bitwise_equal(tmp_path):
     assert losses == plain_losses
     for k, v in plain_state.items():
         assert torch.equal(state[k], v), k
-    assert engine.step_count == 4
-    assert engine.early_chunk_steps > 4  # chunks were really stepped during backward
+    assert engine.pipeline.step_count == 4
+    assert engine.queue.early_chunk_steps > 4  # chunks were really stepped during backward
 
 
 def test_overlap_refuses_clipping_and_accumulation(tmp_path):

@@ -1,4 +1,4 @@
-"""The step's bound in ``infinity.stats(model)["last_step"]`` (runtime/step_timer.py).
+"""The step's bound in ``infinity.stats(model)["last_step"]`` (runtime/stepping.py).
 
 Each part is checked against a clock or a delay the test controls: copies made slow
 by the backend's injected delay are waits, not compute; the host optimizer's seconds

@@ -33,14 +33,14 @@ def test_step_leaves_nvme_updates_queued_and_the_forward_runs_them(tmp_path):
     data = batches(3)
     for batch in data:
         _step_both(model, opt, ref, ref_opt, batch)
-        assert engine.trailing, "nothing was queued: the optimizer states are not on NVMe"
-    before = engine.trailing_chunk_steps
+        assert engine.queue.trailing, "nothing was queued: the optimizer states are not on NVMe"
+    before = engine.queue.trailing_chunk_steps
     with torch.no_grad():
         ours = model(data[0][0])
         theirs = ref(data[0][0])
-    assert engine.trailing_chunk_steps > before  # the forward ran queued updates
+    assert engine.queue.trailing_chunk_steps > before  # the forward ran queued updates
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
-    assert not engine.trailing  # every chunk was touched by the forward
+    assert not engine.queue.trailing  # every chunk was touched by the forward
 
 
 def test_state_dict_right_after_step_has_the_update(tmp_path):

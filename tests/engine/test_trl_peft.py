@@ -4,7 +4,7 @@ Every run is compared with the same job on the plain model in the same test:
 ``torch.optim.AdamW`` (single-tensor) is the reference, and the tolerance is how
 far torch's own fused AdamW lands from it on the same job. ``SFTTrainer``
 computes its loss with a fused LM head that reads ``lm_head.weight`` without
-calling the head (``runtime/direct_reads.py``): before that was handled, the
+calling the head (``runtime/hooks.py``): before that was handled, the
 weight was a placeholder and the first gradient norm was NaN.
 """
 

@@ -10,7 +10,7 @@ import torch
 from engine_helpers import batches, global_rel_error, gpt_loss, nvme_pair
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.update_state import StaleRead, UpdateState
+from infinity.chunks.states import StaleRead, UpdateState
 from infinity.offload import engine_of
 
 TOL = 1e-5
@@ -23,7 +23,7 @@ def _chunk_values(engine, chunk: int) -> dict[str, torch.Tensor]:
         flat = region.view(torch.float32)
         return {
             e.name: flat[s.offset : s.offset + s.numel].view(s.shape).clone()
-            for e in engine.chunk_members[chunk]
+            for e in engine.chunks.chunk_members[chunk]
             for s in [engine.layout.slots[e.index]]
         }
     finally:
@@ -36,7 +36,7 @@ def test_a_bypassing_read_of_a_trailing_chunk_runs_its_update_first(tmp_path):
     for m, o in ((model, opt), (ref, ref_opt)):
         gpt_loss(m, batches(1)[0]).backward()
         o.step()
-    trailing = [w.chunk for w in engine.trailing]
+    trailing = [w.chunk for w in engine.queue.trailing]
     assert trailing, "nothing was queued: the optimizer states are not on NVMe"
     chunk = trailing[-1]
     assert engine.manager.updates[chunk] is UpdateState.TRAILING
@@ -61,7 +61,7 @@ def test_without_the_pipeline_a_stale_read_raises(tmp_path):
     engine = engine_of(model)
     gpt_loss(model, batches(1)[0]).backward()
     opt.step()
-    chunk = [w.chunk for w in engine.trailing][-1]
+    chunk = [w.chunk for w in engine.queue.trailing][-1]
     runner, engine.manager.updates.runner = engine.manager.updates.runner, None
     try:
         for kind in (Kind.PARAM, Kind.OPTIM):

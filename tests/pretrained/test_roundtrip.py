@@ -187,3 +187,30 @@ def test_from_pretrained_reports_and_initialises_missing_weights(
         assert torch.equal(got[name], value), name
     head = got["lm_head.weight"]  # the model's own init (normal, std initializer_range)
     assert abs(head.std().item() - plain.config.initializer_range) < 0.1 * 0.02
+
+
+def test_the_file_is_read_when_the_optimizer_lays_the_model_out(
+    tmp_path, make_model, offload_config
+):
+    """NOTE [the layout is decided once, late]: ``from_pretrained`` reads nothing until
+    the optimizer is constructed, so the homes are planned for that optimizer (Lion's:
+    less NVMe than Adam's where the host is small) and still hold the file's values."""
+    from infinity.offload import engine_of
+    from infinity.optim import CPULion
+
+    plain = make_model("llama-untied", seed=3)
+    plain.save_pretrained(tmp_path / "hf")
+    pbytes = sum(p.numel() for p in plain.parameters()) * 4
+    config = offload_config(
+        host_memory=pbytes * 5 // 2, nvme_path=str(tmp_path / "nvme"), chunk_size="16KiB"
+    )
+    model = infinity.from_pretrained(tmp_path / "hf", config)
+    engine = engine_of(model)
+    assert not engine.laid_out
+    CPULion(model.parameters(), lr=1e-4)
+    assert engine.laid_out_by == "the construction of CPULion"
+    assert engine.home_plan.nvme_bytes < engine.offload_plan.nvme_bytes
+    got = model.state_dict()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(got[name], value), name
+    engine.close()

@@ -1,6 +1,6 @@
 """The measured rows of ``infinity train``'s summary: each memory line against its limit,
 the peaks against the forecast, and the step against its bound (what
-``infinity.stats(model)`` reports; runtime/memory.py, runtime/step_timer.py)."""
+``infinity.stats(model)`` reports; runtime/memory.py, runtime/stepping.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from infinity.utils.sizes import format_size
 
-# The step's bound (infinity.stats(model)["last_step"], runtime/step_timer.py).
+# The step's bound (infinity.stats(model)["last_step"], runtime/stepping.py).
 BOUND_PARTS = {
     "device_compute_seconds": "device compute",
     "host_optimizer_seconds": "host optimizer",
