@@ -111,7 +111,7 @@ class HookSet:
             engine.end_forward()
 
         # Nesting depth of each owner's binding: a module bound by a direct read
-        # (direct_reads.py) may also run its own forward inside it.
+        # (head_read_directly, below) may also run its own forward inside it.
         self._depth: dict[nn.Module, int] = {}
         direct = head_read_directly(model, engine.registry)
 

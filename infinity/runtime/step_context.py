@@ -113,7 +113,7 @@ def step_runs(
         shape, tensor_state = None, {}
         if run.tensor is not None:
             if (low, high) != (run.start, run.end):
-                # NOTE: refused when the optimizer is bound (optimizer_binding.py):
+                # NOTE: refused when the optimizer is bound (budgets.check_whole_tensors):
                 # reaching here is a bug, not a user error.
                 raise AssertionError(f"tensor {run.tensor} is cut by the window {window}")
             shape = engine.layout.slots[run.tensor].shape

@@ -296,9 +296,12 @@ def _offloaded(
         model = _offload_reading_nvme_directly(model, cfg)
     else:
         model = infinity.offload(model, cfg)
+    # NOTE [the layout is decided once, late]: the optimizer first, so the homes are
+    # planned for it; reading the queue before would lay them out for Adam.
+    optimizer = offloaded_optimizer(case, param_groups(case, model))
     if case.defer_host:
         engine_of(model).queue.defer_host = True
-    return model, offloaded_optimizer(case, param_groups(case, model))
+    return model, optimizer
 
 
 def _train(
