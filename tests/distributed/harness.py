@@ -245,3 +245,11 @@ def run_ranks(
             f"{len(failed)} of {nprocs} ranks failed:\n" + "\n".join(o.describe() for o in failed)
         )
     return [o.result for o in outcomes]
+
+
+def state_rel_error(ours: dict[str, Any], ref: dict[str, Any]) -> float:
+    """Relative L2 error of a state dict ``ours`` against the reference ``ref``, over
+    all of ``ref``'s tensors together (in float64)."""
+    num = sum(float((ours[k].double() - v.double()).pow(2).sum()) for k, v in ref.items())
+    den = sum(float(v.double().pow(2).sum()) for v in ref.values())
+    return (num / den) ** 0.5

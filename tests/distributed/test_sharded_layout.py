@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import tiny_llama
-from harness import run_ranks
+from harness import run_ranks, state_rel_error
 
 import infinity
 from infinity.distributed import DistributedError
@@ -84,17 +84,11 @@ def _plain() -> dict:
     return model.state_dict()
 
 
-def _rel(ours: dict, ref: dict) -> float:
-    num = sum(float((ours[k].double() - v.double()).pow(2).sum()) for k, v in ref.items())
-    den = sum(float(v.double().pow(2).sum()) for v in ref.values())
-    return (num / den) ** 0.5
-
-
 def test_both_ranks_lay_out_for_their_optimizer_and_train_like_one_process(tmp_path):
     results = run_ranks(_rank, str(tmp_path), None, timeout=300.0)
     for result in results:
         assert result["after"] < result["before"]
-    assert _rel(results[0]["state"], _plain()) < 1e-5
+    assert state_rel_error(results[0]["state"], _plain()) < 1e-5
 
 
 def test_a_rank_that_reads_first_makes_both_raise_naming_the_reasons(tmp_path):

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 from engine_helpers import tiny_llama
-from harness import run_ranks
+from harness import run_ranks, state_rel_error
 
 import infinity
 from infinity.chunks.spans import is_split
@@ -177,12 +177,6 @@ def _plain(dtype: torch.dtype, *, fused: bool = False, halves: bool = False) -> 
     return {k: v.to(dtype) for k, v in master.state_dict().items()}
 
 
-def _rel(ours: dict, ref: dict) -> float:
-    num = sum(float((ours[k].double() - v.double()).pow(2).sum()) for k, v in ref.items())
-    den = sum(float(v.double().pow(2).sum()) for v in ref.values())
-    return (num / den) ** 0.5
-
-
 def _equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k, v in a.items():
@@ -244,12 +238,15 @@ def test_trained_state_dict_matches_plain_pytorch_and_is_the_same_on_every_rank(
     r0, r1 = (r[case]["trained"] for r in run["ranks"])
     _equal(r0, r1)
     ref = _plain(dtype)
-    gap = max(_rel(_plain(dtype, fused=True), ref), _rel(_plain(dtype, halves=True), ref))
-    error = _rel(r0, ref)
+    gap = max(
+        state_rel_error(_plain(dtype, fused=True), ref),
+        state_rel_error(_plain(dtype, halves=True), ref),
+    )
+    error = state_rel_error(r0, ref)
     assert error <= NOISE_MULTIPLE * gap, (case, error, gap)
     # NOTE: the bound must be able to fail: far below what training changed.
     initial = {k: v.to(dtype) for k, v in _model().state_dict().items()}
-    assert NOISE_MULTIPLE * gap < 0.25 * _rel(initial, ref), (case, gap)
+    assert NOISE_MULTIPLE * gap < 0.25 * state_rel_error(initial, ref), (case, gap)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -285,7 +282,7 @@ def _mean_gradients(plain: torch.nn.Module, ids: torch.Tensor) -> list[dict]:
 def _close_per_tensor(ours: dict, want: dict, bound: float) -> None:
     assert ours.keys() == want.keys()
     for n, value in want.items():
-        error = _rel({n: ours[n]}, {n: value.to(ours[n].dtype)})
+        error = state_rel_error({n: ours[n]}, {n: value.to(ours[n].dtype)})
         assert error <= bound, (n, error)
 
 

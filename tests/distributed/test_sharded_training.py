@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import tiny_llama
-from harness import run_ranks
+from harness import run_ranks, state_rel_error
 
 import infinity
 from infinity.core.names import HOST, NVME
@@ -117,12 +117,6 @@ def _plain(
     return model.state_dict()
 
 
-def _rel(ours: dict, ref: dict) -> float:
-    num = sum(float((ours[k].double() - v.double()).pow(2).sum()) for k, v in ref.items())
-    den = sum(float(v.double().pow(2).sum()) for v in ref.values())
-    return (num / den) ** 0.5
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> list[dict[str, dict]]:
     root = tmp_path_factory.mktemp("nvme")
@@ -134,16 +128,16 @@ def test_two_ranks_train_like_one_process_with_twice_the_batch(trained, name):
     _nvme, accumulation, clip, _overlap = CASES[name]
     ref = _plain(accumulation, clip)
     gap = max(
-        _rel(_plain(accumulation, clip, fused=True), ref),
-        _rel(_plain(accumulation, clip, halves=True), ref),
+        state_rel_error(_plain(accumulation, clip, fused=True), ref),
+        state_rel_error(_plain(accumulation, clip, halves=True), ref),
     )
-    error = _rel(trained[0][name]["state"], ref)
+    error = state_rel_error(trained[0][name]["state"], ref)
     assert error <= NOISE_MULTIPLE * gap, (name, error, gap)
     # NOTE: the bound must be able to fail: a skipped or stale update (what one
     # step moves the parameters) lands far outside it. Measured, not a fixed
     # fraction of LR: the noise depends on the CPU's kernels (AVX2 machines
     # measure about 2.7e-6, above the 1e-3 x LR this once used).
-    one_step = _rel(_plain(accumulation, clip, steps=STEPS - 1), ref)
+    one_step = state_rel_error(_plain(accumulation, clip, steps=STEPS - 1), ref)
     assert NOISE_MULTIPLE * gap < 0.01 * one_step, (gap, one_step)
 
 

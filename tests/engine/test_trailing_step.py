@@ -47,7 +47,7 @@ def test_state_dict_right_after_step_has_the_update(tmp_path):
     model, opt, ref, ref_opt = _pair(tmp_path)
     for batch in batches(2):
         _step_both(model, opt, ref, ref_opt, batch)
-    assert engine_of(model).trailing
+    assert engine_of(model).queue.trailing
     err = global_rel_error(model, ref)  # reads model.state_dict() before any forward
     assert err < TOL, f"global relative error {err:.2e}"
 
@@ -88,7 +88,7 @@ def test_checkpoint_saved_right_after_step_resumes_the_reference_curve(tmp_path)
     data = batches(4)
     for batch in data[:2]:
         _step_both(model, opt, ref, ref_opt, batch)
-    assert engine_of(model).trailing
+    assert engine_of(model).queue.trailing
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
     engine_of(model).close()
     fresh, fresh_opt, _, _ = _pair(tmp_path / "b")
