@@ -197,7 +197,7 @@ class TierCache:
         if self.lend_larger:
             slot = self._take(fitting)
         else:
-            slot = self._take_own_size(fitting, moment, lambda _key: True)
+            slot = self._take_own_size(fitting, moment, lambda _key: True, wait=True)
         while slot is None:
             self._evict_one(fitting, moment)
             slot = self._take(fitting)
@@ -251,10 +251,16 @@ class TierCache:
         return copy
 
     def _take_own_size(
-        self, fitting: list[SlabPool], moment: int, may_evict: Callable[[Hashable], bool]
+        self,
+        fitting: list[SlabPool],
+        moment: int,
+        may_evict: Callable[[Hashable], bool],
+        *,
+        wait: bool = False,
     ) -> Slot | None:
         """A free slot of the smallest fitting size, else one an idle clean copy of that
-        size gives up (``may_evict``), else a free larger slot; ``None`` if none.
+        size gives up (``may_evict``), else (``wait``) one a clean copy of that size
+        gives up once its transfers land, else a free larger slot; ``None`` if none.
 
         NOTE: a chunk in a larger slot than its own takes that slot from the
         chunks of that size for as long as it is held. A checkpointed block holds
@@ -264,22 +270,45 @@ class TierCache:
         slots. Where no block is recomputed (``lend_larger``) holds are short and
         a spare large slot is better used as cache: fewer fetches
         (tests/engine/test_plan_estimate.py, 2.3x against 2x the parameter bytes).
+
+        NOTE: a clean copy of the chunk's size whose transfers are still landing
+        (a retired gradient flush, a prefetch) is that size's room too: a demand
+        fetch waits for it rather than take a larger slot (a prefetch, which must
+        not block, passes ``wait=False``). Under data parallel a gradient flush is
+        a reduce-scatter chained to the copy home, started only when polled, so
+        the slots the block just finished had flushed were all still retired when
+        the next block's recomputation began: its small chunks took the large
+        slots and its large chunks found none (PoolExhausted on 2 ranks at budgets
+        the plan accepted, sweep seed 4242; one process flushes by one copy,
+        started at the flush, which had landed by then).
         """
         own = fitting[0]
         slot = own.try_take()
         if slot is not None:
             return slot
-        idle = [
-            c.key
-            for c in self._copies.values()
-            if c.slot.pool is own and c.evictable() and not c.dirty and may_evict(c.key)
-        ]
-        if idle:
-            self.evict(self.policy.choose(idle, moment))
-            slot = own.try_take()
-            if slot is not None:
-                return slot
-        return self._take(fitting[1:])
+        while True:
+            mine = [c for c in self._copies.values() if c.slot.pool is own]
+            idle = [c.key for c in mine if c.evictable() and not c.dirty and may_evict(c.key)]
+            if idle:
+                self.evict(self.policy.choose(idle, moment))
+                slot = own.try_take()
+                if slot is not None:
+                    return slot
+            landing = [
+                c
+                for c in mine
+                if c.pins == 0
+                and not c.dirty
+                and c.pending
+                and not c.has_live_views()
+                and may_evict(c.key)
+            ]
+            if not wait or not landing:
+                return self._take(fitting[1:])
+            # NOTE: a retired copy gives up its slot and nothing else; a landing
+            # prefetch would be fetched again.
+            landing.sort(key=lambda c: not _retired(c.key))
+            landing[0].wait()
 
     @staticmethod
     def _take(pools: list[SlabPool]) -> Slot | None:
@@ -383,6 +412,11 @@ class TierCache:
             f"every {self.tier} slot of {sizes[0]} bytes or more is in use ({held}); "
             f"raise the {self.tier} budget or lower chunk_size."
         )
+
+
+def _retired(key: Hashable) -> bool:
+    """``key`` is a retired copy's (see :meth:`TierCache._retire`)."""
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == "retired"
 
 
 class ChainedTransfer:

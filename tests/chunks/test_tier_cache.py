@@ -72,3 +72,44 @@ def test_a_blocking_insert_waits_for_a_landing_copy_rather_than_write_back_a_dir
     cache.get("another").pins += 1
     cache.insert("last", SLOT, moment=4)
     assert written == ["grad"] and "grad" not in cache
+
+
+def _two_sizes(small: int, large: int) -> TierCache:
+    """A device cache of two slot sizes that keeps chunks in slots of their own size
+    (a plan with recomputed blocks: ``lend_larger=False``)."""
+
+    def pool(size: int, count: int) -> SlabPool:
+        return SlabPool("device", size, count, lambda n: torch.empty(n, dtype=torch.uint8))
+
+    return TierCache(
+        "device",
+        {SLOT: pool(SLOT, small), 2 * SLOT: pool(2 * SLOT, large)},
+        LRUPolicy(),
+        TierAccount("device", None),
+        lambda _copy: None,
+        lend_larger=False,
+    )
+
+
+def test_a_demand_fetch_waits_for_a_slot_of_its_size_still_landing_before_a_larger_one():
+    # Sharded, a flushed gradient chunk stays retired in its slot until its
+    # reduce-scatter and copy home land; a small chunk of a recomputed block that
+    # took a free large slot instead left a large chunk of the block none.
+    cache = _two_sizes(small=1, large=1)
+    flush = _Transfer()
+    grad = cache.insert("grad", SLOT, moment=0)
+    grad.pending.append(flush)
+    cache.evict("grad")  # retired: the slot is freed once the flush lands
+    small = cache.insert("small", SLOT, moment=1)
+    assert flush.finished and small.slot.nbytes == SLOT
+    small.pins += 1  # held by the recomputation, as the large chunk below
+    assert cache.insert("large", 2 * SLOT, moment=2).slot.nbytes == 2 * SLOT
+
+
+def test_a_prefetch_never_waits_for_a_slot_still_landing():
+    cache = _two_sizes(small=1, large=1)
+    flush = _Transfer()
+    cache.insert("grad", SLOT, moment=0).pending.append(flush)
+    cache.evict("grad")
+    assert cache.try_insert("small", SLOT, 1, may_evict=lambda _key: True) is None
+    assert not flush.finished

@@ -611,4 +611,88 @@ EXAMPLES: tuple[Case, ...] = (
             "backward ended (PoolExhausted in 5 of 74 GPT-2 cases, even at device 1.2)"
         ),
     ),
+    # Data parallel with recomputed blocks: the slots a block's recomputation needs
+    # were still held by the gradient flushes (reduce-scatters) of the block before.
+    Case(
+        world=2,
+        state_dtype="bf16",
+        tied=False,
+        clip=0.5,
+        chunk_size="16KiB",
+        host=1.5,
+        device=0.6,
+        activations="checkpoint",
+        evaluate="no_grad",
+        why=(
+            "sweep seed 4242: on two ranks a recomputed block's small chunks took the "
+            "large device slots while the slots of their own size were still held by "
+            "the gradient flushes (reduce-scatters) of the block before, and its large "
+            "chunks found none: PoolExhausted in backward at a budget the plan accepted"
+        ),
+    ),
+    Case(
+        world=2,
+        optimizer="adafactor",
+        tied=False,
+        accumulation=2,
+        clip=0.5,
+        chunk_size="16KiB",
+        host=0.25,
+        device=0.35,
+        activations="checkpoint",
+        defer_host=True,
+        why=(
+            "sweep seed 4242, as the case above (Adafactor, states on NVMe, host "
+            "updates deferred): PoolExhausted in a recomputed block's backward on two ranks"
+        ),
+    ),
+    Case(
+        world=2,
+        optimizer="adafactor",
+        accumulation=2,
+        clip=0.5,
+        chunk_size="16KiB",
+        host=0.12,
+        device=0.35,
+        activations="checkpoint",
+        recipe=True,
+        why=(
+            "sweep seed 4242, as the case above (Adafactor, tied, parameters on NVMe, "
+            "parameter groups): PoolExhausted in a recomputed block's backward on two ranks"
+        ),
+    ),
+    Case(
+        world=2,
+        accumulation=2,
+        clip=0.5,
+        chunk_size="16KiB",
+        host=0.25,
+        device=0.35,
+        activations="checkpoint",
+        defer_host=True,
+        resume_at=2,
+        resume_host=0.25,
+        resume_device=0.6,
+        loss_block=16,
+        why=(
+            "sweep seed 4242, as the case above (a resume, the loss a block of tokens at "
+            "a time): PoolExhausted in a recomputed block's backward on two ranks"
+        ),
+    ),
+    Case(
+        world=2,
+        accumulation=2,
+        chunk_size="16KiB",
+        host=0.45,
+        device=0.6,
+        checkpointing="non-reentrant",
+        activations="offload",
+        defer_host=True,
+        evaluate="no_grad",
+        why=(
+            "sweep seed 4242, as the case above (transformers' gradient checkpointing, "
+            "activations offloaded): PoolExhausted in a recomputed block's backward on two "
+            "ranks"
+        ),
+    ),
 )
