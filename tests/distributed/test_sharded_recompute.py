@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import tiny_llama
-from harness import run_ranks
+from harness import run_ranks, state_rel_error
 
 import infinity
 from infinity.activations.blocks import recomputed_blocks
@@ -94,18 +94,12 @@ def _plain(*, fused: bool = False, halves: bool = False, steps: int = STEPS):
     return model.state_dict()
 
 
-def _rel(ours: dict, ref: dict) -> float:
-    num = sum(float((ours[k].double() - v.double()).pow(2).sum()) for k, v in ref.items())
-    den = sum(float(v.double().pow(2).sum()) for v in ref.values())
-    return (num / den) ** 0.5
-
-
 def test_recomputed_blocks_train_on_two_ranks_at_the_planned_device_budget(tmp_path):
     ours = run_ranks(_rank_trains, _planned_minimum(), timeout=240.0)[0]
     ref = _plain()
-    gap = max(_rel(_plain(fused=True), ref), _rel(_plain(halves=True), ref))
-    error = _rel(ours, ref)
+    gap = max(state_rel_error(_plain(fused=True), ref), state_rel_error(_plain(halves=True), ref))
+    error = state_rel_error(ours, ref)
     assert error <= NOISE_MULTIPLE * gap, (error, gap)
     # NOTE: the bound must be able to fail: a skipped or stale update lands far outside.
-    one_step = _rel(_plain(steps=STEPS - 1), ref)
+    one_step = state_rel_error(_plain(steps=STEPS - 1), ref)
     assert NOISE_MULTIPLE * gap < 0.01 * one_step, (gap, one_step)
