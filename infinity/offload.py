@@ -21,9 +21,9 @@ from infinity.runtime.materialize import (
     check_initialisable,
     fill_chunks,
     fill_parameterless_buffers,
-    make_meta_params_real,
     materialize_buffers,
     native_init,
+    take_values,
 )
 
 
@@ -48,10 +48,10 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     Nothing is allocated here (NOTE [the layout is decided once, late]): the
     homes are planned for the first optimizer constructed over the model (so
     construct it next), or for Adam's state at the first forward or read of the
-    model; then the initial values are written and, outside a forward pass,
-    parameters hold zero-byte placeholders: their shape, dtype and ``numel()``
-    are right, their values are in the chunks (read them with
-    ``model.state_dict()``). Under data parallel laying out is collective: every
+    model; then the initial values are written. Outside a forward pass,
+    parameters hold zero-byte placeholders on the engine's device: their shape,
+    dtype and ``numel()`` are right, their values are in the chunks (read them
+    with ``model.state_dict()``). Under data parallel laying out is collective: every
     rank must construct the same optimizer (checked).
     """
     if not isinstance(model, nn.Module):
@@ -74,8 +74,8 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
         pending = materialize_buffers(model, engine.device)
         _move_buffers(model, engine.device)
         pending = fill_parameterless_buffers(pending, init)
-        on_meta = make_meta_params_real(engine.registry, engine.dtype, engine.device)
-        engine.fill = _filler(model, init, pending, on_meta)
+        on_meta, kept = take_values(engine.registry, engine.dtype, engine.device)
+        engine.fill = _filler(model, init, pending, on_meta, kept)
         hooks = HookSet(model, engine)
         hooks.handles.extend(install_state_dict_hooks(engine))
     except BaseException:
@@ -90,7 +90,11 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
 
 
 def _filler(
-    model: nn.Module, init: Init | None, pending: list[PendingBuffer], on_meta: set[int]
+    model: nn.Module,
+    init: Init | None,
+    pending: list[PendingBuffer],
+    on_meta: set[int],
+    kept: dict[int, torch.Tensor],
 ) -> Callable[[OffloadEngine], None]:
     """What writes ``model``'s initial values into the engine's homes once they are laid
     out (holding the model weakly: its hooks hold the engine)."""
@@ -101,7 +105,7 @@ def _filler(
         if target is None:
             raise ReferenceError("the offloaded model was dropped before its chunks were laid out")
         with torch.no_grad():
-            fill_chunks(engine, target, init, pending, on_meta)
+            fill_chunks(engine, target, init, pending, on_meta, kept)
 
     return fill
 

@@ -196,26 +196,35 @@ class _ScratchPool:
         self._free.setdefault(values.numel(), []).append(values)
 
 
-def make_meta_params_real(
+def take_values(
     registry: ParamRegistry, dtype: torch.dtype, device: torch.device
-) -> set[int]:
-    """Turn each meta parameter into a real one holding its placeholder (the same
-    object); the indices of those that were on ``meta`` (their values are made by
-    ``init`` in :func:`fill_chunks`).
+) -> tuple[set[int], dict[int, torch.Tensor]]:
+    """Point every parameter at its placeholder, at offload: the indices of those that
+    were on ``meta`` (``init`` makes their values in :func:`fill_chunks`), and the
+    values of the others, kept until :func:`fill_chunks` copies them into the chunks.
 
+    NOTE [the layout is decided once, late]: from offload on, a parameter looks as
+    offloaded (a placeholder on the engine's device and in its dtype), whether or
+    not the chunks are laid out yet: libraries read ``model.device`` from it
+    (``transformers``' ``generate`` puts its inputs there) before any forward.
     NOTE: a meta tensor's .data cannot be re-pointed at real memory; swap_tensors
     turns the same Parameter object (tied references and all) into a real one, so
     user references stay valid. At offload, before the optimizer registry holds
     weak references to the parameters (swap_tensors refuses a tensor with one).
     """
-    on_meta = {e.index for e in registry.entries if e.param.is_meta}
+    on_meta: set[int] = set()
+    kept: dict[int, torch.Tensor] = {}
     for entry in registry.entries:
-        if entry.index in on_meta:
-            if entry.placeholder is None:
-                entry.placeholder = placeholder(entry.shape, dtype, device)
+        if entry.placeholder is None:
+            entry.placeholder = placeholder(entry.shape, dtype, device)
+        if entry.param.is_meta:
+            on_meta.add(entry.index)
             fresh = nn.Parameter(entry.placeholder, requires_grad=entry.trainable)
             torch.utils.swap_tensors(entry.param, fresh)
-    return on_meta
+        else:
+            kept[entry.index] = entry.param.data
+            entry.param.data = entry.placeholder
+    return on_meta, kept
 
 
 def fill_chunks(
@@ -224,10 +233,11 @@ def fill_chunks(
     init: Init | None,
     pending: list[PendingBuffer] = (),  # type: ignore[assignment]
     on_meta: set[int] = frozenset(),  # type: ignore[assignment]
+    kept: dict[int, torch.Tensor] | None = None,
 ) -> None:
     """Write every chunk's initial values and release the model's own parameter memory.
-    ``on_meta``: the parameters :func:`make_meta_params_real` made real, which
-    ``init`` fills.
+    ``on_meta`` and ``kept``: from :func:`take_values` (the parameters ``init`` fills,
+    and the values of the others, dropped here as their chunks are written).
 
     ``init`` also runs on each module owning a ``pending`` buffer that it did
     not run on already; a pending buffer it leaves untouched is an error. With
@@ -273,7 +283,9 @@ def fill_chunks(
         for entry in todo:
             if entry.index not in on_meta:
                 with torch.no_grad():
-                    scratch_view(entry).copy_(entry.param.data)
+                    scratch_view(entry).copy_(
+                        kept.pop(entry.index) if kept is not None else entry.param.data
+                    )
                 finish(entry)
         if not meta:
             continue

@@ -32,6 +32,7 @@ import infinity
 from infinity.core.names import HOST
 from infinity.offload import engine_of
 from infinity.optim import CPUSGD, CPUAdafactor, CPUAdam, CPULion
+from infinity.runtime.params import is_placeholder
 from infinity.runtime.state_access import read_params
 
 STEPS = 3
@@ -79,6 +80,9 @@ def test_offload_allocates_nothing_until_the_optimizer(tmp_path):
     engine = engine_of(model)
     assert not engine.laid_out and engine.offload_plan.nvme_bytes > 0
     assert _swap_files(tmp_path) == []  # no swap file yet
+    # yet every parameter already looks offloaded: libraries read model.device from it
+    assert all(is_placeholder(p.data) for p in model.parameters())
+    assert {p.device for p in model.parameters()} == {engine.device}
     CPUAdam(model.parameters(), lr=1e-3)
     assert engine.laid_out and engine.laid_out_by == "the construction of CPUAdam"
     assert engine.home_plan is engine.offload_plan  # Adam's plan, as checked at offload
