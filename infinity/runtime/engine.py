@@ -1,7 +1,11 @@
 """``OffloadEngine``: one per offloaded model; what the hooks and the optimizer call.
 
-The engine composes components, each owning its state and built only on those
-before it (one dependency direction, none knows the engine):
+Made at ``offload`` with the offload plan (Adam's, to check the budgets) and nothing
+allocated; :meth:`OffloadEngine.lay_out` then builds, once, the components below on
+homes planned for the first optimizer constructed over the model (or Adam's at the
+first forward or read): NOTE [the layout is decided once, late]. Each component owns
+its state and is built only on those before it (one dependency direction, none
+knows the engine):
 
 - :class:`~infinity.runtime.model_chunks.ModelChunks` (``chunks``): registry,
   plan, layout, chunk manager, tensor states, step counts, gradient states;
@@ -399,7 +403,8 @@ class OffloadEngine:
 
     def end_forward(self) -> None:
         """The root module's forward ended: backward's first activations start loading."""
-        self.activation_policy.end_forward()
+        if self.laid_out:  # NOTE: not when the lay-out itself failed at begin_forward
+            self.activation_policy.end_forward()
 
     # --- saved tensors -----------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
