@@ -160,6 +160,8 @@ class HookSet:
         self._depth[module] = depth + 1
 
     def _leave(self, module: nn.Module) -> None:
+        if not self._engine.laid_out:
+            return  # the lay-out failed in this forward's first hook: nothing is bound
         depth = self._depth.get(module, 0)
         if depth <= 1:
             self._depth.pop(module, None)
