@@ -2,13 +2,7 @@
 
 A copy may give up its slot only when nothing can still touch the memory:
 no pin (in use by a module or the optimizer), no transfer in flight, and no
-live view handed out (tracked through storage weak references of aliases).
-
-Two-stage transfers (:class:`ChainedTransfer`): NVMe -> host staging, then host
--> device. The second stage may start only when the first has landed. Rather
-than a thread per transfer, the chain advances whenever anyone looks at it (a
-``done()`` poll from the prefetcher or an eviction check) or waits on it.
-"""
+live view handed out (tracked through storage weak references of aliases)."""
 
 from __future__ import annotations
 
@@ -20,7 +14,7 @@ from typing import Protocol
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from infinity.chunks.pools import PoolExhausted, SlabPool, Slot, TierAccount
+from infinity.chunks.pools import Pending, PoolExhausted, SlabPool, Slot, TierAccount
 
 
 class EvictionPolicy(Protocol):
@@ -44,13 +38,6 @@ class EvictionPolicy(Protocol):
 
     def forget(self, key: Hashable) -> None:
         """``key`` left the cache."""
-
-
-class Pending(Protocol):
-    """Anything in flight on a slot: a device copy or an NVMe request."""
-
-    def wait(self) -> object: ...
-    def done(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -271,16 +258,12 @@ class TierCache:
         a spare large slot is better used as cache: fewer fetches
         (tests/engine/test_plan_estimate.py, 2.3x against 2x the parameter bytes).
 
-        NOTE: a clean copy of the chunk's size whose transfers are still landing
-        (a retired gradient flush, a prefetch) is that size's room too: a demand
-        fetch waits for it rather than take a larger slot (a prefetch, which must
-        not block, passes ``wait=False``). Under data parallel a gradient flush is
-        a reduce-scatter chained to the copy home, started only when polled, so
-        the slots the block just finished had flushed were all still retired when
-        the next block's recomputation began: its small chunks took the large
-        slots and its large chunks found none (PoolExhausted on 2 ranks at budgets
-        the plan accepted, sweep seed 4242; one process flushes by one copy,
-        started at the flush, which had landed by then).
+        NOTE: a clean copy of the chunk's size still landing (a retired gradient
+        flush, a prefetch) is that size's room too: a demand fetch waits for it
+        rather than take a larger slot (a prefetch never blocks: ``wait=False``).
+        Under data parallel a flush is a reduce-scatter started only when polled:
+        a recomputed block's small chunks took the large slots its large chunks
+        needed (PoolExhausted on 2 ranks, sweep seed 4242).
         """
         own = fitting[0]
         slot = own.try_take()
@@ -417,51 +400,3 @@ class TierCache:
 def _retired(key: Hashable) -> bool:
     """``key`` is a retired copy's (see :meth:`TierCache._retire`)."""
     return isinstance(key, tuple) and len(key) == 3 and key[0] == "retired"
-
-
-class ChainedTransfer:
-    """``first`` (an NVMe read, or ``None`` if the data is already on the host),
-    then ``start()`` (the host -> device copy)."""
-
-    __slots__ = ("_first", "_second", "_start")
-
-    def __init__(self, first: Pending | None, start: Callable[[], Pending]) -> None:
-        self._first = first
-        self._start = start
-        self._second: Pending | None = None
-        if first is None:
-            self._second = start()
-        else:
-            self._advance()
-
-    def _advance(self) -> None:
-        if self._second is None and self._first is not None and self._first.done():
-            self._first.wait()  # surfaces a failed read here, with its path and errno
-            self._second = self._start()
-
-    @property
-    def started(self) -> bool:
-        """The second stage has been issued."""
-        self._advance()
-        return self._second is not None
-
-    def done(self) -> bool:
-        """Both stages complete (advances the chain if the first just finished)."""
-        self._advance()
-        return self._second is not None and self._second.done()
-
-    def wait(self) -> None:
-        """Wait for the read, issue the copy if needed, wait for the copy."""
-        if self._second is None:
-            assert self._first is not None
-            self._first.wait()
-            self._second = self._start()
-        self._second.wait()
-
-    def wait_for_compute(self) -> None:
-        """Like :meth:`wait`, but on CUDA only orders the compute stream after the copy."""
-        if self._second is None:
-            assert self._first is not None
-            self._first.wait()
-            self._second = self._start()
-        self._second.wait_for_compute()  # type: ignore[attr-defined]

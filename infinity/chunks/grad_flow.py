@@ -17,9 +17,9 @@ from typing import cast
 
 import torch
 
-from infinity.chunks.cache import ChainedTransfer, Copy, Pending, TierCache
+from infinity.chunks.cache import Copy, TierCache
 from infinity.chunks.homes import HomeStore, Key, Kind
-from infinity.chunks.pools import Traffic
+from infinity.chunks.pools import ChainedTransfer, Pending, Traffic
 from infinity.chunks.shards import device_shard
 from infinity.chunks.spans import is_split, span_key, span_ranges
 from infinity.chunks.staging import HostStaging

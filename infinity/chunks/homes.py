@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from infinity.chunks.cache import ChainedTransfer, Pending
-from infinity.chunks.pools import Arena, TierAccount, Traffic
+from infinity.chunks.pools import Arena, ChainedTransfer, Pending, TierAccount, Traffic
 from infinity.chunks.spans import AllOf, SpanKey, part_ranges, span_nbytes
 from infinity.core.names import HOST, NVME, Key, Kind
 from infinity.core.plan import Plan

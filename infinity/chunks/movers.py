@@ -14,9 +14,9 @@ from typing import Protocol
 
 import torch
 
-from infinity.chunks.cache import ChainedTransfer, Copy, Pending, TierCache
+from infinity.chunks.cache import Copy, TierCache
 from infinity.chunks.homes import HomeStore, Reader
-from infinity.chunks.pools import Traffic
+from infinity.chunks.pools import ChainedTransfer, Pending, Traffic
 from infinity.chunks.spans import AllOf, SpanKey, is_split, span_key, span_ranges, transfer_keys
 from infinity.chunks.staging import HostStaging
 from infinity.core.names import Key, Kind

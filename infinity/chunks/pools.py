@@ -6,6 +6,12 @@ of the slab, taken from and returned to a free list.
 Exact byte accounting per tier (:class:`TierAccount`), and traffic/wait
 counters: only the chunk manager changes these, always in the same place it
 takes or returns a slot, so the totals are right by construction.
+
+Two-stage transfers (:class:`ChainedTransfer`): NVMe -> host staging, then host
+-> device. The second stage may start only when the first has landed. Rather
+than a thread per transfer, the chain advances whenever anyone looks at it (a
+``done()`` poll from the prefetcher or an eviction check) or waits on it.
+
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -223,3 +230,58 @@ class _HookTimer:
             assert self._stall is not None
             self._stall.__exit__(None, None, None)
             self._traffic.hook_seconds += time.perf_counter() - self._start
+
+
+class Pending(Protocol):
+    """Anything in flight on a slot: a device copy or an NVMe request."""
+
+    def wait(self) -> object: ...
+    def done(self) -> bool: ...
+
+
+class ChainedTransfer:
+    """``first`` (an NVMe read, or ``None`` if the data is already on the host),
+    then ``start()`` (the host -> device copy)."""
+
+    __slots__ = ("_first", "_second", "_start")
+
+    def __init__(self, first: Pending | None, start: Callable[[], Pending]) -> None:
+        self._first = first
+        self._start = start
+        self._second: Pending | None = None
+        if first is None:
+            self._second = start()
+        else:
+            self._advance()
+
+    def _advance(self) -> None:
+        if self._second is None and self._first is not None and self._first.done():
+            self._first.wait()  # surfaces a failed read here, with its path and errno
+            self._second = self._start()
+
+    @property
+    def started(self) -> bool:
+        """The second stage has been issued."""
+        self._advance()
+        return self._second is not None
+
+    def done(self) -> bool:
+        """Both stages complete (advances the chain if the first just finished)."""
+        self._advance()
+        return self._second is not None and self._second.done()
+
+    def wait(self) -> None:
+        """Wait for the read, issue the copy if needed, wait for the copy."""
+        if self._second is None:
+            assert self._first is not None
+            self._first.wait()
+            self._second = self._start()
+        self._second.wait()
+
+    def wait_for_compute(self) -> None:
+        """Like :meth:`wait`, but on CUDA only orders the compute stream after the copy."""
+        if self._second is None:
+            assert self._first is not None
+            self._first.wait()
+            self._second = self._start()
+        self._second.wait_for_compute()  # type: ignore[attr-defined]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from infinity.chunks.cache import Copy, EvictionPolicy, Pending, TierCache
+from infinity.chunks.cache import Copy, EvictionPolicy, TierCache
 from infinity.chunks.homes import HomeStore, Key, Kind
-from infinity.chunks.pools import SlabPool, TierAccount, Traffic
+from infinity.chunks.pools import Pending, SlabPool, TierAccount, Traffic
 from infinity.chunks.shards import device_shard
 from infinity.chunks.spans import SpanKey, base_key, first_span, is_split
 from infinity.chunks.states import Clock

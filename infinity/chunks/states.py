@@ -1,17 +1,10 @@
 """Where each chunk is in its lifecycles: one module, three state machines and a clock.
 
-- **Tensor states** (:class:`TensorState`, :class:`StateCounters`): each tensor's
-  place in a step. A chunk never stores "can be evicted" or "gradients complete":
-  it keeps a count of its tensors in each state and derives those predicates from
-  the counts, so they cannot go stale.
-- **Gradient states** (:class:`GradState`, :class:`GradStates`), below.
-- **Update states** (:class:`UpdateState`, :class:`UpdateStates`), below.
-- :class:`Clock`: the current moment of the iteration, shared by the chunk
-  manager's components.
-
-Each machine has its ``LEGAL_*`` whitelist; a move outside it raises.
-
-The gradient lifecycle of each chunk:
+Tensor states (:class:`StateCounters`): a chunk keeps a count of its tensors in
+each state and derives "can be evicted" or "gradients complete" from the counts,
+so they cannot go stale. :class:`Clock`: the current moment, shared by the chunk
+manager's components. Each machine has its ``LEGAL_*`` whitelist; a move outside
+it raises.
 
 A chunk's gradients are in exactly one place at a time, and that place is a
 state, not a set of flags: the manager's gradient side

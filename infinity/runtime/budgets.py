@@ -3,7 +3,7 @@ for the optimizer constructed over the model.
 
 NOTE [the layout is decided once, late]: ``offload()`` only checks the budgets
 with Adam's plan; the homes are planned and allocated for the first optimizer
-constructed over the model (:func:`first_plan`), or for Adam at the first
+constructed over the model (:func:`first_layout`), or for Adam at the first
 forward or read of the chunks. An optimizer constructed after that has its
 units cut inside the homes (:func:`recut`: the fp32 master first, as in every
 layout, so masters written at offload stay valid); where they do not fit the
@@ -34,7 +34,6 @@ from infinity.chunks.layout import (
     chunk_cap,
     search_chunk_size,
 )
-from infinity.chunks.spans import is_split
 from infinity.config import AUTO, Config, ConfigError
 from infinity.core.plan import Plan, PlanError
 from infinity.distributed import SINGLE, World
@@ -42,6 +41,7 @@ from infinity.io.filesystems import nearest_existing
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.params import ParamRegistry
+from infinity.runtime.step_context import check_whole_tensors
 from infinity.runtime.update_queue import UpdateQueue
 from infinity.schedule.planner import Budgets, make_plan
 from infinity.schedule.units import units_for
@@ -269,46 +269,33 @@ def first_layout(
 ) -> tuple[ChunkOptimizer[Any], Plan, str]:
     """The units and plan to lay a model out for, at the construction of its first
     optimizer ``owner`` (``chunk_optimizer``), and why (for messages): its own plan with
-    the budgets of ``offload`` (the offload plan and its Adam), else ``offload``'s.
+    the budgets of ``offload`` (the offload plan and its Adam), else (with a warning:
+    no plan for it fits them) ``offload``'s, inside whose homes its units are cut.
 
     Raises :class:`~infinity.config.ConfigError` before anything is allocated where the
     optimizer cannot store its state as configured or cannot gather its whole tensors.
     """
     offload_units, offload_plan = offload
     wanted = stored_as(chunk_optimizer, config)
-    plan = first_plan(registry, config, device, world, offload_plan, offload_units, wanted)
+    plan: Plan | None = offload_plan
+    if not same_layout(wanted, offload_units):
+        try:
+            plan = plan_for(
+                registry, config, device, wanted, world=world, budgets=offload_plan.budgets
+            )
+        except PlanError as exc:
+            log.warning(
+                "infinity: no plan for %s fits the budgets (%s); its units are cut inside "
+                "the homes planned for Adam",
+                owner,
+                exc,
+            )
+            plan = None
     if wanted.whole_tensors:
         check_whole_tensors(plan or offload_plan, owner, overlap=config.overlap_optimizer is True)
     if plan is None:
         return offload_units, offload_plan, f"the construction of {owner}, whose plan did not fit"
     return wanted, plan, f"the construction of {owner}"
-
-
-def first_plan(
-    registry: ParamRegistry,
-    config: Config,
-    device: torch.device,
-    world: World,
-    offload_plan: Plan,
-    offload_optimizer: ChunkOptimizer[Any],
-    wanted: ChunkOptimizer[Any],
-) -> Plan | None:
-    """The homes planned for ``wanted`` with the budgets ``offload_plan`` resolved
-    (``offload_plan`` itself where it was made for the same units); ``None``, with
-    a warning, where no plan for ``wanted`` fits them (its units are then cut inside
-    the offload plan's homes)."""
-    if same_layout(wanted, offload_optimizer):
-        return offload_plan
-    try:
-        return plan_for(registry, config, device, wanted, world=world, budgets=offload_plan.budgets)
-    except PlanError as exc:
-        log.warning(
-            "infinity: no plan for %s fits the budgets (%s); its units are cut inside the homes "
-            "planned for Adam",
-            wanted.front_end or wanted.name,
-            exc,
-        )
-        return None
 
 
 def same_layout(a: ChunkOptimizer[Any], b: ChunkOptimizer[Any]) -> bool:
@@ -408,34 +395,3 @@ def recut(
     chunks.plan = plan
     chunks.chunk_optimizer = wanted
     chunks.tensor_states.clear()  # NOTE: no tensor has stepped: nothing is lost
-
-
-def check_whole_tensors(plan: Plan, owner: str, *, overlap: bool) -> None:
-    """Raise :class:`~infinity.config.ConfigError` where the whole tensors an optimizer
-    reads in its step (``ChunkOptimizer.whole_tensors``) cannot be brought together.
-
-    NOTE: an oversize chunk staged in spans holds one tensor, which the step
-    gathers from its spans; a sharded chunk is gathered from every rank
-    (``runtime/step_context.py``). Each such update is then collective and
-    runs where every rank runs it, see
-    NOTE [collective updates run in a fixed order]: not during backward, where
-    chunks complete at different moments on each rank, and not over a shard in spans.
-    """
-    if not plan.sharded:
-        return
-    if overlap:
-        raise ConfigError(
-            f"{owner} reads whole tensors in its step, which on a model sharded over "
-            f"{plan.shard_count} processes gathers each chunk from every rank: that cannot "
-            "run during backward. Use Config(overlap_optimizer=False) (the default), or "
-            "CPUAdam, CPULion or CPUSGD with overlap_optimizer=True"
-        )
-    split = [i for i in range(plan.layout.num_chunks) if is_split(plan, i)]
-    if split:
-        raise ConfigError(
-            f"{owner} reads whole tensors in its step, but chunk {split[0]} (of "
-            f"{format_size(plan.param_bytes(split[0]))} per process) is staged in spans on a "
-            f"model sharded over {plan.shard_count} processes: gathering it from every rank "
-            "is not supported. Give Config(chunk_size=...) at least the largest tensor's "
-            "share per process, or use CPUAdam, CPULion or CPUSGD"
-        )

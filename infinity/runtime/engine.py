@@ -59,7 +59,7 @@ from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.gradients import GradientNorms, GradientSink
 from infinity.runtime.model_chunks import ChunkIO, ModelChunks
 from infinity.runtime.params import ParamEntry, ParamRegistry, check_model, tensor_index
-from infinity.runtime.stepping import UpdatePipeline
+from infinity.runtime.stepping import UpdatePipeline, check_moments, read_moments, write_moments
 from infinity.runtime.swap import (
     activation_host_room,
     close_activation_store,
@@ -320,15 +320,17 @@ class OffloadEngine:
 
     def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
         """Copies of the moments of the tensors ``indices`` stepped at least once."""
-        return self.pipeline.read_moments(indices)
+        self.queue.settle()
+        return read_moments(self.chunks, indices)
 
     def check_moments(self, values: dict[int, MomentState | None]) -> None:
         """Raise (changing nothing) if a state does not fit its tensor."""
-        self.pipeline.check_moments(values)
+        check_moments(self.chunks, values)
 
     def write_moments(self, values: dict[int, MomentState | None]) -> None:
         """Set moments and step counts by tensor index (``None``: never stepped)."""
-        self.pipeline.write_moments(values)
+        self.queue.settle()
+        write_moments(self.chunks, values)
 
     def synchronize(self) -> None:
         """Finish queued updates and wait for every transfer in flight."""

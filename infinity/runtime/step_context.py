@@ -37,11 +37,13 @@ from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager, typed
 from infinity.chunks.shards import WholeChunk, close_whole, open_whole
 from infinity.chunks.span_access import open_span
-from infinity.chunks.spans import span_key, span_ranges
+from infinity.chunks.spans import is_split, span_key, span_ranges
+from infinity.config import ConfigError
 from infinity.core.names import Kind, Phase
 from infinity.core.plan import Plan
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
 from infinity.runtime.params import ParamEntry
+from infinity.utils.sizes import format_size
 
 
 class HeldGradients(Protocol):
@@ -113,7 +115,7 @@ def step_runs(
         shape, tensor_state = None, {}
         if run.tensor is not None:
             if (low, high) != (run.start, run.end):
-                # NOTE: refused when the optimizer is bound (budgets.check_whole_tensors):
+                # NOTE: refused when the optimizer is bound (check_whole_tensors, below):
                 # reaching here is a bug, not a user error.
                 raise AssertionError(f"tensor {run.tensor} is cut by the window {window}")
             shape = engine.layout.slots[run.tensor].shape
@@ -264,3 +266,34 @@ def step_chunk_gathered(
     assert isinstance(grad_handle, WholeChunk)  # sharded: open_whole gathers
     manager.consume_grad(grad_handle.copy)
     manager.drop_param(chunk)
+
+
+def check_whole_tensors(plan: Plan, owner: str, *, overlap: bool) -> None:
+    """Raise :class:`~infinity.config.ConfigError` where the whole tensors an optimizer
+    reads in its step (``ChunkOptimizer.whole_tensors``) cannot be brought together.
+
+    NOTE: an oversize chunk staged in spans holds one tensor, which the step
+    gathers from its spans; a sharded chunk is gathered from every rank
+    (``runtime/step_context.py``). Each such update is then collective and
+    runs where every rank runs it, see
+    NOTE [collective updates run in a fixed order]: not during backward, where
+    chunks complete at different moments on each rank, and not over a shard in spans.
+    """
+    if not plan.sharded:
+        return
+    if overlap:
+        raise ConfigError(
+            f"{owner} reads whole tensors in its step, which on a model sharded over "
+            f"{plan.shard_count} processes gathers each chunk from every rank: that cannot "
+            "run during backward. Use Config(overlap_optimizer=False) (the default), or "
+            "CPUAdam, CPULion or CPUSGD with overlap_optimizer=True"
+        )
+    split = [i for i in range(plan.layout.num_chunks) if is_split(plan, i)]
+    if split:
+        raise ConfigError(
+            f"{owner} reads whole tensors in its step, but chunk {split[0]} (of "
+            f"{format_size(plan.param_bytes(split[0]))} per process) is staged in spans on a "
+            f"model sharded over {plan.shard_count} processes: gathering it from every rank "
+            "is not supported. Give Config(chunk_size=...) at least the largest tensor's "
+            "share per process, or use CPUAdam, CPULion or CPUSGD"
+        )

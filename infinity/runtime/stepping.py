@@ -7,36 +7,17 @@ once, NVMe-bound ones trail into the next forward), queues chunks during
 backward with ``overlap_optimizer=True``, owns the step count and the fp16
 loss-scale state, and reads and writes the optimizer state as torch's.
 
-Optimizer states (Adam: the moments; each optimizer's state slots) and step counts
-of offloaded parameters, as torch's optimizer state (:func:`read_moments`): the
-optimizers' ``state_dict()`` / ``load_state_dict()`` use this so that loops which
-save and restore the optimizer themselves (``transformers.Trainer``
-checkpoints, Accelerate's ``save_state``) keep the moments of offloaded
-parameters. Values are copied chunk by chunk from the optimizer-state units
-(host or NVMe); the copies themselves need RAM for all of them, as torch's
-state dict does. ``infinity.save_checkpoint`` streams instead.
+Optimizer states and step counts of offloaded parameters as torch's optimizer
+state (:func:`read_moments`, for ``state_dict()`` / ``load_state_dict()``, which
+``transformers.Trainer`` and Accelerate save): copied chunk by chunk from the units,
+in RAM for all of them as torch's (``infinity.save_checkpoint`` streams instead).
 
 Per-step timing and traffic, and the step's bound (:class:`StepTimer`): the slowest
-of its resources. A step (the interval between two optimizer steps) uses four resources, each with
-a least time for its work (NOTE [the step's bound]):
-
-- the device's compute, from the step's first forward to ``optimizer.step()``,
-  less the time the device idled for the engine's waits and host updates
-  (:mod:`infinity.devices.step_clock`: a GPU's events; where compute
-  shares the host's cores, the host's clock);
-- the host optimizer: its chunk updates, waits excluded;
-- the host-device link each way: the copies' busy time on a GPU's copy stream, or
-  their bytes at a measured memcpy rate on the CPU;
-- the disk: the step's NVMe bytes at the swap folder's measured rates
-  (:func:`~infinity.io.rates.disk_rates`), reads and writes at once where the disk
-  does both faster (:func:`~infinity.io.rates.io_bound_seconds`), or the time the
-  disk was busy with them if that was less (the probe saw a slower disk).
-
-Everything else should hide behind the largest of them, ``bound_seconds``;
-``step_over_bound`` says how far the step is from it. ``hook_seconds`` is the host
-time inside the engine's hooks: where the step is far above its bound with little
-waiting, this is what the device idled for. Where compute shares the
-host's cores, the device compute and the host optimizer add up into one.
+of the step's four resources (the device's compute less its idle time in the
+engine's waits, the host optimizer, the host-device link each way, the disk at the
+swap folder's measured rates), each at the least time its work needs; everything
+else should hide behind it (NOTE [the step's bound] in docs/NOTES.md says how
+each is measured). ``hook_seconds`` is the host time inside the engine's hooks.
 """
 
 from __future__ import annotations
@@ -159,21 +140,6 @@ class UpdatePipeline:
             hyper = optimizer.offloaded_hyper()  # a CPUOptimizer (infinity.optim.front_end)
             self._early_hyper = hyper.get(engine, {}) if engine is not None else {}
         self.queue.add_early(chunk, plan_chunk(self.chunks, chunk, self._early_hyper))
-
-    # --- optimizer state, as torch's (optimizer.state_dict / load_state_dict) -----------
-    def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
-        """Copies of the moments of the tensors ``indices`` stepped at least once."""
-        self.queue.settle()
-        return read_moments(self.chunks, indices)
-
-    def check_moments(self, values: dict[int, MomentState | None]) -> None:
-        """Raise (changing nothing) if a state does not fit its tensor."""
-        check_moments(self.chunks, values)
-
-    def write_moments(self, values: dict[int, MomentState | None]) -> None:
-        """Set moments and step counts by tensor index (``None``: never stepped)."""
-        self.queue.settle()
-        write_moments(self.chunks, values)
 
 
 def _disk_of(manager: ChunkManager) -> Callable[[], DiskMix | None] | None:

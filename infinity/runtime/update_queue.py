@@ -6,13 +6,11 @@ the only component that moves the manager's update states
 (:mod:`infinity.chunks.states`), and the one every reader of chunk
 bytes settles through (:meth:`UpdateQueue.settle`).
 
-NOTE: ``optimizer.step()`` updates host-homed chunks at once, but a chunk whose
-optimizer state (or gradient, or parameters) lives on NVMe is only *queued*: its
-update runs at a later hook, at the latest when the next forward (or anything
-else) first touches that chunk. The values seen are the same as with an eager
-step; what changes is that the disk traffic of the update overlaps compute.
-With ``overlap_optimizer=True`` a chunk's update is also queued *early*, during
-backward, as soon as its gradients are complete.
+NOTE: ``optimizer.step()`` updates host-homed chunks at once; a chunk with a key
+on NVMe is only *queued*, and its update runs at the latest when the next forward
+(or anything else) first touches it: the same values, the disk traffic overlapped
+with compute. With ``overlap_optimizer=True`` an update is also queued *early*,
+during backward, once its gradients are complete.
 
 :class:`ParamFetcher`, the other component here, owns every access of an
 iteration, its trace, and the prefetch. Each access (a forward fetch, a backward
