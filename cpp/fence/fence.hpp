@@ -16,6 +16,10 @@ constexpr c10::DeviceType kFence = c10::DeviceType::PrivateUse1;
 inline const c10::Device kFenceDevice(kFence, 0);
 constexpr c10::DispatchKeySet kKeys(c10::DispatchKey::PrivateUse1);
 constexpr size_t kAlignment = 4096;  // O_DIRECT reads may land in device slots
+// CUDA's caching allocator holds every block in multiples of 512 bytes; the fence
+// counts its blocks as CUDA does (infinity.utils.process_memory.DEVICE_BLOCK_BYTES),
+// so a forecast that sums tensors' own bytes fails on the CPU as it would on a GPU.
+constexpr int64_t kCountedBlock = 512;
 
 // memory.cpp
 c10::Allocator& allocator();

@@ -2,7 +2,8 @@
 // without one (PyTorch's PrivateUse1 backend, renamed "fence" from Python in
 // infinity/devices/fence.py). See NOTE [the fence device].
 //
-// Its memory is host memory, 4 KiB aligned, counted as device bytes. A host view
+// Its memory is host memory, 4 KiB aligned, counted as device bytes in CUDA's
+// 512-byte blocks. A host view
 // of a fence tensor (host_alias) and a fence view of a CPU kernel's result
 // (adopt, fence_view) share the memory, never copy it: that is how kernels.cpp
 // runs the CPU's kernels on the device's tensors.
@@ -24,6 +25,9 @@ namespace {
 
 std::atomic<int64_t> g_allocated{0};
 std::atomic<int64_t> g_peak{0};
+
+// What an allocation of ``nbytes`` holds, as CUDA's caching allocator counts it.
+int64_t counted(int64_t nbytes) { return (nbytes + kCountedBlock - 1) / kCountedBlock * kCountedBlock; }
 
 void count(int64_t delta) {
   const int64_t now = g_allocated.fetch_add(delta) + delta;
@@ -54,7 +58,7 @@ struct FenceAllocator final : c10::Allocator {
       const int rc = posix_memalign(&data, kAlignment, nbytes);
       TORCH_CHECK(rc == 0, "fence: cannot allocate ", nbytes, " bytes (", std::strerror(rc), ")");
     }
-    auto* block = new Block{data, {}, static_cast<int64_t>(nbytes)};
+    auto* block = new Block{data, {}, counted(static_cast<int64_t>(nbytes))};
     count(block->nbytes);
     return {data, block, &release, kFenceDevice};
   }
@@ -74,8 +78,8 @@ at::Tensor adopt(const at::Tensor& cpu) {
   c10::Storage storage = cpu.storage();
   const auto nbytes = static_cast<int64_t>(storage.nbytes());
   void* data = storage.mutable_data();
-  auto* block = new Block{nullptr, storage, nbytes};
-  count(nbytes);
+  auto* block = new Block{nullptr, storage, counted(nbytes)};
+  count(block->nbytes);
   c10::Storage fence_storage(c10::Storage::use_byte_size_t(), storage.nbytes(),
                              c10::DataPtr(data, block, &release, kFenceDevice), &g_allocator,
                              /*resizable=*/true);

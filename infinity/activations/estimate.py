@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.activations.blocks import blocks_for
 from infinity.activations.records import _Record, _restore
+from infinity.utils.process_memory import device_block_bytes
 
 
 @dataclass
@@ -319,9 +320,10 @@ def step_memory(
                 p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
         if policy == "checkpoint":
             CheckpointedBlocks(found)
-        # NOTE: CUDA's caching allocator rounds every block up to 512 bytes
-        granule = 512 if torch.device(device).type == "cuda" else 1
-        tracker = _LiveBytes([*fake.parameters(), *fake.buffers()], granule)
+        # NOTE: the device's allocator holds every block in multiples of its rounding
+        tracker = _LiveBytes(
+            [*fake.parameters(), *fake.buffers()], device_block_bytes(torch.device(device))
+        )
 
         def pack(tensor: torch.Tensor) -> Any:
             base = tensor._base if tensor._base is not None else tensor

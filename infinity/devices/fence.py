@@ -61,6 +61,7 @@ def _device_module(native: types.ModuleType) -> types.ModuleType:
 
     functions: dict[str, Callable[..., object]] = {
         "is_available": lambda: True,
+        "is_initialized": lambda: True,
         "device_count": lambda: 1,
         "current_device": lambda: 0,
         "set_device": lambda device: None,

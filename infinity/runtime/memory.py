@@ -36,7 +36,13 @@ from infinity.chunks.spans import is_split
 from infinity.core.names import HOST, NVME, Kind
 from infinity.core.plan import FP32_BYTES, Plan
 from infinity.runtime.model_chunks import ModelChunks
-from infinity.utils.process_memory import device_peak_bytes, resident_bytes, resident_peak_bytes
+from infinity.utils.process_memory import (
+    device_block_bytes,
+    device_bytes,
+    device_peak_bytes,
+    resident_bytes,
+    resident_peak_bytes,
+)
 from infinity.utils.sizes import format_size
 
 if TYPE_CHECKING:
@@ -306,7 +312,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         + transient_limit(engine.plan, engine.chunk_optimizer.whole_tensors),
         library_workspaces=libraries[0],
         library_host=libraries[1],
-        grad_norms=grad_norm_bytes(engine.plan, 512 if engine.device.type == "cuda" else 1),
+        grad_norms=grad_norm_bytes(engine.plan, device_block_bytes(engine.device)),
     )
     engine.forecast = result
     return result
@@ -330,9 +336,10 @@ def grad_norm_bytes(plan: Plan, granule: int) -> int:
 
 def _resident_on_device(model: nn.Module) -> int:
     """Bytes of ``model``'s own storages on its device outside the chunks: its buffers,
-    and the placeholders its parameters hold outside a forward."""
+    and the placeholders its parameters hold outside a forward, each as the device's
+    allocator holds it (the H200 held two 32-byte buffers in 1 KiB)."""
     storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        t.untyped_storage().data_ptr(): device_bytes(t.untyped_storage().nbytes(), t.device)
         for t in (*model.parameters(), *model.buffers())
         if t.device.type != "meta"
     }

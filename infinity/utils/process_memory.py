@@ -84,6 +84,24 @@ def device_peak_bytes(device: torch.device) -> int | None:
     return int(torch.get_device_module(device.type).max_memory_allocated(device))
 
 
+# NOTE: CUDA's caching allocator rounds every block up to 512 bytes, and the fence's
+# (cpp/fence/memory.cpp) counts as it does, so that a forecast that sums a tensor's
+# own bytes where the allocator holds a block fails on the CPU too.
+DEVICE_BLOCK_BYTES = 512
+
+
+def device_block_bytes(device: torch.device) -> int:
+    """The rounding of ``device``'s allocator: every allocation holds a multiple of it
+    (1 on the CPU, whose device is host memory)."""
+    return 1 if device.type == "cpu" else DEVICE_BLOCK_BYTES
+
+
+def device_bytes(nbytes: int, device: torch.device) -> int:
+    """What an allocation of ``nbytes`` holds on ``device`` (0 for none)."""
+    block = device_block_bytes(device)
+    return -(-nbytes // block) * block
+
+
 def reset_device_peak(device: torch.device) -> None:
     """Start the device allocator's peak over (nothing on the CPU)."""
     if device.type != "cpu":

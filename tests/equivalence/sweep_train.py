@@ -31,6 +31,7 @@ import infinity
 from infinity.core.names import NVME
 from infinity.core.routes import Purpose
 from infinity.offload import engine_of
+from infinity.utils.process_memory import device_bytes
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Bytes per parameter kept in host homes, by (compute dtype, state dtype):
@@ -227,8 +228,7 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
             engine.close()
 
 
-LOOP_SCALAR_BYTES = 16
-CUDA_BLOCK = 512
+LOOP_SCALARS = 4
 
 
 def _device_allocated(case: Case) -> int:
@@ -266,14 +266,11 @@ def _forecast(case: Case, model: torch.nn.Module, batch: torch.Tensor, rank: int
 
 
 def _loop_bytes(case: Case, ids: torch.Tensor) -> int:
-    """The loop's micro-batch and scalars as the device's allocator counts them.
-
-    NOTE: CUDA's caching allocator rounds every block up to CUDA_BLOCK bytes (the
-    working set's fake run rounds as it does): the batch is one block, each scalar
-    (fp32, at most LOOP_SCALAR_BYTES of them on the fence) another."""
-    if case.backend != "cuda":
-        return ids.nbytes + LOOP_SCALAR_BYTES
-    return -(-ids.nbytes // CUDA_BLOCK) * CUDA_BLOCK + LOOP_SCALAR_BYTES // 4 * CUDA_BLOCK
+    """The loop's micro-batch and scalars as the device's allocator counts them: each
+    one block of its own (CUDA's and the fence's round every block up to 512 bytes),
+    at most LOOP_SCALARS fp32 scalars."""
+    device = torch.device(case.backend)
+    return device_bytes(ids.nbytes, device) + LOOP_SCALARS * device_bytes(4, device)
 
 
 def _reinitialised(model: torch.nn.Module) -> torch.nn.Module:

@@ -135,3 +135,34 @@ def test_an_offloaded_step_stays_within_the_forecast_device_peak(policy):
         host_limits = sum(line["limit"] for line in memory["host"]["lines"].values())
         assert host_limits <= memory["host"]["budget_bytes"]
         engine_of(model).close()
+
+
+def test_the_fence_allocator_holds_blocks_as_cuda_does():
+    """Every allocation holds a multiple of 512 bytes, as CUDA's caching allocator's
+    blocks do, so a forecast that sums tensors' own bytes fails here as on a GPU."""
+    base = torch.fence.memory_allocated()
+    tensors = [torch.empty(n, dtype=torch.uint8, device=FENCE) for n in (1, 4, 512, 513, 2048)]
+    assert torch.fence.memory_allocated() - base == 512 + 512 + 512 + 1024 + 2048
+    del tensors
+    assert torch.fence.memory_allocated() == base
+
+
+def test_the_forecast_counts_small_buffers_as_the_allocator_holds_them():
+    """A Llama's rotary buffers are two 32-byte tensors: the allocator holds 1 KiB (the
+    H200 found the forecast short by 960 bytes)."""
+    llama = tiny_llama(hidden=64, layers=1)
+    small = [b for b in llama.buffers() if b.nbytes < 512]
+    assert small, "the model has no buffer smaller than a block"
+    ids = torch.randint(0, 64, (2, 16), device=FENCE)
+    before = torch.fence.memory_allocated()
+    with tempfile.TemporaryDirectory() as nvme:
+        model = infinity.offload(
+            llama, infinity.Config(device="fence", dtype="fp32", nvme_path=nvme)
+        )
+        held = torch.fence.memory_allocated() - before  # the buffers (no chunk yet)
+        forecast = infinity.memory_forecast(model, lambda m: m(input_ids=ids, labels=ids).loss)
+        # NOTE: plus at most one block: the parameters' placeholders share one storage,
+        # which an earlier test may have made (then it is not in ``held``)
+        assert held >= 512 * len(small), held
+        assert held <= forecast.resident <= held + 512, (forecast.resident, held)
+        engine_of(model).close()
