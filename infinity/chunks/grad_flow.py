@@ -216,13 +216,14 @@ class GradientFlow:
         slots = [s for s in self.homes.plan.layout.chunks[i].slots if s.numel]
         if not slots:
             return
+        # NOTE: one launch for the chunk's tensors (torch's own clip_grad_norm_ takes its
+        # norms with _foreach_norm on a GPU); on the host it is vector_norm per tensor.
         norms = torch.stack(
-            [
-                torch.linalg.vector_norm(
-                    grads[s.offset : s.offset + s.numel].view(s.shape), 2.0, dtype=torch.float32
-                )
-                for s in slots
-            ]
+            torch._foreach_norm(
+                [grads[s.offset : s.offset + s.numel].view(s.shape) for s in slots],
+                2.0,
+                dtype=torch.float32,
+            )
         )
         self.grads.norms[i] = (tuple(s.index for s in slots), norms)
 

@@ -65,7 +65,8 @@ class CudaBackend(DeviceBackend):
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device(device.type, index)
         self._stream = torch.cuda.Stream(self.device)
-        self.events = EventClock(self._record)
+        self._compute = torch.cuda.current_stream(self.device)  # the clock's, per span
+        self.events = EventClock(self._record, self._refresh)
         self.clock = self.events  # NOTE: the base's default is the host's clock
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
@@ -99,8 +100,13 @@ class CudaBackend(DeviceBackend):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def _record(self) -> torch.cuda.Event:
-        """A timing event recorded on the current compute stream (the clock's)."""
-        event = _timed_event()
-        event.record(torch.cuda.current_stream(self.device))
+    def _refresh(self) -> None:
+        """Look the compute stream up again (the clock's span starts)."""
+        self._compute = torch.cuda.current_stream(self.device)
+
+    def _record(self, reuse: torch.cuda.Event | None) -> torch.cuda.Event:
+        """A timing event recorded on the compute stream: ``reuse`` (its time read) or
+        a new one (see NOTE in devices/step_clock.py)."""
+        event = reuse if reuse is not None else _timed_event()
+        event.record(self._compute)
         return event

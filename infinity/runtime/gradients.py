@@ -116,6 +116,7 @@ class GradientSink:
         # Accumulating onto clipped gradients: the clip factor must be in the chunks.
         self.ledger.apply_factors()
         self.ledger.changed()
+        self.norms.forget()  # NOTE: they may be on the device: not beside this pass's
         for entry in self.chunks.registry.entries:
             if isinstance(entry.param.grad, GradientInChunks):
                 entry.param.grad = None
@@ -159,6 +160,10 @@ class GradientNorms:
         # The ledger's version when zeroed gradients were last collected for the norms.
         self._collected: int | None = None
         self.device_hits = 0  # chunks whose norms came from the device (tests read it)
+
+    def forget(self) -> None:
+        """Drop the cached norms (a backward starts: they are of gradients about to change)."""
+        self._cache.clear()
 
     def _norm_cache(self) -> dict[float, dict[int, torch.Tensor]]:
         if self._version != self.ledger.version:
@@ -238,8 +243,9 @@ class GradientNorms:
         if any(factors[i] != 1.0 for i in indices):
             return False
         has_grad = self.chunks.has_grad
-        # NOTE: one small copy; it waits for the chunk's norms (queued at its flush).
-        for i, value in zip(indices, norms.to("cpu"), strict=True):
+        # NOTE: views of the norms where they were taken: reading them waits for
+        # nothing (the H200 synchronized twice a tensor, a copy to the host and back).
+        for i, value in zip(indices, norms.unbind(), strict=True):
             if has_grad[i]:
                 cache[i] = value
         self.device_hits += 1

@@ -19,14 +19,21 @@ class FakeGPU:
     def __init__(self) -> None:
         self.now = 0.0
         self.finished = True
+        self.made = 0  # events created (not recorded again)
 
-    def record(self) -> FakeEvent:
+    def record(self, reuse: FakeEvent | None = None) -> FakeEvent:
+        if reuse is not None:
+            assert reuse.read, "an event recorded again before its time was read"
+            reuse.at, reuse.read = self.now, False
+            return reuse
+        self.made += 1
         return FakeEvent(self, self.now)
 
 
 class FakeEvent:
     def __init__(self, gpu: FakeGPU, at: float) -> None:
         self.gpu, self.at = gpu, at
+        self.read = False
 
     def query(self) -> bool:
         return self.gpu.finished
@@ -35,6 +42,7 @@ class FakeEvent:
         assert self.gpu.finished, "read before the GPU reached it"
 
     def elapsed_time(self, end: FakeEvent) -> float:
+        self.read = end.read = True
         return end.at - self.at
 
 
@@ -109,3 +117,24 @@ def test_the_host_clock_leaves_bracketed_waits_out() -> None:
     elapsed = time.perf_counter() - start
     assert 0.02 <= seconds < elapsed - 0.045
     assert clock.take_link_seconds() is None
+
+
+def test_events_go_back_to_the_clock_once_read_and_a_lap_reads_once() -> None:
+    """The brackets record about a thousand events a step: read ones are recorded
+    again, so steps whose laps are read create none, and every time stays right."""
+    gpu = FakeGPU()
+    refreshed = []
+    clock = EventClock(gpu.record, lambda: refreshed.append(gpu.now))
+    made = []
+    for _ in range(4):
+        clock.open_span()
+        for _bracket in range(50):
+            with clock.stall():
+                gpu.now += 1.0
+            gpu.now += 3.0
+        seconds = clock.close_span()
+        assert abs(seconds() - 150.0 / 1e3) < 1e-9
+        assert seconds() == seconds()  # read once; its events are recorded again since
+        made.append(gpu.made)
+    assert made[1] == made[2] == made[3], made  # no new event after the first step
+    assert len(refreshed) == 4  # the compute stream looked up once per span
