@@ -8,10 +8,12 @@ allocator without bound.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from infinity.devices.base import DeviceBackend, TransferHandle
-from infinity.devices.step_clock import EventClock
+from infinity.devices.step_clock import Event, EventClock
 from infinity.io import aligned_empty
 
 
@@ -104,9 +106,9 @@ class CudaBackend(DeviceBackend):
         """Look the compute stream up again (the clock's span starts)."""
         self._compute = torch.cuda.current_stream(self.device)
 
-    def _record(self, reuse: torch.cuda.Event | None) -> torch.cuda.Event:
-        """A timing event recorded on the compute stream: ``reuse`` (its time read) or
-        a new one (see NOTE in devices/step_clock.py)."""
-        event = reuse if reuse is not None else _timed_event()
+    def _record(self, reuse: Event | None) -> torch.cuda.Event:
+        """A timing event recorded on the compute stream: ``reuse`` (its time read, one
+        of this clock's) or a new one (see NOTE in devices/step_clock.py)."""
+        event = cast(torch.cuda.Event, reuse) if reuse is not None else _timed_event()
         event.record(self._compute)
         return event
