@@ -294,6 +294,7 @@ class UpdateState(enum.IntEnum):
     STEPPED = 2  # updated (or found nothing to update) during this backward
     TRAILING = 3  # queued by optimizer.step(): runs when the chunk is next needed
     RUNNING = 4  # the update itself is reading and writing the chunk
+    COMPUTING = 5  # its kernels run on the update worker (its host bytes open)
 
 
 _U = UpdateState
@@ -309,9 +310,11 @@ LEGAL_UPDATE_TRANSITIONS: frozenset[tuple[UpdateState, UpdateState]] = frozenset
         (_U.IDLE, _U.RUNNING),
         (_U.TRAILING, _U.RUNNING),
         (_U.RUNNING, _U.IDLE),
+        (_U.RUNNING, _U.COMPUTING),
+        (_U.COMPUTING, _U.RUNNING),
     }
 )
-_QUEUED = (_U.EARLY, _U.TRAILING)
+_QUEUED = (_U.EARLY, _U.TRAILING, _U.COMPUTING)
 
 
 class IllegalUpdateTransition(IllegalTransition):
@@ -386,7 +389,7 @@ class UpdateStates:
 
     def _blocks_read(self, chunk: int, early: bool) -> bool:
         state = self.states[chunk]
-        return state is _U.TRAILING or (early and state is _U.EARLY)
+        return state is _U.TRAILING or state is _U.COMPUTING or (early and state is _U.EARLY)
 
     def check_readable(self, chunk: int, *, early: bool = True) -> None:
         """Raise :class:`StaleRead` if ``chunk``'s update is queued (it must run first).

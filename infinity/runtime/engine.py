@@ -456,8 +456,11 @@ class OffloadEngine:
                 self.synchronize()  # queued updates run, every transfer lands (errors raise)
         finally:
             try:
-                close_activation_store(self.activations)
+                self.queue.close()  # NOTE: the worker's updates end before their bytes go
             finally:
-                self._release()
+                try:
+                    close_activation_store(self.activations)
+                finally:
+                    self._release()
         # NOTE: after the cleanup: an I/O error nobody was told about yet is raised.
         failures.raise_unreported()

@@ -168,7 +168,8 @@ class GradientLedger:
         if not pending:
             return
         updates = self.manager.updates
-        if updates.count(UpdateState.TRAILING) or updates.count(UpdateState.EARLY):
+        queued = (UpdateState.TRAILING, UpdateState.EARLY, UpdateState.COMPUTING)
+        if any(updates.count(u) for u in queued):
             raise AssertionError("gradient factors applied while updates are queued")
         for chunk, group in self.chunks.layout.group_by_chunk(pending, int).items():
             self._change(chunk, {i: _times(pending[i]) for i in group})

@@ -127,32 +127,90 @@ def step_chunk(
         else:
             step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
         return
-    manager = engine.manager
-    # NOTE: sharded (data parallel), this rank's homes hold elements [start, end)
-    # of the chunk, laid out as the unit of a chunk of that size: the update is a
-    # window of the chunk, like a span's.
-    start, end = engine.plan.home_window(chunk)
-    has_master = engine.plan.has_master
-    # 16-bit: the parameter chunk is only written (unless some tensors keep old values).
-    unread = has_master and covered
-    grad_bytes, grad_copy = manager.open_host((Kind.GRAD, chunk), writable=False)
-    optim_bytes, optim_copy = manager.open_host((Kind.OPTIM, chunk))
-    param_bytes, param_copy = manager.open_host((Kind.PARAM, chunk), load=not unread)
+    opened = OpenedChunk.open(engine, chunk, runs, covered, grad_scale)
     try:
-        unit = engine.chunk_optimizer.unit_views(
-            typed(optim_bytes, torch.float32), end - start, has_master
+        opened.compute()
+    except BaseException:
+        opened.close(succeeded=False)
+        raise
+    opened.close(succeeded=True)
+
+
+@dataclass
+class OpenedChunk:
+    """One chunk's update between its host bytes opened and closed (its compute apart,
+    so that it may run on a worker thread: NOTE [host updates on a worker]). Whole,
+    unsplit chunks only (the plain path of :func:`step_chunk`)."""
+
+    engine: StepContext
+    chunk: int
+    runs: list[Run]
+    window: tuple[int, int]
+    grad_scale: float
+    unread: bool
+    copies: tuple[Any, Any, Any]  # gradient, optimizer, parameter copies in host memory
+    views: tuple[torch.Tensor, Any, torch.Tensor]  # gradients, optimizer unit, parameters
+
+    @classmethod
+    def open(
+        cls, engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
+    ) -> OpenedChunk:
+        """Bring the chunk's gradients, optimizer unit and parameters to host memory."""
+        manager = engine.manager
+        # NOTE: sharded (data parallel), this rank's homes hold elements [start, end)
+        # of the chunk, laid out as the unit of a chunk of that size: the update is a
+        # window of the chunk, like a span's.
+        start, end = engine.plan.home_window(chunk)
+        has_master = engine.plan.has_master
+        # 16-bit: the parameter chunk is only written (unless some tensors keep old values).
+        unread = has_master and covered
+        grad_bytes, grad_copy = manager.open_host((Kind.GRAD, chunk), writable=False)
+        optim_bytes, optim_copy = manager.open_host((Kind.OPTIM, chunk))
+        param_bytes, param_copy = manager.open_host((Kind.PARAM, chunk), load=not unread)
+        copies = (grad_copy, optim_copy, param_copy)
+        try:
+            unit = engine.chunk_optimizer.unit_views(
+                typed(optim_bytes, torch.float32), end - start, has_master
+            )
+            views = (typed(grad_bytes, engine.dtype), unit, typed(param_bytes, engine.dtype))
+        except BaseException:
+            cls._close_copies(engine, copies)
+            raise
+        return cls(engine, chunk, runs, (start, end), grad_scale, unread, copies, views)
+
+    def compute(self) -> None:
+        """The kernels over the opened bytes (touches nothing but them)."""
+        grads, unit, params = self.views
+        step_window(
+            self.engine,
+            self.chunk,
+            self.runs,
+            self.window,
+            grads,
+            unit,
+            params,
+            self.unread,
+            self.grad_scale,
         )
-        grads, params = typed(grad_bytes, engine.dtype), typed(param_bytes, engine.dtype)
-        step_window(engine, chunk, runs, (start, end), grads, unit, params, unread, grad_scale)
-    finally:
+
+    def close(self, *, succeeded: bool) -> None:
+        """Write back what changed; after a success the gradients are consumed and the
+        device's copy of the parameters, now stale, dropped."""
+        self._close_copies(self.engine, self.copies)
+        if succeeded:
+            self.engine.manager.consume_grad(self.copies[0])
+            self.engine.manager.drop_param(self.chunk)
+
+    @staticmethod
+    def _close_copies(engine: StepContext, copies: tuple[Any, Any, Any]) -> None:
         # NOTE: write-backs finish in the background (keep=True): the slot is
         # reused only once its write has landed, so chunk i-1 is written while
         # chunk i computes and chunk i+1 is read.
+        grad_copy, optim_copy, param_copy = copies
+        manager = engine.manager
         manager.close_host(grad_copy, modified=False, keep=True)
         manager.close_host(optim_copy, modified=True, keep=True)
         manager.close_host(param_copy, modified=True, keep=True)
-    manager.consume_grad(grad_copy)
-    manager.drop_param(chunk)
 
 
 @dataclass(frozen=True)

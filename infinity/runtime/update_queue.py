@@ -22,11 +22,16 @@ run, and (after it) starts fetching the chunks the trace says come next.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from infinity.chunks.homes import Kind
+from infinity.chunks.spans import is_split
 from infinity.chunks.states import UpdateState
 from infinity.config import Config
 from infinity.core.names import HOST, Phase
@@ -34,6 +39,7 @@ from infinity.io import NVMeIOError
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.offloaded_step import (
     ChunkWork,
+    OpenedChunk,
     chunk_ready,
     finish_chunk,
     prefetch_chunk,
@@ -51,6 +57,14 @@ TRAIL_LOOKAHEAD = 2
 # Host-homed updates deferred into the forward run this many chunks (in forward
 # order) ahead of the one needed, so the prefetcher can fetch their chunks.
 HOST_LOOKAHEAD = 2
+
+
+def _timed(compute: Callable[[], None]) -> float:
+    """Run ``compute`` (on the update worker); its seconds."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        compute()
+    return time.perf_counter() - start
 
 
 class TrailingUpdates(deque[ChunkWork]):
@@ -80,6 +94,12 @@ class UpdateQueue:
         self.defer_host = chunks.manager.backend.computes_apart
         self._host_only: set[int] = set()
         self._forward_rank: dict[int, int] = {}
+        # NOTE [host updates on a worker]: a deferred host-only update's kernels run on
+        # one worker thread while this thread goes on launching the forward.
+        self.on_worker = self.defer_host
+        self._worker: ThreadPoolExecutor | None = None
+        self._computing: dict[int, tuple[ChunkWork, OpenedChunk, Future[float]]] = {}
+        self.worker_chunk_steps = 0  # updates whose kernels ran on the worker
         # The first error raised inside an update: some chunks may be updated and
         # others not, so the engine refuses to go on (see check_failed).
         self.failure: BaseException | None = None
@@ -167,6 +187,7 @@ class UpdateQueue:
 
     def _run(self, work: ChunkWork, grad_scale: float, then: UpdateState) -> None:
         """Run one queued update; its chunk is readable again afterwards."""
+        self.drain()  # NOTE: one update's kernels at a time (they share scratch)
         updates = self.manager.updates
         updates.set(work.chunk, _U.RUNNING)
         try:
@@ -212,6 +233,7 @@ class UpdateQueue:
                 on_nvme = True
             (later if on_nvme else now).append(work)
         updates = self.manager.updates
+        self.drain()
         for work in later:
             updates.set(work.chunk, _U.TRAILING)
         for work in now:
@@ -242,6 +264,14 @@ class UpdateQueue:
     def poll_trailing(self, needed: int | None = None, *, settle: bool = False) -> None:
         """Run queued updates: those whose data has landed, and (waiting for its reads)
         every one up to chunk ``needed``; all of them if ``settle``."""
+        self._reap()
+        self._poll_trailing(needed, settle)
+        if settle:
+            self.drain()
+        elif needed in self._computing:
+            self._finish(needed)
+
+    def _poll_trailing(self, needed: int | None, settle: bool) -> None:
         trailing = self.trailing
         while trailing:
             window = list(itertools.islice(trailing, TRAIL_LOOKAHEAD))
@@ -252,8 +282,91 @@ class UpdateQueue:
             if not must and not self._due(work, needed):
                 return
             trailing.popleft()
-            self._run(work, trailing.grad_scale, then=_U.IDLE)
-            self.trailing_chunk_steps += 1
+            if self._on_worker(work):
+                self._start(work, trailing.grad_scale)
+            else:
+                self._run(work, trailing.grad_scale, then=_U.IDLE)
+                self.trailing_chunk_steps += 1
+
+    # --- host updates on a worker --------------------------------------------------------
+    def _on_worker(self, work: ChunkWork) -> bool:
+        """A deferred host-only update of a whole chunk (its bytes wait on nothing)."""
+        plan = self.chunks.plan
+        return (
+            self.on_worker
+            and work.chunk in self._host_only
+            and not plan.sharded
+            and not is_split(plan, work.chunk)
+        )
+
+    def _start(self, work: ChunkWork, grad_scale: float) -> None:
+        """Open ``work``'s host bytes here and hand its kernels to the worker: its chunk
+        stays unreadable (``COMPUTING``) until :meth:`_finish` closes it."""
+        updates = self.manager.updates
+        updates.set(work.chunk, _U.RUNNING)
+        try:
+            # NOTE: the worker runs outside the caller's modes (they are per thread): views
+            # made here under an inference_mode() forward could not be written there.
+            with torch.inference_mode(False):
+                opened = OpenedChunk.open(
+                    self.chunks, work.chunk, list(work.runs), work.covered, grad_scale
+                )
+        except BaseException as error:
+            self._failed(error)
+            raise
+        updates.set(work.chunk, _U.COMPUTING)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-update")
+        future = self._worker.submit(_timed, opened.compute)
+        self._computing[work.chunk] = (work, opened, future)
+
+    def _finish(self, chunk: int) -> None:
+        """Wait for ``chunk``'s kernels and close its update (as :meth:`_run` ends)."""
+        work, opened, future = self._computing.pop(chunk)
+        updates = self.manager.updates
+        updates.set(chunk, _U.RUNNING)
+        traffic = self.manager.traffic
+        try:
+            if future.done():
+                seconds = future.result()
+            else:
+                with traffic.stall():  # the device may idle while this thread waits
+                    seconds = future.result()
+        except BaseException as error:
+            opened.close(succeeded=False)
+            self._failed(error)
+            raise
+        traffic.host_optimizer_seconds += seconds
+        opened.close(succeeded=True)
+        self.chunks.sample(Phase.OPTIMIZER, chunk)
+        for index in work.updated:
+            self.chunks.tensor_steps[index] += 1
+        updates.set(chunk, _U.IDLE)
+        self.trailing_chunk_steps += 1
+        self.worker_chunk_steps += 1
+
+    def _reap(self) -> None:
+        """Close the updates whose kernels are done (never waits)."""
+        for chunk in [c for c, (_, _, future) in self._computing.items() if future.done()]:
+            self._finish(chunk)
+
+    def drain(self) -> None:
+        """Wait for every update on the worker and close it."""
+        for chunk in list(self._computing):
+            self._finish(chunk)
+
+    def close(self) -> None:
+        """Wait for the worker's updates (their bytes must outlive them), then stop it."""
+        try:
+            for chunk in list(self._computing):
+                try:
+                    self._finish(chunk)
+                except BaseException:  # NOTE: recorded in self.failure
+                    pass
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
 
     def _due(self, work: ChunkWork, needed: int | None) -> bool:
         """A trailing update may run now without waiting: its reads have landed, and
@@ -286,7 +399,9 @@ class UpdateQueue:
         """A read reached ``chunk`` while its update is queued: run it (and, for a
         trailing update, those queued before it) so the read sees the step's values."""
         self.check_failed()
-        if self.manager.updates.trailing(chunk):
+        if chunk in self._computing:
+            self._finish(chunk)
+        elif self.manager.updates.trailing(chunk):
             self.poll_trailing(needed=chunk)
         elif self.manager.updates[chunk] is _U.EARLY:
             self.poll_early(needed=chunk)
@@ -299,7 +414,7 @@ class UpdateQueue:
         """
         self.manager.check_io()
         self.check_failed()
-        if self.trailing:
+        if self.trailing or self._computing:
             self.poll_trailing(settle=True)
 
     def synchronize(self) -> None:

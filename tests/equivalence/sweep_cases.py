@@ -84,8 +84,9 @@ class Case:
     # GPU on the CPU: tests/fence) or "cuda" (tests/cuda, on a GPU). See Case.on.
     backend: str = "cpu"
     optimizer: str = "adam"  # "adam", "lion", "sgd" or "adafactor" (sweep_optimizers.py)
-    # Host-homed updates trail into the next forward (NOTE [host updates behind the
-    # forward]): a GPU backend's default, forced on the CPU backend here.
+    # Host-homed updates trail into the next forward, their kernels on the update worker
+    # (NOTE [host updates behind the forward], NOTE [host updates on a worker]): a GPU
+    # backend's defaults, forced on the CPU backend here.
     defer_host: bool = False
     # Parameters homed on NVMe read straight into device memory (the route GPU-direct
     # storage gives a GPU: NOTE [routes are data]); the CPU backend's `nvme_direct`.
@@ -694,5 +695,38 @@ EXAMPLES: tuple[Case, ...] = (
             "activations offloaded): PoolExhausted in a recomputed block's backward on two "
             "ranks"
         ),
+    ),
+    Case(
+        model="gpt2",
+        optimizer="adafactor",
+        clip=0.5,
+        chunk_size="auto",
+        host=1.5,
+        device=1.2,
+        checkpointing="non-reentrant",
+        defer_host=True,
+        recipe=True,
+        evaluate="inference_mode",
+        why=(
+            "sweep seed 9191, the update worker's first run: a deferred update opened "
+            "under an inference_mode() evaluation made views the worker (outside that "
+            "mode, per thread) could not write"
+        ),
+    ),
+    Case(
+        dtype="bf16",
+        state_dtype="int8",
+        accumulation=2,
+        chunk_size="auto",
+        host=1.5,
+        device=1.2,
+        checkpointing="reentrant",
+        defer_host=True,
+        recipe=True,
+        evaluate="inference_mode",
+        resume_at=1,
+        resume_host=1.5,
+        resume_device=0.35,
+        why="sweep seed 9191, as the case above (Adam with int8 moments, a resume)",
     ),
 )

@@ -297,7 +297,10 @@ def _offloaded(
     # planned for it; reading the queue before would lay them out for Adam.
     optimizer = offloaded_optimizer(case, param_groups(case, model))
     if case.defer_host:
-        engine_of(model).queue.defer_host = True
+        # a GPU backend's defaults: NOTE [host updates behind the forward] and
+        # NOTE [host updates on a worker]
+        queue = engine_of(model).queue
+        queue.defer_host = queue.on_worker = True
     return model, optimizer
 
 
