@@ -24,6 +24,7 @@ PATHS = {
     U.STEPPED: [U.EARLY, U.RUNNING, U.STEPPED],
     U.TRAILING: [U.TRAILING],
     U.RUNNING: [U.TRAILING, U.RUNNING],
+    U.COMPUTING: [U.TRAILING, U.RUNNING, U.COMPUTING],
 }
 
 
@@ -44,6 +45,8 @@ def _at(state: U) -> UpdateStates:
         [U.EARLY, U.RUNNING, U.IDLE],  # queued in backward, run by step()
         [U.TRAILING, U.RUNNING, U.IDLE],  # NVMe-bound: trails into the next forward
         [U.RUNNING, U.IDLE],  # host-only: run by step()
+        # host-only, deferred into the forward, its kernels on the update worker
+        [U.TRAILING, U.RUNNING, U.COMPUTING, U.RUNNING, U.IDLE],
     ],
     ids=lambda path: "-".join(s.name for s in path),
 )
@@ -83,18 +86,21 @@ def test_derived_predicates():
     u.set(0, U.RUNNING)
     u.set(0, U.STEPPED)
     assert u.stepped_in_backward and not u.queued(0)
+    for state in (U.TRAILING, U.RUNNING, U.COMPUTING):  # kernels on the update worker
+        u.set(2, state)
+    assert u.queued(2) and not u.trailing(2)  # stale until closed, no longer trailing
 
 
 @pytest.mark.parametrize("state", list(U), ids=lambda s: s.name)
 def test_reading_a_queued_chunk_raises(state):
     u = _at(state)
-    if state in (U.EARLY, U.TRAILING):
+    if state in (U.EARLY, U.TRAILING, U.COMPUTING):
         with pytest.raises(StaleRead, match=f"chunk 0 .*{state.name}"):
             u.check_readable(0)
     else:
         u.check_readable(0)
     # host reads let a chunk queued during backward pass (overlap_optimizer)
-    if state is U.TRAILING:
+    if state in (U.TRAILING, U.COMPUTING):
         with pytest.raises(StaleRead):
             u.check_readable(0, early=False)
     else:
@@ -111,11 +117,11 @@ def test_ensure_readable_runs_the_queued_update_through_the_runner(state):
     def runner(chunk: int) -> None:
         ran.append(chunk)
         u.set(chunk, U.RUNNING)
-        u.set(chunk, U.IDLE if state is U.TRAILING else U.STEPPED)
+        u.set(chunk, U.STEPPED if state is U.EARLY else U.IDLE)
 
     u.runner = runner
     u.ensure_readable(0)
-    assert ran == ([0] if state in (U.EARLY, U.TRAILING) else [])
+    assert ran == ([0] if state in (U.EARLY, U.TRAILING, U.COMPUTING) else [])
     assert not u.queued(0)
 
 
