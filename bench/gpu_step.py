@@ -416,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             t = row["last_step"]
             line += (
                 f"; waits: device {t.get('wait_device_seconds', 0.0):.3f} s, "
-                f"nvme {t.get('wait_nvme_seconds', 0.0):.3f} s"
+                f"nvme {t.get('wait_nvme_seconds', 0.0):.3f} s; "
+                f"hooks {t.get('hook_seconds', 0.0):.3f} s, "
+                f"host optimizer {t.get('host_optimizer_seconds', 0.0):.3f} s"
             )
         print(line)
     return 0
