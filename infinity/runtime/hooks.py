@@ -92,7 +92,15 @@ class HookSet:
         self.handles: list[RemovableHandle] = []
         self._scopes: list[saved_tensors_hooks] = []
         self._engine = engine
-        pack, unpack = _opaque(engine.pack), _opaque(engine.unpack)
+        pack = _opaque(engine.pack)
+
+        @_opaque
+        def unpack(packed: Any) -> torch.Tensor:
+            # NOTE [the step's bound]: an unpack fetches chunks and waits for saved
+            # tensors, host work the device may idle through, like a hook's (a pack only
+            # records a handle: not timed, it runs for every saved tensor)
+            with engine.manager.traffic.in_hook():
+                return engine.unpack(packed)
 
         @_opaque
         def root_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
