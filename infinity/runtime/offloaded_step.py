@@ -276,6 +276,12 @@ def finish_chunk(engine: StepContext, work: ChunkWork, grad_scale: float) -> int
     """Run the update of one planned chunk; returns the tensors updated."""
     with engine.manager.traffic.updating():
         step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
+    return count_update(engine, work)
+
+
+def count_update(engine: StepContext, work: ChunkWork) -> int:
+    """A chunk's update has run: its tensors' steps advance, the timeline notes it;
+    returns the tensors updated."""
     engine.sample(Phase.OPTIMIZER, work.chunk)
     for index in work.updated:
         engine.tensor_steps[index] += 1

@@ -41,6 +41,7 @@ from infinity.runtime.offloaded_step import (
     ChunkWork,
     OpenedChunk,
     chunk_ready,
+    count_update,
     finish_chunk,
     prefetch_chunk,
     run_works,
@@ -338,9 +339,7 @@ class UpdateQueue:
             raise
         traffic.host_optimizer_seconds += seconds
         opened.close(succeeded=True)
-        self.chunks.sample(Phase.OPTIMIZER, chunk)
-        for index in work.updated:
-            self.chunks.tensor_steps[index] += 1
+        count_update(self.chunks, work)
         updates.set(chunk, _U.IDLE)
         self.trailing_chunk_steps += 1
         self.worker_chunk_steps += 1
