@@ -33,10 +33,9 @@ HOOK_METHODS = (
     "end_module",
     "pack",
     "unpack",
-    "before_grad",
-    "on_grad",
     "optimizer_step",
 )
+SINK_METHODS = ("before_grad", "on_grad")  # the gradient hooks, on the engine's sink
 
 
 def _thread_group(tid: int, pid: int, name: str) -> str:
@@ -144,10 +143,13 @@ class EngineProfile:
         from infinity.chunks.pools import Traffic
         from infinity.optim.chunk_optimizer import ADAM
         from infinity.runtime.engine import OffloadEngine
+        from infinity.runtime.gradients import GradientSink
 
         for name in HOOK_METHODS:
             category = "step (engine)" if name == "optimizer_step" else "hooks"
             self._wrap(OffloadEngine, name, category)
+        for name in SINK_METHODS:
+            self._wrap(GradientSink, name, "hooks")
         self._wrap(type(ADAM), "step", "adam kernel")
         original = Traffic.waiting
         profile = self

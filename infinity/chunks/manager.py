@@ -44,7 +44,7 @@ class ChunkManager:
     staging slots of NVMe-homed chunks) and
     :class:`~infinity.chunks.grad_flow.GradientFlow` (``grad_flow``: device
     gradient chunks and their flush), both built here and given what they use;
-    neither knows the manager. Its gradient methods delegate to ``grad_flow``.
+    neither knows the manager. Callers use each one's verbs directly.
     """
 
     def __init__(
@@ -97,7 +97,7 @@ class ChunkManager:
             device_pools,
             device_policy,
             self.device_account,
-            self._write_back_device,
+            lambda copy: self.grad_flow.write_back_device(copy),  # NOTE: built below
             lend_larger=not plan.recomputes_blocks,
         )
         self.host = HostStaging(
@@ -143,39 +143,7 @@ class ChunkManager:
         """Where each chunk's gradients of the current accumulation cycle are."""
         return self.grad_flow.grads
 
-    # --- the gradient side (see GradientFlow) -------------------------------------
-    def _write_back_device(self, copy: Copy) -> None:
-        self.grad_flow.write_back_device(copy)
-
-    def write_grad(self, i: int, start: int, grad: torch.Tensor) -> None:
-        """Copy ``grad`` into device gradient chunk ``i`` at element ``start``."""
-        self.grad_flow.write_grad(i, start, grad)
-
-    def flush_grad(self, i: int) -> None:
-        """Move gradient chunk ``i`` off the device, adding it to its home."""
-        self.grad_flow.flush_grad(i)
-
-    def flush_all_grads(self) -> None:
-        """Flush every gradient chunk on the device (end of backward)."""
-        self.grad_flow.flush_all_grads()
-
-    def consume_grad(self, copy: Copy | None) -> None:
-        """The optimizer step is done with a gradient chunk's staging copy."""
-        self.grad_flow.consume_grad(copy)
-
-    def invalidate_grads(self) -> None:
-        """Gradients were zeroed: the next flush overwrites instead of adding."""
-        self.grad_flow.invalidate_grads()
-
-    # --- helpers -----------------------------------------------------------------
-    def nbytes(self, key: Key) -> int:
-        """Bytes of ``key`` in any tier."""
-        return self.homes.nbytes(key)
-
-    def host_ready(self, key: Key) -> bool:
-        """``key``'s bytes are in host memory now (its home, or a landed staging read)."""
-        return self.host.host_ready(key)
-
+    # --- host staging -------------------------------------------------------------
     def prefetch_host(self, key: Key, protect: Collection[Key] = ()) -> bool:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed);
         False if no staging slot was free without evicting a key of ``protect``
@@ -216,7 +184,7 @@ class ChunkManager:
         copy = self.device.get(key)
         if copy is not None:
             return copy
-        nbytes = self.nbytes(key)
+        nbytes = self.homes.nbytes(key)
         if prefetch:
             copy = self.device.try_insert(key, nbytes, self.moment, self.sooner_than(key))
             if copy is None:
@@ -250,7 +218,7 @@ class ChunkManager:
     def prefetch_gathers(self, chunks: list[int]) -> None:
         """Sharded: start gathering the parameter chunks of ``chunks`` that some rank
         lacks and every rank can take now (collective: see ``chunks/shards.py``)."""
-        start_gathers(self, chunks)
+        start_gathers(self, chunks, self.host.host_ready)
 
     def sooner_than(self, key: Key) -> Callable[[Hashable], bool]:
         """Eviction filter for prefetching ``key``: only copies needed after it (by the
@@ -383,9 +351,4 @@ class ChunkManager:
             for copy in cache:
                 copy.wait()
         self.backend.synchronize()
-        self.check_io()
-
-    def check_io(self) -> None:
-        """Raise :class:`~infinity.io.NVMeIOError` if any NVMe transfer has failed
-        (see :mod:`infinity.chunks.homes`)."""
         self.failures.check()

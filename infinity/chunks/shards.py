@@ -269,14 +269,14 @@ class DeviceAccess(HostAccess, Protocol):
     updates: UpdateStates
     in_use: InUse
 
-    def host_ready(self, key: Key) -> bool: ...
-
     def prefetch_host(self, key: Key, protect: Collection[Key] = ()) -> bool: ...
 
     def sooner_than(self, key: Key) -> Callable[[Hashable], bool]: ...
 
 
-def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
+def start_gathers(
+    manager: DeviceAccess, chunks: list[int], host_ready: Callable[[Key], bool]
+) -> None:
     """Start gathering, without blocking, the parameter chunks of ``chunks`` (the next
     needs in the trace, the same list on every rank) that some rank lacks.
 
@@ -285,6 +285,7 @@ def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
     evicting anything needed sooner. The ranks agree on that in one collective;
     a rank that has the chunk cached gathers into its copy (the same bytes).
     Shards still on NVMe are read into host staging for a later call.
+    ``host_ready`` says whether a key's bytes are in host memory now (the staging's).
     """
     collectives = manager.collectives
     assert collectives is not None
@@ -310,7 +311,7 @@ def start_gathers(manager: DeviceAccess, chunks: list[int]) -> None:
         if cached:
             unable.append(False)
             continue
-        if not manager.host_ready(key):
+        if not host_ready(key):
             # NOTE: reading ahead must not evict a shard this list is about to
             # gather: it would be read again from disk, blocking, below.
             manager.prefetch_host(key, protect=ready)

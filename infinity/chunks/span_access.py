@@ -31,8 +31,6 @@ class SpanAccess(HostAccess, Protocol):
     homes: HomeStore
     host: HostStaging
 
-    def nbytes(self, key: Key) -> int: ...
-
 
 def open_span(
     manager: SpanAccess,

@@ -306,14 +306,6 @@ class OffloadEngine:
         self.pipeline.note_loss_scaled()
 
     # --- delegated to the components --------------------------------------------------
-    def on_grad(self, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: a parameter's gradient is ready."""
-        self.sink.on_grad(param)
-
-    def before_grad(self, grad: torch.Tensor) -> None:
-        """Tensor hook of a parameter, run before its AccumulateGrad."""
-        self.sink.before_grad(grad)
-
     def optimizer_step(self, hyper_by_index: Mapping[int, object]) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
         return self.pipeline.step(hyper_by_index)
@@ -388,7 +380,7 @@ class OffloadEngine:
         """The root module's forward starts: check the model and that what the forward
         will save fits (``shape``: its batch and sequence), start a new iteration."""
         self.lay_out("the first forward")
-        self.manager.check_io()
+        self.manager.failures.check()
         self.queue.check_failed()
         check_model(self.registry, self.dtype, self.device, self._param_count)
         if self.sink.running and torch._C._current_graph_task_id() == -1:

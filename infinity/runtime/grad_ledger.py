@@ -107,7 +107,7 @@ class GradientLedger:
                 entry.param.grad = None
         self.has_grad.drop_all()
         self.reset_factors()
-        self.manager.invalidate_grads()
+        self.manager.grad_flow.invalidate_grads()
 
     def _zero_grad_ranges(self, chunk: int, entries: list[ParamEntry]) -> None:
         """Zero some tensors' gradients inside a chunk whose other gradients stay."""

@@ -64,6 +64,7 @@ class GradientSink:
         its gradients are complete."""
         self.chunks = chunks
         self.manager = chunks.manager
+        self.flow = chunks.manager.grad_flow  # the owner of the device gradient chunks
         self.fetcher = fetcher
         self.queue = queue
         self.ledger = ledger
@@ -89,13 +90,13 @@ class GradientSink:
         slot = chunks.layout.slots[entry.index]
         chunk = slot.chunk
         self.fetcher.access(Phase.GRAD, chunk)
-        self.manager.write_grad(chunk, slot.offset, grad)
+        self.flow.write_grad(chunk, slot.offset, grad)
         chunks.sample(Phase.GRAD, chunk)
         self.ledger.received(entry.index)
         chunks.set_state(entry, _S.HOLD_AFTER_BWD)
         counters = chunks.states[chunk]
         if counters.count(_S.HOLD_AFTER_FWD) == 0 and not counters.in_compute:
-            self.manager.flush_grad(chunk)
+            self.flow.flush_grad(chunk)
             if self.overlap and self.pipeline.optimizer is not None:
                 self.pipeline.step_early(chunk)
 
@@ -127,10 +128,10 @@ class GradientSink:
     def end_backward(self) -> None:
         """The backward pass ended (or was found interrupted): flush what is left."""
         self.backward.move(Backward.IDLE)
-        self.manager.flush_all_grads()
+        self.flow.flush_all_grads()
         self.set_sentinels()
         self.fetcher.trace.end_backward()
-        self.manager.check_io()  # raised from backward(), not at some later call
+        self.manager.failures.check()  # raised from backward(), not at some later call
 
     def set_sentinels(self) -> None:
         """Every parameter with a gradient in chunks shows a sentinel in ``.grad``."""

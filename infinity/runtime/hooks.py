@@ -50,7 +50,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,22 +65,24 @@ from infinity.runtime.state_access import read_params, write_params
 _opaque = torch.compiler.disable
 
 
-def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A tensor hook that calls the engine's ``method`` through a weak reference, timed
-    as the engine's host work (NOTE [the step's bound]).
+def _to_sink(engine: OffloadEngine, verb: str) -> Callable[..., Any]:
+    """A tensor hook that calls the gradient sink's ``verb`` (``on_grad``,
+    ``before_grad``) through a weak reference to the engine, timed as the engine's
+    host work (NOTE [the step's bound]). The sink is the engine's from its lay-out,
+    which a forward runs before any backward.
 
     NOTE: tensor hooks live in the C++ tensor, where the garbage collector cannot
     see them: a hook holding the engine (which holds the parameter) would be a
     cycle it never frees, so a dropped model would keep its threads and swap file.
     """
-    ref = weakref.WeakMethod(method)
+    ref = weakref.ref(engine)
 
     def hook(*args: Any) -> Any:
-        bound = ref()
-        if bound is None:
+        owner = ref()
+        if owner is None:
             return None
-        with cast(Any, bound).__self__.manager.traffic.in_hook():
-            return bound(*args)
+        with owner.manager.traffic.in_hook():
+            return getattr(owner.sink, verb)(*args)
 
     return hook
 
@@ -152,8 +154,8 @@ class HookSet:
                 )
             )
         policy.attach()
-        before_grad = _opaque(_weak(engine.before_grad))
-        on_grad = _opaque(_weak(engine.on_grad))
+        before_grad = _opaque(_to_sink(engine, "before_grad"))
+        on_grad = _opaque(_to_sink(engine, "on_grad"))
         for entry in engine.registry.entries:
             if entry.trainable:
                 param = entry.param

@@ -198,7 +198,7 @@ class OpenedChunk:
         device's copy of the parameters, now stale, dropped."""
         self._close_copies(self.engine, self.copies)
         if succeeded:
-            self.engine.manager.consume_grad(self.copies[0])
+            self.engine.manager.grad_flow.consume_grad(self.copies[0])
             self.engine.manager.drop_param(self.chunk)
 
     @staticmethod
@@ -269,7 +269,7 @@ def prefetch_chunk(engine: StepContext, work: ChunkWork, ahead: Iterable[ChunkWo
 
 def chunk_ready(engine: StepContext, work: ChunkWork) -> bool:
     """Everything the update reads is in host memory (no wait would happen)."""
-    return all(engine.manager.host_ready(key) for key in work.keys(engine.plan.has_master))
+    return all(engine.manager.host.host_ready(key) for key in work.keys(engine.plan.has_master))
 
 
 def finish_chunk(engine: StepContext, work: ChunkWork, grad_scale: float) -> int:

@@ -264,7 +264,7 @@ def step_chunk_gathered(
         close_whole(manager, optim_handle, modified=True, keep=True)
         close_whole(manager, param_handle, modified=True, keep=True)
     assert isinstance(grad_handle, WholeChunk)  # sharded: open_whole gathers
-    manager.consume_grad(grad_handle.copy)
+    manager.grad_flow.consume_grad(grad_handle.copy)
     manager.drop_param(chunk)
 
 

@@ -125,7 +125,7 @@ class UpdatePipeline:
         self.manager.moment = -1
         self.prefetch()
         self.step_timer.lap()
-        self.manager.check_io()  # e.g. a write-back of this step that already failed
+        self.manager.failures.check()  # e.g. a write-back of this step that already failed
         return True
 
     def step_early(self, chunk: int) -> None:

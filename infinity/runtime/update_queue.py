@@ -411,7 +411,7 @@ class UpdateQueue:
         Every engine entry point passes here or checks itself: after an I/O
         error it raises instead (see :mod:`infinity.chunks.homes`).
         """
-        self.manager.check_io()
+        self.manager.failures.check()
         self.check_failed()
         if self.trailing or self._computing:
             self.poll_trailing(settle=True)

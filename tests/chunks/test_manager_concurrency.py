@@ -142,10 +142,10 @@ def test_a_failed_write_makes_every_later_check_and_read_raise(gated):
     write.release(fail_errno=errno.EIO)
 
     with pytest.raises(NVMeIOError) as first:
-        manager.check_io()
+        manager.failures.check()
     assert first.value.errno == errno.EIO and "param chunk 1" in str(first.value)
     with pytest.raises(NVMeIOError, match="refuses to run"):
-        manager.check_io()
+        manager.failures.check()
     # The home does not hold what was written: reading the chunk raises, never returns bytes.
     with pytest.raises(NVMeIOError):
         manager.open_host(key)
@@ -157,8 +157,8 @@ def test_a_gradient_home_read_while_its_device_copy_is_in_flight_sees_the_gradie
     backend = HeldBackend()
     manager = _manager(plan, backend)
     grads = _values(0)
-    manager.write_grad(0, 0, grads)
-    manager.flush_grad(0)  # device -> host home, in flight
+    manager.grad_flow.write_grad(0, 0, grads)
+    manager.grad_flow.flush_grad(0)  # device -> host home, in flight
     assert len(backend.unfinished()) == 1
     region, _ = manager.open_host((Kind.GRAD, 0))
     assert torch.equal(region.view(F32), grads)
@@ -185,7 +185,7 @@ def test_a_staging_read_in_flight_is_never_evicted_and_a_reader_waits_only_for_i
     for read in gate.held("read"):
         read.release()
     for i in (0, 2):
-        assert manager.host_ready(_param(i))
+        assert manager.host.host_ready(_param(i))
         region, copy = manager.open_host(_param(i), writable=False)
         assert torch.equal(region.view(F32), _values(i))
         manager.close_host(copy, modified=False)
@@ -199,8 +199,8 @@ def test_nvme_gradient_reads_while_flushes_are_in_flight_see_the_newest_sum(tmp_
     key = (Kind.GRAD, 0)  # the first NVMe home: offset 0
     first, second = _values(0), _values(1) * 0.25
     try:
-        manager.write_grad(0, 0, first)
-        manager.flush_grad(0)  # device -> staging, then staging -> NVMe
+        manager.grad_flow.write_grad(0, 0, first)
+        manager.grad_flow.flush_grad(0)  # device -> staging, then staging -> NVMe
         assert len(backend.unfinished()) == 1 and gate.held() == []  # the write waits its turn
         region, copy = manager.open_host(key, writable=False)
         assert torch.equal(region.view(F32), first)
@@ -208,8 +208,8 @@ def test_nvme_gradient_reads_while_flushes_are_in_flight_see_the_newest_sum(tmp_
         manager.synchronize()
         assert torch.equal(gate.read_back(0, CHUNK_BYTES).view(F32), first)
 
-        manager.write_grad(0, 0, second)
-        manager.flush_grad(0)  # the next micro-batch adds, and the sum is written home
+        manager.grad_flow.write_grad(0, 0, second)
+        manager.grad_flow.flush_grad(0)  # the next micro-batch adds, and the sum is written home
         (write,) = gate.held("write")
         region, copy = manager.open_host(key, writable=False)  # read while that write is held
         assert torch.equal(region.view(F32), first + second)

@@ -143,8 +143,8 @@ def test_gradients_land_in_their_home_accumulate_and_unwritten_elements_are_zero
 
     def micro_batch(grads: dict[int, torch.Tensor]) -> None:
         for t, g in grads.items():
-            manager.write_grad(0, slots[t].offset, g)
-        manager.flush_grad(0)
+            manager.grad_flow.write_grad(0, slots[t].offset, g)
+        manager.grad_flow.flush_grad(0)
 
     g = torch.Generator().manual_seed(0)
     a, b, a2, c, b3 = (torch.randn(slots[t].numel, generator=g) for t in (0, 1, 0, 2, 1))
@@ -158,7 +158,7 @@ def test_gradients_land_in_their_home_accumulate_and_unwritten_elements_are_zero
     expected[512:612] += c
     assert torch.equal(home_bytes(), expected)
 
-    manager.invalidate_grads()  # zero_grad: the next flush overwrites
+    manager.grad_flow.invalidate_grads()  # zero_grad: the next flush overwrites
     micro_batch({1: b3})
     expected.zero_()
     expected[304:504] = b3

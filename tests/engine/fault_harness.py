@@ -121,7 +121,7 @@ def home_bytes(engine) -> dict:
             continue
         region, copy = manager.open_host(key, writable=False)
         try:
-            out[key] = region[: manager.nbytes(key)].clone()
+            out[key] = region[: manager.homes.nbytes(key)].clone()
         finally:
             manager.close_host(copy, modified=False)
     return out
