@@ -12,7 +12,7 @@ from infinity.config import Config
 from infinity.devices.choice import resolved
 from infinity.distributed import Collectives, resolve_world
 from infinity.distributed.agreement import check_agreement
-from infinity.optim import registry
+from infinity.optim import offloaded
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.hooks import HookSet, install_state_dict_hooks
 from infinity.runtime.materialize import (
@@ -83,7 +83,7 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
         raise
     # See NOTE [weak registry]: the hooks, not the registry, keep the engine alive.
     engine.hooks = hooks
-    registry.register(model, engine, ((e.param, e.index) for e in engine.registry.entries))
+    offloaded.register(model, engine, ((e.param, e.index) for e in engine.registry.entries))
     if world.sharded:
         _decline_data_parallel_wrappers(model)
     return model
@@ -141,12 +141,12 @@ def engine_of(model: nn.Module) -> OffloadEngine:
 def find_engine(model: nn.Module) -> OffloadEngine | None:
     """The engine of an offloaded model, or ``None`` if it was not offloaded; also
     through ``torch.compile``'s wrapper of one."""
-    engine = registry.model_engine(model)
+    engine = offloaded.model_engine(model)
     # NOTE: torch.compile(model) returns a new module holding the model as
     # `_orig_mod`; users pass that wrapper to infinity.stats, save_checkpoint and
     # the rest, which then said the model was not offloaded.
     wrapped = getattr(model, "_orig_mod", None)
     while engine is None and isinstance(wrapped, nn.Module):
-        engine = registry.model_engine(wrapped)
+        engine = offloaded.model_engine(wrapped)
         wrapped = getattr(wrapped, "_orig_mod", None)
     return engine if isinstance(engine, OffloadEngine) else None

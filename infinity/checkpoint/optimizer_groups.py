@@ -16,7 +16,7 @@ import torch
 from infinity.checkpoint.format import META, CheckpointError
 from infinity.checkpoint.schema import SavedGroup, finite_number
 from infinity.optim.front_end import CPUOptimizer
-from infinity.optim.registry import param_slot
+from infinity.optim.offloaded import param_slot
 from infinity.runtime.engine import OffloadEngine
 
 _ABSENT = object()

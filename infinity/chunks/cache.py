@@ -21,7 +21,7 @@ class EvictionPolicy(Protocol):
     """Ranks eviction candidates; told of every access through :meth:`touch`.
 
     Declared here, where caches use it; the strategies live in
-    :mod:`infinity.schedule.eviction`. *Whether* a copy may go is the cache's
+    :mod:`infinity.schedule.trace`. *Whether* a copy may go is the cache's
     rule, never the policy's. A policy may also define ``next_use(key, moment)
     -> float`` (moments until ``key`` is needed, as Belady's does): prefetching
     then evicts only copies needed later than what it fetches.

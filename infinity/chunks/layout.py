@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from infinity._native.io import ALIGNMENT as IO_ALIGNMENT
-from infinity.core.layout import ChunkLayout, ChunkSpec, TensorInfo, TensorSlot
+from infinity.core.plan import ChunkLayout, ChunkSpec, TensorInfo, TensorSlot
 from infinity.utils.sizes import align_up
 
 # NOTE: tensors start on 64-byte boundaries inside a chunk so SIMD loads of the

@@ -46,8 +46,8 @@ from infinity.chunks.grad_flow import typed
 from infinity.chunks.shards import HostAccess, close_whole, open_whole
 from infinity.chunks.span_access import SpanAccess, open_span, read_elements, write_elements
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_ranges
-from infinity.core.layout import TensorSlot
 from infinity.core.names import Kind
+from infinity.core.plan import TensorSlot
 
 
 class Window(NamedTuple):

@@ -19,8 +19,7 @@ import torch
 from infinity._native import native
 from infinity._native.io import MAX_REGISTERED_BYTES
 from infinity.config import AioConfig, ConfigError
-from infinity.io.request import IORequest
-from infinity.io.validate import check_offset, check_tensor, resolve_file
+from infinity.io.request import IORequest, check_offset, check_tensor, resolve_file
 
 
 def available_backends() -> list[str]:

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from infinity.optim import offloaded
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews
 from infinity.optim.dense import check_dense_param, check_grad, flat_buffers, step_dtype
-from infinity.optim.stepper import ChunkStepper
+from infinity.optim.offloaded import ChunkStepper
 
 H = TypeVar("H")
 

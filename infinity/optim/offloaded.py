@@ -1,26 +1,129 @@
-"""What the optimizer front-ends (:mod:`infinity.optim.front_end`) do with parameters
-of offloaded models.
+"""The optimizer layer's side of an offloaded model: which engine holds a
+parameter, what it needs of that engine, and what the front-ends
+(:mod:`infinity.optim.front_end`) do with such parameters.
 
-A parameter belongs to an offloaded model when ``infinity.offload`` registered
-it with its engine (:mod:`infinity.optim.registry`). Such parameters have no
-``.grad`` tensor and no values in RAM: their step runs chunk by chunk inside
-the engine, their ``.grad`` sentinels answer gradient clipping from the chunks,
-and fp16 loss scaling is the engine's.
+Which engine: one weak registry, not attributes on models or parameters.
+``infinity.offload`` registers a model and each of its parameters here; the
+optimizer, the checkpoint and the public ``infinity.engine_of`` look them up.
+See NOTE [weak registry]: both maps are weak on both sides. Keys are weak (a
+dropped model or parameter leaves by itself) and compared by identity
+(``torch.utils.weak.WeakIdKeyDictionary``: a tensor's ``==`` is elementwise, so
+:class:`weakref.WeakKeyDictionary` would compare parameter values). Values hold
+the engine through a weak reference: the registry never keeps an engine, hence
+its threads and swap file, alive. The model owns its engine through the
+forward hooks the engine installed on it (their closures hold the engine), so
+the engine lives exactly as long as the model.
+
+What of the engine: :class:`ChunkStepper`, a protocol, so that this layer does
+not depend on the runtime that implements it.
+
+What the front-ends do: a registered parameter has no ``.grad`` tensor and no
+values in RAM. Its step runs chunk by chunk inside the engine, its ``.grad``
+sentinel answers gradient clipping from the chunks, and fp16 loss scaling is
+the engine's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from infinity.optim.registry import engine_of_param, param_slot
-from infinity.optim.stepper import ChunkStepper, MomentState
+from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.optim.loss_scale import LossScaler
 
 __all__ = ["ChunkStepper", "MomentState", "engine_of_param"]
 
 H = TypeVar("H")
+
+# A tensor's step count and its optimizer state by slot name (Adam: exp_avg, exp_avg_sq;
+# a slot left out is zeros).
+MomentState = tuple[int, dict[str, torch.Tensor]]
+
+
+class ChunkStepper(Protocol):
+    """What the optimizer needs of an offloaded model's engine.
+
+    Declared here so the optimizer layer depends on this protocol, not on the
+    runtime that implements it (:class:`infinity.runtime.engine.OffloadEngine`).
+    """
+
+    scaler: LossScaler | None  # fp16 only
+
+    @property
+    def chunk_optimizer(self) -> ChunkOptimizer[Any]:
+        """The per-element optimizer its optimizer units are laid out for."""
+        ...
+
+    def use_optimizer(
+        self, chunk_optimizer: ChunkOptimizer[Any], owner: str, ref: Callable[[], Any]
+    ) -> None:
+        """Lay the optimizer units out for ``chunk_optimizer`` (of the optimizer
+        ``owner``, held weakly by ``ref``: the one whose groups early steps use);
+        raises naming both if the model already holds another optimizer's state."""
+
+    def note_loss_scaled(self) -> None:
+        """The loss of the coming backward was multiplied by the fp16 loss scale."""
+
+    def optimizer_step(self, hyper_by_index: Mapping[int, object]) -> bool:
+        """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
+        ...
+
+    def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
+        """Copies of the moments of the tensors ``indices`` stepped at least once."""
+        ...
+
+    def check_moments(self, values: dict[int, MomentState | None]) -> None:
+        """Raise (changing nothing) if a state does not fit its tensor."""
+
+    def write_moments(self, values: dict[int, MomentState | None]) -> None:
+        """Set moments and step counts by tensor index (``None``: never stepped)."""
+
+
+class ParamSlot(NamedTuple):
+    """Where an offloaded parameter lives: its engine and its tensor index there."""
+
+    engine: ChunkStepper
+    tensor_index: int
+
+
+_models = WeakIdKeyDictionary()  # nn.Module -> weakref.ref[ChunkStepper]
+_params = WeakIdKeyDictionary()  # Parameter -> (weakref.ref[ChunkStepper], tensor index)
+
+
+def register(
+    model: nn.Module, engine: ChunkStepper, params: Iterable[tuple[torch.Tensor, int]]
+) -> None:
+    """Record that ``engine`` holds ``model`` and each ``(parameter, tensor index)``."""
+    ref = weakref.ref(engine)
+    _models[model] = ref
+    for param, index in params:
+        _params[param] = (ref, index)
+
+
+def model_engine(model: nn.Module) -> ChunkStepper | None:
+    """The engine holding ``model``, or ``None`` if it was not offloaded."""
+    ref = _models.get(model)
+    return ref() if ref is not None else None
+
+
+def param_slot(param: torch.Tensor) -> ParamSlot | None:
+    """The engine and tensor index of ``param``, or ``None`` for an ordinary tensor."""
+    found = _params.get(param)
+    if found is None:
+        return None
+    engine = found[0]()
+    return ParamSlot(engine, found[1]) if engine is not None else None
+
+
+def engine_of_param(param: torch.Tensor) -> ChunkStepper | None:
+    """The engine holding ``param``, or ``None`` for an ordinary tensor."""
+    slot = param_slot(param)
+    return slot.engine if slot is not None else None
 
 
 def offloaded_hyper(

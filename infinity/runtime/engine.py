@@ -53,7 +53,7 @@ from infinity.io import SwapFile
 from infinity.io.swapfile import prepare_directory
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.optim.loss_scale import LossScaler
-from infinity.optim.stepper import MomentState
+from infinity.optim.offloaded import MomentState
 from infinity.runtime.budgets import DTYPE_OF, bind_optimizer, first_layout, plan_for
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.gradients import GradientNorms, GradientSink
@@ -70,8 +70,7 @@ from infinity.runtime.swap import (
     swap_directory,
 )
 from infinity.runtime.update_queue import ParamFetcher, UpdateQueue
-from infinity.schedule.eviction import LRUPolicy, TraceDrivenPolicy
-from infinity.schedule.trace import TraceRecorder
+from infinity.schedule.trace import LRUPolicy, TraceDrivenPolicy, TraceRecorder
 from infinity.utils.process_memory import baseline_resident_set, return_freed_memory
 
 log = logging.getLogger("infinity")

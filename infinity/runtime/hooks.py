@@ -57,7 +57,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
-from infinity.activations.trace import batch_shape
+from infinity.activations.policy import batch_shape
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_pretrained_model
 from infinity.runtime.state_access import read_params, write_params

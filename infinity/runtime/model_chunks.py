@@ -57,9 +57,8 @@ from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager, typed
 from infinity.chunks.pieces import Window, home_bytes, windows
 from infinity.chunks.states import E, StateCounters, TensorState, check_transition
-from infinity.core.layout import ChunkSpec, TensorSlot
 from infinity.core.names import Kind, Phase
-from infinity.core.plan import Plan
+from infinity.core.plan import ChunkSpec, Plan, TensorSlot
 from infinity.optim.chunk_optimizer import ChunkOptimizer
 from infinity.runtime.params import ParamEntry, ParamRegistry, UnsetParameterError, placeholder
 

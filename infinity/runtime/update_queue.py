@@ -46,9 +46,7 @@ from infinity.runtime.offloaded_step import (
     prefetch_chunk,
     run_works,
 )
-from infinity.schedule.eviction import TraceDrivenPolicy
-from infinity.schedule.prefetch import Prefetcher
-from infinity.schedule.trace import TraceRecorder
+from infinity.schedule.trace import Prefetcher, TraceDrivenPolicy, TraceRecorder
 
 _U = UpdateState
 

@@ -16,9 +16,8 @@ import dataclasses
 import math
 from typing import Any
 
-from infinity.core.layout import ChunkLayout
 from infinity.core.names import HOST
-from infinity.core.plan import FP32_BYTES, Plan, PlanError
+from infinity.core.plan import FP32_BYTES, ChunkLayout, Plan, PlanError
 from infinity.optim.chunk_optimizer import ChunkOptimizer
 from infinity.schedule.traffic import estimate_traffic
 from infinity.utils.sizes import format_size

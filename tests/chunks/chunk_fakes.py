@@ -15,9 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from infinity.core.layout import ChunkLayout, ChunkSpec, TensorSlot
 from infinity.core.names import HOST, Tier
-from infinity.core.plan import Budgets, Plan
+from infinity.core.plan import Budgets, ChunkLayout, ChunkSpec, Plan, TensorSlot
 from infinity.devices.base import DeviceBackend, TransferHandle
 from infinity.devices.cpu import CpuBackend
 from infinity.io import IOEngine, NVMeIOError, SwapFile, aligned_empty

@@ -14,7 +14,7 @@ from infinity.chunks.manager import ChunkManager
 from infinity.core.names import NVME, Kind
 from infinity.core.plan import Plan
 from infinity.io import NVMeIOError, SwapFile
-from infinity.schedule.eviction import BeladyPolicy, LRUPolicy
+from infinity.schedule.trace import BeladyPolicy, LRUPolicy
 
 F32 = torch.float32
 

@@ -14,7 +14,7 @@ from infinity.core.names import HOST, NVME, Kind
 from infinity.core.plan import Plan
 from infinity.devices.cpu import CpuBackend
 from infinity.io import SwapFile, aligned_empty
-from infinity.schedule.eviction import BeladyPolicy, LRUPolicy
+from infinity.schedule.trace import BeladyPolicy, LRUPolicy
 
 F32 = torch.float32
 

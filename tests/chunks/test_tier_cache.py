@@ -7,7 +7,7 @@ import torch
 
 from infinity.chunks.cache import TierCache
 from infinity.chunks.pools import SlabPool, TierAccount
-from infinity.schedule.eviction import LRUPolicy
+from infinity.schedule.trace import LRUPolicy
 
 SLOT = 4096
 

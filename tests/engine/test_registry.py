@@ -12,7 +12,7 @@ from engine_helpers import config, tiny_gpt
 
 import infinity
 from infinity.offload import engine_of
-from infinity.optim import registry
+from infinity.optim import offloaded as registry
 
 
 def test_lookups_name_each_parameter_and_nothing_is_set_on_it():

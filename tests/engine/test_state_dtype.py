@@ -24,8 +24,7 @@ import infinity
 from infinity.checkpoint.format import CheckpointError
 from infinity.chunks.homes import HomeStore, Kind
 from infinity.chunks.layout import build_layout
-from infinity.core.layout import TensorInfo
-from infinity.core.plan import Budgets
+from infinity.core.plan import Budgets, TensorInfo
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.optim.chunk_optimizer import ADAM

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from infinity.schedule.eviction import BeladyPolicy, LRUPolicy
+from infinity.schedule.trace import BeladyPolicy, LRUPolicy
 
 
 def test_lru_evicts_least_recently_touched():
