@@ -38,16 +38,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Generator, Sequence
 from contextlib import closing
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from infinity.chunks.grad_flow import typed
-from infinity.chunks.shards import HostAccess, close_whole, open_whole
+from infinity.chunks.manager import ChunkManager
+from infinity.chunks.shards import HostAccess, WholeChunk, close_whole, open_whole
 from infinity.chunks.span_access import SpanAccess, open_span, read_elements, write_elements
-from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_ranges
+from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
 from infinity.core.names import Kind
-from infinity.core.plan import TensorSlot
+from infinity.core.plan import Plan, TensorSlot
+from infinity.optim.chunk_optimizer import unit_ranges
+from infinity.optim.state_formats import StateFormat
 
 
 class Window(NamedTuple):
@@ -185,3 +188,130 @@ def tensor_values(
             yield view.clone() if copy else view
     finally:
         close_whole(manager, handle, modified=write, keep=keep)
+
+
+class UpdateWindow(NamedTuple):
+    """Elements ``[start, end)`` of chunk ``chunk`` opened for its optimizer update:
+    the gradients and parameters (compute dtype) one piece each, the optimizer unit
+    its pieces in home order (fp32 master, each state slot's values and int8
+    scales), all uint8 and starting at element ``start``."""
+
+    chunk: int
+    start: int
+    end: int
+    grads: torch.Tensor
+    unit: list[torch.Tensor]
+    params: torch.Tensor
+    handles: tuple[Any, Any, Any]  # what closes the gradients, the unit, the parameters
+
+
+def opens_once(plan: Plan, chunk: int) -> bool:
+    """The update of ``chunk`` is one window of this process's own homes: not spans of
+    an oversize chunk, not gathered from other ranks (it waits on nobody once open)."""
+    return not plan.sharded and not is_split(plan, chunk)
+
+
+def update_windows(
+    manager: ChunkManager, chunk: int, *, load_params: bool, gather: bool
+) -> Generator[UpdateWindow, None, None]:
+    """Every window of ``chunk``'s update, in order, each opened with
+    :func:`open_update` and closed with :func:`close_update` when the next is drawn
+    (a success) or the caller raises (a failure): an oversize chunk's spans, the
+    next span's reads started while the caller computes on this one; else one
+    window, this rank's home (``gather``: the whole chunk, gathered from every
+    rank: collective). Wrap the iterator in :func:`contextlib.closing`.
+    """
+    plan = manager.plan
+    if is_split(plan, chunk):
+        ranges = span_ranges(plan, chunk)
+    else:
+        capacity = plan.layout.chunks[chunk].capacity
+        ranges = [(0, capacity) if gather else plan.home_window(chunk)]
+    kinds = [Kind.GRAD, Kind.OPTIM] + ([Kind.PARAM] if load_params else [])
+    for position, (start, end) in enumerate(ranges):
+        if position + 1 < len(ranges):
+            # NOTE: the next span travels while the kernel runs on this one; the
+            # current span's staged copies must not be its victims.
+            current = {span_key(kind, chunk, start, end) for kind in kinds}
+            for kind in kinds:
+                manager.prefetch_host(span_key(kind, chunk, *ranges[position + 1]), current)
+        window = open_update(manager, chunk, start, end, load_params=load_params, gather=gather)
+        try:
+            yield window
+        except BaseException:
+            close_update(manager, window, succeeded=False)
+            raise
+        close_update(manager, window, succeeded=True)
+
+
+def open_update(
+    manager: ChunkManager,
+    chunk: int,
+    start: int,
+    end: int,
+    *,
+    load_params: bool,
+    gather: bool = False,
+) -> UpdateWindow:
+    """Bring elements ``[start, end)`` of ``chunk``'s gradients, unit and parameters
+    (read only if ``load_params``) to host memory: a span of an oversize chunk, this
+    rank's home window, or (``gather``) the whole chunk, gathered from every rank
+    when sharded (collective)."""
+    plan = manager.plan
+    if is_split(plan, chunk):
+        opened: list[tuple[list[torch.Tensor], Any]] = []
+        try:
+            for kind, load, writable in _opens(load_params):
+                opened.append(
+                    open_span(manager, kind, chunk, start, end, load=load, writable=writable)
+                )
+        except BaseException:
+            for _parts, copy in opened:
+                manager.close_host(copy, modified=False, keep=True)
+            raise
+        (grad_parts, g), (unit_parts, o), (param_parts, p) = opened
+        return UpdateWindow(chunk, start, end, grad_parts[0], unit_parts, param_parts[0], (g, o, p))
+    handles: list[Any] = []
+    regions: list[torch.Tensor] = []
+    try:
+        for kind, load, writable in _opens(load_params):
+            key = (kind, chunk)
+            if gather:
+                region, handle = open_whole(manager, key, load=load, writable=writable)
+            else:
+                region, handle = manager.open_host(key, load=load, writable=writable)
+            regions.append(region)
+            handles.append(handle)
+    except BaseException:
+        for handle in handles:
+            close_whole(manager, handle, modified=False, keep=True)
+        raise
+    grads, unit, params = regions
+    width = end - start
+    fmt = StateFormat(plan.state_dtype)
+    ranges = unit_ranges(fmt, len(plan.state_slots), width, plan.has_master, 0, width)
+    pieces = [unit[offset : offset + nbytes] for offset, nbytes in ranges if nbytes]
+    grad, optim, param = handles
+    return UpdateWindow(chunk, start, end, grads, pieces, params, (grad, optim, param))
+
+
+def _opens(load_params: bool) -> list[tuple[Kind, bool, bool]]:
+    """(kind, load, writable) of each key an update opens, in order."""
+    return [(Kind.GRAD, True, False), (Kind.OPTIM, True, True), (Kind.PARAM, load_params, True)]
+
+
+def close_update(manager: ChunkManager, window: UpdateWindow, *, succeeded: bool) -> None:
+    """Write back what the update changed; after a success the gradients are consumed
+    and the device's copy of the parameters, now stale, dropped.
+
+    NOTE: write-backs finish in the background (keep=True): the slot is reused only
+    once its write has landed, so window i-1 is written while window i computes and
+    window i+1 is read.
+    """
+    grad, unit, params = window.handles
+    close_whole(manager, grad, modified=False, keep=True)
+    close_whole(manager, unit, modified=True, keep=True)
+    close_whole(manager, params, modified=True, keep=True)
+    if succeeded:
+        manager.grad_flow.consume_grad(grad.copy if isinstance(grad, WholeChunk) else grad)
+        manager.drop_param(window.chunk)

@@ -10,11 +10,13 @@ drop the now-stale device copy of the parameters.
 Tensors without a gradient are skipped exactly as ``torch.optim`` skips
 ``grad is None``: no moment update, no weight decay, no step count.
 
-An oversize chunk (one tensor larger than a normal chunk) is updated in spans
-of the normal chunk size (``chunks/spans.py``): for each span its gradient, its
-slice of the optimizer unit and its parameters come to host memory, the kernel
-runs over the parts of the chunk's runs inside the span, and the span is
-written back while the next one is read. The update is element-wise, so the
+Each chunk is updated window by window (``chunks/pieces.py``
+``update_windows``): one window, its home, for a normal chunk; an oversize
+chunk (one tensor larger than a normal chunk) in spans of the normal chunk
+size (``chunks/spans.py``): for each span its gradient, its slice of the
+optimizer unit and its parameters come to host memory, the kernel runs over
+the parts of the chunk's runs inside the span, and the span is written back
+while the next one is read. The update is element-wise, so the
 result is bit for bit the one of stepping the chunk whole; each run keeps its
 own hyper-parameters and step count.
 """
@@ -23,23 +25,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from infinity.chunks.homes import Kind
-from infinity.chunks.manager import typed
-from infinity.chunks.span_access import open_span
-from infinity.chunks.spans import is_split, span_key, span_ranges
+from infinity.chunks.pieces import UpdateWindow, close_update, open_update, update_windows
+from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
-from infinity.runtime.step_context import (
-    Run,
-    StepContext,
-    step_chunk_gathered,
-    step_tensor_in_spans,
-    step_window,
-)
+from infinity.runtime.step_context import Run, StepContext, step_tensor_in_spans, step_window
 
 
 def plan_runs(
@@ -117,100 +111,53 @@ def _tensor_runs(
 def step_chunk(
     engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
 ) -> None:
-    """Update one chunk in place in its homes (see module docstring)."""
-    if engine.plan.sharded and engine.chunk_optimizer.whole_tensors:
-        step_chunk_gathered(engine, chunk, runs, covered, grad_scale)
+    """Update one chunk in place in its homes, window by window (see module docstring)."""
+    optimizer = engine.chunk_optimizer
+    unread = engine.plan.has_master and covered
+    if optimizer.whole_tensors and not engine.plan.sharded and is_split(engine.plan, chunk):
+        step_tensor_in_spans(engine, chunk, runs, grad_scale)
         return
-    if is_split(engine.plan, chunk):
-        if engine.chunk_optimizer.whole_tensors:
-            step_tensor_in_spans(engine, chunk, runs, grad_scale)
-        else:
-            step_chunk_in_spans(engine, chunk, runs, covered, grad_scale)
-        return
-    opened = OpenedChunk.open(engine, chunk, runs, covered, grad_scale)
-    try:
-        opened.compute()
-    except BaseException:
-        opened.close(succeeded=False)
-        raise
-    opened.close(succeeded=True)
+    # NOTE: an optimizer that reads whole tensors steps a sharded chunk gathered whole
+    # (collective), as the module docstring of ``runtime/step_context.py`` says.
+    each = update_windows(
+        engine.manager, chunk, load_params=not unread, gather=optimizer.whole_tensors
+    )
+    with closing(each):
+        for window in each:
+            step_window(engine, window, runs, unread, grad_scale)
 
 
 @dataclass
 class OpenedChunk:
     """One chunk's update between its host bytes opened and closed (its compute apart,
-    so that it may run on a worker thread: NOTE [host updates on a worker]). Whole,
-    unsplit chunks only (the plain path of :func:`step_chunk`)."""
+    so that it may run on a worker thread: NOTE [host updates on a worker]). Chunks
+    whose update opens once only (``chunks.pieces.opens_once``)."""
 
     engine: StepContext
-    chunk: int
+    window: UpdateWindow
     runs: list[Run]
-    window: tuple[int, int]
+    unread: bool  # the parameters were not read (every tensor is rewritten)
     grad_scale: float
-    unread: bool
-    copies: tuple[Any, Any, Any]  # gradient, optimizer, parameter copies in host memory
-    views: tuple[torch.Tensor, Any, torch.Tensor]  # gradients, optimizer unit, parameters
 
     @classmethod
     def open(
         cls, engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
     ) -> OpenedChunk:
         """Bring the chunk's gradients, optimizer unit and parameters to host memory."""
-        manager = engine.manager
-        # NOTE: sharded (data parallel), this rank's homes hold elements [start, end)
-        # of the chunk, laid out as the unit of a chunk of that size: the update is a
-        # window of the chunk, like a span's.
-        start, end = engine.plan.home_window(chunk)
-        has_master = engine.plan.has_master
         # 16-bit: the parameter chunk is only written (unless some tensors keep old values).
-        unread = has_master and covered
-        grad_bytes, grad_copy = manager.open_host((Kind.GRAD, chunk), writable=False)
-        optim_bytes, optim_copy = manager.open_host((Kind.OPTIM, chunk))
-        param_bytes, param_copy = manager.open_host((Kind.PARAM, chunk), load=not unread)
-        copies = (grad_copy, optim_copy, param_copy)
-        try:
-            unit = engine.chunk_optimizer.unit_views(
-                typed(optim_bytes, torch.float32), end - start, has_master
-            )
-            views = (typed(grad_bytes, engine.dtype), unit, typed(param_bytes, engine.dtype))
-        except BaseException:
-            cls._close_copies(engine, copies)
-            raise
-        return cls(engine, chunk, runs, (start, end), grad_scale, unread, copies, views)
+        unread = engine.plan.has_master and covered
+        start, end = engine.plan.home_window(chunk)
+        window = open_update(engine.manager, chunk, start, end, load_params=not unread)
+        return cls(engine, window, runs, unread, grad_scale)
 
     def compute(self) -> None:
         """The kernels over the opened bytes (touches nothing but them)."""
-        grads, unit, params = self.views
-        step_window(
-            self.engine,
-            self.chunk,
-            self.runs,
-            self.window,
-            grads,
-            unit,
-            params,
-            self.unread,
-            self.grad_scale,
-        )
+        step_window(self.engine, self.window, self.runs, self.unread, self.grad_scale)
 
     def close(self, *, succeeded: bool) -> None:
         """Write back what changed; after a success the gradients are consumed and the
         device's copy of the parameters, now stale, dropped."""
-        self._close_copies(self.engine, self.copies)
-        if succeeded:
-            self.engine.manager.grad_flow.consume_grad(self.copies[0])
-            self.engine.manager.drop_param(self.chunk)
-
-    @staticmethod
-    def _close_copies(engine: StepContext, copies: tuple[Any, Any, Any]) -> None:
-        # NOTE: write-backs finish in the background (keep=True): the slot is
-        # reused only once its write has landed, so chunk i-1 is written while
-        # chunk i computes and chunk i+1 is read.
-        grad_copy, optim_copy, param_copy = copies
-        manager = engine.manager
-        manager.close_host(grad_copy, modified=False, keep=True)
-        manager.close_host(optim_copy, modified=True, keep=True)
-        manager.close_host(param_copy, modified=True, keep=True)
+        close_update(self.engine.manager, self.window, succeeded=succeeded)
 
 
 @dataclass(frozen=True)
@@ -310,42 +257,3 @@ def plan_works(
             if work is not None:
                 works.append(work)
     return works
-
-
-def step_chunk_in_spans(
-    engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
-) -> None:
-    """Update oversize chunk ``chunk`` in place in its homes, span by span
-    (the spans of :func:`~infinity.runtime.offloaded_step.step_chunk`)."""
-    manager = engine.manager
-    has_master = engine.plan.has_master
-    optimizer = engine.chunk_optimizer
-    # 16-bit: the parameter chunk is only written (unless some tensors keep old values).
-    load_params = not (has_master and covered)
-    kinds = [Kind.GRAD, Kind.OPTIM] + ([Kind.PARAM] if load_params else [])
-    ranges = span_ranges(engine.plan, chunk)
-    for position, (start, end) in enumerate(ranges):
-        if position + 1 < len(ranges):
-            # NOTE: the next span travels while the kernel runs on this one; the
-            # current span's staged copies must not be its victims.
-            current = {span_key(kind, chunk, start, end) for kind in kinds}
-            for kind in kinds:
-                manager.prefetch_host(span_key(kind, chunk, *ranges[position + 1]), current)
-        grad_parts, grad_copy = open_span(manager, Kind.GRAD, chunk, start, end, writable=False)
-        optim_parts, optim_copy = open_span(manager, Kind.OPTIM, chunk, start, end)
-        param_parts, param_copy = open_span(
-            manager, Kind.PARAM, chunk, start, end, load=load_params
-        )
-        try:
-            grads = grad_parts[0].view(engine.dtype)
-            params = param_parts[0].view(engine.dtype)
-            unit = optimizer.piece_views(optim_parts, has_master)
-            step_window(
-                engine, chunk, runs, (start, end), grads, unit, params, not load_params, grad_scale
-            )
-        finally:
-            # NOTE: write-backs land in the background (keep=True), as for a whole chunk.
-            manager.close_host(grad_copy, modified=False, keep=True)
-            manager.close_host(optim_copy, modified=True, keep=True)
-            manager.close_host(param_copy, modified=True, keep=True)
-    manager.drop_param(chunk)

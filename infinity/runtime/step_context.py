@@ -1,7 +1,9 @@
 """What the optimizer step over chunks uses of an engine, and one kernel call's run.
 
-Shared by :mod:`~infinity.runtime.offloaded_step` (whole chunks, and oversize
-chunks in spans) and the updates below.
+Shared by :mod:`~infinity.runtime.offloaded_step`, which walks each chunk's
+update windows (:func:`~infinity.chunks.pieces.update_windows`: its home, a
+span of an oversize chunk, or a whole chunk gathered from every rank) and
+steps each with :func:`step_window`, and by the update below.
 
 Updates for an optimizer that reads whole tensors (``ChunkOptimizer.whole_tensors``:
 Adafactor's norms and row and column means), where a chunk is not in host memory whole.
@@ -17,7 +19,7 @@ element-wise path (``offloaded_step.py``); host staging stays span-sized, and
 the transient copies are outside the budgets, like the temporaries of the
 optimizer's own step and the whole-tensor accessors (``state_dict``).
 
-Sharded chunks (data parallel, :func:`step_chunk_gathered`): a tensor may
+Sharded chunks (data parallel: one window gathered whole, ``gather=True``): a tensor may
 straddle two ranks' shards, so every rank gathers the whole chunk (its
 gradient, unit and, unless rewritten, parameters), steps every tensor of it
 alike and keeps its own shard of the result. Each rank keeps a whole copy of
@@ -35,7 +37,7 @@ import torch
 
 from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager, typed
-from infinity.chunks.shards import WholeChunk, close_whole, open_whole
+from infinity.chunks.pieces import UpdateWindow
 from infinity.chunks.span_access import open_span
 from infinity.chunks.spans import is_split, span_key, span_ranges
 from infinity.config import ConfigError
@@ -136,30 +138,29 @@ def step_runs(
 
 def step_window(
     engine: StepContext,
-    chunk: int,
+    window: UpdateWindow,
     runs: list[Run],
-    window: tuple[int, int],
-    grads: torch.Tensor,
-    unit: UnitViews,
-    params: torch.Tensor,
     params_unread: bool,
     grad_scale: float,
 ) -> None:
-    """The update of elements ``window`` of chunk ``chunk`` in host memory (the whole
-    home, a shard's or one span of an oversize chunk): its gradients and parameters
-    (compute dtype) and its optimizer unit's views, all starting at ``window[0]``.
+    """The update of an opened window of a chunk (its whole home, a shard's, a whole
+    chunk gathered from every rank or one span of an oversize chunk: see
+    :func:`~infinity.chunks.pieces.update_windows`).
 
     ``params_unread``: the parameters were not read (every tensor is rewritten
     from its master), so the window's tail after the last run gets the zeros it
     had, not a staging slot's stale bytes.
     """
-    start = window[0]
+    dtype = engine.dtype
+    grads, params = typed(window.grads, dtype), typed(window.params, dtype)
+    unit = engine.chunk_optimizer.piece_views(window.unit, engine.plan.has_master)
     if params_unread:
-        params[max(runs[-1].end - start, 0) :].zero_()
+        params[max(runs[-1].end - window.start, 0) :].zero_()
     master = unit.master if unit.master is not None else params
     out16 = params if engine.plan.has_master else None
     optimizer = engine.chunk_optimizer
-    step_runs(optimizer, unit, master, grads, out16, runs, window, grad_scale, engine, chunk)
+    bounds = (window.start, window.end)
+    step_runs(optimizer, unit, master, grads, out16, runs, bounds, grad_scale, engine, window.chunk)
 
 
 def step_tensor_in_spans(
@@ -237,35 +238,6 @@ def _scatter(engine: StepContext, chunk: int, run: Run, master: torch.Tensor) ->
             finally:
                 # NOTE: write-backs land in the background (keep=True), as elsewhere.
                 manager.close_host(copy, modified=True, keep=True)
-
-
-def step_chunk_gathered(
-    engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
-) -> None:
-    """Update sharded ``chunk`` whole on every rank, each keeping its own shard (see the
-    module docstring). Collective: every rank calls it for the same chunks in the
-    same order."""
-    manager = engine.manager
-    plan = engine.plan
-    has_master = plan.has_master
-    optimizer = engine.chunk_optimizer
-    capacity = engine.layout.chunks[chunk].capacity
-    grad_bytes, grad_handle = open_whole(manager, (Kind.GRAD, chunk), writable=False)
-    optim_bytes, optim_handle = open_whole(manager, (Kind.OPTIM, chunk))
-    # 16-bit: the parameters are only written (unless some tensors keep old values).
-    unread = has_master and covered
-    param_bytes, param_handle = open_whole(manager, (Kind.PARAM, chunk), load=not unread)
-    try:
-        unit = optimizer.unit_views(typed(optim_bytes, torch.float32), capacity, has_master)
-        grads, params = typed(grad_bytes, engine.dtype), typed(param_bytes, engine.dtype)
-        step_window(engine, chunk, runs, (0, capacity), grads, unit, params, unread, grad_scale)
-    finally:
-        close_whole(manager, grad_handle, modified=False, keep=True)
-        close_whole(manager, optim_handle, modified=True, keep=True)
-        close_whole(manager, param_handle, modified=True, keep=True)
-    assert isinstance(grad_handle, WholeChunk)  # sharded: open_whole gathers
-    manager.grad_flow.consume_grad(grad_handle.copy)
-    manager.drop_param(chunk)
 
 
 def check_whole_tensors(plan: Plan, owner: str, *, overlap: bool) -> None:

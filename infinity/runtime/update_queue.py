@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.spans import is_split
+from infinity.chunks.pieces import opens_once
 from infinity.chunks.states import UpdateState
 from infinity.config import Config
 from infinity.core.names import HOST, Phase
@@ -290,12 +290,10 @@ class UpdateQueue:
     # --- host updates on a worker --------------------------------------------------------
     def _on_worker(self, work: ChunkWork) -> bool:
         """A deferred host-only update of a whole chunk (its bytes wait on nothing)."""
-        plan = self.chunks.plan
         return (
             self.on_worker
             and work.chunk in self._host_only
-            and not plan.sharded
-            and not is_split(plan, work.chunk)
+            and opens_once(self.chunks.plan, work.chunk)
         )
 
     def _start(self, work: ChunkWork, grad_scale: float) -> None:
