@@ -25,6 +25,7 @@ from infinity.chunks.spans import is_split, span_key, span_ranges
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.states import Clock, GradState, GradStates
 from infinity.core.names import HOST
+from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
 from infinity.distributed import Collectives
 
@@ -393,3 +394,19 @@ class GradientFlow:
         """Gradients were zeroed: the next flush overwrites instead of adding."""
         self.grads.zero_all()
         self.found_inf = False
+
+
+def grad_norm_bytes(plan: Plan, granule: int) -> int:
+    """The most device bytes the gradient norms taken at the flushes hold at once (NOTE
+    [gradient norms on the device]): one fp32 per tensor of every trainable chunk
+    kept, plus, while a chunk's are taken, one allocation per tensor before they are
+    stacked (``granule``: the allocator's rounding). 0 where none are taken."""
+    if plan.sharded:
+        return 0
+    counts = [
+        sum(1 for s in spec.slots if s.numel)
+        for i, spec in enumerate(plan.layout.chunks)
+        if spec.trainable and not is_split(plan, i)
+    ]
+    kept = sum(-(-4 * n // granule) * granule for n in counts)
+    return kept + max(counts, default=0) * -(-4 // granule) * granule

@@ -179,7 +179,7 @@ class ChunkManager:
         key = (Kind.PARAM, i)
         if self.plan.sharded:
             if prefetch:
-                raise AssertionError("sharded chunks are gathered on demand only (prefetch_param)")
+                raise AssertionError("sharded chunks are gathered on demand only (prefetch_params)")
             return gather_param(self, i)
         copy = self.device.get(key)
         if copy is not None:
@@ -202,23 +202,25 @@ class ChunkManager:
             self.traffic.h2d_bytes += nbytes  # (a direct mover counts what it copies)
         return copy
 
-    def prefetch_param(self, i: int) -> bool:
-        """Start bringing parameter chunk ``i`` towards the device without blocking or
-        evicting anything needed sooner; False if there was no room now.
+    def prefetch_params(self, upcoming: Callable[[Callable[[int], bool]], list[int]]) -> None:
+        """Start bringing the parameter chunks the schedule needs next towards the
+        device, in order, without blocking or evicting anything needed sooner; stop at
+        the first that cannot start now. ``upcoming(resident)`` names them, given
+        which chunks are resident.
 
-        NOTE: sharded, only this rank's shard is read into host staging: the
-        gather is collective and happens when the chunk is needed (every rank
-        needs it at the same point; prefetches depend on each rank's disk).
+        NOTE: sharded, the gathers are collective, so the list must be the same on
+        every rank: the next needs, whatever each rank has cached. Only this rank's
+        shard of a chunk not every rank can take now is read into host staging
+        (``chunks/shards.py start_gathers``).
         """
-        if not self.plan.sharded:
-            return self.fetch_param(i, prefetch=True) is not None
-        self.updates.check_readable(i)
-        return self.prefetch_host((Kind.PARAM, i))
-
-    def prefetch_gathers(self, chunks: list[int]) -> None:
-        """Sharded: start gathering the parameter chunks of ``chunks`` that some rank
-        lacks and every rank can take now (collective: see ``chunks/shards.py``)."""
-        start_gathers(self, chunks, self.host.host_ready)
+        if self.plan.sharded:
+            start_gathers(self, upcoming(lambda _chunk: False), self.host.host_ready)
+            return
+        for i in upcoming(lambda chunk: (Kind.PARAM, chunk) in self.device):
+            if self.updates.queued(i):
+                break  # its update has not run: the home still holds old values
+            if self.fetch_param(i, prefetch=True) is None:
+                break  # no room without evicting something needed sooner
 
     def sooner_than(self, key: Key) -> Callable[[Hashable], bool]:
         """Eviction filter for prefetching ``key``: only copies needed after it (by the

@@ -34,6 +34,7 @@ from infinity.chunks.layout import (
     chunk_cap,
     search_chunk_size,
 )
+from infinity.chunks.pieces import check_whole_tensors
 from infinity.config import AUTO, Config, ConfigError
 from infinity.core.plan import Plan, PlanError
 from infinity.distributed import SINGLE, World
@@ -41,7 +42,6 @@ from infinity.io.filesystems import nearest_existing
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.params import ParamRegistry
-from infinity.runtime.step_context import check_whole_tensors
 from infinity.runtime.update_queue import UpdateQueue
 from infinity.schedule.planner import Budgets, make_plan
 from infinity.schedule.units import units_for

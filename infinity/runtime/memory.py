@@ -31,10 +31,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from infinity.activations.estimate import StepFn, StepMemory, step_memory
-from infinity.chunks.shards import whole_bytes
-from infinity.chunks.spans import is_split
-from infinity.core.names import HOST, NVME, Kind
-from infinity.core.plan import FP32_BYTES, Plan
+from infinity.chunks.grad_flow import grad_norm_bytes
+from infinity.chunks.pieces import transient_limit
+from infinity.core.names import HOST, NVME
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.utils.process_memory import (
     device_block_bytes,
@@ -215,34 +214,6 @@ def host_lines(engine: OffloadEngine) -> dict[str, dict[str, int]]:
     return lines
 
 
-def transient_limit(plan: Plan, whole_tensors: bool) -> int:
-    """The most host bytes of whole-chunk and whole-tensor copies at once (outside the
-    host budget; ``ChunkManager.transient_account`` measures them).
-
-    Sharded, a chunk is opened whole on every rank: Adafactor's step opens its
-    gradient, unit and parameters at once, a unit's shards arriving in a buffer of the
-    unit's size (state dicts and checkpoints open one kind at a time: less). Unsharded,
-    Adafactor steps an oversize tensor whole: its fp32 master and its gradient."""
-    chunks = range(plan.layout.num_chunks)
-    if plan.sharded:
-        return max(
-            (
-                whole_bytes(plan, (Kind.GRAD, i))
-                + 2 * whole_bytes(plan, (Kind.OPTIM, i))
-                + whole_bytes(plan, (Kind.PARAM, i))
-                for i in chunks
-            ),
-            default=0,
-        )
-    if not whole_tensors:
-        return 0
-    per_element = FP32_BYTES + plan.element_size
-    return max(
-        (plan.layout.chunks[i].capacity * per_element for i in chunks if is_split(plan, i)),
-        default=0,
-    )
-
-
 def device_lines(engine: OffloadEngine) -> dict[str, dict[str, int]]:
     """Each device line's limit and measured peak (bytes)."""
     account = engine.chunks.manager.device_account
@@ -316,22 +287,6 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
     )
     engine.forecast = result
     return result
-
-
-def grad_norm_bytes(plan: Plan, granule: int) -> int:
-    """The most device bytes the gradient norms taken at the flushes hold at once (NOTE
-    [gradient norms on the device]): one fp32 per tensor of every trainable chunk
-    kept, plus, while a chunk's are taken, one allocation per tensor before they are
-    stacked (``granule``: the allocator's rounding). 0 where none are taken."""
-    if plan.sharded:
-        return 0
-    counts = [
-        sum(1 for s in spec.slots if s.numel)
-        for i, spec in enumerate(plan.layout.chunks)
-        if spec.trainable and not is_split(plan, i)
-    ]
-    kept = sum(-(-4 * n // granule) * granule for n in counts)
-    return kept + max(counts, default=0) * -(-4 // granule) * granule
 
 
 def _resident_on_device(model: nn.Module) -> int:

@@ -18,7 +18,8 @@ optimizer unit and its parameters come to host memory, the kernel runs over
 the parts of the chunk's runs inside the span, and the span is written back
 while the next one is read. The update is element-wise, so the
 result is bit for bit the one of stepping the chunk whole; each run keeps its
-own hyper-parameters and step count.
+own hyper-parameters and step count. What the step uses of an engine is
+:class:`StepContext`.
 """
 
 from __future__ import annotations
@@ -27,13 +28,59 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from infinity.chunks.homes import Kind
+from infinity.chunks.layout import ChunkLayout
+from infinity.chunks.manager import ChunkManager, typed
 from infinity.chunks.pieces import UpdateWindow, close_update, open_update, update_windows
-from infinity.chunks.spans import is_split
 from infinity.core.names import Phase
-from infinity.runtime.step_context import Run, StepContext, step_tensor_in_spans, step_window
+from infinity.core.plan import Plan
+from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
+from infinity.runtime.params import ParamEntry
+
+
+class HeldGradients(Protocol):
+    """Per tensor: whether its gradient is in the chunks."""
+
+    def __getitem__(self, index: int) -> bool: ...
+
+
+class StepContext(Protocol):
+    """Exactly what the step over chunks uses of a model's chunks
+    (:class:`~infinity.runtime.model_chunks.ModelChunks` provides it)."""
+
+    manager: ChunkManager
+    layout: ChunkLayout
+    plan: Plan
+    dtype: torch.dtype
+    chunk_optimizer: ChunkOptimizer[Any]
+    chunk_members: list[list[ParamEntry]]  # per chunk, its parameters
+    tensor_steps: list[int]  # per tensor: optimizer steps taken (advanced here)
+
+    @property
+    def has_grad(self) -> HeldGradients:
+        """Per tensor: its gradient is in the chunks (read only here)."""
+
+    def sample(self, phase: Phase, chunk: int) -> None:
+        """Add the tiers' state after an access to the memory timeline."""
+
+    def tensor_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Tensor ``index``'s per-tensor optimizer states (allocated on first use)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive tensors of a chunk updated by one kernel call: elements ``[start, end)``."""
+
+    start: int
+    end: int
+    hyper: object  # the optimizer's hyper-parameters (compared by value)
+    step: int
+    tensor: int | None = None  # the one tensor of a ``whole_tensors`` optimizer's run
 
 
 def plan_runs(
@@ -112,15 +159,9 @@ def step_chunk(
     engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
 ) -> None:
     """Update one chunk in place in its homes, window by window (see module docstring)."""
-    optimizer = engine.chunk_optimizer
     unread = engine.plan.has_master and covered
-    if optimizer.whole_tensors and not engine.plan.sharded and is_split(engine.plan, chunk):
-        step_tensor_in_spans(engine, chunk, runs, grad_scale)
-        return
-    # NOTE: an optimizer that reads whole tensors steps a sharded chunk gathered whole
-    # (collective), as the module docstring of ``runtime/step_context.py`` says.
     each = update_windows(
-        engine.manager, chunk, load_params=not unread, gather=optimizer.whole_tensors
+        engine.manager, chunk, load_params=not unread, whole=engine.chunk_optimizer.whole_tensors
     )
     with closing(each):
         for window in each:
@@ -257,3 +298,79 @@ def plan_works(
             if work is not None:
                 works.append(work)
     return works
+
+
+def step_runs(
+    optimizer: ChunkOptimizer[Any],
+    unit: UnitViews,
+    master: torch.Tensor,
+    grads: torch.Tensor,
+    out16: torch.Tensor | None,
+    runs: list[Run],
+    window: tuple[int, int],
+    grad_scale: float,
+    engine: StepContext,
+    chunk: int,
+) -> None:
+    """Run the optimizer over the parts of ``runs`` inside elements ``window`` of
+    chunk ``chunk``, whose views (``unit``, ``master``, ``grads``, ``out16``) start at
+    ``window[0]``: a whole chunk is the window ``(0, capacity)``, a span or a data-parallel
+    shard its range. Each part is numbered by its chunk and its offset in the chunk
+    (``StepViews.rounding``), the same in every window, so a chunk stepped whole, in spans
+    or in shards stores the same bytes.
+    A run naming its tensor gets the tensor's shape and per-tensor states from
+    ``engine``, and must lie wholly inside the window."""
+    start, end = window
+    for run in runs:
+        low, high = max(run.start, start), min(run.end, end)
+        if low >= high:
+            continue
+        shape, tensor_state = None, {}
+        if run.tensor is not None:
+            if (low, high) != (run.start, run.end):
+                # NOTE: refused when the optimizer is bound (check_whole_tensors, below):
+                # reaching here is a bug, not a user error.
+                raise AssertionError(f"tensor {run.tensor} is cut by the window {window}")
+            shape = engine.layout.slots[run.tensor].shape
+            tensor_state = engine.tensor_state(run.tensor)
+        span = slice(low - start, high - start)
+        views = StepViews(
+            master[span],
+            grads[span],
+            unit.span(span),
+            out16[span] if out16 is not None else None,
+            unit.scale_span(span),
+            shape,
+            tensor_state,
+            rounding=(chunk, low),
+        )
+        optimizer.step(views, run.hyper, step=run.step, grad_scale=grad_scale)
+
+
+def step_window(
+    engine: StepContext,
+    window: UpdateWindow,
+    runs: list[Run],
+    params_unread: bool,
+    grad_scale: float,
+) -> None:
+    """The update of an opened window of a chunk (its whole home, a shard's, a whole
+    chunk gathered from every rank or one span of an oversize chunk: see
+    :func:`~infinity.chunks.pieces.update_windows`).
+
+    ``params_unread``: the parameters were not read (every tensor is rewritten
+    from its master), so the window's tail after the last run gets the zeros it
+    had, not a staging slot's stale bytes.
+    """
+    dtype = engine.dtype
+    grads = typed(window.grads, dtype)
+    params = None if window.params is None else typed(window.params, dtype)
+    unit = engine.chunk_optimizer.piece_views(window.unit, engine.plan.has_master)
+    if params_unread and params is not None:
+        params[max(runs[-1].end - window.start, 0) :].zero_()
+    master = unit.master if unit.master is not None else params
+    assert master is not None  # NOTE: a window without parameters has a master
+    out16 = params if engine.plan.has_master else None
+    optimizer = engine.chunk_optimizer
+    bounds = (window.start, window.end)
+    step_runs(optimizer, unit, master, grads, out16, runs, bounds, grad_scale, engine, window.chunk)

@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.pieces import opens_once
+from infinity.chunks.pieces import gathers_from_ranks, opens_once
 from infinity.chunks.states import UpdateState
 from infinity.config import Config
 from infinity.core.names import HOST, Phase
@@ -376,9 +376,8 @@ class UpdateQueue:
         return needed in rank and rank[work.chunk] <= rank[needed] + HOST_LOOKAHEAD
 
     def _collective_updates(self) -> bool:
-        """Each chunk update is collective: sharded chunks stepped by an optimizer that
-        reads whole tensors (``runtime/step_context.py`` gathers them)."""
-        return self.chunks.plan.sharded and self.chunks.chunk_optimizer.whole_tensors
+        """Each chunk update is collective (:func:`~infinity.chunks.pieces.gathers_from_ranks`)."""
+        return gathers_from_ranks(self.chunks.plan, whole=self.chunks.chunk_optimizer.whole_tensors)
 
     def before_access(self, phase: Phase, chunk: int) -> None:
         """An access of ``chunk`` is about to read it: run what must run first."""
@@ -455,19 +454,8 @@ class ParamFetcher:
         """Start fetching the chunks the trace says come next (never blocks)."""
         if self.prefetcher is None or not self.trace.on_track:
             return
-        if self.chunks.plan.sharded:
-            # NOTE: gathers are collective, so the list must be the same on every
-            # rank: the next needs in the trace, whatever each rank has cached.
-            self.manager.prefetch_gathers(self.prefetcher.plan(self.manager.moment, _never))
-            return
-        resident = self.manager.device
-        for chunk in self.prefetcher.plan(
-            self.manager.moment, lambda c: (Kind.PARAM, c) in resident
-        ):
-            if self.manager.updates.queued(chunk):
-                break  # its update has not run: the home still holds old values
-            if not self.manager.prefetch_param(chunk):
-                break  # no room without evicting something needed sooner
+        prefetcher, moment = self.prefetcher, self.manager.moment
+        self.manager.prefetch_params(lambda resident: prefetcher.plan(moment, resident))
 
     def start_iteration(self) -> None:
         """A forward starts a new iteration: the last one may have become the trace."""
@@ -507,7 +495,3 @@ class ParamFetcher:
             if depth
             else None
         )
-
-
-def _never(_chunk: int) -> bool:
-    return False

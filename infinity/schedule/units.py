@@ -28,7 +28,7 @@ def tensor_state_bytes(layout: ChunkLayout, optimizer: ChunkOptimizer[Any]) -> i
     of ``layout``: Adafactor's row and column factors; 0 for the others.
 
     NOTE: they live in host memory beside the units, whatever the homes, and a
-    sharded rank keeps them whole (``runtime/step_context.py``): so they are
+    sharded rank keeps them whole (``runtime/offloaded_step.py``): so they are
     a fixed host cost, not divided by the shard count. See
     NOTE [per-tensor optimizer state].
     """
