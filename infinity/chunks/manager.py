@@ -20,7 +20,7 @@ from infinity.chunks.cache import Copy, EvictionPolicy, TierCache
 from infinity.chunks.grad_flow import GradientFlow, chunk_key
 from infinity.chunks.grad_flow import typed as typed  # NOTE: re-exported (runtime uses it)
 from infinity.chunks.homes import HomeStore, Key, Kind
-from infinity.chunks.movers import device_mover
+from infinity.chunks.movers import Purpose, Stop, device_mover, route_table
 from infinity.chunks.pools import SlabPool, TierAccount, Traffic
 from infinity.chunks.shards import InUse, gather_param, start_gathers
 from infinity.chunks.span_access import write_initial
@@ -29,7 +29,6 @@ from infinity.chunks.staging import HostStaging
 from infinity.chunks.states import Clock, GradStates, UpdateStates
 from infinity.core.names import HOST, NVME
 from infinity.core.plan import Plan
-from infinity.core.routes import Purpose, Stop, route_table
 from infinity.devices.base import DeviceBackend
 from infinity.distributed import Collectives
 from infinity.io import SwapFile

@@ -12,12 +12,12 @@ import json
 import torch
 
 from infinity.activations.blocks import recomputed_blocks
+from infinity.chunks.movers import Purpose, route_table
 from infinity.cli.main import CommandError
 from infinity.cli.plan_activations import activation_lines, activations_at
 from infinity.config import Config, ConfigError
 from infinity.core.names import HOST, NVME
 from infinity.core.plan import Plan
-from infinity.core.routes import Purpose, route_table
 from infinity.devices.choice import resolved
 from infinity.distributed import World
 from infinity.models.gpt import GPT, describe

@@ -12,8 +12,7 @@ from typing import cast
 
 import torch
 
-from infinity.devices.base import DeviceBackend, TransferHandle
-from infinity.devices.step_clock import Event, EventClock
+from infinity.devices.base import DeviceBackend, Event, EventClock, TransferHandle
 from infinity.io import aligned_empty
 
 
@@ -108,7 +107,7 @@ class CudaBackend(DeviceBackend):
 
     def _record(self, reuse: Event | None) -> torch.cuda.Event:
         """A timing event recorded on the compute stream: ``reuse`` (its time read, one
-        of this clock's) or a new one (see NOTE in devices/step_clock.py)."""
+        of this clock's) or a new one (see NOTE in devices/base.py)."""
         event = cast(torch.cuda.Event, reuse) if reuse is not None else _timed_event()
         event.record(self._compute)
         return event

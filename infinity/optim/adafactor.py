@@ -25,10 +25,9 @@ from typing import Any
 
 import torch
 
-from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews
+from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, hyper_value
 from infinity.optim.dense import step_dtype
 from infinity.optim.front_end import CPUOptimizer, check_state_shape
-from infinity.optim.hyper import hyper_value
 
 __all__ = ["ADAFACTOR", "AdafactorChunks", "AdafactorHyperParams", "CPUAdafactor"]
 

@@ -16,10 +16,14 @@ from typing import Any
 import torch
 
 from infinity.optim import kernels, offloaded
-from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.optim.chunk_optimizer import (
+    _TORCH_GROUP_DEFAULTS,
+    ADAM,
+    AdamHyperParams,
+    ChunkOptimizer,
+)
 from infinity.optim.dense import check_dense_param, flat_buffers, step_dtype
 from infinity.optim.front_end import CPUOptimizer
-from infinity.optim.hyper import _TORCH_GROUP_DEFAULTS, AdamHyperParams
 
 __all__ = ["AdamHyperParams", "CPUAdam"]
 

@@ -17,9 +17,14 @@ from typing import Any
 
 import torch
 
-from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
+from infinity.optim.chunk_optimizer import (
+    ChunkOptimizer,
+    StepViews,
+    UnitViews,
+    betas_value,
+    hyper_value,
+)
 from infinity.optim.front_end import CPUOptimizer
-from infinity.optim.hyper import betas_value, hyper_value
 from infinity.optim.lion_kernel import lion_step, q8_encode_signed
 from infinity.optim.state_formats import read_slot
 

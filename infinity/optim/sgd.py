@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews
+from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, hyper_value
 from infinity.optim.front_end import CPUOptimizer
-from infinity.optim.hyper import hyper_value
 from infinity.optim.sgd_kernel import sgd_step
 
 __all__ = ["CPUSGD", "SGD", "SGDChunks", "SGDHyperParams"]

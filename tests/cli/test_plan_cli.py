@@ -32,7 +32,7 @@ def test_plan_puts_optimizer_state_on_nvme_first(tmp_path):
     assert plan["host_bytes"] <= 512 << 20 and plan["device_bytes"] <= 512 << 20
     assert plan["traffic_per_step"]["nvme_write_bytes"] > 0
     assert "nvme" in homes["grad"]
-    # How each home's bytes travel (core/routes.py): NVMe homes through host staging.
+    # How each home's bytes travel (chunks/movers.py): NVMe homes through host staging.
     assert plan["routes"]["flush from nvme"] == "device -> staging -> nvme"
     assert plan["routes"]["step from nvme"] == "nvme -> staging"
     assert plan["routes"]["step from host"] == "host (in place)"

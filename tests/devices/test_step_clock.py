@@ -1,4 +1,4 @@
-"""The step clocks (devices/step_clock.py): a GPU's, driven here by fake events on a
+"""The step clocks (devices/base.py): a GPU's, driven here by fake events on a
 clock the test sets, and the host's, against sleeps the test makes.
 
 NOTE [the step's bound]: the device's compute is the span less the idle time inside
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from infinity.devices.step_clock import FOLD_AT, EventClock, HostClock
+from infinity.devices.base import FOLD_AT, EventClock, HostClock
 
 
 class FakeGPU:

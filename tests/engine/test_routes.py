@@ -3,7 +3,7 @@ reads NVMe straight into device memory training like plain PyTorch.
 
 The direct route (nvme -> device) is what GPU-direct storage would give a GPU;
 ``CpuBackend(nvme_direct=True)`` runs it here, since its device slots are RAM.
-Adding it took one route in ``core/routes.py``, one mover in
+Adding it took one route in ``chunks/movers.py``, one mover in
 ``chunks/movers.py`` and one backend method: these tests hold it to that.
 """
 
@@ -23,9 +23,8 @@ from engine_helpers import (
 )
 
 import infinity
-from infinity.chunks.movers import device_mover
+from infinity.chunks.movers import Purpose, Route, Stop, device_mover, route, route_table
 from infinity.core.names import HOST, NVME
-from infinity.core.routes import Purpose, Route, Stop, route, route_table
 from infinity.devices.cpu import CpuBackend
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam

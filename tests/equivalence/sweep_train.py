@@ -28,8 +28,8 @@ from sweep_fp16 import Fp16Scaler, Grads, add_rank_mean, added, rank_grads
 from sweep_optimizers import offloaded_optimizer, param_groups, reference_optimizer, warmup
 
 import infinity
+from infinity.chunks.movers import Purpose
 from infinity.core.names import NVME
-from infinity.core.routes import Purpose
 from infinity.offload import engine_of
 from infinity.utils.process_memory import device_bytes
 
