@@ -42,8 +42,8 @@ every rank steps all of it alike and keeps its own shard of the result, and
 each rank keeps a whole copy of the per-tensor states (Adafactor's factors),
 updated identically everywhere, so the result is the one process's, bit for
 bit. The gathers are collective; see
-NOTE [collective updates run in a fixed order]. An oversize chunk's one tensor is copied out of its spans instead
-(:func:`_gather_spans`).
+NOTE [collective updates run in a fixed order]. An oversize chunk's one tensor
+is copied out of its spans instead (:func:`_gather_spans`).
 """
 
 from __future__ import annotations

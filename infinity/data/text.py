@@ -45,11 +45,6 @@ class Corpus:
     train_mask: torch.Tensor | None = None
     eval_mask: torch.Tensor | None = None
 
-    @property
-    def num_bytes(self) -> int:
-        """Bytes in both splits together."""
-        return self.train.numel() + self.eval.numel()
-
 
 def stdlib_root() -> Path:
     """The directory of the running interpreter's standard library."""

@@ -11,7 +11,7 @@ what, and that the first error is in another rank's output.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -183,19 +183,3 @@ class Collectives:
         with self._failing_as(what):
             dist.all_gather_object(values, value, group=self.world.host_group)
         return values
-
-    def check_same(self, name: str, value: str, describe: Callable[[str], str] = str) -> None:
-        """Raise on every rank unless ``value`` is the same on all (compared by rank 0's).
-
-        ``describe`` turns a value into what the message shows.
-        """
-        values: list[str | None] = [None] * self.world.size
-        with self._failing_as(f"comparing {name} across ranks"):
-            dist.all_gather_object(values, value, group=self.world.host_group)
-        differ = [r for r, v in enumerate(values) if v != values[0]]
-        if differ:
-            raise DistributedError(
-                f"{name} differs across ranks: rank 0 has {describe(str(values[0]))}, rank "
-                f"{differ[0]} has {describe(str(values[differ[0]]))}. Every rank must offload "
-                "the same model with the same Config"
-            )

@@ -8,8 +8,8 @@ chunk is the master) followed by one chunk-long *state slot* per state tensor
 :class:`~infinity.optim.state_formats.StateFormat` (``Config.optimizer_state_dtype``:
 fp32, bf16, or int8 codes followed by their block scales). Every part starts
 on the I/O alignment. The planner sizes a unit from
-:meth:`ChunkOptimizer.unit_bytes`, the step cuts it with
-:meth:`ChunkOptimizer.unit_views`, the checkpoint finds a tensor's bytes with
+:meth:`ChunkOptimizer.unit_bytes`, the step views its pieces with
+:meth:`ChunkOptimizer.piece_views`, the checkpoint finds a tensor's bytes with
 :meth:`ChunkOptimizer.tensor_ranges`, and :meth:`ChunkOptimizer.step` runs the
 update on one run of tensors. Another optimizer is a subclass naming its slots
 and its kernel (:mod:`infinity.optim.sgd` is the smallest), chosen by the
@@ -137,18 +137,6 @@ class ChunkOptimizer(ABC, Generic[H]):
     def unit_bytes(self, capacity: int, has_master: bool) -> int:
         """Bytes of the unit of a chunk of ``capacity`` elements."""
         return sum(self.unit_part_bytes(capacity, has_master))
-
-    def unit_views(self, unit: torch.Tensor, capacity: int, has_master: bool) -> UnitViews:
-        """Cut a flat ``unit`` (any dtype: its bytes are used) of a chunk of
-        ``capacity`` elements into its parts."""
-        raw = unit.view(torch.uint8)
-        parts, at = [], 0
-        for size in self.unit_part_bytes(capacity, has_master):
-            parts.append(raw[at : at + size])
-            at += size
-        master = parts.pop(0)[: capacity * FP32_BYTES].view(torch.float32) if has_master else None
-        slots = [self.state_format.slot_view(part, capacity) for part in parts]
-        return UnitViews(master, dict(zip(self.state_slots, slots, strict=True)))
 
     def tensor_ranges(
         self, capacity: int, has_master: bool, offset: int, numel: int

@@ -116,15 +116,6 @@ class StateFormat:
         """Bytes of one stored slot, rounded up to the I/O alignment (parts stay aligned)."""
         return align_up(self.data_bytes(capacity) + self.scale_bytes(capacity), ALIGNMENT)
 
-    def slot_view(self, raw: torch.Tensor, capacity: int) -> StoredSlot:
-        """Cut the uint8 bytes of one slot (``slot_bytes(capacity)`` long) into its views."""
-        data_end = self.data_bytes(capacity)
-        data = raw[:data_end].view(self.torch_dtype)
-        if not self.quantized:
-            return StoredSlot(data, None)
-        scale = raw[data_end : data_end + self.scale_bytes(capacity)].view(torch.float32)
-        return StoredSlot(data, scale)
-
     def tensor_ranges(self, capacity: int, offset: int, numel: int) -> list[tuple[int, int]]:
         """Byte ranges ``(start, length)`` inside one slot holding elements
         ``[offset, offset + numel)``: the values, then (int8) the block scales."""

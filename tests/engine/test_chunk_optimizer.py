@@ -40,11 +40,14 @@ def test_the_planner_sizes_units_from_the_state_slots(has_master):
 
 
 @pytest.mark.parametrize("has_master", [False, True], ids=["fp32", "bf16"])
-def test_unit_views_cut_the_unit_in_slot_order(has_master):
+def test_unit_pieces_are_viewed_in_slot_order(has_master):
+    # the step cuts a unit by its byte ranges and views the pieces (chunks/pieces.py)
     capacity = 8
     parts = 1 + has_master
     unit = torch.arange(parts * capacity, dtype=torch.float32)
-    views = SGD.unit_views(unit, capacity, has_master)
+    raw = unit.view(torch.uint8)
+    ranges = SGD.tensor_ranges(capacity, has_master, 0, capacity)
+    views = SGD.piece_views([raw[a : a + n] for a, n in ranges], has_master)
     assert list(views.state) == ["momentum_buffer"]
     buf = views.state["momentum_buffer"]
     assert buf.data_ptr() == unit.data_ptr() + (parts - 1) * capacity * 4  # a view, not a copy
