@@ -23,7 +23,6 @@ from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.movers import Purpose, Stop, device_mover, route_table
 from infinity.chunks.pools import SlabPool, TierAccount, Traffic
 from infinity.chunks.shards import InUse, gather_param, start_gathers
-from infinity.chunks.span_access import write_initial
 from infinity.chunks.spans import first_span
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.states import Clock, GradStates, UpdateStates
@@ -330,11 +329,6 @@ class ChunkManager:
             return
         with self.traffic.waiting("nvme"):
             self.staging[chunk_key(copy)[0]].drop(copy)
-
-    def write_initial(self, i: int, values: torch.Tensor, *, background: bool = False) -> None:
-        """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``
-        (see :func:`~infinity.chunks.span_access.write_initial`)."""
-        write_initial(self, i, values, background=background)
 
     def recut_units(self, plan: Plan) -> None:
         """Use ``plan``: the same layout and homes, optimizer units cut for another

@@ -1,6 +1,7 @@
 """Moving an oversize chunk through host memory span by span (see ``chunks/spans.py``).
 
-Functions over a :class:`~infinity.chunks.manager.ChunkManager`: open one span
+Functions over a :class:`~infinity.chunks.manager.ChunkManager` (above it: the
+manager never calls them): open one span
 of a key for the optimizer or a checkpoint, and write a chunk's initial values
 (a device fill span by span is ``chunks/movers.py``'s ``SpanFill``). Each holds
 at most a couple of normal-size staging slots at a time, whatever the chunk's size.
@@ -9,31 +10,17 @@ at most a couple of normal-size staging slots at a time, whatever the chunk's si
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
 
 from infinity.chunks.cache import Copy
-from infinity.chunks.homes import HomeStore
-from infinity.chunks.shards import HostAccess
+from infinity.chunks.manager import ChunkManager
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
-from infinity.chunks.staging import HostStaging
 from infinity.core.names import HOST, Key, Kind
-from infinity.devices.base import DeviceBackend
-
-
-class SpanAccess(HostAccess, Protocol):
-    """What these functions use of :class:`~infinity.chunks.manager.ChunkManager`
-    (a protocol: the manager imports this module)."""
-
-    dtype: torch.dtype
-    backend: DeviceBackend
-    homes: HomeStore
-    host: HostStaging
 
 
 def open_span(
-    manager: SpanAccess,
+    manager: ChunkManager,
     kind: Kind,
     chunk: int,
     start: int,
@@ -69,7 +56,7 @@ def open_span(
 
 
 def write_initial(
-    manager: SpanAccess, i: int, values: torch.Tensor, *, background: bool = False
+    manager: ChunkManager, i: int, values: torch.Tensor, *, background: bool = False
 ) -> None:
     """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``.
 
@@ -100,7 +87,7 @@ def write_initial(
     manager.close_host(copy, modified=True, keep=background)
 
 
-def write_initial_spans(manager: SpanAccess, chunk: int, values: torch.Tensor) -> None:
+def write_initial_spans(manager: ChunkManager, chunk: int, values: torch.Tensor) -> None:
     """``write_initial`` of an oversize chunk: parameters (and fp32 master, zero
     moments) from fp32 ``values``, span by span."""
     trainable = manager.plan.grad_home[chunk] is not None
@@ -119,7 +106,7 @@ def write_initial_spans(manager: SpanAccess, chunk: int, values: torch.Tensor) -
 
 
 def each_span(
-    manager: SpanAccess,
+    manager: ChunkManager,
     kind: Kind,
     chunk: int,
     start: int,
@@ -155,7 +142,7 @@ def each_span(
 
 
 def read_elements(
-    manager: SpanAccess,
+    manager: ChunkManager,
     kind: Kind,
     chunk: int,
     part: int,
@@ -172,7 +159,7 @@ def read_elements(
 
 
 def write_elements(
-    manager: SpanAccess, kind: Kind, chunk: int, part: int, start: int, values: torch.Tensor
+    manager: ChunkManager, kind: Kind, chunk: int, part: int, start: int, values: torch.Tensor
 ) -> None:
     """Set elements ``[start, start + len(values))`` of part ``part`` of ``(kind, chunk)``."""
     flat = values.reshape(-1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from infinity.chunks.span_access import write_initial
 from infinity.chunks.states import TensorState
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_pretrained_model, placeholder
@@ -269,7 +270,7 @@ def fill_chunks(
         if chunk.pending == 0:
             # NOTE: background: waiting for each write made initialising a model
             # on NVMe the sum of compute and disk time, not the larger of the two.
-            engine.manager.write_initial(chunk_index, chunk.values, background=True)
+            write_initial(engine.manager, chunk_index, chunk.values, background=True)
             scratch.give(chunk.values)
             del open_chunks[chunk_index]
             progress.advance()

@@ -11,6 +11,7 @@ import torch
 from chunk_fakes import CHUNK_BYTES, CHUNK_ELEMS, GatedSwap, HeldBackend, small_plan
 
 from infinity.chunks.manager import ChunkManager
+from infinity.chunks.span_access import write_initial
 from infinity.core.names import NVME, Kind
 from infinity.core.plan import Plan
 from infinity.io import NVMeIOError, SwapFile
@@ -45,7 +46,7 @@ def test_prefetch_never_evicts_a_chunk_in_flight_and_a_consumer_waits_only_for_i
     uses = {_param(0): [5], _param(1): [6], _param(2): [1]}
     manager = _manager(plan, backend, policy=BeladyPolicy(uses, period=10))
     for i in range(3):
-        manager.write_initial(i, _values(i))
+        write_initial(manager, i, _values(i))
     assert manager.fetch_param(0, prefetch=True) is not None
     assert manager.fetch_param(1, prefetch=True) is not None
     assert len(backend.unfinished()) == 2
@@ -75,7 +76,7 @@ def test_a_blocking_fetch_with_every_slot_in_flight_waits_before_reusing_a_slot(
     backend = HeldBackend()
     manager = _manager(plan, backend)
     for i in range(3):
-        manager.write_initial(i, _values(i))
+        write_initial(manager, i, _values(i))
     first = manager.fetch_param(0, prefetch=True)
     manager.fetch_param(1, prefetch=True)
     assert first is not None
@@ -109,7 +110,7 @@ def test_a_read_issued_while_its_write_is_in_flight_sees_the_new_bytes(gated):
     manager, gate = gated
     key = _param(0)
     old, new = _values(0), -_values(0)
-    manager.write_initial(0, old)  # waits for its write (the wait lets it through)
+    write_initial(manager, 0, old)  # waits for its write (the wait lets it through)
     assert torch.equal(gate.read_back(0, CHUNK_BYTES).view(F32), old)
 
     region, copy = manager.open_host(key)
@@ -134,7 +135,7 @@ def test_a_read_issued_while_its_write_is_in_flight_sees_the_new_bytes(gated):
 def test_a_failed_write_makes_every_later_check_and_read_raise(gated):
     manager, gate = gated
     key = _param(1)
-    manager.write_initial(1, _values(1))
+    write_initial(manager, 1, _values(1))
     region, copy = manager.open_host(key)
     region.view(F32).neg_()
     manager.close_host(copy, modified=True, keep=True)
@@ -167,7 +168,7 @@ def test_a_gradient_home_read_while_its_device_copy_is_in_flight_sees_the_gradie
 def test_a_staging_read_in_flight_is_never_evicted_and_a_reader_waits_only_for_its_own(gated):
     manager, gate = gated
     for i in range(3):
-        manager.write_initial(i, _values(i))
+        write_initial(manager, i, _values(i))
     gate.waited.clear()
     assert manager.prefetch_host(_param(0)) and manager.prefetch_host(_param(1))
     first, second = gate.held("read")

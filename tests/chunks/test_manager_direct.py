@@ -10,6 +10,7 @@ import torch
 from chunk_fakes import CHUNK_BYTES, CHUNK_ELEMS, small_plan
 
 from infinity.chunks.manager import ChunkManager
+from infinity.chunks.span_access import write_initial
 from infinity.core.names import HOST, NVME, Kind
 from infinity.core.plan import Plan
 from infinity.devices.cpu import CpuBackend
@@ -57,7 +58,7 @@ def test_placement_stays_in_budget_peaks_exactly_and_returns_every_slot(make):
     # Homes: per chunk a parameter and a gradient chunk (4 KiB each) and Adam's two fp32 moments.
     assert manager.host_account.used == 4 * (CHUNK_BYTES + CHUNK_BYTES + 2 * CHUNK_BYTES)
     for i in range(4):
-        manager.write_initial(i, _values(i))
+        write_initial(manager, i, _values(i))
     for moment, i in enumerate([0, 1, 2, 3, 0, 2]):
         manager.moment = moment
         copy = manager.param_on_device(i)
@@ -83,7 +84,7 @@ def test_placement_stays_in_budget_peaks_exactly_and_returns_every_slot(make):
 def test_a_full_device_tier_evicts_the_copy_the_policy_ranks_last(make, policy, victim):
     manager, _ = make(small_plan([[CHUNK_ELEMS]] * 3, device_slots=2), policy)
     for i in range(3):
-        manager.write_initial(i, _values(i))
+        write_initial(manager, i, _values(i))
     for moment, i in enumerate([0, 1, 0, 2]):
         manager.moment = moment
         manager.param_on_device(i)
