@@ -258,21 +258,12 @@ def update_windows(
     window closes, without reading them again.
     """
     plan = manager.plan
-    if whole and is_split(plan, chunk):
-        window = _gather_spans(manager, chunk)
-        try:
-            yield window
-        except BaseException:
-            close_update(manager, window, succeeded=False)
-            raise
-        close_update(manager, window, succeeded=True)
-        return
-    gather = whole  # NOTE: unsharded, the whole chunk is the home (not collective)
-    if is_split(plan, chunk):
+    spans = is_split(plan, chunk)
+    if spans and not whole:
         ranges = span_ranges(plan, chunk)
     else:
         capacity = plan.layout.chunks[chunk].capacity
-        ranges = [(0, capacity) if gather else plan.home_window(chunk)]
+        ranges = [(0, capacity) if whole else plan.home_window(chunk)]
     kinds = [Kind.GRAD, Kind.OPTIM] + ([Kind.PARAM] if load_params else [])
     for position, (start, end) in enumerate(ranges):
         if position + 1 < len(ranges):
@@ -281,7 +272,11 @@ def update_windows(
             current = {span_key(kind, chunk, start, end) for kind in kinds}
             for kind in kinds:
                 manager.prefetch_host(span_key(kind, chunk, *ranges[position + 1]), current)
-        window = open_update(manager, chunk, start, end, load_params=load_params, gather=gather)
+        if spans and whole:
+            window = _gather_spans(manager, chunk)
+        else:
+            # NOTE: unsharded, the whole chunk (``gather``) is the home: not collective.
+            window = open_update(manager, chunk, start, end, load_params=load_params, gather=whole)
         try:
             yield window
         except BaseException:
