@@ -63,7 +63,7 @@ def _device(value: Any) -> str:
     if isinstance(value, torch.device):
         value = str(value)  # "cpu", "cuda", "cuda:1", "fence:0"
     if value == "fence:0":
-        return "fence"  # NOTE: the fence has one device
+        return "fence"  # the fence has one device
     if isinstance(value, str) and (
         value in (AUTO, "cpu", "cuda", "fence")
         or (value.startswith("cuda:") and value[5:].isdigit())
@@ -107,7 +107,7 @@ class AioConfig:
     (a multiple of 4 KiB). ``queue_depth``: pieces in flight per worker.
     ``threads``: workers, each with its own submission queue.
 
-    NOTE: the defaults are what ``infinity bench nvme`` recommends (the least CPU
+    The defaults are what ``infinity bench nvme`` recommends (the least CPU
     per GB within noise of the top throughput): io_uring with 4 MiB pieces at
     queue depth 32 moved 2.76 GB/s read + write at 24 CPU ms/GB, the fastest
     point measured and 2.8x cheaper in CPU than 1 MiB pieces (67 ms/GB at

@@ -113,7 +113,7 @@ def _filler(
 def _decline_data_parallel_wrappers(model: nn.Module) -> None:
     """Keep Accelerate (and so ``transformers.Trainer``) from wrapping a sharded model in DDP.
 
-    NOTE: an offloaded model is already data parallel: its chunks are sharded
+    An offloaded model is already data parallel: its chunks are sharded
     over the ranks and its gradients averaged by the engine. DDP on top would
     broadcast into the parameter placeholders and average every gradient a
     second time. ``Accelerator.prepare_model`` returns a model it has prepared

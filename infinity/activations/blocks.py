@@ -77,7 +77,7 @@ def recomputed_blocks(model: nn.Module, config: Config) -> list[nn.Module]:
     if config.activations == "checkpoint":
         return [module for _, module in find_blocks(model, config.activation_blocks)]
     if config.activations == "auto" and config.nvme_path is None:
-        # NOTE: a model without repeated blocks has nothing auto could checkpoint.
+        # A model without repeated blocks has nothing auto could checkpoint.
         return [module for _, module in blocks_for(model, config.activation_blocks, False)]
     # transformers 5 renamed the flag (the old name warns, and goes in 6)
     new = hasattr(type(model), "is_activation_checkpointing")

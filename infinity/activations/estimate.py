@@ -149,7 +149,7 @@ def forward_order(model: nn.Module, seq_len: int = 8) -> list[str] | None:
         order.setdefault(names[id(module)], None)
 
     handles = [m.register_forward_pre_hook(pre) for m in meta.modules() if id(m) in owners]
-    # NOTE: a forward that fails on fake tensors is expected here (any model that does
+    # A forward that fails on fake tensors is expected here (any model that does
     # not take token ids); torch logs each failed kernel at ERROR level.
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level = quiet.level
@@ -320,7 +320,7 @@ def step_memory(
                 p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
         if policy == "checkpoint":
             CheckpointedBlocks(found)
-        # NOTE: the device's allocator holds every block in multiples of its rounding
+        # The device's allocator holds every block in multiples of its rounding
         tracker = _LiveBytes(
             [*fake.parameters(), *fake.buffers()], device_block_bytes(torch.device(device))
         )
@@ -336,7 +336,7 @@ def step_memory(
             return record, tensor.device
 
         def unpack(packed: Any) -> torch.Tensor:
-            # NOTE: back as the store brings it back (records.py): its bytes as they
+            # Back as the store brings it back (records.py): its bytes as they
             # travelled, then the tensor over them, laid out again where it must be.
             if isinstance(packed, torch.Tensor):
                 return packed

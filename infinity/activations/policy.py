@@ -160,7 +160,7 @@ def first_forward_estimate(
             return None
         try:
             est = estimate(target, batch, seq, dtype, device, config.activation_blocks)
-        except Exception as exc:  # NOTE: best effort: the forward itself is measured
+        except Exception as exc:  # best effort: the forward itself is measured
             log.debug("activations: no estimate before the first forward (%s)", exc)
             return None
         return ForwardSaves(est.tokens, est.total, list(est.per_block))
@@ -243,7 +243,7 @@ class ActivationPolicy:
         tokens = shape[0] * shape[1]
         predicted = self.trace.predict(tokens)
         if self.trace.largest is None and self._estimate is not None:
-            # NOTE: the first forward has nothing measured to predict from: the
+            # The first forward has nothing measured to predict from: the
             # estimate on fake tensors stands in, so a first step too large fails
             # before it runs too.
             predicted = self._estimate(*shape)

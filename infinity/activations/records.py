@@ -17,7 +17,7 @@ from infinity.io import IORequest, SwapFile
 
 
 class _Store(Protocol):
-    """What a handle needs of the store (NOTE: not the store's module: no cycle)."""
+    """What a handle needs of the store (not the store's module: no cycle)."""
 
     def drop(self, saved: _Record) -> None: ...
 

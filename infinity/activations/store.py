@@ -58,7 +58,7 @@ def split_allowance(allowance: int, spill: bool) -> tuple[int, int, int]:
     """The host share, read window and write window of ``allowance`` bytes of host
     memory for saved activations (no windows without an NVMe tier to spill to).
 
-    NOTE: the windows take at most a quarter and an eighth of the allowance, so that a
+    The windows take at most a quarter and an eighth of the allowance, so that a
     small budget shrinks them rather than being exceeded; the host share is the rest.
     The write window holds at least two I/O blocks where the allowance has them: its
     piece buffer is half of it and at least one block (the sweep's host-line check
@@ -293,7 +293,7 @@ class ActivationStore:
         self._write_bytes -= buffer.numel()
         fits = self._read_bytes + buffer.numel() <= self.read_ahead
         if not saved.used and not saved.dropped and (fits or not self._backward):
-            # NOTE: the written bytes serve as the tensor's read (the request is done:
+            # The written bytes serve as the tensor's read (the request is done:
             # unpack's wait returns at once, or raises). In forward the newest are kept
             # and the oldest let go (_trim_kept): backward starts with them. In backward
             # only within the read window: the write window has room for new writes
@@ -354,7 +354,7 @@ class ActivationStore:
             self.counters["written_kept_bytes"] += saved.nbytes
         else:
             if saved.read is None:
-                # NOTE: read on demand, into the buffer that becomes the tensor backward
+                # Read on demand, into the buffer that becomes the tensor backward
                 # uses now: the step's working set (as the tensor is under "keep"), not
                 # a line of the store; stats report its largest.
                 self.counters["reads_not_ahead"] += 1
@@ -411,7 +411,7 @@ class ActivationStore:
         for saved in reversed(list(self._nvme)):
             size = align_up(saved.nbytes, ALIGN)
             if size > self.read_ahead:
-                continue  # NOTE: never fits: read on demand when backward unpacks it
+                continue  # never fits: read on demand when backward unpacks it
             if self._read_bytes + size > self.read_ahead:
                 return  # the newest first: this one waits for room
             if saved.read is None and saved.write is None and not saved.used:

@@ -201,7 +201,7 @@ def _sweep(
     with tqdm(
         total=passes * size, unit="B", unit_scale=True, desc="bench nvme", file=sys.stderr
     ) as bar:
-        # NOTE: repeats in interleaved passes, so drift hits every configuration alike.
+        # Repeats in interleaved passes, so drift hits every configuration alike.
         for _repeat in range(args.repeats):
             for backend, nthreads, bs, qd in combos:
                 bar.set_postfix_str(f"{backend} t={nthreads} bs={bs >> 10}K qd={qd}")

@@ -4,7 +4,7 @@ JSON summary and the PNG plot.
 The recommendation is the cheapest configuration in CPU among those within noise of
 the top throughput.
 
-NOTE: CPU spent on I/O is taken from compute on the same cores (an I/O thread
+CPU spent on I/O is taken from compute on the same cores (an I/O thread
 preempts one of torch's intra-op threads, and the whole parallel region then
 waits for it), so a throughput edge that the measurement cannot tell apart from
 noise is not worth paying for with more CPU per GB. The noise is measured, not

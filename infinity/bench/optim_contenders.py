@@ -120,7 +120,7 @@ def lion(b: Buffers) -> dict[str, Fn]:
         lion_step(b.p, grad, m, out16=out, **LION)
 
     def torch_lion() -> None:
-        # NOTE: the paper's update in the fewest torch passes (decoupled decay,
+        # The paper's update in the fewest torch passes (decoupled decay,
         # sign of the interpolation, momentum update); the sign needs a temporary.
         b.p.mul_(1 - lr * decay)
         b.p.add_(theirs.lerp(b.g, 1 - beta1).sign_(), alpha=-lr)
@@ -172,7 +172,7 @@ def probes(b: Buffers) -> dict[str, Fn]:
     access pattern without arithmetic (4 streams read, 3 written), without and with
     the kernel's software prefetch. The fastest is the roofline.
 
-    NOTE: they stream through the parameters, the (only read) fp32 gradients and
+    They stream through the parameters, the (only read) fp32 gradients and
     two scratch buffers: ``p += g``-style passes keep the values normal floats, so
     the contenders' timings are unaffected, and the footprint grows by 8 B/param.
     """

@@ -237,7 +237,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     params = sum(e.param.numel() for e in engine.registry.entries)
     try:
         optimizer = CPUAdam(model.parameters(), lr=1e-4)
-        # NOTE: one batch, repeated: its loss must fall step after step, a check
+        # One batch, repeated: its loss must fall step after step, a check
         # that the offloaded states round-trip through the disk intact.
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, run.shape.vocab, (run.batch, run.seq_len), generator=g)
@@ -260,7 +260,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
         engine.close()
     note("measuring the disk again")
     after = measure_mix(str(config.nvme_path), run.measure_bytes, config.aio)
-    # NOTE: on a shared disk the bandwidth drifts over minutes; the faster of the
+    # On a shared disk the bandwidth drifts over minutes; the faster of the
     # two measurements of each rate gives the lower (stricter) bound.
     disk = faster(before, after)
     # The first step records the warm-up trace; the steady state starts after it.
@@ -268,7 +268,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     step_s = statistics.median(s["wall_seconds"] for s in timed)
     read_b = statistics.median(s.get("nvme_read_bytes", 0.0) for s in timed)
     write_b = statistics.median(s.get("nvme_write_bytes", 0.0) for s in timed)
-    # NOTE: the bound is what this disk needs for the step's reads and writes,
+    # The bound is what this disk needs for the step's reads and writes,
     # overwriting (as a step does) and doing both at once at the rate measured
     # for that (measure_mix). The slower direction alone (``io_duplex_seconds``)
     # is the bound of a disk that reads and writes at full speed at once; the
@@ -276,7 +276,7 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     read_s, write_s = read_b / (disk.read_gbps * GB), write_b / (disk.write_gbps * GB)
     io_bound = io_bound_seconds(read_b, write_b, disk)
     busy = statistics.median(s.get("nvme_busy_seconds", 0.0) for s in timed)
-    # NOTE: the step timer splits each step into waiting on each tier and the
+    # The step timer splits each step into waiting on each tier and the
     # rest; a step far above the I/O bound with little waiting is compute-bound.
     wait_nvme = statistics.median(s.get("wait_nvme_seconds", 0.0) for s in timed)
     compute = statistics.median(s.get("compute_seconds", 0.0) for s in timed)

@@ -49,7 +49,7 @@ def _thread_group(tid: int, pid: int, name: str) -> str:
 def thread_cpu() -> dict[str, float]:
     """CPU seconds (user + system) so far of this process's threads, by group.
 
-    NOTE: a thread that exited between two readings drops out of the second;
+    A thread that exited between two readings drops out of the second;
     the engine's and torch's threads live as long as the process, so deltas
     between readings are exact up to the clock tick (10 ms).
     """
@@ -73,7 +73,7 @@ def thread_cpu() -> dict[str, float]:
 def batch_native_threads() -> int:
     """Put the engine's native threads (named ``inf-*``) under ``SCHED_BATCH``; how many.
 
-    NOTE: a thread that sleeps a lot (the copy and I/O workers) has little CFS
+    A thread that sleeps a lot (the copy and I/O workers) has little CFS
     runtime, so waking it preempts the compute thread that woke it (while that
     thread holds the GIL, mid-hook). ``SCHED_BATCH`` turns off that wake-up
     preemption for the woken thread; it still runs on an idle core at once,

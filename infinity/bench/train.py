@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _verdict(case: dict) -> str:
     """The target's verdict on the median, and how many rounds alone would disagree.
 
-    NOTE: a median a hair either side of its limit says little on a noisy
+    A median a hair either side of its limit says little on a noisy
     machine; the count of rounds on the other side tells the reader how firm
     the verdict is.
     """
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
         )
     except PlanError as exc:
-        # NOTE: the cases' budgets are fractions of the model (device = half
+        # The cases' budgets are fractions of the model (device = half
         # the parameters), so a tiny model can leave less than one module needs.
         raise CommandError(
             f"this model is too small for the bench's budgets: {exc} "

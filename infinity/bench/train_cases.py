@@ -16,7 +16,7 @@ cases, against ``max(compute time of (a), I/O lower bound)``, the lower bound
 being the NVMe bytes of one step divided by the bandwidth measured in the same
 run (``infinity.bench.disk``).
 
-NOTE: ratios are *paired*: each round runs one block of every case, and the
+Ratios are *paired*: each round runs one block of every case, and the
 reported ratio is the median over rounds of (case / plain) within a round.
 This machine's speed drifts by 20% within a minute under other tenants'
 load; cases a few seconds apart see the same drift, a median over the whole
@@ -144,7 +144,7 @@ class Runner:
 
 
 # --optimizer: name -> (the infinity optimizer, plain PyTorch's, its description).
-# NOTE: torch has no Lion: the plain case then runs AdamW, which costs about the same.
+# torch has no Lion: the plain case then runs AdamW, which costs about the same.
 OPTIMIZERS: dict[str, tuple[MakeOptimizer, MakeOptimizer, str]] = {
     "adam": (
         lambda ps: CPUAdam(ps, lr=1e-4),
@@ -224,7 +224,7 @@ def run_all(
 ) -> dict:
     """Every case plus the NVMe bandwidth of ``nvme_dir``; a JSON-ready report.
 
-    NOTE: the cases run in interleaved blocks of ``block`` consecutive steps
+    The cases run in interleaved blocks of ``block`` consecutive steps
     (a, b, c, d, then b, c, d, a, ...: the order rotates so that no case
     always follows the same one) so that a burst of load from elsewhere on
     the machine hits every case alike, while inside a block each step

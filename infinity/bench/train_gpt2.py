@@ -9,7 +9,7 @@ states and more on NVMe. Cases:
   the next forward);
 - ``overlap``: offloaded with ``overlap_optimizer=True``.
 
-NOTE: each case runs in **its own process** (spawned, so nothing is shared:
+Each case runs in **its own process** (spawned, so nothing is shared:
 allocator, thread pools, page cache of the model), and the parent interleaves
 them: each round runs one block of every case in a rotating order, and a ratio
 is the median over rounds of (case / plain) within the round. The processes

@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 
 FORMAT = "infinity-checkpoint"
 VERSION = 4
-# NOTE: version 1 has no meta_sha256; before version 3 there is no
+# Version 1 has no meta_sha256; before version 3 there is no
 # optimizer_state_dtype (the states are fp32), before version 4 no
 # chunk_optimizer (the state is Adam's). Everything else is checked.
 READABLE_VERSIONS = (1, 2, 3, 4)
@@ -51,7 +51,7 @@ META_CHECKSUM = "meta_sha256"
 PARAM_FILE = "param.bin"
 OPTIM_FILE = "optim.bin"
 DATA_FILES = (PARAM_FILE, OPTIM_FILE)
-MAX_META_BYTES = 1 << 30  # NOTE: a 70B model's meta.json is a few MB; more is not ours
+MAX_META_BYTES = 1 << 30  # a 70B model's meta.json is a few MB; more is not ours
 
 
 class CheckpointError(RuntimeError):
@@ -61,7 +61,7 @@ class CheckpointError(RuntimeError):
 def meta_digest(meta: dict[str, Any]) -> str:
     """SHA-256 of ``meta`` without its checksum, in a canonical JSON form.
 
-    NOTE: canonical (sorted keys, no spaces) rather than the file's bytes, so the
+    Canonical (sorted keys, no spaces) rather than the file's bytes, so the
     checksum can live inside the file it protects; Python's float repr
     round-trips, so parsing and re-serialising gives the same text.
     """

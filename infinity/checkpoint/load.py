@@ -190,7 +190,7 @@ def _write_chunks(
                         _read_into(fp, rec.param_offset + into * esize, dst)
                         continue
                     assert rec.optim_offset is not None  # _match: trainable in the checkpoint too
-                    # NOTE: the same pieces (master, each slot's values and int8
+                    # The same pieces (master, each slot's values and int8
                     # scales) in the checkpoint's layout and in this window's: the
                     # stored bytes are copied.
                     saved = optimizer.tensor_ranges(

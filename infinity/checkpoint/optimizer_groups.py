@@ -56,7 +56,7 @@ def _value(what: str, saved: Any, current: Any) -> Any:
     elif isinstance(current, (int, float)) or torch.is_tensor(current):
         ok = finite_number(saved)
     elif isinstance(current, tuple):
-        # NOTE: an item may be null (Adafactor's eps=(None, 1e-3)); the optimizer's
+        # An item may be null (Adafactor's eps=(None, 1e-3)); the optimizer's
         # own check (hyper_of, below) says whether it may be.
         ok = (
             isinstance(saved, list)
@@ -68,7 +68,7 @@ def _value(what: str, saved: Any, current: Any) -> Any:
         ok = isinstance(saved, str)
     elif current is None:
         ok = saved is None or type(saved) is bool
-    else:  # NOTE: a key the group lacks (e.g. a scheduler's initial_lr): plain JSON only
+    else:  # a key the group lacks (e.g. a scheduler's initial_lr): plain JSON only
         ok = (
             saved is None
             or isinstance(saved, (bool, str))

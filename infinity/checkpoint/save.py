@@ -230,7 +230,7 @@ def _save_sharded(
     """Collective: every rank gathers each whole chunk, rank 0 writes the checkpoint, and
     every rank returns only once it is complete, or raises if a rank failed.
 
-    NOTE: the checkpoint holds whole chunks, as a single process's does: it
+    The checkpoint holds whole chunks, as a single process's does: it
     loads at any world size (each rank keeps its shard of what it reads).
     """
 
@@ -285,7 +285,7 @@ def _write_or_remove(
 def _named(exc: BaseException, target: Path) -> BaseException:
     """``exc``, or for an ``OSError`` the same errno with the checkpoint named.
 
-    NOTE: an NVMeIOError from the engine already names chunk, file and offset, and
+    An NVMeIOError from the engine already names chunk, file and offset, and
     callers catch it by type: it passes through unchanged.
     """
     if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, NVMeIOError):
@@ -316,7 +316,7 @@ def _exchange(a: Path, b: Path) -> bool:
 def _replace(new: Path, target: Path) -> None:
     """Put ``new`` at ``target``; an older checkpoint there is removed only afterwards.
 
-    NOTE: with an exchange the swap is one atomic step; without one, the old
+    With an exchange the swap is one atomic step; without one, the old
     checkpoint moves aside first and is put back if anything (Ctrl-C included)
     stops the second rename, so ``target`` never ends up missing.
     """

@@ -16,7 +16,7 @@ from infinity.checkpoint.format import DATA_FILES, META, OPTIM_FILE, PARAM_FILE,
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-MAX_INT = (1 << 62) - 1  # NOTE: offsets, sizes and counts must stay int64 (torch, file offsets)
+MAX_INT = (1 << 62) - 1  # offsets, sizes and counts must stay int64 (torch, file offsets)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def owner_gone(path: Path) -> bool:
     except FileNotFoundError:
         return False
     if st.st_uid != os.geteuid() or path.is_symlink():
-        return False  # NOTE: never another user's, and never follow a link out of the directory
+        return False  # never another user's, and never follow a link out of the directory
     return not owner_alive(int(match["pid"]), int(match["start"]))
 
 
@@ -75,6 +75,6 @@ def reclaim(directory: Path) -> list[Path]:
             else:
                 path.unlink()
         except OSError:
-            continue  # NOTE: another process reclaimed it first, or it is not ours to remove
+            continue  # another process reclaimed it first, or it is not ours to remove
         reclaimed.append(path)
     return reclaimed

@@ -81,11 +81,11 @@ class Copy:
         Finished transfers are reaped through ``wait()``, which raises if one
         failed: a failed read or write is never mistaken for a landed one.
         """
-        if self.pending:  # NOTE: the common case (nothing in flight) allocates nothing
+        if self.pending:  # the common case (nothing in flight) allocates nothing
             running = []
             for p in self.pending:
                 if p.done():
-                    p.wait()  # NOTE: raises before anything is forgotten
+                    p.wait()  # raises before anything is forgotten
                 else:
                     running.append(p)
             self.pending = running
@@ -205,12 +205,12 @@ class TierCache:
         if self.lend_larger:
             slot = self._take(fitting)
         else:
-            # NOTE: nor does a prefetch borrow a larger slot: the chunk it brings is
+            # Nor does a prefetch borrow a larger slot: the chunk it brings is
             # used (and then held) later, when the chunks of that size may need it.
             fitting = fitting[:1]
             slot = self._take_own_size(fitting, moment, may_evict)
         if slot is None:
-            # NOTE: filtered before the policy chooses: under Belady this is
+            # Filtered before the policy chooses: under Belady this is
             # the same as refusing when the farthest use is too near, and under
             # LRU it keeps a protected copy from blocking the eviction of others.
             candidates = [
@@ -288,7 +288,7 @@ class TierCache:
             ]
             if not wait or not landing:
                 return self._take(fitting[1:])
-            # NOTE: a retired copy gives up its slot and nothing else; a landing
+            # A retired copy gives up its slot and nothing else; a landing
             # prefetch would be fetched again.
             landing.sort(key=lambda c: not _retired(c.key))
             landing[0].wait()

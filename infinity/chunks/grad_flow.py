@@ -38,7 +38,7 @@ def typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def chunk_key(copy: Copy) -> Key:
     """The (kind, chunk) of a copy in the manager's caches.
 
-    NOTE: a retired device slot still landing is keyed ``("retired", key, id)``
+    A retired device slot still landing is keyed ``("retired", key, id)``
     (see ``TierCache``); its ``[0]`` is no ``Kind``, so kind tests skip it.
     """
     return cast(Key, copy.key)
@@ -95,7 +95,7 @@ class GradientFlow:
                 # flushes (a chunk's gradients complete, the end of backward),
                 # never when one rank's cache runs short: pinned until then.
                 copy.pins += 1
-            # NOTE: not zeroed now: most of a chunk is about to be overwritten by
+            # Not zeroed now: most of a chunk is about to be overwritten by
             # its tensors' gradients, so only the gaps are zeroed, at the flush.
             self.grads.slot_taken(i)
         self.device.touch(key, self.clock.now)
@@ -179,7 +179,7 @@ class GradientFlow:
             copy.pending.append(d2h)
             home.fill = d2h  # readers of the staging copy wait for it
             if self.consume_grads:
-                # NOTE: the step will most likely use these bytes straight from
+                # The step will most likely use these bytes straight from
                 # staging and drop them (consume_grad): write them home only if
                 # the slot is evicted first (_write_back_staging).
                 home.pending.append(d2h)
@@ -194,7 +194,7 @@ class GradientFlow:
             self.staging.wait_home(key)
             self._add_into(self.homes.host(key), source, i, nbytes)
         else:
-            # NOTE: the home on NVMe is only ever changed through its staging
+            # The home on NVMe is only ever changed through its staging
             # copy, so a cached staging copy can never be stale.
             home = self.staging.staged(key, load=True)
             assert home is not None
@@ -217,7 +217,7 @@ class GradientFlow:
         slots = [s for s in self.homes.plan.layout.chunks[i].slots if s.numel]
         if not slots:
             return
-        # NOTE: one launch for the chunk's tensors (torch's own clip_grad_norm_ takes its
+        # One launch for the chunk's tensors (torch's own clip_grad_norm_ takes its
         # norms with _foreach_norm on a GPU); on the host it is vector_norm per tensor.
         norms = torch.stack(
             torch._foreach_norm(
@@ -232,7 +232,7 @@ class GradientFlow:
         """:meth:`write_back_device` of an oversize gradient chunk, span by span through
         staging slots of the normal size (``chunks/spans.py``); its gaps are zeroed.
 
-        NOTE: unlike a normal chunk, its staged bytes are written home even with
+        Unlike a normal chunk, its staged bytes are written home even with
         ``consume_grads``: spans are not kept for the step to consume.
         """
         key: Key = (Kind.GRAD, i)
@@ -287,7 +287,7 @@ class GradientFlow:
                 handle.wait()
             summed = typed(total, self.dtype)
             summed.add_(stage.typed(self.dtype))
-            self._check_finite(summed)  # NOTE: two finite fp16 gradients may sum to inf
+            self._check_finite(summed)  # two finite fp16 gradients may sum to inf
         finally:
             cache.remove(stage_key)
 
@@ -298,7 +298,7 @@ class GradientFlow:
             return
         i = chunk_key(copy)[1]
         if self.grads[i] is not GradState.FLUSHED:
-            # NOTE: ADDING: more gradients of the chunk are on the device (a
+            # ADDING: more gradients of the chunk are on the device (a
             # tensor used again after the early step); their flush adds to
             # these bytes, so they are kept and written home as usual.
             return
@@ -397,10 +397,10 @@ class GradientFlow:
 
 
 def grad_norm_bytes(plan: Plan, granule: int) -> int:
-    """The most device bytes the gradient norms taken at the flushes hold at once (NOTE
-    [gradient norms on the device]): one fp32 per tensor of every trainable chunk
-    kept, plus, while a chunk's are taken, one allocation per tensor before they are
-    stacked (``granule``: the allocator's rounding). 0 where none are taken."""
+    """The most device bytes the gradient norms taken at the flushes hold at once
+    (NOTE [gradient norms on the device]): one fp32 per tensor of every trainable
+    chunk kept, plus, while a chunk's are taken, one allocation per tensor before
+    they are stacked (``granule``: the allocator's rounding). 0 where none are taken."""
     if plan.sharded:
         return 0
     counts = [

@@ -193,7 +193,7 @@ FIX = (
 
 
 def _describe(key: Key) -> str:
-    kind, index = key[0], key[1]  # NOTE: a span key carries its element range after these
+    kind, index = key[0], key[1]  # a span key carries its element range after these
     return f"{getattr(kind, 'value', kind)} chunk {index}"
 
 
@@ -229,7 +229,7 @@ class IOFailures:
             first.chunk = what  # type: ignore[attr-defined]
             self.first = first
         self.reported = self.reported or raised
-        # NOTE: raised again and again: a fresh traceback each time, not an ever longer one.
+        # Raised again and again: a fresh traceback each time, not an ever longer one.
         return self.first.with_traceback(None)
 
     def sweep(self) -> None:

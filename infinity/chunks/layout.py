@@ -29,7 +29,7 @@ from infinity._native.io import ALIGNMENT as IO_ALIGNMENT
 from infinity.core.plan import ChunkLayout, ChunkSpec, TensorInfo, TensorSlot
 from infinity.utils.sizes import align_up
 
-# NOTE: tensors start on 64-byte boundaries inside a chunk so SIMD loads of the
+# Tensors start on 64-byte boundaries inside a chunk so SIMD loads of the
 # optimizer kernel stay aligned; the gap costs at most 31 elements per tensor.
 TENSOR_ALIGN_BYTES = 64
 
@@ -99,14 +99,14 @@ def build_layout(
         numel = info.numel
         first_of_group = info.group >= 0 and (i == 0 or tensors[i - 1].group != info.group)
         if first_of_group:
-            # NOTE: a module whose weight and bias straddle two chunks needs both
+            # A module whose weight and bias straddle two chunks needs both
             # resident at once; start a fresh chunk when that keeps it whole.
             need = group_size[(info.group, info.trainable)]
             fill = align_up(open_fill[info.trainable], align)
             if fill and fill + need > chunk_elems >= need:
                 close(info.trainable)
         if numel == 0:
-            # NOTE: empty tensors take no bytes; they sit at offset 0 of the
+            # Empty tensors take no bytes; they sit at offset 0 of the
             # current chunk so every tensor has a slot.
             open_chunk[info.trainable].append((i, open_fill[info.trainable], 0, info.shape))
             continue
@@ -164,7 +164,7 @@ _GRID_STEPS_PER_DOUBLING = 8
 _EXACT_CANDIDATES = 16
 _SPAN_CANDIDATES = 32
 _SPAN_MAX_GROUPS = 32
-# NOTE: a span may exceed the granularity bound (model / MIN_AUTO_CHUNKS) by
+# A span may exceed the granularity bound (model / MIN_AUTO_CHUNKS) by
 # half: a model whose blocks are a little larger than 1/32 of it otherwise
 # gets chunks that split every block (GPT 8x512: 18% waste and 16 oversize
 # chunks at the bound, 3% and none at its 4 MiB span).
@@ -242,7 +242,7 @@ def chunk_cap(tensors: Sequence[TensorInfo], element_size: int, cap_bytes: int) 
     largest module group (with a span's headroom) when the tensors above
     ``cap_bytes`` are over a quarter of the model.
 
-    NOTE: then most matrices would be oversize at any allowed size, the
+    Then most matrices would be oversize at any allowed size, the
     oversize rule of :func:`search_chunk_size` excludes nothing, and the
     search drifts to tiny chunks (a 70B GPT's 512 MiB matrices against a
     256 MiB cap: 1.8 MiB chunks, 322 of 331 oversize). A model with one big

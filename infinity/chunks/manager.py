@@ -18,7 +18,7 @@ import torch
 
 from infinity.chunks.cache import Copy, EvictionPolicy, TierCache
 from infinity.chunks.grad_flow import GradientFlow, chunk_key
-from infinity.chunks.grad_flow import typed as typed  # NOTE: re-exported (runtime uses it)
+from infinity.chunks.grad_flow import typed as typed  # re-exported (runtime uses it)
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.movers import Purpose, Stop, device_mover, route_table
 from infinity.chunks.pools import SlabPool, TierAccount, Traffic
@@ -80,7 +80,7 @@ class ChunkManager:
         # device; a backend that reads NVMe into device memory shortens one.
         self.nvme_reader = backend.nvme_reader(swap_file) if swap_file is not None else None
         self.routes = route_table(nvme_to_device=self.nvme_reader is not None)
-        device_mover(self.routes(Purpose.COMPUTE, NVME))  # NOTE: a route no mover runs fails here
+        device_mover(self.routes(Purpose.COMPUTE, NVME))  # a route no mover runs fails here
         self.failures = self.homes.failures  # the sticky first NVMe error
         self.nvme_account.reserved = plan.nvme_bytes
         self.nvme_account.add(plan.nvme_bytes)
@@ -149,7 +149,7 @@ class ChunkManager:
         if self.homes.tier(key) != HOST:
             key = first_span(self.plan, key)
         cache = self.staging[key[0]]
-        if key in cache:  # NOTE: the common case: polls retry reads already started
+        if key in cache:  # the common case: polls retry reads already started
             cache.touch(key, self.moment)
             return True
         if self.homes.tier(key) == HOST:
@@ -196,7 +196,7 @@ class ChunkManager:
             return None
         copy.pending.append(fill)
         copy.filled = True
-        if route.stops[-2] is not Stop.NVME:  # NOTE: h2d counts bytes from host memory
+        if route.stops[-2] is not Stop.NVME:  # h2d counts bytes from host memory
             self.traffic.h2d_bytes += nbytes  # (a direct mover counts what it copies)
         return copy
 
@@ -223,7 +223,7 @@ class ChunkManager:
     def sooner_than(self, key: Key) -> Callable[[Hashable], bool]:
         """Eviction filter for prefetching ``key``: only copies needed after it (by the
         device policy's forecast; any copy without one)."""
-        # NOTE: duck-typed, not isinstance(ForecastingPolicy): a runtime-checkable
+        # Duck-typed, not isinstance(ForecastingPolicy): a runtime-checkable
         # Protocol check walks the protocol's attributes on every call, and this
         # runs for every prefetch (about 2 ms of a 100 ms step).
         next_use: Callable[[Hashable, int], float] | None = getattr(
@@ -243,7 +243,7 @@ class ChunkManager:
         if copy.pending:
             with self.traffic.waiting("device"):
                 for pending in copy.pending:
-                    # NOTE: a device copy's transfers are the backend's handles (or
+                    # A device copy's transfers are the backend's handles (or
                     # chains ending in one), which can wait on the compute stream.
                     pending.wait_for_compute()  # type: ignore[attr-defined]
         return copy
@@ -296,10 +296,10 @@ class ChunkManager:
             self.host.wait_home(key)
             return self.homes.host(key), None
         if load:
-            # NOTE: a consumed gradient chunk is never cached in staging, so
+            # A consumed gradient chunk is never cached in staging, so
             # checking before the lookup is checking every read from disk.
             self.grad_flow.check_grad_kept(key)
-        # NOTE: pinned inside ``staged`` from the moment the copy is placed: the
+        # Pinned inside ``staged`` from the moment the copy is placed: the
         # caller holds a reference (a pin) that only close_host gives back.
         copy = self.host.staged(key, load=load, writable=writable, from_device=True, pin=True)
         assert copy is not None

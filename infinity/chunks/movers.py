@@ -102,7 +102,7 @@ def route_table(*, nvme_to_device: bool = False) -> RouteTable:
     """The routes for a backend; ``nvme_to_device``: it reads the swap file straight
     into device memory (GPU-direct storage), so parameters skip host staging.
 
-    NOTE: a sharded plan's parameters are gathered from every rank's shard
+    A sharded plan's parameters are gathered from every rank's shard
     (``chunks/shards.py``) whatever the table says: the gather is its route.
     """
     return RouteTable(
@@ -255,7 +255,7 @@ class SpanFill:
 
     def _advance(self, *, block: bool) -> None:
         while self._in_flight and self._in_flight[0].done():
-            self._in_flight.popleft().wait()  # NOTE: raises a failed read here
+            self._in_flight.popleft().wait()  # raises a failed read here
         while self._next < len(self._ranges) and len(self._in_flight) < FILL_WINDOW:
             pending = self._start(block)
             if pending is None:

@@ -14,7 +14,7 @@ Callers (the step's readers, state access, checkpoints) walk
 :func:`windows` and never ask which shape a chunk has; a checkpoint writes
 :func:`home_bytes`, the home's bytes in order.
 
-NOTE: a whole chunk's home aligns each piece (4 KiB), so a piece may be
+A whole chunk's home aligns each piece (4 KiB), so a piece may be
 followed by padding; here the padding belongs to the piece before it (its
 part runs up to the next piece, the last one to the home's end). The parts of
 every window, piece after piece, are then exactly the home's bytes, and a
@@ -27,7 +27,7 @@ tensors in a chunk (state access, checkpoints): callers name the tensors'
 slots and get flat values in order, never asking whether the chunk is whole,
 sharded across ranks or oversize (moved in spans).
 
-NOTE: an oversize chunk is larger than any staging slot, so it is never opened
+An oversize chunk is larger than any staging slot, so it is never opened
 whole: each tensor is read (or written) span by span through a transient copy
 of that tensor alone. A whole chunk is opened once and every item is a view
 into it. Either way the caller sees one flat tensor per slot.
@@ -275,7 +275,7 @@ def update_windows(
         if spans and whole:
             window = _gather_spans(manager, chunk)
         else:
-            # NOTE: unsharded, the whole chunk (``gather``) is the home: not collective.
+            # Unsharded, the whole chunk (``gather``) is the home: not collective.
             window = open_update(manager, chunk, start, end, load_params=load_params, gather=whole)
         try:
             yield window
@@ -345,7 +345,7 @@ def close_update(manager: ChunkManager, window: UpdateWindow, *, succeeded: bool
     """Write back what the update changed; after a success the gradients are consumed
     and the device's copy of the parameters, now stale, dropped.
 
-    NOTE: write-backs finish in the background (keep=True): the slot is reused only
+    Write-backs finish in the background (keep=True): the slot is reused only
     once its write has landed, so window i-1 is written while window i computes and
     window i+1 is read.
     """
@@ -379,7 +379,7 @@ def _gather_spans(manager: ChunkManager, chunk: int) -> UpdateWindow:
     parameters, copied out of its spans into transient host tensors: one window of
     the whole chunk.
 
-    NOTE: such a chunk holds one tensor, and an optimizer that reads whole tensors
+    Such a chunk holds one tensor, and an optimizer that reads whole tensors
     cannot step it span by span. Each span's bytes still cross the disk once each
     way; host staging stays span-sized, and the copies are outside the budgets
     (the transient account), like the temporaries of the optimizer's own step.
@@ -416,7 +416,7 @@ def _scatter_spans(manager: ChunkManager, window: UpdateWindow) -> None:
     master = typed(window.unit[0], torch.float32) if window.params is None else None
     for kind, wholes in ((Kind.OPTIM, window.unit), (Kind.PARAM, [window.params])):
         if not wholes:
-            continue  # NOTE: a unit without pieces (CPUAdafactor in fp32)
+            continue  # a unit without pieces (CPUAdafactor in fp32)
         with closing(windows(manager, kind, chunk, load=False, write=True, keep=True)) as each:
             for span in each:
                 for whole, part, (at, n) in zip(

@@ -140,8 +140,8 @@ class Traffic:
     host_optimizer_seconds: float = 0.0
     # Host time in the engine's hooks (fetches, releases, gradients), waits included.
     hook_seconds: float = 0.0
-    # Brackets a wait in which the device may idle (the backend's ``stall``: NOTE
-    # [the step's bound]).
+    # Brackets a wait in which the device may idle (the backend's ``stall``:
+    # NOTE [the step's bound]).
     stall: Callable[[], AbstractContextManager[None]] = field(default=nullcontext, repr=False)
     _hook_timer: _HookTimer = field(init=False, repr=False)
 
@@ -206,7 +206,7 @@ class Traffic:
 
 
 class _HookTimer:
-    """``with traffic.in_hook():`` — one reusable object (NOTE: around every hook call,
+    """``with traffic.in_hook():`` — one reusable object (around every hook call,
     a thousand a step: no generator, no allocation)."""
 
     __slots__ = ("_depth", "_stall", "_start", "_traffic")

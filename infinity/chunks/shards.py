@@ -20,7 +20,7 @@ each rank copies its shard to its place in the slot, then one in-place all-gathe
 fills the rest. The prefetcher starts gathers of the next needs in the trace
 asynchronously.
 
-NOTE: gathers are collective, so each is decided at a point every rank reaches
+Gathers are collective, so each is decided at a point every rank reaches
 in the same order (a module hook, the prefetch after it) and from facts every
 rank shares. What a rank has cached is not such a fact (prefetch timing shapes
 eviction): the ranks agree on it in a small collective, except for the chunks
@@ -72,7 +72,7 @@ def gather_whole(
         out[plan.shard_rank * nbytes : (plan.shard_rank + 1) * nbytes].copy_(shard)
         collectives.all_gather_in_place(out, what)
         return
-    # NOTE: the shards of a unit arrive rank after rank; each is then cut into
+    # The shards of a unit arrive rank after rank; each is then cut into
     # its pieces (master, slot values, scales), which go to their parts' places.
     gathered = torch.empty(count * nbytes, dtype=torch.uint8)
     gathered[plan.shard_rank * nbytes : (plan.shard_rank + 1) * nbytes].copy_(shard)
@@ -154,7 +154,7 @@ def open_whole(
     account = manager.transient_account
     account.add(whole.nbytes)
     if load and gather:
-        # NOTE: a unit's shards arrive in a buffer of their own (gather_whole), as large
+        # A unit's shards arrive in a buffer of their own (gather_whole), as large
         gathered = whole.nbytes if key[0] is Kind.OPTIM else 0
         account.add(gathered)
         try:
@@ -241,7 +241,7 @@ class InUse:
         """A forward starts: promises not demanded for a whole iteration are dropped
         (the model went another way than the trace; an evaluation loop never steps).
 
-        NOTE: the prefetch after a step promises the next forward's first chunks
+        The prefetch after a step promises the next forward's first chunks
         in the iteration that ends: those are kept.
         """
         self._iteration += 1
@@ -291,7 +291,7 @@ def start_gathers(
     assert collectives is not None
     plan, device = manager.plan, manager.device
     if chunks == manager.in_use.prefetched:
-        # NOTE: agreed once per list, i.e. when the trace moves on to another
+        # Agreed once per list, i.e. when the trace moves on to another
         # chunk, not after every module: meanwhile shards are only read ahead.
         for i in chunks:
             if (Kind.PARAM, i) not in device and not manager.updates.queued(i):
@@ -306,7 +306,7 @@ def start_gathers(
         cached = key in device
         missing.append(not cached)
         if manager.updates.queued(i):
-            unable.append(True)  # NOTE: its home shard is stale until the update runs
+            unable.append(True)  # its home shard is stale until the update runs
             continue
         if cached:
             unable.append(False)
@@ -339,7 +339,7 @@ def start_gathers(
             continue  # every rank has it already
         region, staged = manager.open_host(key, writable=False)
         try:
-            # NOTE: a cached copy already holds these bytes: rewritten in place.
+            # A cached copy already holds these bytes: rewritten in place.
             device_shard(plan, i, copy.tensor).copy_(region)
         finally:
             manager.close_host(staged, modified=False, keep=True)

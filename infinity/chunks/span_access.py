@@ -69,7 +69,7 @@ def write_initial(
         write_initial_spans(manager, i, values)
         return
     if plan.sharded:
-        # NOTE: like DDP, every rank starts from rank 0's values (ranks seeded
+        # Like DDP, every rank starts from rank 0's values (ranks seeded
         # alike agree anyway; ranks that were not must still train one model).
         assert manager.collectives is not None
         manager.collectives.broadcast(values, f"initialising chunk {i}")
@@ -99,7 +99,7 @@ def write_initial_spans(manager: ChunkManager, chunk: int, values: torch.Tensor)
             continue
         parts, copy = open_span(manager, Kind.OPTIM, chunk, start, end, load=False)
         for part in parts:
-            part.zero_()  # NOTE: zero moments in every format (int8: zero scales)
+            part.zero_()  # zero moments in every format (int8: zero scales)
         if manager.plan.has_master:
             parts[0].view(torch.float32).copy_(values[start:end])
         manager.close_host(copy, modified=True)
@@ -132,7 +132,7 @@ def each_span(
             for part in parts:
                 size, rest = divmod(part.numel(), width)
                 if rest or not size:
-                    # NOTE: int8 block scales are not per element; callers cut a
+                    # int8 block scales are not per element; callers cut a
                     # partial span of an optimizer unit with ChunkOptimizer.piece_views.
                     raise AssertionError(f"piece of {part.numel()} bytes is not per element")
                 views.append(part[(first - low) * size : (last - low) * size])

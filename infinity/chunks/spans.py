@@ -12,7 +12,7 @@ normal chunk size whatever the largest tensor is. The planner stages an
 oversize chunk whole (``Plan.span_elems``) only when whole slots cost no extra
 NVMe bytes per step.
 
-NOTE: span boundaries and oversize capacities are multiples of the chunk
+Span boundaries and oversize capacities are multiples of the chunk
 optimizer's ``span_granule`` (the I/O granule of every part, int8 block scales
 included), so every piece's byte range stays O_DIRECT-aligned.
 """
@@ -77,7 +77,7 @@ def transfer_keys(plan: Plan, kind: Kind, chunk: int) -> list[tuple[Key, int, in
     the chunk's own key, or one span key per span of an oversize chunk. A read
     under the key its bytes were written under waits for that write in flight."""
     ranges = span_ranges(plan, chunk)
-    if len(ranges) == 1:  # NOTE: not split (a split chunk has two spans or more)
+    if len(ranges) == 1:  # not split (a split chunk has two spans or more)
         return [((kind, chunk), *ranges[0])]
     return [(span_key(kind, chunk, a, b), a, b) for a, b in ranges]
 

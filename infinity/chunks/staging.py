@@ -153,7 +153,7 @@ class HostStaging:
                 copy.pending.append(copy.fill)
             self._settle(copy, key, wait=wait, writable=writable)
         except BaseException:
-            copy.pins -= 1  # NOTE: a failed read hands nothing over: no pin is left behind
+            copy.pins -= 1  # a failed read hands nothing over: no pin is left behind
             raise
         if not pin:
             copy.pins -= 1
@@ -190,7 +190,7 @@ class HostStaging:
         if given, else from NVMe."""
         if on_device is None:
             return self.homes.read(key, copy.tensor)
-        # NOTE: device parameter copies are exact caches of their home (an
+        # Device parameter copies are exact caches of their home (an
         # update discards them), so these are the bytes the disk would give.
         source = on_device.tensor
         if self.plan.sharded:
@@ -206,7 +206,7 @@ class HostStaging:
     def _write_back_staging(self, copy: Copy) -> None:
         """Evicting a staging copy that was never written home: write it now.
 
-        NOTE: only gradient bytes an overlapped step was expected to consume
+        Only gradient bytes an overlapped step was expected to consume
         are ever left dirty in staging (see ``GradientFlow``).
         """
         key = copy.key

@@ -66,7 +66,7 @@ class TensorState(enum.IntEnum):
 
 
 _S = TensorState
-# NOTE: COMPUTE is re-entered from HOLD_AFTER_FWD (a tied parameter used by a
+# COMPUTE is re-entered from HOLD_AFTER_FWD (a tied parameter used by a
 # second module, activation-checkpoint recomputation) and from HOLD_AFTER_BWD
 # (a module run again after its gradient arrived, e.g. recompute of a later
 # segment). Everything returns to HOLD when a new step starts.
@@ -154,7 +154,7 @@ class StateCounters:
 class Clock:
     """The position of the current access in the step's access sequence.
 
-    NOTE: one object the manager and its components (host staging, the
+    One object the manager and its components (host staging, the
     gradient flow) all read, so eviction policies see one notion of "now";
     the runtime sets it at every access (through ``ChunkManager.moment``).
     """

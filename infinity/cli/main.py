@@ -91,7 +91,7 @@ def _subcommands(
 ) -> argparse._SubParsersAction:
     """The commands under ``parser``, listed by :func:`_table`.
 
-    NOTE: argparse's own list would show only "bench", not "bench optim"; and
+    argparse's own list would show only "bench", not "bench optim"; and
     ``prog`` is given because argparse derives it from a custom usage line.
     """
     return parser.add_subparsers(
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         (groups[argv[0]] if argv else parser).print_help()
         return 2
     args = parser.parse_args(argv)
-    args.argv = list(argv)  # NOTE: `train --nproc N` re-runs the command line as N processes
+    args.argv = list(argv)  # `train --nproc N` re-runs the command line as N processes
     return _run(_command(args._module), args)
 
 
@@ -183,7 +183,7 @@ def entry() -> None:
     """The process entry point (``infinity`` and ``python -m infinity``): run
     :func:`main`, then exit with its code.
 
-    NOTE: a command's own Ctrl-C handling ends when it returns. A second Ctrl-C
+    A command's own Ctrl-C handling ends when it returns. A second Ctrl-C
     pressed while the process winds down (engine finalizers, interpreter
     shutdown) would otherwise kill it by signal or print a traceback after a
     clean stop; the run is already over, so it is ignored.

@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     model, title = _build_model(args)
     device = torch.device(config.device)
     try:
-        # NOTE: planning needs no process group: every rank's shard has the same size.
+        # Planning needs no process group: every rank's shard has the same size.
         world = World(rank=0, size=args.nproc)
         registry = ParamRegistry.from_model(model, recomputed_blocks(model, config))
         plan = plan_for(registry, config, device, OPTIMIZERS[args.optimizer], world=world)
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _routes(plan: Plan) -> list[tuple[str, str]]:
     """The route of each (purpose, home tier) the plan uses: how its bytes travel."""
-    table = route_table()  # NOTE: neither backend reads NVMe into the device yet
+    table = route_table()  # neither backend reads NVMe into the device yet
     used = [
         *((Purpose.COMPUTE, t) for t in plan.param_home),
         *((Purpose.FLUSH, t) for t in plan.grad_home if t is not None),

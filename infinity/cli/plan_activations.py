@@ -21,7 +21,7 @@ def activations_at(
 ) -> dict[str, Any]:
     """Saved bytes per step under each policy, and what fits (a JSON-ready dict).
 
-    NOTE: activations count against the device budget: what the chunk slots
+    Activations count against the device budget: what the chunk slots
     leave of it holds "keep"'s and "checkpoint"'s activations; "offload" moves
     them to what the states leave of the host budget, then to NVMe.
     """

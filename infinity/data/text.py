@@ -22,7 +22,7 @@ import torch
 
 VOCAB_SIZE = 256  # bytes
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-# NOTE: one file in EVAL_EVERY goes to the held-out split: a few percent of the
+# One file in EVAL_EVERY goes to the held-out split: a few percent of the
 # corpus is plenty for a loss estimate and costs training almost nothing.
 EVAL_EVERY = 32
 
@@ -75,7 +75,7 @@ def load_corpus(root: Path | None = None, *, min_bytes: int = 1 << 16) -> Corpus
         try:
             data = path.read_bytes()
         except OSError:
-            continue  # NOTE: unreadable files (permissions, races) are skipped, not fatal
+            continue  # unreadable files (permissions, races) are skipped, not fatal
         (held if is_held_out(path.relative_to(root).as_posix()) else train).extend(data)
     if len(train) < min_bytes or len(held) < min_bytes // EVAL_EVERY:
         raise CorpusError(

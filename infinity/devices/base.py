@@ -18,7 +18,7 @@ the brackets.
   direction. Events are read when the step's lap is first read, so the step itself
   never waits for them.
 
-NOTE: the hooks open a bracket around every call, about a thousand a step: on the
+The hooks open a bracket around every call, about a thousand a step: on the
 H200 the events were 8% of the host thread's time at a small batch (their creation,
 and ``torch.cuda.current_stream`` at every record). A bracket's events go back to the
 clock once their time is read and are recorded again, and the backend looks the
@@ -128,7 +128,7 @@ FOLD_AT = 1024
 
 
 class _Bracket:
-    """``with clock.stall():`` — one reusable object per clock (NOTE: the hooks open one
+    """``with clock.stall():`` — one reusable object per clock (the hooks open one
     around every call, a thousand a step: no generator, no allocation)."""
 
     __slots__ = ("_clock",)

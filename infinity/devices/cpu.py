@@ -95,7 +95,7 @@ class CpuBackend(DeviceBackend):
         return handle
 
     def nvme_reader(self, swap_file: SwapFile) -> Callable[[torch.Tensor, int], IORequest] | None:
-        # NOTE: the device slots are RAM here, so the swap file's own reader can fill
+        # The device slots are RAM here, so the swap file's own reader can fill
         # them: the nvme -> device route with nothing but this method, as GPU-direct
         # storage would be on a GPU (NOTE [routes are data]).
         if not self.nvme_direct:
@@ -116,7 +116,7 @@ class CpuBackend(DeviceBackend):
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     def free_memory(self) -> int | None:
-        # NOTE: the kernel's estimate of what can be allocated without swapping
+        # The kernel's estimate of what can be allocated without swapping
         # (page cache it can drop included); not known off Linux.
         try:
             with open("/proc/meminfo", encoding="ascii") as meminfo:

@@ -68,7 +68,7 @@ class CudaBackend(DeviceBackend):
         self._stream = torch.cuda.Stream(self.device)
         self._compute = torch.cuda.current_stream(self.device)  # the clock's, per span
         self.events = EventClock(self._record, self._refresh)
-        self.clock = self.events  # NOTE: the base's default is the host's clock
+        self.clock = self.events  # the base's default is the host's clock
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

@@ -50,7 +50,7 @@ def _device_module(native: types.ModuleType) -> types.ModuleType:
     checkpointing's RNG capture, ``torch.manual_seed``)."""
     module = types.ModuleType("torch.fence", "The fence test device (infinity.devices.fence).")
 
-    # NOTE: kernels draw from the CPU generator (cpp/fence/device.cpp), so the
+    # Kernels draw from the CPU generator (cpp/fence/device.cpp), so the
     # device's RNG state is the CPU's: checkpointing saves and restores it twice,
     # the same state both times.
     def get_rng_state(device: object = None) -> torch.Tensor:
@@ -144,7 +144,7 @@ class FenceBackend(CpuBackend):
     """
 
     name = NAME
-    shares_host_memory = False  # NOTE: it stands for a GPU: its bytes are not host_memory's
+    shares_host_memory = False  # it stands for a GPU: its bytes are not host_memory's
 
     def __init__(self, copy_delay_s: float = 0.0, *, nvme_direct: bool = False) -> None:
         load()
@@ -167,7 +167,7 @@ class FenceBackend(CpuBackend):
         return torch.ops.infinity_fence.alias(region)
 
     def nvme_reader(self, swap_file: SwapFile) -> Callable[[torch.Tensor, int], IORequest] | None:
-        # NOTE: GPU-direct storage writes device memory from the disk. The I/O
+        # GPU-direct storage writes device memory from the disk. The I/O
         # engine takes host tensors only, and the fence's memory is host memory
         # underneath: the reader hands it a host view of the slot, the one place
         # the fence is crossed on purpose.

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from infinity.distributed.failures import failure_message
 from infinity.distributed.world import World
 
-# NOTE: torch 2.13 names the flat collectives all_gather_single and
+# torch 2.13 names the flat collectives all_gather_single and
 # reduce_scatter_single; older releases (2.4 onwards, which we support: the
 # CUDA builds users have) only have the *_tensor names, with the same
 # positional arguments and the same work handles.

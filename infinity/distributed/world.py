@@ -1,6 +1,6 @@
 """Which processes a model's chunks are sharded over.
 
-NOTE: the engine never creates a process group: the user (or ``torchrun`` and
+The engine never creates a process group: the user (or ``torchrun`` and
 ``infinity train --nproc``) does, and :func:`resolve_world` only reads it. A
 world of one process is the single-process engine, unchanged.
 """

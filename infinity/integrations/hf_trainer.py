@@ -17,7 +17,7 @@ restores the model and optimizer from ``infinity/`` and resumes exactly.
     trainer = Trainer(model=offloaded, args=args, optimizers=(CPUAdam(...), scheduler), ...)
 
 For a model that is not offloaded, everything is the Trainer's own behaviour.
-NOTE: a mixin over documented Trainer methods (``save_model`` and the
+A mixin over documented Trainer methods (``save_model`` and the
 optimizer/scheduler save and load hooks); nothing of transformers is patched.
 """
 
@@ -102,7 +102,7 @@ class StreamedCheckpoints:
 def _save_weights_into(model: nn.Module, output_dir: str, writer: bool) -> None:
     """:func:`infinity.save_pretrained` into a folder that holds other files too.
 
-    NOTE: ``save_pretrained`` replaces a whole directory atomically and refuses one
+    ``save_pretrained`` replaces a whole directory atomically and refuses one
     with files it would not write (the Trainer's output folder holds its
     checkpoints), so the weights are saved into a fresh folder beside it and
     each file is then renamed into place: every file is replaced atomically,
@@ -132,7 +132,7 @@ def _inner(optimizer: Any) -> torch.optim.Optimizer:
 def __getattr__(name: str) -> Any:
     """``Trainer``: ``transformers.Trainer`` with :class:`StreamedCheckpoints`.
 
-    NOTE: built on first use (PEP 562) so that this module imports without the
+    Built on first use (PEP 562) so that this module imports without the
     optional ``transformers``; ``from infinity.integrations.hf_trainer import
     Trainer`` works the same.
     """

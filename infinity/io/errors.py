@@ -32,6 +32,6 @@ class NVMeIOError(OSError):
         self.nbytes = nbytes
 
     def __str__(self) -> str:
-        # NOTE: OSError's own __str__ appends ": '<filename>'", but the message
+        # OSError's own __str__ appends ": '<filename>'", but the message
         # already names the path (in context), so it would repeat it.
         return f"[Errno {self.errno}] {self.strerror}"

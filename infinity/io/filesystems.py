@@ -43,7 +43,7 @@ def filesystem_type(path: str | os.PathLike[str]) -> str | None:
         parts = fields.split()
         if len(parts) < 5 or not after:
             continue
-        # NOTE: mountinfo escapes spaces and the like in octal (\040).
+        # mountinfo escapes spaces and the like in octal (\040).
         point = parts[4].encode().decode("unicode_escape")
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         # A later mount on the same point hides the earlier one: >= keeps the last.

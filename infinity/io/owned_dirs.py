@@ -8,7 +8,7 @@ without cleaning up (``SIGKILL``, power loss) leaves its directory;
 :func:`reclaim_stale` removes such directories when the next one is made in
 the same place, and never one whose owner still runs.
 
-NOTE: a mistake would cost space, not data: a process in another PID namespace
+A mistake would cost space, not data: a process in another PID namespace
 sharing the directory could take a live owner for gone, but an unlinked file
 stays usable through its owner's descriptor until that closes it.
 """

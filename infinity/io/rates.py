@@ -65,7 +65,7 @@ def pool_shape(size: int, config: AioConfig) -> tuple[int, int]:
     take pieces of the next one as soon as a slot frees) while the buffers,
     reused round-robin, stay about as small as fio's per-I/O buffers.
 
-    NOTE: the footprint matters on virtualised disks: with buffers 8x larger
+    The footprint matters on virtualised disks: with buffers 8x larger
     than fio's, reads measured ~15% slower here for reasons outside the engine
     (the host's copy into guest memory leaves the CPU caches).
     """
@@ -245,7 +245,7 @@ def disk_rates(
     ``before`` runs first when a measurement is made (the caller's own transfers
     finish, so they do not share the disk with it).
 
-    NOTE: a probe, not the truth: on a disk shared with other work the rates drift
+    A probe, not the truth: on a disk shared with other work the rates drift
     (``infinity bench nvme`` measures them properly); they only turn a step's
     bytes into the seconds of its bound.
     """

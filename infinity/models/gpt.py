@@ -109,7 +109,7 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        # NOTE: the loss is the head's (losses.py): blockwise where the full logits
+        # The loss is the head's (losses.py): blockwise where the full logits
         # would be the largest working set (head.loss_block_tokens).
         return self.head(self.ln_f(x), targets)
 

@@ -234,7 +234,7 @@ def causal_lm_loss(
     finally:
         handle.remove()
     logits = output.logits[..., -1:, :].float()
-    # NOTE: a forecast runs this on fake tensors (infinity.memory_forecast): no values.
+    # A forecast runs this on fake tensors (infinity.memory_forecast): no values.
     if not is_fake(logits) and not torch.allclose(logits, taken["last"], rtol=1e-3, atol=1e-3):
         raise ValueError(
             f"{type(hf).__name__} transforms its logits after its output embedding (scaling or "

@@ -101,7 +101,7 @@ def adafactor_update(
         param.mul_(1 - hyper.lr * hyper.weight_decay)
     if grad.dim() > 1:
         row_var, col_var = states["row_var"], states["col_var"]
-        # NOTE: (g * g).mean(dim) through the norm, as torch: no squared copy of g.
+        # (g * g).mean(dim) through the norm, as torch: no squared copy of g.
         row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
         row_var.lerp_(row_mean, one_minus_beta2)
         col_mean = torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2))

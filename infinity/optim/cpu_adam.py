@@ -181,7 +181,7 @@ def _step_copies(
 ) -> None:
     """Step a parameter with an unusual layout on contiguous copies, then copy back.
 
-    NOTE: rare (views with gaps, gradients with other strides than their
+    Rare (views with gaps, gradients with other strides than their
     parameter); same result as in place, two extra passes over memory.
     """
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

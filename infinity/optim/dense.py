@@ -78,6 +78,6 @@ def flat_buffers(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
 
 def step_dtype() -> torch.dtype:
     """The dtype of a parameter's ``step`` state, as torch keeps it."""
-    # NOTE: torch keeps `step` as a CPU float tensor (float64 under a float64
+    # torch keeps `step` as a CPU float tensor (float64 under a float64
     # default dtype); matching it keeps state dicts interchangeable.
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

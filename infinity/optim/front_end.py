@@ -85,7 +85,7 @@ class CPUOptimizer(Optimizer, Generic[H]):
             for p in group["params"]:
                 if offloaded.engine_of_param(p) is None:
                     check_dense_param(owner, p)
-            # NOTE: the engine lays its optimizer units out for the optimizer
+            # The engine lays its optimizer units out for the optimizer
             # constructed over it (the last one, until one has stepped it), and
             # steps its chunks early (overlap_optimizer) with this one's groups.
             for engine in offloaded.engines([group]):
@@ -208,7 +208,7 @@ class CPUOptimizer(Optimizer, Generic[H]):
         for p, _grad in todo:
             state = self.state[p]
             if "step" not in state:
-                # NOTE: torch.optim.SGD keeps no step count (and None for a momentum
+                # torch.optim.SGD keeps no step count (and None for a momentum
                 # buffer it never needed): a state it wrote has taken a step.
                 state["step"] = torch.tensor(float(bool(state)), dtype=step_dtype())
             for name in slots:
@@ -224,7 +224,7 @@ class CPUOptimizer(Optimizer, Generic[H]):
             views = StepViews(work[0], work[1], dict(zip(slots, work[2:], strict=True)), None)
             update.step(views, hyper, step=int(state["step"].item()) + 1, grad_scale=1.0)
             if flats is None:
-                # NOTE: rare (views with gaps, gradients with other strides): stepped
+                # Rare (views with gaps, gradients with other strides): stepped
                 # on contiguous copies, copied back.
                 for k, (dst, src) in enumerate(zip(tensors, work, strict=True)):
                     if k != 1 and dst.data_ptr() != src.data_ptr():  # 1: the gradient

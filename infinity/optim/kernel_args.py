@@ -34,7 +34,7 @@ STATE_OF_DTYPE: Mapping[torch.dtype, int] = {
 """The kernels' state-format code of each storage dtype of an optimizer state."""
 _FP32_STATE = STATE_FORMATS["fp32"]
 
-# NOTE: the checks below run on every call (the chunk engine calls once per
+# The checks below run on every call (the chunk engine calls once per
 # chunk), so they use the cheapest tensor attributes: `is_cpu` instead of
 # `device.type` (6x faster), identity tests, no allocations on the happy path.
 
@@ -144,7 +144,7 @@ def check_flat_buffers(
     No two buffers may overlap in memory. The checks run in that order, so
     the first bad argument is the one named.
 
-    NOTE: the annotations say what a caller should pass; every value is still
+    The annotations say what a caller should pass; every value is still
     checked (``check_tensor`` raises ``TypeError`` for a non-tensor).
     """
     n = check_tensor("master", master, FP32, None, fn=fn)
@@ -215,7 +215,7 @@ def finite(
 def check_four(i: int, p: object, g: object, m: object, v: object) -> int:
     """Check tensor i of adam_step_many; return its numel.
 
-    NOTE: one combined test on the happy path (this runs once per parameter
+    One combined test on the happy path (this runs once per parameter
     tensor per step); the detailed checks that name the culprit run only when
     it fails.
     """

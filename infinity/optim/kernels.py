@@ -190,7 +190,7 @@ def adam_step_many(
             check_tensor(f"out16s[{i}]", out, OUT16_DTYPES, n, "masters")
             out_ptrs.append(out.data_ptr())
             out_codes.append(_OUT_CODES[out.dtype])
-    # NOTE: overlaps are checked natively (sorting every buffer's address
+    # Overlaps are checked natively (sorting every buffer's address
     # range); it is pointer arithmetic only, nothing is dereferenced first.
     submodule("adam").step_many(
         [t.data_ptr() for t in masters],

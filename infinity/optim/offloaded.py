@@ -221,7 +221,7 @@ def put_offloaded_state(taken: dict[ChunkStepper, dict[int, MomentState | None]]
 def _moment_state(value: dict[str, Any], slots: tuple[str, ...], key: object) -> MomentState:
     """One parameter's entry of a torch state dict as ``(step, {slot: tensor})``.
 
-    NOTE: ``torch.optim.SGD`` keeps no ``step`` (its momentum buffer exists from
+    ``torch.optim.SGD`` keeps no ``step`` (its momentum buffer exists from
     the first step on: a step count of 1 means the same), and ``None`` for the
     buffer when ``momentum=0``: a missing value is zeros, as a fresh state.
     """
@@ -232,7 +232,7 @@ def _moment_state(value: dict[str, Any], slots: tuple[str, ...], key: object) ->
             f"{sorted(value)}): the state dict is from another optimizer"
         )
     step = int(value["step"]) if "step" in value else 1
-    # NOTE: the other tensors are per-tensor states (Adafactor's factors), which the
+    # The other tensors are per-tensor states (Adafactor's factors), which the
     # engine checks by the parameter's shape.
     return step, {
         name: tensor

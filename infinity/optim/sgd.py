@@ -91,7 +91,7 @@ class SGDChunks(ChunkOptimizer[SGDHyperParams]):
             weight_decay=hyper.weight_decay,
             nesterov=hyper.nesterov,
             maximize=hyper.maximize,
-            first_step=step == 1,  # NOTE: torch starts the buffer as the gradient itself
+            first_step=step == 1,  # torch starts the buffer as the gradient itself
             grad_scale=grad_scale,
             out16=views.out16,
         )

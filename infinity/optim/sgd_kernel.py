@@ -75,7 +75,7 @@ def sgd_step(
         ValueError: wrong device, layout, contiguity or size, overlapping
             buffers, a missing momentum buffer, or a hyper-parameter out of range.
     """
-    # NOTE: the momentum is checked first: whether the buffer is used depends on it.
+    # The momentum is checked first: whether the buffer is used depends on it.
     momentum = finite("momentum", momentum, low=0.0)
     states: tuple[tuple[str, torch.Tensor], ...] = ()
     if momentum != 0:

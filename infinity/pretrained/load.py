@@ -188,7 +188,7 @@ def offload_pretrained(
             init(module)
         for param in module.parameters(recurse=False):
             record = matched.params.get(id(param))
-            # NOTE: only parameters being initialised right now hold memory here;
+            # Only parameters being initialised right now hold memory here;
             # others are placeholders (filled, or copied in from real values).
             if record is None or id(param) in filled or is_placeholder(param):
                 continue
@@ -216,7 +216,7 @@ def offload_pretrained(
             readers.append(reader)
             try:
                 write_initial(engine)
-                # NOTE: parameters that had values already were copied in, not initialised.
+                # Parameters that had values already were copied in, not initialised.
                 rest = {k: r for k, r in matched.params.items() if k not in filled}
                 _stream_params(engine, reader, rest)
                 _load_buffers(reader, matched)
@@ -239,7 +239,7 @@ def _stream_params(
 ) -> None:
     def writer(index: int, record: TensorRecord) -> Callable[[list[torch.Tensor]], None]:
         if not engine.chunk_io.in_shard(index):
-            return lambda destinations: None  # NOTE: all in other ranks' shards
+            return lambda destinations: None  # all in other ranks' shards
         return lambda destinations: reader.copy_into(record, destinations)
 
     indices = {key: engine.registry.by_id[key].index for key in params}
@@ -257,7 +257,7 @@ def _load_buffers(reader: RangeReader, matched: Matched) -> None:
 
 def _buffer(module: nn.Module, attr: str) -> torch.Tensor:
     buffer = module._buffers[attr]
-    assert buffer is not None  # NOTE: state_names lists only buffers that are set
+    assert buffer is not None  # state_names lists only buffers that are set
     return buffer
 
 

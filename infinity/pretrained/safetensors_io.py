@@ -161,7 +161,7 @@ class RangeReader:
                 dst[element : element + values.numel()].copy_(values)
             element += values.numel()
             position += want
-        # NOTE: the page cache is not our memory, but a checkpoint larger than RAM
+        # The page cache is not our memory, but a checkpoint larger than RAM
         # would still crowd out everything else; these pages are not read again.
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, record.start, record.end - record.start, os.POSIX_FADV_DONTNEED)

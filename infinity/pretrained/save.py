@@ -153,7 +153,7 @@ def _plan_files(model: nn.Module, engine: OffloadEngine, limit: int) -> _Files:
 
 def _prepare(target: Path, tokenizer: Any) -> Path:
     """The temporary directory next to ``target`` the save is written into."""
-    if tokenizer is None:  # NOTE: fail before writing anything when the outcome is known
+    if tokenizer is None:  # fail before writing anything when the outcome is known
         _refuse_foreign(target, {"config.json", "generation_config.json"})
     target.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -222,7 +222,7 @@ def _save_configs(model: nn.Module, directory: Path, dtype: torch.dtype) -> None
         if extra is None or not callable(getattr(extra, "save_pretrained", None)):
             continue
         if attr == "config":
-            # NOTE: transformers loads weights in the dtype config.json names; name
+            # transformers loads weights in the dtype config.json names; name
             # the dtype the files hold, as its own save_pretrained does.
             extra = copy.deepcopy(extra)
             extra.dtype = dtype

@@ -124,7 +124,7 @@ def choose_plan(
     granule = optimizer.span_granule
     unit = 1
     if shard_count > 1:
-        # NOTE: a shard's every part (parameters, gradients, the fp32 master, each
+        # A shard's every part (parameters, gradients, the fp32 master, each
         # moment's values and int8 scales) must start and end on the I/O
         # alignment, exactly like a span's: one shard is a multiple of the span
         # granule and of the compute dtype's chunk granule.
@@ -157,7 +157,7 @@ def choose_plan(
             if elems <= asked:
                 raise
             raise _shard_rounding_error(exc, elems * element_size, shard_count, config) from None
-    # NOTE: a quarter of the device bounds even a raised cap, and a plan that
+    # A quarter of the device bounds even a raised cap, and a plan that
     # does not fit retries with smaller chunks.
     cap = chunk_cap(tensors, element_size, MAX_AUTO_CHUNK_BYTES)
     max_bytes = max(MIN_SEARCH_CHUNK_BYTES, min(cap, budgets.device // 4))
@@ -186,7 +186,7 @@ def choose_plan(
     assert last_error is not None
     if unit * element_size > MIN_SEARCH_CHUNK_BYTES:
         raise _shard_rounding_error(last_error, unit * element_size, shard_count, config) from None
-    # NOTE: the planner already tried every smaller chunk: "use a smaller
+    # The planner already tried every smaller chunk: "use a smaller
     # chunk_size" would send the user after what was done for them.
     raise PlanError(
         _without_smaller_chunk_advice(last_error)
@@ -394,4 +394,4 @@ def recut(
     chunks.manager.recut_units(plan)
     chunks.plan = plan
     chunks.chunk_optimizer = wanted
-    chunks.tensor_states.clear()  # NOTE: no tensor has stepped: nothing is lost
+    chunks.tensor_states.clear()  # no tensor has stepped: nothing is lost

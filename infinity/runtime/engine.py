@@ -293,7 +293,7 @@ class OffloadEngine:
             self.laid_out_by if not first else "",
         )
         if self.activations is not None:
-            # NOTE: a re-cut plan holds this optimizer's per-tensor states, which the
+            # A re-cut plan holds this optimizer's per-tensor states, which the
             # host room of saved activations leaves out (nothing is saved now).
             self.activations.set_allowance(
                 activation_host_room(self.chunks.plan, self.manager.host_account.reserved)
@@ -396,7 +396,7 @@ class OffloadEngine:
 
     def end_forward(self) -> None:
         """The root module's forward ended: backward's first activations start loading."""
-        if self.laid_out:  # NOTE: not when the lay-out itself failed at begin_forward
+        if self.laid_out:  # not when the lay-out itself failed at begin_forward
             self.activation_policy.end_forward()
 
     # --- saved tensors -----------------------------------------------------------------
@@ -453,5 +453,5 @@ class OffloadEngine:
                     close_activation_store(self.activations)
                 finally:
                     self._release()
-        # NOTE: after the cleanup: an I/O error nobody was told about yet is raised.
+        # After the cleanup: an I/O error nobody was told about yet is raised.
         failures.raise_unreported()

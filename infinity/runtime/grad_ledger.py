@@ -119,7 +119,7 @@ class GradientLedger:
         """Apply ``changes[index]`` in place to tensor ``index``'s gradient in ``chunk``,
         window by window (an oversize chunk is never staged whole).
 
-        NOTE: element-wise, so each rank changes its own shard alone (no gather)."""
+        Element-wise, so each rank changes its own shard alone (no gather)."""
         layout = self.chunks.layout
         each = windows(self.manager, Kind.GRAD, chunk, write=True, gather=False)
         with closing(each):
@@ -238,7 +238,7 @@ class GradientInChunks(torch.Tensor):
         grad._zeroed = False
         return grad
 
-    # NOTE: torch declares __torch_dispatch__ as a plain function attribute;
+    # torch declares __torch_dispatch__ as a plain function attribute;
     # subclasses override it with a classmethod, as torch's docs show.
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -292,7 +292,7 @@ def _scalar(value: Any, func: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or isinstance(value, GradientInChunks):
             raise RuntimeError(f"{func} by a tensor of shape {tuple(value.shape)}: {_HELP}")
-        # NOTE: the value torch would multiply by: the factor in the gradient's dtype.
+        # The value torch would multiply by: the factor in the gradient's dtype.
         return float(value.item())
     return float(value)
 

@@ -117,11 +117,11 @@ class GradientSink:
         # Accumulating onto clipped gradients: the clip factor must be in the chunks.
         self.ledger.apply_factors()
         self.ledger.changed()
-        self.norms.forget()  # NOTE: they may be on the device: not beside this pass's
+        self.norms.forget()  # they may be on the device: not beside this pass's
         for entry in self.chunks.registry.entries:
             if isinstance(entry.param.grad, GradientInChunks):
                 entry.param.grad = None
-        # NOTE: queue_callback runs once the whole backward pass is done;
+        # queue_callback runs once the whole backward pass is done;
         # that is where partial gradient chunks (unused parameters) go home.
         torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
@@ -187,7 +187,7 @@ class GradientNorms:
         has_grad = chunks.has_grad
         with_grad = (chunks.registry.entries[i] for i in indices if has_grad[i])
         for chunk, group in chunks.layout.group_by_chunk(with_grad, tensor_index).items():
-            # NOTE: views of a whole chunk; an oversize chunk is never staged whole: a
+            # Views of a whole chunk; an oversize chunk is never staged whole: a
             # copy of each tensor.
             slots = [chunks.layout.slots[entry.index] for entry in group]
             values = tensor_values(chunks.manager, Kind.GRAD, chunk, slots, chunks.dtype, keep=keep)
@@ -244,7 +244,7 @@ class GradientNorms:
         if any(factors[i] != 1.0 for i in indices):
             return False
         has_grad = self.chunks.has_grad
-        # NOTE: views of the norms where they were taken: reading them waits for
+        # Views of the norms where they were taken: reading them waits for
         # nothing (the H200 synchronized twice a tensor, a copy to the host and back).
         for i, value in zip(indices, norms.unbind(), strict=True):
             if has_grad[i]:

@@ -35,7 +35,7 @@ model in RAM) that the engine must then refuse. The guard answers a move to
 the engine's own device and dtype with the model unchanged, and any other
 move with an error that says to choose the device and dtype in ``Config``.
 
-NOTE: the guard is an attribute of this one model instance (``model.to``),
+The guard is an attribute of this one model instance (``model.to``),
 installed by ``offload`` and removed with the other hooks; ``nn.Module`` and
 every library stay unpatched.
 
@@ -225,7 +225,7 @@ def head_read_directly(model: nn.Module, registry: ParamRegistry) -> DirectRead 
     if not isinstance(backbone, nn.Module) or not isinstance(weight, nn.Parameter):
         return None
     if head in registry.owners:
-        # NOTE: with tied weights the head owns the weight too: its own forward
+        # With tied weights the head owns the weight too: its own forward
         # (when a loop does call it) then nests inside the direct read's binding.
         return DirectRead(backbone, head)
     for module, entries in registry.owners.items():

@@ -142,7 +142,7 @@ def materialize_buffers(model: nn.Module, device: torch.device) -> list[PendingB
 class _Progress:
     """Logs "n of N chunks" every few seconds while filling a large model.
 
-    NOTE: initialising a big model on NVMe takes minutes; a silent pause there is
+    Initialising a big model on NVMe takes minutes; a silent pause there is
     what users of other offload engines report as a hang.
     """
 
@@ -268,7 +268,7 @@ def fill_chunks(
         chunk = open_chunks[chunk_index]
         chunk.pending -= 1
         if chunk.pending == 0:
-            # NOTE: background: waiting for each write made initialising a model
+            # Background: waiting for each write made initialising a model
             # on NVMe the sum of compute and disk time, not the larger of the two.
             write_initial(engine.manager, chunk_index, chunk.values, background=True)
             scratch.give(chunk.values)

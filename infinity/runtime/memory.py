@@ -54,7 +54,7 @@ def probe_libraries(device: torch.device, dtypes: Iterable[torch.dtype]) -> tupl
     forward, recomputation and backward in each of ``dtypes``; (0, 0) where they were
     loaded already, and on any other device (nothing is run there).
 
-    NOTE: cuBLAS and cuBLASLt take a workspace from torch's caching allocator per
+    cuBLAS and cuBLASLt take a workspace from torch's caching allocator per
     (handle, stream), and a handle per thread: the forward's matmuls make one on the
     loop's thread, the first backward another on autograd's device thread. They stay
     allocated, so the step's peak holds them, above what was allocated before it, as
@@ -248,7 +248,7 @@ def memory_stats(engine: OffloadEngine) -> dict[str, Any]:
         "forecast": None if engine.forecast is None else engine.forecast.as_dict(),
     }
     if store is not None:
-        # NOTE: a saved tensor larger than the read window is read into the tensor
+        # A saved tensor larger than the read window is read into the tensor
         # backward computes with: the working set's, not a line's.
         out["host"]["reads_on_demand_peak_bytes"] = int(store.counters["read_on_demand_peak_bytes"])
     return out
@@ -264,7 +264,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         step,
         engine.dtype,
         engine.device,
-        policy="keep" if policy == "auto" else policy,  # NOTE: auto keeps at most all
+        policy="keep" if policy == "auto" else policy,  # auto keeps at most all
         blocks=engine.config.activation_blocks,
         min_bytes=int(engine.config.activation_min_bytes),
     )
@@ -277,7 +277,7 @@ def forecast(engine: OffloadEngine, model: nn.Module, step: StepFn, tokens: int)
         working_set=work,
         resident=_resident_on_device(model),
         baseline=engine.baseline_rss,
-        device_in_host=engine.device.type != "cuda",  # NOTE: the fence is RAM too
+        device_in_host=engine.device.type != "cuda",  # the fence is RAM too
         tokens=tokens,
         host_transients=(0 if store is None or store.spill is None else work.largest_moved)
         + transient_limit(engine.plan, engine.chunk_optimizer.whole_tensors),

@@ -7,7 +7,7 @@ gradient states (:class:`TensorGrads`), and the memory timeline. It knows no
 other component. Below it, the engine's own small lifecycles, the timeline and
 :class:`ChunkIO`, the narrow surface the checkpoints read through.
 
-NOTE: ``has_grad`` is stored here because every component reads it (and the
+``has_grad`` is stored here because every component reads it (and the
 step plans from it); only the gradient ledger
 (:class:`~infinity.runtime.grad_ledger.GradientLedger`) moves it, as only the
 update queue moves the manager's update states.
@@ -169,7 +169,7 @@ class ModelChunks:
         manager = self.manager
         version, params, grads = self._resident
         if version != manager.device.version:
-            # NOTE: recomputed only when the device's keys changed (this runs at
+            # Recomputed only when the device's keys changed (this runs at
             # every access); other keys are retired slots still landing.
             # (kind, chunk) keys, and retired slots' keys, whose [0] is not a Kind
             keys = cast(list[tuple[object, int]], manager.device.keys())

@@ -328,7 +328,7 @@ def step_runs(
         shape, tensor_state = None, {}
         if run.tensor is not None:
             if (low, high) != (run.start, run.end):
-                # NOTE: refused when the optimizer is bound (check_whole_tensors, below):
+                # Refused when the optimizer is bound (check_whole_tensors, below):
                 # reaching here is a bug, not a user error.
                 raise AssertionError(f"tensor {run.tensor} is cut by the window {window}")
             shape = engine.layout.slots[run.tensor].shape
@@ -369,7 +369,7 @@ def step_window(
     if params_unread and params is not None:
         params[max(runs[-1].end - window.start, 0) :].zero_()
     master = unit.master if unit.master is not None else params
-    assert master is not None  # NOTE: a window without parameters has a master
+    assert master is not None  # a window without parameters has a master
     out16 = params if engine.plan.has_master else None
     optimizer = engine.chunk_optimizer
     bounds = (window.start, window.end)

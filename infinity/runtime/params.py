@@ -154,7 +154,7 @@ class ParamRegistry:
         """Chunks each module holds at once: its own and its ancestors' parameters';
         and those of every recomputed block with all it contains.
 
-        NOTE: a recomputed block runs its whole forward again at the start of its
+        A recomputed block runs its whole forward again at the start of its
         backward, and what that forward saves (views of every parameter inside the
         block) lives until the block's backward nodes have run: all of its chunks
         are held at once, beside the gradient chunks receiving.

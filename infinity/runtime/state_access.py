@@ -51,7 +51,7 @@ def _write_entries(
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         slots = [engine.layout.slots[entry.index] for entry in group]
         for kind, dtype in _stored_kinds(engine, chunk):
-            # NOTE: every rank writes the same values and keeps its shard: no gather.
+            # Every rank writes the same values and keeps its shard: no gather.
             views = tensor_values(
                 engine.manager, kind, chunk, slots, dtype, write=True, fill=False, gather=False
             )
@@ -112,7 +112,7 @@ def stream_params_in(engine: OffloadEngine, writers: dict[int, ValueWriter]) -> 
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         slots = [engine.layout.slots[entry.index] for entry in group]
         with ExitStack() as stack:
-            # NOTE: sharded, each rank keeps its shard of what it writes: no gather.
+            # Sharded, each rank keeps its shard of what it writes: no gather.
             # An oversize chunk's tensors come as one transient copy each.
             streams = [
                 stack.enter_context(

@@ -93,7 +93,7 @@ class UpdatePipeline:
         self.queue.settle()  # a step still trailing (two steps without a forward between)
         self.manager.in_use.release()  # sharded: the updates make the held copies stale
         self.ledger.collect_zeroed()
-        # NOTE: no global synchronize here: every reader waits for exactly the
+        # No global synchronize here: every reader waits for exactly the
         # transfer it needs (a gradient's flush, a staging read), and writes
         # still in flight from the backward keep running behind this step.
         grad_scale = 1.0
@@ -133,7 +133,7 @@ class UpdatePipeline:
         if optimizer is None:
             return
         if self._early_hyper is None:
-            # NOTE: the optimizer groups hyper-parameters by engine: this model's
+            # The optimizer groups hyper-parameters by engine: this model's
             # is found through the registry, never held here.
             engine = engine_of_param(self.chunks.registry.entries[0].param)
             hyper = optimizer.offloaded_hyper()  # a CPUOptimizer (infinity.optim.front_end)
@@ -170,7 +170,7 @@ def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[
                 where = window.overlap(slot.offset, slot.numel)
                 if where is None:
                     continue
-                # NOTE: fp32 copies whatever the stored format (int8 decoded), as torch's.
+                # fp32 copies whatever the stored format (int8 decoded), as torch's.
                 for name, value in optimizer.read_state(unit, where[1]).items():
                     values[name][where[0]].copy_(value)
         for i, slot, values in zip(group, slots, states, strict=True):
@@ -182,7 +182,7 @@ def _units(engine: ModelChunks, chunk: int, *, write: bool) -> Iterator[tuple[Un
     """Each window of ``chunk``'s optimizer unit (whole, or its spans) with its unit views
     (state slots in the stored format).
 
-    NOTE: writing, every rank writes the same states and keeps its shard: no gather
+    Writing, every rank writes the same states and keeps its shard: no gather
     (an int8 block never straddles two shards)."""
     optimizer, has_master = engine.chunk_optimizer, engine.plan.has_master
     each = windows(engine.manager, Kind.OPTIM, chunk, write=write, gather=not write)
@@ -202,7 +202,7 @@ def check_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
             raise ValueError(f"optimizer state for {entry.name}, which is frozen (no moments)")
         shape = engine.layout.slots[i].shape
         for key in engine.chunk_optimizer.state_slots:
-            moment = states.get(key)  # NOTE: absent: zeros (torch.optim.SGD's None buffer)
+            moment = states.get(key)  # absent: zeros (torch.optim.SGD's None buffer)
             if moment is not None and tuple(moment.shape) != tuple(shape):
                 raise ValueError(
                     f"optimizer state {key} of {entry.name} has shape {tuple(moment.shape)}, the "
@@ -290,7 +290,7 @@ _memcpy_rate: list[float] = []
 def memcpy_bytes_per_second() -> float:
     """This host's memcpy rate (bytes/s), measured once per process on 8 MiB.
 
-    NOTE: small, so the probe stays out of the step's memory peak; the caches may
+    Small, so the probe stays out of the step's memory peak; the caches may
     flatter it, which only lowers the link's seconds (the bound stays a lower bound).
     """
     if not _memcpy_rate:
@@ -387,7 +387,7 @@ class StepTimer:
         if disk is not None:
             lap["nvme_read_seconds"] = read / (disk.read_gbps * GB)
             lap["nvme_write_seconds"] = write / (disk.write_gbps * GB)
-            # NOTE: the probe is small; where the engine's own transfers kept the
+            # The probe is small; where the engine's own transfers kept the
             # disk busy for less time, the disk is faster than the probe saw.
             busy = d.get("nvme_busy_seconds", 0.0)
             at_rates = io_bound_seconds(read, write, disk)

@@ -12,7 +12,7 @@ calls the handler installed before it, or restores the default action and
 raises the signal again, so the process still dies by it (exit status -15, or
 143 in a shell). The signal is never swallowed.
 
-NOTE: unlinking is safe even if the chained handler lets the process go on:
+Unlinking is safe even if the chained handler lets the process go on:
 a file stays usable through its open descriptor until it is closed, and only
 then is its space freed.
 """
@@ -65,7 +65,7 @@ def swap_directory(config: Config) -> str:
     """Where this process's swap directory goes: ``nvme_path``, or with chunks sharded
     over several ranks ``nvme_path/rank-<global rank>``.
 
-    NOTE: one ``nvme_path`` then serves every local rank, and nodes sharing it (a
+    One ``nvme_path`` then serves every local rank, and nodes sharing it (a
     network file system): each rank reclaims stale directories only in its own
     folder, where no other rank of the job ever writes. The empty ``rank-<r>``
     folders stay, as ``nvme_path`` itself does, for the next run.
@@ -213,7 +213,7 @@ def unguard(path: str) -> None:
     for signum in list(_installed):
         if signal.getsignal(signum) is _on_signal:
             signal.signal(signum, _previous[signum])
-        # NOTE: if another handler replaced ours it may chain to ours later;
+        # If another handler replaced ours it may chain to ours later;
         # ours then only chains on, as _previous is kept.
         _installed.discard(signum)
 

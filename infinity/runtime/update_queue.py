@@ -6,7 +6,7 @@ the only component that moves the manager's update states
 (:mod:`infinity.chunks.states`), and the one every reader of chunk
 bytes settles through (:meth:`UpdateQueue.settle`).
 
-NOTE: ``optimizer.step()`` updates host-homed chunks at once; a chunk with a key
+``optimizer.step()`` updates host-homed chunks at once; a chunk with a key
 on NVMe is only *queued*, and its update runs at the latest when the next forward
 (or anything else) first touches it: the same values, the disk traffic overlapped
 with compute. With ``overlap_optimizer=True`` an update is also queued *early*,
@@ -124,7 +124,7 @@ class UpdateQueue:
             ) from self.failure
 
     def _failed(self, error: BaseException) -> None:
-        # NOTE: an I/O error is already sticky in the manager's IOFailures, which
+        # An I/O error is already sticky in the manager's IOFailures, which
         # every entry point checks (and whose message names the failed transfer).
         if self.failure is None and not isinstance(error, NVMeIOError):
             self.failure = error
@@ -147,7 +147,7 @@ class UpdateQueue:
         self.early.append(work)
         self.poll_early()
         while self.early and self._staged_grads_queued() >= self._grad_staging_slots():
-            # NOTE: each queued update holds its gradients in a host staging
+            # Each queued update holds its gradients in a host staging
             # slot; one more would evict them to disk and read them back.
             # Waiting for the oldest update's reads costs less I/O than that.
             self._run_early(self.early.pop(0))
@@ -356,7 +356,7 @@ class UpdateQueue:
             for chunk in list(self._computing):
                 try:
                     self._finish(chunk)
-                except BaseException:  # NOTE: recorded in self.failure
+                except BaseException:  # recorded in self.failure
                     pass
         finally:
             if self._worker is not None:
@@ -385,7 +385,7 @@ class UpdateQueue:
         if self.trailing:
             self.poll_trailing(needed=chunk)
         if self.early:
-            # NOTE: a gradient arriving needs no parameter bytes; every other
+            # A gradient arriving needs no parameter bytes; every other
             # access reads them, so the chunk's queued update runs first.
             self.poll_early(needed=None if phase == Phase.GRAD else chunk)
 

@@ -34,7 +34,7 @@ def min_device_slots(
     larger slot); a :class:`HeldBlock` also gets ``grad_slots`` receiving slots in
     each size it receives gradients in.
 
-    NOTE: sharded, a gradient chunk stays on the device until it is complete
+    Sharded, a gradient chunk stays on the device until it is complete
     (``GradientFlow``): a tied embedding's receives gradients the whole
     backward, beside the chunk being filled, hence two slots there."""
     need: Counter[int] = Counter()

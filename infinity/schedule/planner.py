@@ -36,7 +36,7 @@ GRAD_STAGING_SLOTS = 4
 # Parameter staging kept where parameters live on NVMe before host room goes to
 # homes: the update pipeline's slots (a step reads or writes each parameter chunk
 # through them) and one for a forward or backward fetch in flight beside it.
-# NOTE: with three, a tiny GPT's measured NVMe reads of a step (non-overlapped,
+# With three, a tiny GPT's measured NVMe reads of a step (non-overlapped,
 # tests/engine/test_plan_estimate.py's case) ranged from 0.96x to 1.35x the
 # plan's estimate; with four, as with six, 0.94x to 1.15x on the same loaded
 # machine.
@@ -85,7 +85,7 @@ def make_plan(
     }
     largest = max((c.capacity for c in layout.chunks), default=layout.chunk_elems)
     if shard_count > 1:
-        # NOTE: spans of a shard would need a second window inside the shard's;
+        # Spans of a shard would need a second window inside the shard's;
         # a shard is already 1/N of the chunk, so it is staged whole.
         return _place(layout, span_elems=largest // shard_count, **kwargs)  # type: ignore[arg-type]
     plan = _place(layout, span_elems=span_of(layout, optimizer), **kwargs)  # type: ignore[arg-type]
@@ -192,7 +192,7 @@ def _place(
     grad_home: list[Tier | None] = [HOST if t else None for t in trainable]
     optim_home: list[Tier | None] = [HOST if t else None for t in trainable]
     staging: dict[str, Counter[int]] = {"param": Counter(), "grad": Counter(), "optim": Counter()}
-    # NOTE: oversize chunks go through host staging in spans of the normal chunk
+    # Oversize chunks go through host staging in spans of the normal chunk
     # size (chunks/spans.py), so no staging slot is ever larger than that.
     normal = {
         "param": span_elems * element_size,
@@ -213,7 +213,7 @@ def _place(
         return per_tensor + homes + sum(s * c for pool in staging.values() for s, c in pool.items())
 
     def add_staging(kind: str, size: int, count: int) -> None:
-        # NOTE: a chunk fits any larger slot, so one set of slots of the largest
+        # A chunk fits any larger slot, so one set of slots of the largest
         # size a kind needs serves all its chunks (oversize ones in spans).
         pool = staging[kind]
         largest = max([min(size, normal[kind]), *pool])
@@ -222,7 +222,7 @@ def _place(
 
     # Move the coldest state to NVMe, chunk by chunk from the back, until it fits.
     # Order: optimizer units, then gradients, then parameters.
-    # NOTE: overlapped, a gradient chunk homed on NVMe is used from host staging
+    # Overlapped, a gradient chunk homed on NVMe is used from host staging
     # by its update and never goes to disk (unless it moves in spans, see
     # chunks/spans.is_split): spilling it costs no bytes, an optimizer unit
     # costs a read and a write per step. So those gradients leave first, and
@@ -233,7 +233,7 @@ def _place(
         if trainable[i]:
             consumed = consume_grads and pbytes[i] <= normal["grad"]
             (free if consumed else paid).append(("grad", i))
-    # NOTE: an empty unit (fp32 Adafactor: its factors are per tensor) frees nothing.
+    # An empty unit (fp32 Adafactor: its factors are per tensor) frees nothing.
     units = [("optim", i) for i in reversed(range(n)) if trainable[i] and obytes[i]]
     moves = free + units + paid
     moves += [("param", i) for i in reversed(range(n))]
@@ -261,7 +261,7 @@ def _place(
         for size, count in staging[kind].items():
             staging[kind][size] = max(1, count - 1 if kind != "param" else count // 2)
 
-    # NOTE: with states on NVMe their bytes bound the step, and a home on the host
+    # With states on NVMe their bytes bound the step, and a home on the host
     # saves two or three transfers of its bytes per step where a staging slot
     # beyond the pipelines' only lets a read start earlier. So the room goes to
     # homes first: parameter staging is cut to MIN_PARAM_STAGING before the

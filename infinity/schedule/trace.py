@@ -246,7 +246,7 @@ class Prefetcher:
         self.budget_bytes = budget_bytes
         self._slots = dict(slots) if slots else None
         self._accesses = trace.accesses
-        # NOTE: the sizes are fixed for the trace's life, and plan() runs after every
+        # The sizes are fixed for the trace's life, and plan() runs after every
         # access, walking tens of accesses: looked up once here, not called each time.
         chunks = {chunk for _, chunk in trace.accesses}
         self._sizes = {chunk: nbytes(chunk) for chunk in chunks}
@@ -274,7 +274,7 @@ class Prefetcher:
             start = self._run_of[position] + 1
         else:
             start = len(runs)
-        # NOTE: the walk depends on the position alone (what is resident only filters
+        # The walk depends on the position alone (what is resident only filters
         # its result), and plan() runs after every access: each walk is made once.
         walk = self._walks.get(start)
         if walk is None:
@@ -287,7 +287,7 @@ class Prefetcher:
         free = _Slots(self._slots)
         seen: set[int] = set()
         grads: set[int] = set()
-        grad_slot = None  # NOTE: one gradient at a time: a finished one goes home
+        grad_slot = None  # one gradient at a time: a finished one goes home
         if 0 <= position < len(self._accesses):
             phase, current = self._accesses[position]
             free.take(self._nbytes(current))  # the chunk in use

@@ -25,21 +25,21 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     n = plan.layout.num_chunks
     params = sum(plan.param_bytes(i) for i in range(n))
     grads = sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] is not None)
-    # NOTE: backward runs the chunks in reverse, so what forward left on the
+    # Backward runs the chunks in reverse, so what forward left on the
     # device (all but a gradient slot's worth) is used again at once, and only
     # the rest, forward's first chunks, is fetched a second time.
-    # NOTE: the device caches whole chunks while a sharded rank moves (and counts)
+    # The device caches whole chunks while a sharded rank moves (and counts)
     # its shard of each: the cache is worth ``1/shard_count`` of its bytes here.
     trainable = [i for i in range(n) if plan.grad_home[i] is not None]
     whole_grads = sum(plan.device_param_bytes(i) for i in trainable)
     largest_grad = max((plan.device_param_bytes(i) for i in trainable), default=0)
-    # NOTE: sharded, two gradient chunks stay on the device until complete.
+    # Sharded, two gradient chunks stay on the device until complete.
     grad_slots = 2 if plan.sharded else 1
     cached = (plan.device_bytes - grad_slots * largest_grad) // plan.shard_count
     refetched = min(params, max(0, params - cached))
     on_nvme = [i for i in range(n) if plan.param_home[i] == NVME]
     nvme_param = sum(plan.param_bytes(i) for i in on_nvme)
-    # NOTE: an oversize chunk's gradients go home in spans even when consumed.
+    # An oversize chunk's gradients go home in spans even when consumed.
     nvme_grad = sum(
         plan.param_bytes(i)
         for i in range(n)

@@ -27,7 +27,7 @@ def tensor_state_bytes(layout: ChunkLayout, optimizer: ChunkOptimizer[Any]) -> i
     """Host bytes of ``optimizer``'s per-tensor states (fp32) for every trainable tensor
     of ``layout``: Adafactor's row and column factors; 0 for the others.
 
-    NOTE: they live in host memory beside the units, whatever the homes, and a
+    They live in host memory beside the units, whatever the homes, and a
     sharded rank keeps them whole (``runtime/offloaded_step.py``): so they are
     a fixed host cost, not divided by the shard count. See
     NOTE [per-tensor optimizer state].
@@ -75,7 +75,7 @@ def units_for(
         traffic={},
     )
     if plan.host_bytes > plan.budgets.states_host:
-        # NOTE: the units shrink when re-cut, which almost always leaves room for
+        # The units shrink when re-cut, which almost always leaves room for
         # the per-tensor states; the budget is a promise all the same.
         raise PlanError(
             f"host_memory={format_size(plan.budgets.host)} is too small: "

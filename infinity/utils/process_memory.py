@@ -84,7 +84,7 @@ def device_peak_bytes(device: torch.device) -> int | None:
     return int(torch.get_device_module(device.type).max_memory_allocated(device))
 
 
-# NOTE: CUDA's caching allocator rounds every block up to 512 bytes, and the fence's
+# CUDA's caching allocator rounds every block up to 512 bytes, and the fence's
 # (cpp/fence/memory.cpp) counts as it does, so that a forecast that sums a tensor's
 # own bytes where the allocator holds a block fails on the CPU too.
 DEVICE_BLOCK_BYTES = 512

@@ -38,7 +38,7 @@ TRAINER_FILE = "trainer.json"
 FORMAT = "infinity-train"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d{8,})$")
-KEEP = 2  # NOTE: the newest two of a run: a damaged newest one still leaves one to resume
+KEEP = 2  # the newest two of a run: a damaged newest one still leaves one to resume
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class TrainerState:
             tokens=int(data["tokens"]),
             last_loss=data["last_loss"],
         )
-        # NOTE: checked here so a damaged trainer.json fails before the model is touched.
+        # Checked here so a damaged trainer.json fails before the model is touched.
         if state.step < 0 or state.tokens < 0:
             raise ValueError(f"step {state.step} or tokens {state.tokens} below 0")
         epoch = state.scheduler.get("last_epoch") if isinstance(state.scheduler, dict) else None
@@ -151,7 +151,7 @@ def _saved_at(path: Path) -> int:
     try:
         return (path / TRAINER_FILE).stat().st_mtime_ns
     except OSError:
-        return -1  # NOTE: pruned by its (other) run since it was listed
+        return -1  # pruned by its (other) run since it was listed
 
 
 def save(
@@ -217,7 +217,7 @@ def _fill(
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(staging)
-        os.rename(staging, final)  # NOTE: the run directory is locked: nobody else names steps
+        os.rename(staging, final)  # the run directory is locked: nobody else names steps
         fsync_dir(run.path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

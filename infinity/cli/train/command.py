@@ -170,7 +170,7 @@ def _prepare_nvme(path: str | None) -> list[Path]:
             try:
                 directory.mkdir()
             except FileExistsError:
-                continue  # NOTE: another rank of this run made it first (not ours to remove)
+                continue  # another rank of this run made it first (not ours to remove)
             except OSError as exc:
                 raise CommandError(
                     f"--nvme-path: cannot create '{directory}': {exc.strerror}"
@@ -263,7 +263,7 @@ def _run(args: argparse.Namespace, ranks: train_ranks.Ranks) -> int:
         if ckpt_dir is not None:
             opened = _open_run_dir(ckpt_dir, resume_from, resumed) if ranks.main else None
             plan.run_dir, plan.forked = train_ranks.share_run_dir(ranks, opened)
-        # NOTE: the handlers cover everything from offload to cleanup, so a second
+        # The handlers cover everything from offload to cleanup, so a second
         # Ctrl-C anywhere abandons the run with the message below, not a traceback.
         with StopSignals(report.note) as stop:
             try:
@@ -347,7 +347,7 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     if args.eval_batches and not stopping():
         summary.eval_before = session.evaluate(args.eval_batches)
         report.event("eval", step=session.step, loss=summary.eval_before)
-    # NOTE: the memory report measures the steps, not the checkpoint, eval and plot after
+    # The memory report measures the steps, not the checkpoint, eval and plot after
     reset_resident_peak()
     reset_device_peak(session.device)
     train_started = time.perf_counter()
@@ -383,7 +383,7 @@ def _train(run: _Run, session: Session, stop: StopSignals) -> int:
     plot = _none(args.plot)
     if plot and timeline is not None and run.ranks.main:
         title = f"{describe(settings.model)}, {settings.dtype}: memory over one training step"
-        with stop.deferred("the plot"):  # NOTE: it imports matplotlib's native modules
+        with stop.deferred("the plot"):  # it imports matplotlib's native modules
             from infinity.cli.train.timeline_plot import plot_timeline
 
             summary.plot = str(plot_timeline(timeline, summary.stats, Path(plot), title))

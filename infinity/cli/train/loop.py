@@ -125,7 +125,7 @@ class Session:
         self.step = 0  # optimizer steps done
         self.tokens = 0
         self.last_loss: float | None = None
-        torch.manual_seed(settings.seed)  # NOTE: the initial weights follow --seed
+        torch.manual_seed(settings.seed)  # the initial weights follow --seed
         if isinstance(settings.model, PretrainedModel):
             self.model = build_model(settings.model, config)
             self.loss = causal_lm_loss
@@ -150,7 +150,7 @@ class Session:
         except BaseException:
             self.close()
             raise
-        # NOTE: batches are built on the host; every one moves to the engine's device
+        # Batches are built on the host; every one moves to the engine's device
         # (a GPU, or the fence in tests) before the model sees it.
         self.device = infinity.device_of(self.model)
         m = settings.model
@@ -175,7 +175,7 @@ class Session:
             forecast = infinity.memory_forecast(
                 self.model, lambda model: self.loss(model, ids, ids), ids.numel()
             )
-        except Exception as exc:  # NOTE: a report, never a reason to stop the run
+        except Exception as exc:  # a report, never a reason to stop the run
             return [f"memory forecast: not available ({type(exc).__name__}: {exc})"]
         return forecast.describe()
 
@@ -267,7 +267,7 @@ class Session:
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:
         """Mean loss over ``batches`` fixed held-out batches (the same ones every time)."""
-        self.model.eval()  # NOTE: no dropout in the held-out loss
+        self.model.eval()  # no dropout in the held-out loss
         try:
             losses = [
                 self.loss(self.model, *self._on_device(self.eval_batches.get(i))).item()

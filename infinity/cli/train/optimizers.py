@@ -5,17 +5,17 @@ what differs is the peak LR it is given by default, relative to the preset's
 (which is tuned for AdamW), its weight decay and its momentum:
 
 - ``adamw``: ``CPUAdam`` (AdamW), betas (0.9, 0.95), weight decay 0.1.
-- ``lion``: ``CPULion``, betas (0.9, 0.99). NOTE: Lion's update is a sign, so
+- ``lion``: ``CPULion``, betas (0.9, 0.99). Lion's update is a sign, so
   every element moves by the full LR: the Lion paper uses an LR 3-10x smaller
   than AdamW's and a weight decay 3-10x larger, keeping LR x decay (the decay
   per step) the same. Here: LR / 3, decay x 3 (on the tiny preset's first
   dozen steps LR / 3 reached AdamW's loss sooner than LR / 10).
-- ``sgd``: ``CPUSGD`` with momentum 0.9, no weight decay. NOTE: its step is the
+- ``sgd``: ``CPUSGD`` with momentum 0.9, no weight decay. Its step is the
   gradient itself, far smaller than Adam's normalised one on a transformer,
   so the LR is 30x the preset's; torch's (coupled, L2) weight decay would act
   at that LR, so it is off.
 - ``adafactor``: ``CPUAdafactor`` (torch's defaults: beta2_decay -0.8, eps
-  (None, 1e-3), d 1). NOTE: its LR is *relative*: a step moves a tensor by
+  (None, 1e-3), d 1). Its LR is *relative*: a step moves a tensor by
   about LR x its RMS (and at most 1/sqrt(step) of it), where AdamW moves
   every element by about its LR, so the LR is 30x the preset's (0.09 on the
   tiny preset: within a dozen steps it reached AdamW's loss; 10x lagged far

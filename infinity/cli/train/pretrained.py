@@ -53,7 +53,7 @@ def describe(m: PretrainedModel) -> str:
 
 
 def _transformers() -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # NOTE: never reach for the network
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
     try:
         from infinity.pretrained.hf import require_transformers
 

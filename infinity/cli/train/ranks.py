@@ -41,7 +41,7 @@ from infinity.offload import find_engine
 from infinity.runtime.swap import swap_directory
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for a peer before failing
-# NOTE: the launcher starts each process in a session of its own, so Ctrl-C reaches
+# The launcher starts each process in a session of its own, so Ctrl-C reaches
 # only the launcher. It forwards each SIGINT as it comes (one: stop after the step
 # with a checkpoint; two: abandon the step), where torch's launcher would send one
 # and kill the processes 30 s later. SIGTERM and the rest it forwards itself.
@@ -104,7 +104,7 @@ def launch(args: argparse.Namespace) -> int:
     """Run this command as ``args.nproc`` local processes through ``torch.distributed.run``;
     the exit code of the first process that failed (0 if none did).
 
-    NOTE: the launcher runs in this process rather than as ``python -m
+    The launcher runs in this process rather than as ``python -m
     torch.distributed.run``, whose exit code is 1 whatever its workers' were.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -125,7 +125,7 @@ def launch(args: argparse.Namespace) -> int:
             *argv,
         ]
     )
-    # NOTE: each process prints its own error; the launcher's log line would repeat it.
+    # Each process prints its own error; the launcher's log line would repeat it.
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -247,7 +247,7 @@ def joined(args: argparse.Namespace) -> Iterator[Ranks]:
 class _Silent(HumanReport):
     """The report of ranks other than 0: nothing at all.
 
-    NOTE: what a report says (progress, a stop, an abandoned step) is agreed by
+    What a report says (progress, a stop, an abandoned step) is agreed by
     every rank, so rank 0 says it; a rank's own failure is its error message.
     """
 

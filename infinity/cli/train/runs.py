@@ -51,7 +51,7 @@ def check_directory(directory: Path) -> list[Path]:
         try:
             parent.mkdir()
         except FileExistsError:
-            continue  # NOTE: a run started at the same time made it first (not ours to remove)
+            continue  # a run started at the same time made it first (not ours to remove)
         except OSError as exc:
             raise CommandError(f"{flag}: cannot create '{parent}': {exc.strerror}") from None
         created.append(parent)
@@ -97,7 +97,7 @@ class RunDirectory:
             try:
                 path.mkdir(mode=0o755)
             except FileExistsError:
-                continue  # NOTE: taken (even planted by someone else): never reuse a name
+                continue  # taken (even planted by someone else): never reuse a name
             except OSError as exc:
                 raise CommandError(
                     f"--checkpoint-dir: cannot create '{path}': {exc.strerror}"
@@ -138,7 +138,7 @@ class RunDirectory:
 def _lock(path: Path) -> int | None:
     """An open descriptor of ``path`` holding an exclusive flock; None if another holds it.
 
-    NOTE: the kernel drops the lock when the process dies, however it dies, so a
+    The kernel drops the lock when the process dies, however it dies, so a
     crashed run never blocks its resumption.
     """
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

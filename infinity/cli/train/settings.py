@@ -36,7 +36,7 @@ from infinity.utils.sizes import align_up, parse_size
 DEFAULT_NVME_PATH = "./.infinity/nvme"
 DEFAULT_PLOT = "./.infinity/timeline.png"
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
-# NOTE: demo budgets. The device caches about half of the parameter chunks, so
+# Demo budgets. The device caches about half of the parameter chunks, so
 # chunks are evicted in forward and fetched again in backward; the host holds
 # half of all model states (parameters, gradients, staging and some optimizer
 # units), so most optimizer states live on NVMe.
@@ -108,7 +108,7 @@ class RunSettings:
         the optimizer's states as stored (Adam's two moments, Lion's and SGD's one
         momentum; int8: with one fp32 scale per QBLOCK elements).
 
-        NOTE: Adafactor has no state in the chunks (none here, so its demo budgets
+        Adafactor has no state in the chunks (none here, so its demo budgets
         are those of the parameters, gradients and master alone): its factors,
         about (rows + columns) x 4 bytes per matrix, live in host memory outside
         the budgets; the header shows them on a line of their own."""

@@ -38,7 +38,7 @@ def plot_timeline(timeline: dict[str, list], stats: dict[str, Any], path: Path, 
     """Draw ``timeline`` (from ``infinity.timeline``), budgets from ``stats``, into ``path``."""
     import matplotlib
 
-    matplotlib.use("Agg")  # NOTE: no display here, and never pop a window from a CLI
+    matplotlib.use("Agg")  # no display here, and never pop a window from a CLI
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
