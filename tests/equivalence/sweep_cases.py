@@ -729,4 +729,24 @@ EXAMPLES: tuple[Case, ...] = (
         resume_device=0.35,
         why="sweep seed 9191, as the case above (Adam with int8 moments, a resume)",
     ),
+    Case(
+        world=2,
+        dtype="bf16",
+        state_dtype="bf16",
+        accumulation=2,
+        clip=0.5,
+        host=0.75,
+        checkpointing="reentrant",
+        resume_at=2,
+        resume_host=0.75,
+        resume_device=0.35,
+        recipe=True,
+        evaluate="inference_mode",
+        loss_block=5,
+        why=(
+            "sweep seed 6262: the held-out loss after step 3 overshot plain PyTorch's by 0.84 "
+            "of the step's movement (bf16 moments on two ranks), which the judge took for a "
+            "stale evaluation; a stale one is off towards the loss before the step"
+        ),
+    ),
 )

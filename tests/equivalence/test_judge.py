@@ -40,3 +40,23 @@ def test_a_skipped_last_update_fails() -> None:
     short = train_reference(case, steps=case.steps - 1)
     verdict = judge(Outcome(case, trained=Trained(short.state, ref.losses)))
     assert not verdict.ok and "parameters off plain PyTorch" in verdict.message
+
+
+def test_a_held_out_loss_past_the_step_is_not_taken_for_a_stale_one() -> None:
+    # A stale evaluation lies towards the loss before the step; one past the step's
+    # (bf16 moments on two ranks overshot by 0.84 of the movement) is bounded by the
+    # whole movement, not half of it.
+    case = Case(evaluate="no_grad")
+    ref = train_reference(case)
+    k = max(range(case.steps), key=lambda k: abs(ref.evals[k + 1] - ref.evals[k]))
+    before, now = ref.evals[k], ref.evals[k + 1]
+    assert abs(now - before) / abs(now) > 4 * 1e-5  # the step moves it beyond the floor
+
+    def judged(fraction: float) -> bool:
+        evals = list(ref.evals[1:])
+        evals[k] = now + fraction * (now - before)  # > 0: past the step, < 0: towards before
+        return judge(Outcome(case, trained=dataclasses.replace(ref, evals=evals))).ok
+
+    assert judged(0.8)  # past the step, within its movement
+    assert not judged(1.3)  # past the step by more than it moved
+    assert not judged(-0.7)  # towards the loss before the step: stale
