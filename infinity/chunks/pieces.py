@@ -57,8 +57,15 @@ import torch
 
 from infinity.chunks.grad_flow import typed
 from infinity.chunks.manager import ChunkManager
-from infinity.chunks.shards import WholeChunk, close_whole, open_whole, whole_bytes
-from infinity.chunks.span_access import open_span, read_elements, write_elements
+from infinity.chunks.shards import whole_bytes
+from infinity.chunks.span_access import (
+    WholeChunk,
+    close_whole,
+    open_span,
+    open_whole,
+    read_elements,
+    write_elements,
+)
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
 from infinity.config import ConfigError
 from infinity.core.names import Kind

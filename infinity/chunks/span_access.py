@@ -1,20 +1,23 @@
-"""Moving an oversize chunk through host memory span by span (see ``chunks/spans.py``).
+"""A chunk's bytes in host memory beyond its home: an oversize chunk span by span
+(see ``chunks/spans.py``), a sharded chunk whole (:func:`open_whole`).
 
 Functions over a :class:`~infinity.chunks.manager.ChunkManager` (above it: the
-manager never calls them): open one span
-of a key for the optimizer or a checkpoint, and write a chunk's initial values
-(a device fill span by span is ``chunks/movers.py``'s ``SpanFill``). Each holds
-at most a couple of normal-size staging slots at a time, whatever the chunk's size.
+manager never calls them): open one span of a key for the optimizer or a
+checkpoint, write a chunk's initial values, open a sharded chunk whole (a device
+fill span by span is ``chunks/movers.py``'s ``SpanFill``). Each span holds at
+most a couple of normal-size staging slots at a time, whatever the chunk's size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from infinity.chunks.cache import Copy
 from infinity.chunks.manager import ChunkManager
+from infinity.chunks.shards import gather_whole, place_shard, take_shard, whole_bytes
 from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
 from infinity.core.names import HOST, Key, Kind
 
@@ -167,3 +170,64 @@ def write_elements(
     for at, parts in each_span(manager, kind, chunk, start, end, modify=True):
         piece = parts[part].view(flat.dtype)
         piece.copy_(flat[at : at + piece.numel()])
+
+
+@dataclass
+class WholeChunk:
+    """A whole host copy of a chunk opened by :func:`open_whole` (sharded plans)."""
+
+    key: Key
+    region: torch.Tensor  # this rank's home bytes (a host home or staging copy)
+    copy: Copy | None  # the staging copy behind ``region``, if any
+    whole: torch.Tensor  # the chunk's bytes, every shard
+
+
+def open_whole(
+    manager: ChunkManager,
+    key: Key,
+    *,
+    load: bool = True,
+    writable: bool = True,
+    gather: bool = True,
+) -> tuple[torch.Tensor, WholeChunk | Copy | None]:
+    """``manager.open_host`` of the whole chunk (every rank's shard): collective when
+    sharded, where ``load`` gathers it; pair with :func:`close_whole`.
+
+    ``gather=False`` (not collective) loads only this rank's part of the whole
+    chunk, the rest being zeros: enough for writes every rank makes alike, of
+    which each keeps only its own shard (loading state it was given whole).
+    """
+    region, copy = manager.open_host(key, load=load, writable=writable)
+    plan = manager.plan
+    if not plan.sharded:
+        return region, copy
+    assert manager.collectives is not None
+    whole = torch.zeros(whole_bytes(plan, key), dtype=torch.uint8)
+    account = manager.transient_account
+    account.add(whole.nbytes)
+    if load and gather:
+        # A unit's shards arrive in a buffer of their own (gather_whole), as large
+        gathered = whole.nbytes if key[0] is Kind.OPTIM else 0
+        account.add(gathered)
+        try:
+            gather_whole(plan, manager.collectives, key, region, whole)
+        finally:
+            account.sub(gathered)
+    elif load:
+        place_shard(plan, key, region, whole)
+    return whole, WholeChunk(key, region, copy, whole)
+
+
+def close_whole(
+    manager: ChunkManager, handle: WholeChunk | Copy | None, *, modified: bool, keep: bool = False
+) -> None:
+    """Finish with :func:`open_whole` (``keep`` as ``close_host``); if ``modified`` each
+    rank stores its own shard of the whole chunk (every rank must have written the
+    same whole values)."""
+    if not isinstance(handle, WholeChunk):
+        manager.close_host(handle, modified=modified, keep=keep)
+        return
+    manager.transient_account.sub(handle.whole.nbytes)
+    if modified:
+        take_shard(manager.plan, handle.key, handle.whole, handle.region)
+    manager.close_host(handle.copy, modified=modified, keep=keep)
