@@ -18,8 +18,8 @@ optimizer unit and its parameters come to host memory, the kernel runs over
 the parts of the chunk's runs inside the span, and the span is written back
 while the next one is read. The update is element-wise, so the
 result is bit for bit the one of stepping the chunk whole; each run keeps its
-own hyper-parameters and step count. What the step uses of an engine is
-:class:`StepContext`.
+own hyper-parameters and step count. The step works on a model's chunks
+(:class:`~infinity.runtime.model_chunks.ModelChunks`).
 """
 
 from __future__ import annotations
@@ -28,48 +28,16 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.layout import ChunkLayout
-from infinity.chunks.manager import ChunkManager, typed
+from infinity.chunks.manager import typed
 from infinity.chunks.pieces import UpdateWindow, close_update, open_update, update_windows
 from infinity.core.names import Phase
-from infinity.core.plan import Plan
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
-from infinity.runtime.params import ParamEntry
-
-
-class HeldGradients(Protocol):
-    """Per tensor: whether its gradient is in the chunks."""
-
-    def __getitem__(self, index: int) -> bool: ...
-
-
-class StepContext(Protocol):
-    """Exactly what the step over chunks uses of a model's chunks
-    (:class:`~infinity.runtime.model_chunks.ModelChunks` provides it)."""
-
-    manager: ChunkManager
-    layout: ChunkLayout
-    plan: Plan
-    dtype: torch.dtype
-    chunk_optimizer: ChunkOptimizer[Any]
-    chunk_members: list[list[ParamEntry]]  # per chunk, its parameters
-    tensor_steps: list[int]  # per tensor: optimizer steps taken (advanced here)
-
-    @property
-    def has_grad(self) -> HeldGradients:
-        """Per tensor: its gradient is in the chunks (read only here)."""
-
-    def sample(self, phase: Phase, chunk: int) -> None:
-        """Add the tiers' state after an access to the memory timeline."""
-
-    def tensor_state(self, index: int) -> dict[str, torch.Tensor]:
-        """Tensor ``index``'s per-tensor optimizer states (allocated on first use)."""
-        ...
+from infinity.runtime.model_chunks import ModelChunks
 
 
 @dataclass(frozen=True)
@@ -156,7 +124,7 @@ def _tensor_runs(
 
 
 def step_chunk(
-    engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
+    engine: ModelChunks, chunk: int, runs: list[Run], covered: bool, grad_scale: float
 ) -> None:
     """Update one chunk in place in its homes, window by window (see module docstring)."""
     unread = engine.plan.has_master and covered
@@ -174,7 +142,7 @@ class OpenedChunk:
     so that it may run on a worker thread: NOTE [host updates on a worker]). Chunks
     whose update opens once only (``chunks.pieces.opens_once``)."""
 
-    engine: StepContext
+    engine: ModelChunks
     window: UpdateWindow
     runs: list[Run]
     unread: bool  # the parameters were not read (every tensor is rewritten)
@@ -182,7 +150,7 @@ class OpenedChunk:
 
     @classmethod
     def open(
-        cls, engine: StepContext, chunk: int, runs: list[Run], covered: bool, grad_scale: float
+        cls, engine: ModelChunks, chunk: int, runs: list[Run], covered: bool, grad_scale: float
     ) -> OpenedChunk:
         """Bring the chunk's gradients, optimizer unit and parameters to host memory."""
         # 16-bit: the parameter chunk is only written (unless some tensors keep old values).
@@ -219,7 +187,7 @@ class ChunkWork:
 
 
 def plan_chunk(
-    engine: StepContext, chunk: int, hyper_by_index: Mapping[int, object]
+    engine: ModelChunks, chunk: int, hyper_by_index: Mapping[int, object]
 ) -> ChunkWork | None:
     """The update of ``chunk``, or ``None`` if none of its tensors has a gradient."""
     members = tuple(
@@ -240,7 +208,7 @@ def plan_chunk(
     return ChunkWork(chunk, updated, tuple(runs), covered) if runs else None
 
 
-def prefetch_chunk(engine: StepContext, work: ChunkWork, ahead: Iterable[ChunkWork] = ()) -> bool:
+def prefetch_chunk(engine: ModelChunks, work: ChunkWork, ahead: Iterable[ChunkWork] = ()) -> bool:
     """Start reading what :func:`step_chunk` will need (NVMe homes only; never blocks);
     False if some read found no free staging slot.
 
@@ -255,19 +223,19 @@ def prefetch_chunk(engine: StepContext, work: ChunkWork, ahead: Iterable[ChunkWo
     return all(started)
 
 
-def chunk_ready(engine: StepContext, work: ChunkWork) -> bool:
+def chunk_ready(engine: ModelChunks, work: ChunkWork) -> bool:
     """Everything the update reads is in host memory (no wait would happen)."""
     return all(engine.manager.host.host_ready(key) for key in work.keys(engine.plan.has_master))
 
 
-def finish_chunk(engine: StepContext, work: ChunkWork, grad_scale: float) -> int:
+def finish_chunk(engine: ModelChunks, work: ChunkWork, grad_scale: float) -> int:
     """Run the update of one planned chunk; returns the tensors updated."""
     with engine.manager.traffic.updating():
         step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
     return count_update(engine, work)
 
 
-def count_update(engine: StepContext, work: ChunkWork) -> int:
+def count_update(engine: ModelChunks, work: ChunkWork) -> int:
     """A chunk's update has run: its tensors' steps advance, the timeline notes it;
     returns the tensors updated."""
     engine.sample(Phase.OPTIMIZER, work.chunk)
@@ -276,7 +244,7 @@ def count_update(engine: StepContext, work: ChunkWork) -> int:
     return len(work.updated)
 
 
-def run_works(engine: StepContext, works: list[ChunkWork], grad_scale: float) -> int:
+def run_works(engine: ModelChunks, works: list[ChunkWork], grad_scale: float) -> int:
     """Update planned chunks in order, pipelined: read unit i+1 while the kernel runs
     on unit i (and unit i-1 is written back)."""
     updated = 0
@@ -288,7 +256,7 @@ def run_works(engine: StepContext, works: list[ChunkWork], grad_scale: float) ->
 
 
 def plan_works(
-    engine: StepContext, hyper_by_index: Mapping[int, object], skip: set[int]
+    engine: ModelChunks, hyper_by_index: Mapping[int, object], skip: set[int]
 ) -> list[ChunkWork]:
     """The updates of one optimizer step: every trainable chunk not in ``skip`` (handled)."""
     works = []
@@ -309,7 +277,7 @@ def step_runs(
     runs: list[Run],
     window: tuple[int, int],
     grad_scale: float,
-    engine: StepContext,
+    engine: ModelChunks,
     chunk: int,
 ) -> None:
     """Run the optimizer over the parts of ``runs`` inside elements ``window`` of
@@ -348,7 +316,7 @@ def step_runs(
 
 
 def step_window(
-    engine: StepContext,
+    engine: ModelChunks,
     window: UpdateWindow,
     runs: list[Run],
     params_unread: bool,
