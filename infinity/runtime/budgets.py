@@ -34,7 +34,7 @@ from infinity.chunks.layout import (
     chunk_cap,
     search_chunk_size,
 )
-from infinity.chunks.pieces import check_whole_tensors
+from infinity.chunks.updates import check_whole_tensors
 from infinity.config import AUTO, Config, ConfigError
 from infinity.core.plan import Plan, PlanError
 from infinity.distributed import SINGLE, World

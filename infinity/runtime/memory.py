@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from infinity.activations.estimate import StepFn, StepMemory, step_memory
 from infinity.chunks.grad_flow import grad_norm_bytes
-from infinity.chunks.pieces import transient_limit
+from infinity.chunks.updates import transient_limit
 from infinity.core.names import HOST, NVME
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.utils.process_memory import (

@@ -10,7 +10,7 @@ drop the now-stale device copy of the parameters.
 Tensors without a gradient are skipped exactly as ``torch.optim`` skips
 ``grad is None``: no moment update, no weight decay, no step count.
 
-Each chunk is updated window by window (``chunks/pieces.py``
+Each chunk is updated window by window (``chunks/updates.py``
 ``update_windows``): one window, its home, for a normal chunk; an oversize
 chunk (one tensor larger than a normal chunk) in spans of the normal chunk
 size (``chunks/spans.py``): for each span its gradient, its slice of the
@@ -34,7 +34,7 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.manager import typed
-from infinity.chunks.pieces import UpdateWindow, close_update, open_update, update_windows
+from infinity.chunks.updates import UpdateWindow, close_update, open_update, update_windows
 from infinity.core.names import Phase
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
 from infinity.runtime.model_chunks import ModelChunks
@@ -140,7 +140,7 @@ def step_chunk(
 class OpenedChunk:
     """One chunk's update between its host bytes opened and closed (its compute apart,
     so that it may run on a worker thread: NOTE [host updates on a worker]). Chunks
-    whose update opens once only (``chunks.pieces.opens_once``)."""
+    whose update opens once only (``chunks.updates.opens_once``)."""
 
     engine: ModelChunks
     window: UpdateWindow
@@ -324,7 +324,7 @@ def step_window(
 ) -> None:
     """The update of an opened window of a chunk (its whole home, a shard's, a whole
     chunk gathered from every rank or one span of an oversize chunk: see
-    :func:`~infinity.chunks.pieces.update_windows`).
+    :func:`~infinity.chunks.updates.update_windows`).
 
     ``params_unread``: the parameters were not read (every tensor is rewritten
     from its master), so the window's tail after the last run gets the zeros it

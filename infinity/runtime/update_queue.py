@@ -31,8 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.pieces import gathers_from_ranks, opens_once
 from infinity.chunks.states import UpdateState
+from infinity.chunks.updates import gathers_from_ranks, opens_once
 from infinity.config import Config
 from infinity.core.names import HOST, Phase
 from infinity.io import NVMeIOError
@@ -376,7 +376,7 @@ class UpdateQueue:
         return needed in rank and rank[work.chunk] <= rank[needed] + HOST_LOOKAHEAD
 
     def _collective_updates(self) -> bool:
-        """Each chunk update is collective (:func:`~infinity.chunks.pieces.gathers_from_ranks`)."""
+        """Each chunk update is collective (:func:`~infinity.chunks.updates.gathers_from_ranks`)."""
         return gathers_from_ranks(self.chunks.plan, whole=self.chunks.chunk_optimizer.whole_tensors)
 
     def before_access(self, phase: Phase, chunk: int) -> None:
