@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.activations.blocks import blocks_for
-from infinity.activations.records import _Record, _restore
+from infinity.activations.spill import _Record, _restore
 from infinity.utils.process_memory import device_block_bytes
 
 
@@ -308,7 +308,7 @@ def step_memory(
     ``"auto"``, at its most) keeps them. Gradients leave as they are made, as they
     leave for their chunks in the engine.
     """
-    from infinity.activations.checkpointing import CheckpointedBlocks
+    from infinity.activations.blocks import CheckpointedBlocks
 
     fake = _weightless(model)
     result = StepMemory()
@@ -336,7 +336,7 @@ def step_memory(
             return record, tensor.device
 
         def unpack(packed: Any) -> torch.Tensor:
-            # Back as the store brings it back (records.py): its bytes as they
+            # Back as the store brings it back (spill.py): its bytes as they
             # travelled, then the tensor over them, laid out again where it must be.
             if isinstance(packed, torch.Tensor):
                 return packed

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.activations.checkpointing import CheckpointedBlocks
+from infinity.activations.blocks import CheckpointedBlocks
 from infinity.activations.estimate import estimate
 from infinity.activations.store import ActivationStore
 from infinity.config import ConfigError

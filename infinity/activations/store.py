@@ -44,8 +44,14 @@ from typing import Any
 
 import torch
 
-from infinity.activations.records import SavedActivation, _flat, _Record, _restore
-from infinity.activations.spill import ALIGN, ActivationSpill
+from infinity.activations.spill import (
+    ALIGN,
+    ActivationSpill,
+    SavedActivation,
+    _flat,
+    _Record,
+    _restore,
+)
 from infinity.io import aligned_empty
 from infinity.utils.sizes import align_up, format_size
 

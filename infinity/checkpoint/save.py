@@ -35,7 +35,7 @@ from infinity.checkpoint.format import (
 )
 from infinity.checkpoint.optimizer_groups import optimizer_groups
 from infinity.core.names import Kind
-from infinity.distributed.outcomes import rank_zero_writes
+from infinity.distributed.agreement import rank_zero_writes
 from infinity.io.errors import NVMeIOError
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine

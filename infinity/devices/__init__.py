@@ -6,6 +6,6 @@ copies run on a copy thread, so a missing wait shows up as a wrong result.
 """
 
 from infinity.devices.base import DeviceBackend, TransferHandle
-from infinity.devices.factory import make_backend
+from infinity.devices.choice import make_backend
 
 __all__ = ["DeviceBackend", "TransferHandle", "make_backend"]

@@ -1,4 +1,6 @@
-"""What ``Config``'s ``"auto"`` device and compute dtype mean on the machine at hand.
+"""What ``Config``'s ``"auto"`` device and compute dtype mean on the machine at hand,
+and which backend runs a ``Config.device`` (:func:`make_backend`: the one place
+that knows every backend).
 
 See NOTE [dtype auto]: bf16 where the device computes it natively, else fp32 (fp16
 with loss scaling on GPUs without bf16); the fence device follows the CPU's rule.
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.config import AUTO, Config
+from infinity.config import AUTO, Config, ConfigError
+from infinity.devices.base import DeviceBackend
 
 
 def resolve_device(device: str) -> str:
@@ -130,3 +133,28 @@ def resolved(config: Config) -> Config:
     if (device, dtype) == (config.device, config.dtype):
         return config
     return dataclasses.replace(config, device=device, dtype=dtype)
+
+
+def make_backend(device: str) -> DeviceBackend:
+    """The backend for a ``Config.device`` value (``"auto"`` picks CUDA when available)."""
+    device = resolve_device(device)
+    # NOTE: imported here, not at the top: the CPU backend loads the native
+    # module and the CUDA one is useless without a GPU; `infinity plan` needs neither.
+    if device == "cpu":
+        from infinity.devices.cpu import CpuBackend
+
+        return CpuBackend()
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={device!r} but torch.cuda.is_available() is False; "
+                "use device='cpu' (or 'auto') on a host without a GPU"
+            )
+        from infinity.devices.cuda import CudaBackend
+
+        return CudaBackend(torch.device(device))
+    if device == "fence":
+        from infinity.devices.fence import FenceBackend
+
+        return FenceBackend()
+    raise ConfigError(f"device={device!r} must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'fence'")

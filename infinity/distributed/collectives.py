@@ -1,4 +1,10 @@
-"""The collectives the engine runs on chunk shards, with errors that name the rank.
+"""Who the ranks are, the collectives the engine runs on chunk shards, and what a
+failed collective means, in words a user can act on.
+
+Which processes a model's chunks are sharded over (:class:`World`): the engine
+never creates a process group: the user (or ``torchrun`` and ``infinity train
+--nproc``) does, and :func:`resolve_world` only reads it. A world of one process
+is the single-process engine, unchanged.
 
 Every collective is called at a point every rank reaches in the same order
 (a module's forward or backward, a gradient chunk completing, the step, a state
@@ -6,20 +12,106 @@ read): never from an I/O completion or a cache decision, which differ between
 ranks. A peer that died or raised makes the call fail (gloo: the connection
 closes; otherwise the group's timeout): the error says which rank saw it, during
 what, and that the first error is in another rank's output.
+
+Measured with gloo on one machine (``tests/distributed/test_faults.py``): a peer
+that exits or crashes, before or during a collective, closes its connections and
+the waiting rank's call fails within milliseconds ("Connection reset by peer" /
+"Connection closed by peer"); a peer that is alive but never joins the call is
+only noticed at the process group's timeout ("Timed out waiting ...").
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from infinity.distributed.failures import failure_message
-from infinity.distributed.world import World
+
+@dataclass(frozen=True)
+class World:
+    """This process's rank among ``size`` processes of ``group`` (``None``: alone)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    # The same ranks over gloo, for tensors in host memory (agreements, whole
+    # chunks read by tensor): ``group`` itself when it is gloo; NCCL takes only
+    # GPU tensors.
+    host_group: Any = None
+
+    @property
+    def sharded(self) -> bool:
+        """More than one process: every chunk is split into ``size`` shards."""
+        return self.size > 1
+
+
+SINGLE = World()
+
+
+def resolve_world(process_group: Any = None) -> World:
+    """The world of ``process_group``, or of the default group if one is initialised.
+
+    Raises:
+        ValueError: ``process_group`` was given but ``torch.distributed`` is not
+            initialised (the group cannot be real).
+    """
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return SINGLE
+        group = dist.group.WORLD
+    else:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "Config(process_group=...) was given but torch.distributed is not "
+                "initialised: call torch.distributed.init_process_group() first (torchrun "
+                "sets up the environment for it)"
+            )
+        group = process_group
+    size = dist.get_world_size(group)
+    if size == 1:
+        return SINGLE
+    host_group = group
+    if dist.get_backend(group) != "gloo":
+        # NOTE: collective (every rank of the group creates it, in the same order).
+        host_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    return World(rank=dist.get_rank(group), size=size, group=group, host_group=host_group)
+
+
+_CLOSED = ("connection reset", "connection closed", "broken pipe", "connection refused")
+_TIMED_OUT = ("timed out", "timeout")
+# gloo prefixes its source location and appends the same advice to every error.
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+_BOILERPLATE = " This is typically caused by"
+
+
+def failure_message(world: World, what: str, exc: BaseException) -> str:
+    """``rank r of n: <what> failed: <why, and what to look at>. (<backend's words>)``."""
+    text = str(exc)
+    lowered = text.lower()
+    peer = f"rank {1 - world.rank}" if world.size == 2 else "a peer rank"
+    if any(word in lowered for word in _CLOSED):
+        cause = (
+            f"the connection to {peer} closed: that process exited or crashed (its own "
+            "error, if it had one, is in its output)"
+        )
+    elif any(word in lowered for word in _TIMED_OUT):
+        cause = (
+            f"{peer} did not join within the process group's timeout: it is hung, much "
+            "slower, or stopped before this point (raise the timeout with "
+            "init_process_group(timeout=...) or `infinity train --dist-timeout`)"
+        )
+    else:
+        cause = "another rank has probably stopped or raised: its error comes first in its output"
+    detail = _SOURCE_PREFIX.sub("", text.split(_BOILERPLATE)[0].strip()).splitlines()
+    said = f" (torch.distributed: {detail[0]})" if detail else ""
+    return f"rank {world.rank} of {world.size}: {what} failed: {cause}{said}"
+
 
 # torch 2.13 names the flat collectives all_gather_single and
 # reduce_scatter_single; older releases (2.4 onwards, which we support: the

@@ -1,10 +1,10 @@
 """How the ranks of a sharded model agree on the outcome of a pretrained load or save
-(:mod:`infinity.distributed.outcomes`, raising :class:`PretrainedError`)."""
+(:mod:`infinity.distributed.agreement`, raising :class:`PretrainedError`)."""
 
 from __future__ import annotations
 
 from infinity.distributed import Collectives
-from infinity.distributed.outcomes import agree as agree_on
+from infinity.distributed.agreement import agree as agree_on
 from infinity.pretrained.safetensors_io import PretrainedError
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from infinity.checkpoint.format import fsync_dir
 from infinity.checkpoint.save import _replace as replace_dir
-from infinity.distributed.outcomes import rank_zero_writes
+from infinity.distributed.agreement import rank_zero_writes
 from infinity.offload import engine_of
 from infinity.pretrained.names import saved_names, state_names
 from infinity.pretrained.safetensors_io import (

@@ -46,7 +46,7 @@ from infinity.chunks.states import TensorState
 from infinity.config import Config
 from infinity.core.names import Phase
 from infinity.core.plan import Plan
-from infinity.devices.factory import make_backend
+from infinity.devices.choice import make_backend
 from infinity.distributed import Collectives, resolve_world
 from infinity.distributed.agreement import check_same_units
 from infinity.io import SwapFile

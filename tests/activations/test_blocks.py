@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 import infinity
-from infinity.activations.blocks import find_blocks
-from infinity.activations.checkpointing import CheckpointedBlocks
+from infinity.activations.blocks import CheckpointedBlocks, find_blocks
 from infinity.config import ConfigError
 from infinity.models.gpt import GPT, GPTConfig
 

@@ -19,7 +19,7 @@ pytestmark = needs_cuda
 
 @pytest.fixture
 def backend():
-    from infinity.devices.factory import make_backend
+    from infinity.devices.choice import make_backend
 
     b = make_backend("cuda")
     yield b

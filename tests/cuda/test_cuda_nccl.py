@@ -19,8 +19,7 @@ from cuda_helpers import needs_cuda
 from sweep_cases import PINNED
 from sweep_run import judge, run_case
 
-from infinity.distributed.collectives import Collectives
-from infinity.distributed.world import World, resolve_world
+from infinity.distributed.collectives import Collectives, World, resolve_world
 
 pytestmark = needs_cuda
 

@@ -31,7 +31,7 @@ from infinity.checkpoint.format import fsync_dir
 from infinity.checkpoint.save import write_checkpoint
 from infinity.cli.train.runs import RUN_PREFIX, RunDirectory
 from infinity.cli.train.settings import RunSettings
-from infinity.distributed.outcomes import rank_zero_writes
+from infinity.distributed.agreement import rank_zero_writes
 from infinity.offload import engine_of
 
 TRAINER_FILE = "trainer.json"
