@@ -1,10 +1,10 @@
 """Where each chunk is in its lifecycles: one module, three state machines and a clock.
 
-Tensor states (:class:`StateCounters`): a chunk keeps a count of its tensors in
-each state and derives "can be evicted" or "gradients complete" from the counts,
-so they cannot go stale. :class:`Clock`: the current moment, shared by the chunk
-manager's components. Each machine has its ``LEGAL_*`` whitelist; a move outside
-it raises.
+Every machine is a :class:`StateArray`: a state per item (a tensor, a chunk), a
+count of items per state, and its ``LEGAL_*`` whitelist; a move outside it raises.
+Tensor states (:class:`StateCounters`): a chunk derives "can be evicted" or
+"gradients complete" from its counts, so they cannot go stale. :class:`Clock`: the
+current moment, shared by the chunk manager's components.
 
 A chunk's gradients are in exactly one place at a time, and that place is a
 state, not a set of flags: the manager's gradient side
@@ -49,7 +49,7 @@ from __future__ import annotations
 import builtins
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -94,7 +94,7 @@ class IllegalTransition(RuntimeError):
     ``update_state``) was moved between states in an order the engine does not allow."""
 
 
-E = TypeVar("E", bound=enum.Enum)
+E = TypeVar("E", bound=enum.IntEnum)
 
 
 def check_transition(
@@ -113,31 +113,59 @@ def check_transition(
         )
 
 
-class StateCounters:
-    """Tensor states of one chunk, with a count per state.
+class StateArray(Generic[E]):
+    """The state of each of ``n`` items in one machine, with a count per state.
 
-    ``states[i]`` is the state of the chunk's i-th tensor. Every change goes
-    through :meth:`set`, which checks the whitelist and keeps the counts exact.
+    ``states[i]`` is item ``i``'s state. Every change goes through :meth:`set`, which
+    checks the whitelist ``legal`` (raising ``error`` naming ``what i`` and both
+    states, nothing changed) and keeps the counts exact.
     """
 
-    __slots__ = ("counts", "states")
+    __slots__ = ("_error", "_legal", "_what", "counts", "states")
 
-    def __init__(self, num_tensors: int, initial: TensorState = TensorState.FREE) -> None:
-        self.states = [initial] * num_tensors
-        self.counts = [0] * len(TensorState)
-        self.counts[initial] = num_tensors
+    def __init__(
+        self,
+        n: int,
+        initial: E,
+        legal: frozenset[tuple[E, E]],
+        what: str,
+        error: type[IllegalTransition] = IllegalTransition,
+    ) -> None:
+        self.states = [initial] * n
+        self.counts = [0] * len(type(initial))
+        self.counts[initial] = n
+        self._legal = legal
+        self._what = what
+        self._error = error
 
-    def set(self, i: int, new: TensorState) -> None:
-        """Move tensor ``i`` to ``new``; raise :class:`IllegalTransition` if not allowed."""
+    def __getitem__(self, i: int) -> E:
+        return self.states[i]
+
+    def set(self, i: int, new: E) -> None:
+        """Move item ``i`` to ``new``; raise if the whitelist does not allow it."""
         old = self.states[i]
-        check_transition(LEGAL_TRANSITIONS, old, new, "tensor", i)
+        check_transition(self._legal, old, new, self._what, i, self._error)
         self.states[i] = new
         self.counts[old] -= 1
         self.counts[new] += 1
 
-    def count(self, state: TensorState) -> int:
-        """How many tensors are in ``state``."""
+    def count(self, state: E) -> int:
+        """How many items are in ``state``."""
         return self.counts[state]
+
+    def indices_in(self, *states: E) -> builtins.set[int]:
+        """The items in any of ``states``."""
+        # NOTE: builtins.set: ``set`` in this class is the transition method.
+        return {i for i, state in enumerate(self.states) if state in states}
+
+
+class StateCounters(StateArray[TensorState]):
+    """Tensor states of one chunk (``states[i]``: its i-th tensor's), with a count per state."""
+
+    __slots__ = ()
+
+    def __init__(self, num_tensors: int, initial: TensorState = TensorState.FREE) -> None:
+        super().__init__(num_tensors, initial, LEGAL_TRANSITIONS, "tensor")
 
     @property
     def in_compute(self) -> bool:
@@ -208,36 +236,31 @@ class IllegalGradTransition(IllegalTransition):
     (an internal error: a bug in the engine, not in the caller's code)."""
 
 
-class GradStates:
+class GradStates(StateArray[GradState]):
     """The gradient state of every chunk, plus the element ranges written into
     each device gradient slot (what the flush need not zero), and the norms of a
     cycle's gradients taken on the device (NOTE [gradient norms on the device]).
 
-    Every change goes through :meth:`set` (checked against
-    :data:`LEGAL_GRAD_TRANSITIONS`); the predicates are derived from the state.
+    Every change is checked against :data:`LEGAL_GRAD_TRANSITIONS`; the predicates
+    are derived from the state.
     """
 
-    __slots__ = ("norms", "norms_wanted", "states", "written")
+    __slots__ = ("norms", "norms_wanted", "written")
 
     def __init__(self, num_chunks: int) -> None:
-        self.states = [GradState.NONE] * num_chunks
+        super().__init__(
+            num_chunks,
+            GradState.NONE,
+            LEGAL_GRAD_TRANSITIONS,
+            "gradients of chunk",
+            IllegalGradTransition,
+        )
         # Per chunk in RECEIVING / ADDING: element ranges written since its slot was taken.
         self.written: dict[int, list[tuple[int, int]]] = {}
         # Per chunk whose cycle's gradients were flushed once, whole: its tensors'
         # indices and the fp32 2-norms of their gradients, on the device.
         self.norms: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.norms_wanted = False  # the model's gradients are clipped by norm
-
-    def __getitem__(self, chunk: int) -> GradState:
-        return self.states[chunk]
-
-    def set(self, chunk: int, new: GradState) -> None:
-        """Move ``chunk`` to ``new``; raise :class:`IllegalGradTransition` if not allowed."""
-        old = self.states[chunk]
-        check_transition(
-            LEGAL_GRAD_TRANSITIONS, old, new, "gradients of chunk", chunk, IllegalGradTransition
-        )
-        self.states[chunk] = new
 
     # --- the engine's moves ----------------------------------------------------------
     def slot_taken(self, chunk: int) -> None:
@@ -327,44 +350,26 @@ class StaleRead(RuntimeError):
     (an internal error: the read path should have run the update first)."""
 
 
-class UpdateStates:
+class UpdateStates(StateArray[UpdateState]):
     """The update state of every chunk, with a count per state.
 
-    Every change goes through :meth:`set` (checked against
-    :data:`LEGAL_UPDATE_TRANSITIONS`); the predicates are derived from the state.
+    Every change is checked against :data:`LEGAL_UPDATE_TRANSITIONS`; the predicates
+    are derived from the state.
     """
 
-    __slots__ = ("counts", "runner", "states")
+    __slots__ = ("runner",)
 
     def __init__(self, num_chunks: int) -> None:
-        self.states = [UpdateState.IDLE] * num_chunks
-        self.counts = [0] * len(UpdateState)
-        self.counts[UpdateState.IDLE] = num_chunks
+        super().__init__(
+            num_chunks,
+            UpdateState.IDLE,
+            LEGAL_UPDATE_TRANSITIONS,
+            "update of chunk",
+            IllegalUpdateTransition,
+        )
         # Runs a chunk's queued update (set by the runtime's update pipeline, which
         # owns the queue; this layer only knows that one is queued).
         self.runner: Callable[[int], None] | None = None
-
-    def __getitem__(self, chunk: int) -> UpdateState:
-        return self.states[chunk]
-
-    def set(self, chunk: int, new: UpdateState) -> None:
-        """Move ``chunk`` to ``new``; raise :class:`IllegalUpdateTransition` if not allowed."""
-        old = self.states[chunk]
-        check_transition(
-            LEGAL_UPDATE_TRANSITIONS, old, new, "update of chunk", chunk, IllegalUpdateTransition
-        )
-        self.states[chunk] = new
-        self.counts[old] -= 1
-        self.counts[new] += 1
-
-    def count(self, state: UpdateState) -> int:
-        """How many chunks are in ``state``."""
-        return self.counts[state]
-
-    def chunks_in(self, *states: UpdateState) -> builtins.set[int]:
-        """The chunks in any of ``states``."""
-        # NOTE: builtins.set: ``set`` in this class is the transition method.
-        return {chunk for chunk, state in enumerate(self.states) if state in states}
 
     # --- derived predicates ------------------------------------------------------------
     def queued(self, chunk: int) -> bool:

@@ -56,7 +56,7 @@ import torch
 from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager, typed
 from infinity.chunks.pieces import Window, home_bytes, windows
-from infinity.chunks.states import E, StateCounters, TensorState, check_transition
+from infinity.chunks.states import E, StateArray, StateCounters, TensorState, check_transition
 from infinity.core.names import Kind, Phase
 from infinity.core.plan import ChunkSpec, Plan, TensorSlot
 from infinity.optim.chunk_optimizer import ChunkOptimizer
@@ -249,32 +249,29 @@ LEGAL_TENSOR_GRAD: frozenset[tuple[TensorGrad, TensorGrad]] = frozenset(
 )
 
 
-class TensorGrads:
+class TensorGrads(StateArray[TensorGrad]):
     """The gradient state of every tensor of a model, with a count of held ones.
 
     ``grads[i]`` is True when tensor ``i`` has a gradient in the chunks (what
-    ``param.grad is not None`` means to the user). Every change goes through
-    :meth:`set`.
+    ``param.grad is not None`` means to the user). Every change is checked
+    against :data:`LEGAL_TENSOR_GRAD`.
     """
 
-    __slots__ = ("held", "states")
+    __slots__ = ()
 
     def __init__(self, num_tensors: int) -> None:
-        self.states = [TensorGrad.NONE] * num_tensors
-        self.held = 0
+        super().__init__(num_tensors, TensorGrad.NONE, LEGAL_TENSOR_GRAD, "gradient of tensor")
 
-    def __getitem__(self, index: int) -> bool:
+    def __getitem__(self, index: int) -> bool:  # type: ignore[override]
         return self.states[index] is TensorGrad.HELD
 
     def __len__(self) -> int:
         return len(self.states)
 
-    def set(self, index: int, new: TensorGrad) -> None:
-        """Move tensor ``index`` to ``new``; raise ``IllegalTransition`` if not allowed."""
-        old = self.states[index]
-        check_transition(LEGAL_TENSOR_GRAD, old, new, "gradient of tensor", index)
-        self.states[index] = new
-        self.held += (new is TensorGrad.HELD) - (old is TensorGrad.HELD)
+    @property
+    def held(self) -> int:
+        """How many tensors have a gradient in the chunks."""
+        return self.counts[TensorGrad.HELD]
 
     def received(self, index: int) -> None:
         """Tensor ``index``'s gradient arrived in its chunk."""
@@ -293,7 +290,7 @@ class TensorGrads:
     @property
     def any(self) -> bool:
         """Some tensor has a gradient in the chunks."""
-        return self.held > 0
+        return self.counts[TensorGrad.HELD] > 0
 
 
 @dataclass(frozen=True)

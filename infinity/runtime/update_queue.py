@@ -172,13 +172,13 @@ class UpdateQueue:
         chunks stepped during backward become idle."""
         works, self.early = self.early, []
         updates = self.manager.updates
-        for chunk in updates.chunks_in(_U.STEPPED):
+        for chunk in updates.indices_in(_U.STEPPED):
             updates.set(chunk, _U.IDLE)
         return works
 
     def handled_early(self) -> set[int]:
         """Chunks stepped or queued during this backward (the step skips planning them)."""
-        return self.manager.updates.chunks_in(_U.STEPPED, _U.EARLY)
+        return self.manager.updates.indices_in(_U.STEPPED, _U.EARLY)
 
     def _run_early(self, work: ChunkWork) -> None:
         self._run(work, 1.0, then=_U.STEPPED)

@@ -82,7 +82,7 @@ def test_derived_predicates():
     assert u.queued(0) and u.queued(1) and not u.queued(2)
     assert u.trailing(1) and not u.trailing(0)
     assert u.stepped_in_backward
-    assert u.chunks_in(U.EARLY, U.TRAILING) == {0, 1}
+    assert u.indices_in(U.EARLY, U.TRAILING) == {0, 1}
     u.set(0, U.RUNNING)
     u.set(0, U.STEPPED)
     assert u.stepped_in_backward and not u.queued(0)
