@@ -20,7 +20,7 @@ from torch import nn
 from infinity import optim
 from infinity.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from infinity.config import AioConfig, Config, ConfigError
-from infinity.io.errors import NVMeIOError
+from infinity.io.request import NVMeIOError
 from infinity.models.losses import causal_lm_loss
 from infinity.offload import offload
 from infinity.pretrained import (

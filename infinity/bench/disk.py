@@ -24,7 +24,7 @@ from typing import cast
 
 from infinity.config import AioConfig
 from infinity.io import IOEngine, IORequest, SwapFile, aligned_empty
-from infinity.io.owned_dirs import make_owned_dir, reclaim_stale
+from infinity.io.directories import make_owned_dir, reclaim_stale
 from infinity.io.rates import (
     GB,
     Progress,

@@ -23,8 +23,7 @@ from pathlib import Path
 from infinity._native.io import ALIGNMENT, MAX_BLOCK_SIZE, MAX_QUEUE_DEPTH, MAX_THREADS
 from infinity.cli.main import CommandError
 from infinity.config import AioConfig
-from infinity.io.filesystems import pseudo_filesystem
-from infinity.io.owned_dirs import reclaim_stale
+from infinity.io.directories import pseudo_filesystem, reclaim_stale
 from infinity.utils.sizes import format_size, parse_size
 
 _ALIGN_K = f"{ALIGNMENT // 1024}K"  # how sizes are written on this command line

@@ -3,15 +3,14 @@
 Chunks are written one at a time straight from their homes (host memory or
 NVMe through a staging slot), so saving never holds the model in RAM. Files go
 to a temporary sibling directory, are fsync'ed, and replace the old checkpoint
-by rename: an interrupted save leaves the previous checkpoint intact. The
-temporaries carry the saving process's PID (``checkpoint/temporaries.py``); a
-save removes those left by processes that died mid-save.
+by rename (:func:`~infinity.checkpoint.temporaries.replace_dir`): an
+interrupted save leaves the previous checkpoint intact. The temporaries carry
+the saving process's PID (``checkpoint/temporaries.py``); a save removes those
+left by processes that died mid-save.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
 import shutil
 import zlib
@@ -33,10 +32,10 @@ from infinity.checkpoint.format import (
     dump_meta,
     fsync_dir,
 )
-from infinity.checkpoint.optimizer_groups import optimizer_groups
+from infinity.checkpoint.load import optimizer_groups
 from infinity.core.names import Kind
 from infinity.distributed.agreement import rank_zero_writes
-from infinity.io.errors import NVMeIOError
+from infinity.io.request import NVMeIOError
 from infinity.offload import engine_of
 from infinity.runtime.engine import OffloadEngine
 
@@ -150,18 +149,6 @@ def write_checkpoint(
     optim_at, optim_info = _stream(
         engine, Kind.OPTIM, trainable, directory / OPTIM_FILE, _tensor_states(engine)
     )
-    _write_meta(engine, directory, param_at, optim_at, param_info, optim_info, groups)
-
-
-def _write_meta(
-    engine: OffloadEngine,
-    directory: Path,
-    param_at: dict[Any, int],
-    optim_at: dict[Any, int],
-    param_info: dict[str, int],
-    optim_info: dict[str, int],
-    groups: object,
-) -> None:
     io = engine.chunk_io
     tensors = []
     for entry in engine.registry.entries:
@@ -179,7 +166,12 @@ def _write_meta(
                 "step": engine.chunks.tensor_steps[entry.index],
             }
         )
-        states = {name: at for (index, name), at in _tail_items(optim_at) if index == entry.index}
+        # The per-tensor states' offsets (keyed by (tensor index, name), chunks by int).
+        states = {
+            key[1]: at
+            for key, at in optim_at.items()
+            if isinstance(key, tuple) and key[0] == entry.index
+        }
         if states:
             tensors[-1]["tensor_state"] = states
     meta = {
@@ -203,11 +195,6 @@ def _write_meta(
     fsync_dir(directory)
 
 
-def _tail_items(offsets: dict[Any, int]) -> list[tuple[TailKey, int]]:
-    """The per-tensor state entries of :func:`_stream`'s offsets."""
-    return [(key, at) for key, at in offsets.items() if isinstance(key, tuple)]
-
-
 def save_checkpoint(
     path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> Path:
@@ -221,7 +208,8 @@ def save_checkpoint(
     engine.chunks.require_set(engine.registry.entries, "saving a checkpoint")
     if engine.world.sharded:
         return _save_sharded(target, model, optimizer, engine)
-    return _save(target, model, optimizer)
+    _write_or_remove(_prepare(target), target, model, optimizer)
+    return target
 
 
 def _save_sharded(
@@ -261,79 +249,19 @@ def _prepare(target: Path) -> Path:
     return tmp
 
 
-def _save(target: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Path:
-    """:func:`save_checkpoint` by one process."""
-    _write_or_remove(_prepare(target), target, model, optimizer)
-    return target
-
-
 def _write_or_remove(
     tmp: Path, target: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> None:
     """Write the checkpoint into ``tmp`` and swap it in at ``target``, or remove ``tmp``."""
     try:
         write_checkpoint(tmp, model, optimizer)
-        _replace(tmp, target)
+        temporaries.replace_dir(tmp, target)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        named = _named(exc, target)
-        if named is exc:
+        # An OSError is raised again with the checkpoint named (the same errno). An
+        # NVMeIOError from the engine already names chunk, file and offset, and
+        # callers catch it by type: it passes through unchanged.
+        if not isinstance(exc, OSError) or exc.errno is None or isinstance(exc, NVMeIOError):
             raise
-        raise named from exc
-
-
-def _named(exc: BaseException, target: Path) -> BaseException:
-    """``exc``, or for an ``OSError`` the same errno with the checkpoint named.
-
-    An NVMeIOError from the engine already names chunk, file and offset, and
-    callers catch it by type: it passes through unchanged.
-    """
-    if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, NVMeIOError):
-        return OSError(exc.errno, f"cannot save checkpoint {target}: {exc.strerror or exc}")
-    return exc
-
-
-_RENAME_EXCHANGE = 2  # linux/fs.h
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
-    if result != 0:
-        err = ctypes.get_errno()
-        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            return False  # filesystem or kernel without exchange
-        raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
-    return True
-
-
-def _replace(new: Path, target: Path) -> None:
-    """Put ``new`` at ``target``; an older checkpoint there is removed only afterwards.
-
-    With an exchange the swap is one atomic step; without one, the old
-    checkpoint moves aside first and is put back if anything (Ctrl-C included)
-    stops the second rename, so ``target`` never ends up missing.
-    """
-    if not target.exists():
-        os.rename(new, target)
-        fsync_dir(target.parent)
-        return
-    if _exchange(new, target):
-        fsync_dir(target.parent)
-        shutil.rmtree(new, ignore_errors=True)  # now holds the old checkpoint
-        return
-    old = temporaries.temp_path(target.parent, target.name, temporaries.OLD)
-    os.rename(target, old)
-    try:
-        os.rename(new, target)
-    except BaseException:
-        os.rename(old, target)
-        raise
-    fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
+        message = f"cannot save checkpoint {target}: {exc.strerror or exc}"
+        raise OSError(exc.errno, message) from exc

@@ -1,17 +1,21 @@
-"""Checkpoint temporaries named after their owning process, reclaimed once it is gone.
+"""Replacing a directory atomically, and the temporaries that takes: named after
+their owning process, reclaimed once it is gone.
 
-A save writes into ``.NAME.partial-<host>-<pid>-<start>-<random>`` (and, on a
-filesystem without atomic exchange, moves the old checkpoint aside to
-``.NAME.old-...``). A process killed mid-save (``kill -9``, power loss) leaves
-them behind; the next save into the same directory removes those whose owner
-is gone: same host, same user, and no live process with that PID and start
-time (so a recycled PID does not keep a temporary alive, and a live owner's
-temporary is never touched). An ``.old-`` one whose checkpoint never made it
-into place is renamed back instead of deleted.
+A save writes into ``.NAME.partial-<host>-<pid>-<start>-<random>`` and
+:func:`replace_dir` puts it at ``NAME``: one atomic exchange, or, on a
+filesystem without one, by moving the old checkpoint aside to ``.NAME.old-...``
+first. A process killed mid-save (``kill -9``, power loss) leaves them behind;
+the next save into the same directory removes those whose owner is gone: same
+host, same user, and no live process with that PID and start time (so a
+recycled PID does not keep a temporary alive, and a live owner's temporary is
+never touched). An ``.old-`` one whose checkpoint never made it into place is
+renamed back instead of deleted.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import secrets
@@ -20,6 +24,7 @@ import socket
 import zlib
 from pathlib import Path
 
+from infinity.checkpoint.format import fsync_dir
 from infinity.utils.processes import own_start, owner_alive
 
 PARTIAL = "partial"
@@ -78,3 +83,49 @@ def reclaim(directory: Path) -> list[Path]:
             continue  # another process reclaimed it first, or it is not ours to remove
         reclaimed.append(path)
     return reclaimed
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if result != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            return False  # filesystem or kernel without exchange
+        raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+    return True
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Put ``new`` at ``target``; an older checkpoint there is removed only afterwards.
+
+    With an exchange the swap is one atomic step; without one, the old
+    checkpoint moves aside first and is put back if anything (Ctrl-C included)
+    stops the second rename, so ``target`` never ends up missing.
+    """
+    if not target.exists():
+        os.rename(new, target)
+        fsync_dir(target.parent)
+        return
+    if _exchange(new, target):
+        fsync_dir(target.parent)
+        shutil.rmtree(new, ignore_errors=True)  # now holds the old checkpoint
+        return
+    old = temp_path(target.parent, target.name, OLD)
+    os.rename(target, old)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)

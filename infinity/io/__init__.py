@@ -16,8 +16,7 @@ else is rejected with a ``ValueError`` before it reaches the native engine.
 
 from infinity.io.buffers import aligned_empty
 from infinity.io.engine import IOEngine, available_backends
-from infinity.io.errors import NVMeIOError
-from infinity.io.request import IORequest, wait_all
+from infinity.io.request import IORequest, NVMeIOError, wait_all
 from infinity.io.swapfile import SwapFile
 
 __all__ = [

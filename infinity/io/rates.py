@@ -85,25 +85,32 @@ def stream_requests(
     request: int,
     slots: int,
     progress: Progress | None,
+    *,
+    alongside: Callable[[int, int, int], IORequest] | None = None,
 ) -> float:
-    """Runs ``submit(slot, offset, nbytes)`` over ``[0, size)`` with ``slots`` requests queued.
+    """Runs ``submit(slot, offset, nbytes)`` over ``[0, size)`` with ``slots`` requests queued
+    (buffers reused round-robin); with ``alongside``, each submission is followed by
+    ``alongside(slot, size + offset, nbytes)``, the two alternating over the same slots
+    (one direction over ``[0, size)`` while the other runs over ``[size, 2 * size)``).
 
     Returns the elapsed seconds from the first submission to the last completion.
     """
+    submits = [(submit, 0)] if alongside is None else [(submit, 0), (alongside, size)]
     outstanding: list[IORequest | None] = [None] * slots
     start = time.perf_counter()
     offset, i = 0, 0
     while offset < size:
-        slot = i % slots
-        previous = outstanding[slot]
-        if previous is not None:  # the slot's buffer is reused: wait for its last transfer
-            previous.wait()
-            if progress:
-                progress(previous.nbytes)
         nbytes = min(request, size - offset)
-        outstanding[slot] = submit(slot, offset, nbytes)
+        for each, base in submits:
+            slot = i % slots
+            previous = outstanding[slot]
+            if previous is not None:  # the slot's buffer is reused: wait for its last transfer
+                previous.wait()
+                if progress:
+                    progress(previous.nbytes)
+            outstanding[slot] = each(slot, base + offset, nbytes)
+            i += 1
         offset += nbytes
-        i += 1
     for req in outstanding:
         if req is not None and req.nbytes:
             req.wait()
@@ -166,34 +173,6 @@ def io_bound_seconds(read_bytes: float, write_bytes: float, disk: DiskMix) -> fl
     return seconds + (write_bytes - shared) / (disk.write_gbps * GB)
 
 
-def _both(
-    read: Callable[[int, int, int], IORequest],
-    write: Callable[[int, int, int], IORequest],
-    half: int,
-    request: int,
-    slots: int,
-) -> float:
-    """Seconds to read ``[half, 2 * half)`` while writing ``[0, half)``, submissions
-    alternating, ``slots`` requests in flight (buffers reused round-robin)."""
-    outstanding: list[IORequest | None] = [None] * slots
-    start = time.perf_counter()
-    offset, i = 0, 0
-    while offset < half:
-        nbytes = min(request, half - offset)
-        for submit, base in ((write, 0), (read, half)):
-            slot = i % slots
-            previous = outstanding[slot]
-            if previous is not None:
-                previous.wait()
-            outstanding[slot] = submit(slot, base + offset, nbytes)
-            i += 1
-        offset += nbytes
-    for req in outstanding:
-        if req is not None:
-            req.wait()
-    return time.perf_counter() - start
-
-
 def measure_mix(
     directory: str, size: int, config: AioConfig, max_buffer_bytes: int = MAX_BUFFER_BYTES
 ) -> DiskMix:
@@ -223,7 +202,7 @@ def measure_mix(
         first_s = stream_requests(write, size, request, slots, None)
         read_s = stream_requests(read, size, request, slots, None)
         write_s = stream_requests(write, size, request, slots, None)
-        both_s = _both(read, write, half, request, slots)
+        both_s = stream_requests(write, half, request, slots, None, alongside=read)
     return DiskMix(
         read_gbps=size / read_s / GB,
         write_gbps=size / write_s / GB,

@@ -1,7 +1,7 @@
 """``SwapFile``: one preallocated, private file of fixed size for the NVMe tier.
 
 The file lives in a fresh ``0700`` sub-directory of the directory the user
-names, named after the owner process (:mod:`infinity.io.owned_dirs`: the next
+names, named after the owner process (:mod:`infinity.io.directories`: the next
 swap file made there removes those of dead processes), is created ``0600``,
 preallocated with ``fallocate`` (so a full disk fails now, not in the middle
 of training), opened with
@@ -17,6 +17,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,41 +25,12 @@ import torch
 
 from infinity._native import native
 from infinity._native.io import ALIGNMENT
+from infinity.io.directories import make_owned_dir, prepare_directory, reclaim_stale
 from infinity.io.engine import IOEngine
-from infinity.io.owned_dirs import make_owned_dir, reclaim_stale
 from infinity.io.request import IORequest
 from infinity.utils.sizes import format_size, parse_size
 
 _warned_buffered: set[str] = set()  # file systems already warned about (one warning each)
-
-
-def prepare_directory(directory: Path) -> None:
-    """Make sure ``directory`` exists (creating only its last component), or explain why not."""
-    if directory.exists():
-        if not directory.is_dir():
-            raise NotADirectoryError(
-                errno.ENOTDIR, f"swap directory '{directory}' exists and is not a directory"
-            )
-        return
-    parent = directory.parent
-    if not parent.exists():
-        raise FileNotFoundError(
-            errno.ENOENT,
-            f"cannot create swap directory '{directory}': its parent '{parent}' does not exist",
-        )
-    if not parent.is_dir():
-        raise NotADirectoryError(
-            errno.ENOTDIR,
-            f"cannot create swap directory '{directory}': '{parent}' is not a directory",
-        )
-    try:
-        os.mkdir(directory)
-    except FileExistsError:
-        pass  # created concurrently: fine as long as it is a directory (checked by mkdtemp)
-    except OSError as exc:
-        raise OSError(
-            exc.errno, f"cannot create swap directory '{directory}': {exc.strerror}"
-        ) from None
 
 
 def _open_file(path: str) -> tuple[int, bool]:
@@ -98,21 +70,23 @@ def _cleanup(
     if os.getpid() != pid:
         # A forked child closes its copy of the descriptor, nothing more:
         # see NOTE [fork and native threads] (docs/NOTES.md).
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+        _quietly(lambda: os.close(fd))
         return
     try:
         _wait_quietly(pending)
     finally:
         if engine is not None:
             engine.close()
-        for step in (lambda: os.close(fd), lambda: os.unlink(path), lambda: os.rmdir(private_dir)):
-            try:
-                step()
-            except OSError:
-                pass  # already gone, or nothing left to do at exit
+        _quietly(lambda: os.close(fd), lambda: os.unlink(path), lambda: os.rmdir(private_dir))
+
+
+def _quietly(*steps: Callable[[], object]) -> None:
+    """Run each step, ignoring ``OSError``: already gone, or nothing left to do at exit."""
+    for step in steps:
+        try:
+            step()
+        except OSError:
+            pass
 
 
 class SwapFile:
@@ -180,11 +154,7 @@ class SwapFile:
         except BaseException:
             if fd >= 0:
                 os.close(fd)
-            for step in (lambda: os.unlink(path), lambda: os.rmdir(private_dir)):
-                try:
-                    step()
-                except OSError:
-                    pass
+            _quietly(lambda: os.unlink(path), lambda: os.rmdir(private_dir))
             raise
         if not direct:
             fs_key = str(root)

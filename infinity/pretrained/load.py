@@ -10,7 +10,8 @@ plus one block, whatever the checkpoint's size.
 Sharded over several ranks (data parallel), every rank reads the files itself
 (they must be on a filesystem every rank sees) and keeps its shard of each
 chunk, reading only the tensors that overlap it; nothing is exchanged but the
-outcome, agreed after the checks and at the end (``agreement.py``).
+outcome, agreed after the checks and at the end
+(:func:`infinity.distributed.agreement.agree`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from torch import nn
 
 from infinity.config import Config
 from infinity.distributed import Collectives, resolve_world
+from infinity.distributed.agreement import agree
 from infinity.offload import engine_of, offload
-from infinity.pretrained.agreement import agree
 from infinity.pretrained.names import StateNames, ignore_patterns, match_prefix, state_names
 from infinity.pretrained.safetensors_io import (
     PretrainedError,
@@ -123,7 +124,8 @@ def load_pretrained(
     engine = engine_of(model)
     if not engine.world.sharded:
         matched = match_checkpoint(model, path, strict)
-        _load_matched(engine, matched)
+        with RangeReader() as reader:
+            _load_matched(engine, reader, matched, matched.params)
         return matched.result
     collectives, what = engine.collectives, f"load '{path}'"
     error: BaseException | None = None
@@ -131,20 +133,15 @@ def load_pretrained(
         matched = match_checkpoint(model, path, strict)
     except BaseException as exc:  # reported to every rank, then re-raised
         error = exc
-    agree(collectives, error, what, "nothing was loaded on any rank")
+    agree(collectives, error, what, "nothing was loaded on any rank", PretrainedError)
     try:
-        _load_matched(engine, matched)
+        with RangeReader() as reader:
+            _load_matched(engine, reader, matched, matched.params)
     except BaseException as exc:
         error = exc
-    agree(collectives, error, what, "the model is partly loaded: load it again on every rank")
+    after = "the model is partly loaded: load it again on every rank"
+    agree(collectives, error, what, after, PretrainedError)
     return matched.result
-
-
-def _load_matched(engine: OffloadEngine, matched: Matched) -> None:
-    """Stream the matched parameters into the chunks and copy the buffers."""
-    with RangeReader() as reader:
-        _stream_params(engine, reader, matched.params)
-        _load_buffers(reader, matched)
 
 
 # Builds the model under ``init_empty`` and says how to initialise what the checkpoint lacks.
@@ -175,8 +172,13 @@ def offload_pretrained(
         if collectives is None:
             raise
         failures.append(exc)
-    if collectives is not None:
-        agree(collectives, failures[0] if failures else None, what, "nothing was offloaded")
+
+    def settle(after: str) -> None:
+        """Sharded, every rank learns whether any failed so far (``after``: what that leaves)."""
+        if collectives is not None:
+            agree(collectives, failures[0] if failures else None, what, after, PretrainedError)
+
+    settle("nothing was offloaded")
     filled: set[int] = set()
     # NOTE [the layout is decided once, late]: the file is read when the model is laid
     # out (its optimizer's construction, or the first forward), so the homes are
@@ -218,25 +220,24 @@ def offload_pretrained(
                 write_initial(engine)
                 # Parameters that had values already were copied in, not initialised.
                 rest = {k: r for k, r in matched.params.items() if k not in filled}
-                _stream_params(engine, reader, rest)
-                _load_buffers(reader, matched)
+                _load_matched(engine, reader, matched, rest)
             except BaseException as exc:
                 if collectives is None:
                     raise
                 failures.append(exc)
             finally:
                 readers.clear()
-        if collectives is not None:
-            after = "the offloaded model is not usable: offload it again on every rank"
-            agree(collectives, failures[0] if failures else None, what, after)
+        settle("the offloaded model is not usable: offload it again on every rank")
 
     engine.fill = fill_from_file
     return model, matched.result
 
 
-def _stream_params(
-    engine: OffloadEngine, reader: RangeReader, params: dict[int, TensorRecord]
+def _load_matched(
+    engine: OffloadEngine, reader: RangeReader, matched: Matched, params: dict[int, TensorRecord]
 ) -> None:
+    """Stream ``params`` (matched parameters) into the chunks and copy the matched buffers."""
+
     def writer(index: int, record: TensorRecord) -> Callable[[list[torch.Tensor]], None]:
         if not engine.chunk_io.in_shard(index):
             return lambda destinations: None  # all in other ranks' shards
@@ -246,9 +247,6 @@ def _stream_params(
     writers = {indices[key]: writer(indices[key], r) for key, r in params.items()}
     if writers:
         stream_params_in(engine, writers)
-
-
-def _load_buffers(reader: RangeReader, matched: Matched) -> None:
     with torch.no_grad():
         for name, record in matched.buffers.items():
             module, key = matched.names.buffers[name]

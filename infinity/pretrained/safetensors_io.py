@@ -13,6 +13,7 @@ bigger than RAM must not pull it into the process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -198,10 +199,7 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         """Bytes of its values."""
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 class ShardWriter:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from infinity.checkpoint.format import fsync_dir
-from infinity.checkpoint.save import _replace as replace_dir
+from infinity.checkpoint.temporaries import replace_dir
 from infinity.distributed.agreement import rank_zero_writes
 from infinity.offload import engine_of
 from infinity.pretrained.names import saved_names, state_names
@@ -47,21 +47,6 @@ from infinity.utils.sizes import parse_size
 
 # Files of an earlier save that a new one may drop (fewer shards, no index).
 WEIGHT_FILES = (INDEX_FILE, SINGLE_FILE)
-
-
-def _foreign(target: Path, written: set[str]) -> list[str]:
-    """What replacing ``target`` would delete that this save does not write again."""
-    if not target.exists():
-        return []
-    if not target.is_dir():
-        return [target.name]
-    return sorted(
-        name
-        for name in (p.name for p in target.iterdir())
-        if name not in written
-        and name not in WEIGHT_FILES
-        and not (name.startswith("model-") and name.endswith(".safetensors"))
-    )
 
 
 def save_pretrained(
@@ -94,23 +79,6 @@ def save_pretrained(
     finally:
         values.close()
     return target
-
-
-def _write_or_remove(
-    model: nn.Module,
-    engine: OffloadEngine,
-    tmp: Path,
-    target: Path,
-    files: _Files,
-    values: Iterator[tuple[ParamEntry, memoryview]],
-    tokenizer: Any,
-) -> None:
-    """:func:`_write`, or remove ``tmp`` if it fails."""
-    try:
-        _write(model, engine, tmp, target, files, values, tokenizer)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 @dataclass
@@ -159,7 +127,7 @@ def _prepare(target: Path, tokenizer: Any) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
 
 
-def _write(
+def _write_or_remove(
     model: nn.Module,
     engine: OffloadEngine,
     tmp: Path,
@@ -168,23 +136,30 @@ def _write(
     values: Iterator[tuple[ParamEntry, memoryview]],
     tokenizer: Any,
 ) -> None:
-    """Write everything into ``tmp``, fsync it and swap it in at ``target``."""
-    _write_shards(tmp, files, values)
-    if len(files.shards) > 1:
-        placed = zip(files.names, files.shards, strict=True)
-        index = {
-            "metadata": {"total_size": sum(s.nbytes for shard in files.shards for s in shard)},
-            "weight_map": {s.name: f for f, shard in placed for s in shard},
-        }
-        _write_json(tmp / INDEX_FILE, index)
-    _save_configs(model, tmp, engine.dtype)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    _refuse_foreign(target, {p.name for p in tmp.iterdir()})
-    for file in tmp.iterdir():
-        _fsync_file(file)
-    fsync_dir(tmp)
-    replace_dir(tmp, target)
+    """Write everything into ``tmp``, fsync it and swap it in at ``target``; or, if
+    anything fails, remove ``tmp``."""
+    try:
+        _write_shards(tmp, files, values)
+        if len(files.shards) > 1:
+            placed = zip(files.names, files.shards, strict=True)
+            index = {
+                "metadata": {"total_size": sum(s.nbytes for shard in files.shards for s in shard)},
+                "weight_map": {s.name: f for f, shard in placed for s in shard},
+            }
+            with open(tmp / INDEX_FILE, "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+                f.write("\n")
+        _save_configs(model, tmp, engine.dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _refuse_foreign(target, {p.name for p in tmp.iterdir()})
+        for file in tmp.iterdir():
+            _fsync_file(file)
+        fsync_dir(tmp)
+        replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _save_sharded(
@@ -230,7 +205,20 @@ def _save_configs(model: nn.Module, directory: Path, dtype: torch.dtype) -> None
 
 
 def _refuse_foreign(target: Path, written: set[str]) -> None:
-    foreign = _foreign(target, written)
+    """Raise if replacing ``target`` would delete what this save does not write again."""
+    if not target.exists():
+        return
+    foreign = (
+        sorted(
+            name
+            for name in (p.name for p in target.iterdir())
+            if name not in written
+            and name not in WEIGHT_FILES
+            and not (name.startswith("model-") and name.endswith(".safetensors"))
+        )
+        if target.is_dir()
+        else [target.name]
+    )
     if foreign:
         raise PretrainedError(
             f"'{target}' already holds {', '.join(foreign[:5])}, which replacing it would "
@@ -271,12 +259,6 @@ def _write_shards(
             writer.abort()
             raise
         writer.close()
-
-
-def _write_json(file: Path, data: dict) -> None:
-    with open(file, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 def _fsync_file(file: Path) -> None:

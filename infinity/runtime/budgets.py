@@ -38,7 +38,7 @@ from infinity.chunks.updates import check_whole_tensors
 from infinity.config import AUTO, Config, ConfigError
 from infinity.core.plan import Plan, PlanError
 from infinity.distributed import SINGLE, World
-from infinity.io.filesystems import nearest_existing
+from infinity.io.directories import nearest_existing
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.params import ParamRegistry

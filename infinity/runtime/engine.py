@@ -50,7 +50,7 @@ from infinity.devices.choice import make_backend
 from infinity.distributed import Collectives, resolve_world
 from infinity.distributed.agreement import check_same_units
 from infinity.io import SwapFile
-from infinity.io.swapfile import prepare_directory
+from infinity.io.directories import prepare_directory
 from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
 from infinity.optim.loss_scale import LossScaler
 from infinity.optim.offloaded import MomentState

@@ -35,8 +35,7 @@ from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
 from infinity.distributed import resolve_world
 from infinity.io import IOEngine, SwapFile
-from infinity.io.filesystems import pseudo_filesystem
-from infinity.io.owned_dirs import reclaim_stale
+from infinity.io.directories import pseudo_filesystem, reclaim_stale
 
 
 def prepare_nvme(config: Config) -> None:

@@ -97,12 +97,12 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     before = (tmp_path / "ckpt" / "param.bin").read_bytes()
     train(model, opt, batches(1))
 
-    import infinity.checkpoint.save as save_mod
+    from infinity.checkpoint import temporaries
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(save_mod, "_replace", boom)
+    monkeypatch.setattr(temporaries, "replace_dir", boom)
     with pytest.raises(KeyboardInterrupt):
         infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
     assert (tmp_path / "ckpt" / "param.bin").read_bytes() == before
@@ -121,7 +121,7 @@ def test_mismatched_model_is_refused(tmp_path):
 def test_replacing_a_checkpoint_never_leaves_the_path_missing(tmp_path, monkeypatch):
     import os
 
-    import infinity.checkpoint.save as save_mod
+    from infinity.checkpoint import temporaries
 
     for exchange in (True, False):
         new, target = tmp_path / f"new{exchange}", tmp_path / f"ckpt{exchange}"
@@ -130,7 +130,7 @@ def test_replacing_a_checkpoint_never_leaves_the_path_missing(tmp_path, monkeypa
         (new / "f").write_text("new")
         (target / "f").write_text("old")
         if not exchange:
-            monkeypatch.setattr(save_mod, "_exchange", lambda a, b: False)
+            monkeypatch.setattr(temporaries, "_exchange", lambda a, b: False)
             real_rename, calls = os.rename, []
 
             def flaky_rename(a, b, calls=calls, real_rename=real_rename):
@@ -139,11 +139,11 @@ def test_replacing_a_checkpoint_never_leaves_the_path_missing(tmp_path, monkeypa
                     raise KeyboardInterrupt
                 real_rename(a, b)
 
-            monkeypatch.setattr(save_mod.os, "rename", flaky_rename)
+            monkeypatch.setattr(temporaries.os, "rename", flaky_rename)
             with pytest.raises(KeyboardInterrupt):
-                save_mod._replace(new, target)
-            monkeypatch.setattr(save_mod.os, "rename", real_rename)
+                temporaries.replace_dir(new, target)
+            monkeypatch.setattr(temporaries.os, "rename", real_rename)
             assert (target / "f").read_text() == "old"  # rolled back, not missing
-        save_mod._replace(new, target)
+        temporaries.replace_dir(new, target)
         assert (target / "f").read_text() == "new"
         assert not new.exists()

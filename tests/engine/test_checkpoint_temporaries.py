@@ -71,9 +71,9 @@ _KILLED_MID_SAVE = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from engine_helpers import config, tiny_gpt
-import infinity, infinity.checkpoint.save as save_mod
+import infinity, infinity.checkpoint.temporaries as temporaries
 model = infinity.offload(tiny_gpt(), config(device_memory="1MiB", host_memory="64MiB"))
-save_mod._replace = lambda new, target: os.kill(os.getpid(), signal.SIGKILL)
+temporaries.replace_dir = lambda new, target: os.kill(os.getpid(), signal.SIGKILL)
 infinity.save_checkpoint({target!r}, model)
 """
 
