@@ -8,7 +8,7 @@ from torch import nn
 
 from infinity.offload import engine_of
 from infinity.runtime.memory import io_stats, memory_stats, tier_stats
-from infinity.utils.transient import PRETRAINED_READS
+from infinity.utils.process_memory import PRETRAINED_READS
 
 
 def stats(model: nn.Module) -> dict[str, Any]:

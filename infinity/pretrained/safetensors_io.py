@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from infinity.utils.transient import PRETRAINED_READS
+from infinity.utils.process_memory import PRETRAINED_READS
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -2,13 +2,17 @@
 resident set and its peak, the device allocator's peak, and giving freed blocks back.
 
 What a step's forecast starts from (:func:`baseline_resident_set`) and what the memory
-report measures against it (``runtime/memory.py``).
+report measures against it (``runtime/memory.py``). Host buffers that live outside
+every budget for a while are counted per kind (:class:`TransientBuffers`): the
+memory report (``infinity.stats(model)["memory"]``) shows each kind beside the host
+budget with its limit and the peak measured in this process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -106,3 +110,30 @@ def reset_device_peak(device: torch.device) -> None:
     """Start the device allocator's peak over (nothing on the CPU)."""
     if device.type != "cpu":
         torch.get_device_module(device.type).reset_peak_memory_stats(device)
+
+
+@dataclass
+class TransientBuffers:
+    """Bytes of one kind of transient buffer alive now, their peak and their limit."""
+
+    name: str
+    limit: int
+    live: int = 0
+    peak: int = 0
+
+    def take(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` was allocated."""
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def give_back(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` was freed."""
+        self.live -= nbytes
+
+    def line(self) -> dict[str, int]:
+        """The report's line: limit and peak."""
+        return {"limit": self.limit, "peak": self.peak}
+
+
+# The safetensors loader's one read buffer (pretrained/safetensors_io.py).
+PRETRAINED_READS = TransientBuffers("pretrained read block", 16 << 20)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.utils.transient import PRETRAINED_READS
+from infinity.utils.process_memory import PRETRAINED_READS
 
 transformers = pytest.importorskip("transformers")
 
