@@ -203,13 +203,6 @@ def planned_nvme_bytes(shape: Shape, config: Config) -> tuple[int, int]:
     return plan.traffic["nvme_read_bytes"], plan.traffic["nvme_write_bytes"]
 
 
-def _planner_seconds(model: torch.nn.Module, config: Config) -> float:
-    """Time of one plan for the meta model (the engine plans once more inside offload)."""
-    start = time.perf_counter()
-    plan_for(ParamRegistry.from_model(model), config, torch.device(config.device))
-    return time.perf_counter() - start
-
-
 def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     """Build, offload and train the model; the report as a JSON-ready dict."""
     import transformers
@@ -225,7 +218,9 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     with infinity.init_empty():
         model: torch.nn.Module = llama(run.shape.llama_config(run.seq_len))
     construct_s = time.perf_counter() - start
-    planner_s = _planner_seconds(model, config)
+    start = time.perf_counter()  # one plan of the meta model (offload plans once more)
+    plan_for(ParamRegistry.from_model(model), config, device)
+    planner_s = time.perf_counter() - start
     note("offloading: initialising the chunks (and writing them to the disk)")
     start = time.perf_counter()
     model = infinity.offload(model, config, init=_init_weights(model))
