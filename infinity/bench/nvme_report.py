@@ -125,6 +125,13 @@ def _short_size(nbytes: int) -> str:
     return str(nbytes)
 
 
+def _settings(p: Point) -> str:
+    return (
+        f"backend={p.backend} threads={p.threads} block_size={_short_size(p.block_size)} "
+        f"queue_depth={p.queue_depth}"
+    )
+
+
 def table(
     points: list[Point],
     baseline: dict[int, tuple[float, float]],
@@ -164,16 +171,12 @@ def table(
     if choice is not None:
         best, fast = choice.pick, choice.fastest
         lines.append(
-            f"best ({BEST_RULE}): backend={best.backend} threads={best.threads} "
-            f"block_size={_short_size(best.block_size)} queue_depth={best.queue_depth}: "
+            f"best ({BEST_RULE}): {_settings(best)}: "
             f"write {best.write_gbps:.3f} GB/s, read {best.read_gbps:.3f} GB/s, "
             f"{best.cpu_ms_per_gb:.1f} CPU ms/GB"
         )
         if fast is not best:
-            lines.append(
-                f"fastest: backend={fast.backend} threads={fast.threads} "
-                f"block_size={_short_size(fast.block_size)} queue_depth={fast.queue_depth}"
-            )
+            lines.append(f"fastest: {_settings(fast)}")
         lines.append(choice.explain())
     if baseline:
         lines.append(
@@ -200,7 +203,6 @@ def summary(
     :func:`recommend`), in the form ``infinity.Config(aio=...)``
     loads unchanged; ``fastest`` is the one with the highest read + write GB/s.
     """
-    best, fast = choice.pick, choice.fastest
     return {
         "units": UNITS,
         "size": size,
@@ -212,17 +214,14 @@ def summary(
         "best_rule": BEST_RULE,
         "noise": choice.noise,
         "noise_measured": choice.noise_measured,
-        "best": {
-            "read_gbps": best.read_gbps,
-            "write_gbps": best.write_gbps,
-            "cpu_ms_per_gb": best.cpu_ms_per_gb,
-            "aio": best.aio(),
-        },
-        "fastest": {
-            "read_gbps": fast.read_gbps,
-            "write_gbps": fast.write_gbps,
-            "cpu_ms_per_gb": fast.cpu_ms_per_gb,
-            "aio": fast.aio(),
+        **{
+            name: {
+                "read_gbps": p.read_gbps,
+                "write_gbps": p.write_gbps,
+                "cpu_ms_per_gb": p.cpu_ms_per_gb,
+                "aio": p.aio(),
+            }
+            for name, p in (("best", choice.pick), ("fastest", choice.fastest))
         },
     }
 

@@ -18,7 +18,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -111,12 +110,6 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], int, int, int]:
     return optimizers, n, threads, args.repeats
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _measure(optimizers: list[str], n: int, threads: int, repeats: int) -> dict[str, list[float]]:
     """Seconds of every contender in every round (``"adam ours fp32"``, ``"probe triad"``)."""
     saved_threads = (kernels.get_num_threads(), torch.get_num_threads())
@@ -133,7 +126,9 @@ def _measure(optimizers: list[str], n: int, threads: int, repeats: int) -> dict[
         times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(repeats):
             for name, fn in fns.items():
-                times[name].append(_timed(fn))
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
         return times
     finally:
         kernels.set_num_threads(saved_threads[0])

@@ -35,16 +35,14 @@ import torch
 
 import infinity
 from infinity.config import Config
-from infinity.io.rates import faster, io_bound_seconds, measure_mix
+from infinity.io.rates import GB, faster, io_bound_seconds, measure_mix
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.optim.chunk_optimizer import ADAM
-from infinity.runtime.budgets import plan_for
+from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.params import ParamRegistry
 from infinity.utils.sizes import format_size
 
-FP32_BYTES = 4
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 HIDDEN_STEP = 128
 HEAD_DIM = 128
 HIDDEN_PER_LAYER = 80  # 2560 hidden / 32 layers
@@ -103,7 +101,7 @@ def bytes_per_param(dtype: str, state_dtype: str = "fp32") -> float:
     """Bytes of training state per parameter: the parameter and its gradient in the
     compute dtype, plus the optimizer unit (an fp32 master copy unless the compute
     dtype is fp32, and Adam's two moments stored as ``state_dtype``)."""
-    element = ELEMENT_BYTES[dtype]
+    element = DTYPE_OF[dtype].itemsize
     unit = ADAM.with_state_dtype(state_dtype).unit_bytes(UNIT_SAMPLE, has_master=dtype != "fp32")
     per = 2 * element + unit / UNIT_SAMPLE
     return int(per) if per == int(per) else per
@@ -156,7 +154,6 @@ def pick_shape(
 
 Note = Callable[[str], None]
 StepBar = Callable[[int], Any]  # wraps range(steps) in a progress bar
-GB = 10**9
 
 
 @dataclass(frozen=True)
@@ -206,13 +203,6 @@ def planned_nvme_bytes(shape: Shape, config: Config) -> tuple[int, int]:
     return plan.traffic["nvme_read_bytes"], plan.traffic["nvme_write_bytes"]
 
 
-def _planner_seconds(model: torch.nn.Module, config: Config) -> float:
-    """Time of one plan for the meta model (the engine plans once more inside offload)."""
-    start = time.perf_counter()
-    plan_for(ParamRegistry.from_model(model), config, torch.device(config.device))
-    return time.perf_counter() - start
-
-
 def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     """Build, offload and train the model; the report as a JSON-ready dict."""
     import transformers
@@ -228,7 +218,9 @@ def run_scale(run: ScaleRun, note: Note, bar: StepBar) -> dict[str, Any]:
     with infinity.init_empty():
         model: torch.nn.Module = llama(run.shape.llama_config(run.seq_len))
     construct_s = time.perf_counter() - start
-    planner_s = _planner_seconds(model, config)
+    start = time.perf_counter()  # one plan of the meta model (offload plans once more)
+    plan_for(ParamRegistry.from_model(model), config, device)
+    planner_s = time.perf_counter() - start
     note("offloading: initialising the chunks (and writing them to the disk)")
     start = time.perf_counter()
     model = infinity.offload(model, config, init=_init_weights(model))

@@ -246,38 +246,23 @@ def run_all(
         optim_only, small = nvme_budgets(cfg, nvme)
         overlap = {"overlap_optimizer": True}  # the loop below steps after every backward
         note("building the cases")
-        opt = optimizer
-        runners = [
-            plain_runner(cfg, opt),
-            offloaded_runner("b", "offloaded, device = 1/2 params, rest in RAM", cfg, base, opt),
-            offloaded_runner(
+        offloaded = [
+            ("b", "offloaded, device = 1/2 params, rest in RAM", base),
+            (
                 "c",
                 "c0's host budget, optimizer overlapped with backward (gradients leave first)",
-                cfg,
                 nvme.replace(host_memory=optim_only, **overlap),
-                opt,
             ),
-            offloaded_runner(
-                "c0",
-                "as c, step after backward (default)",
-                cfg,
-                nvme.replace(host_memory=optim_only),
-                opt,
-            ),
-            offloaded_runner(
+            ("c0", "as c, step after backward (default)", nvme.replace(host_memory=optim_only)),
+            (
                 "d",
                 "small host budget, rest on NVMe, optimizer overlapped",
-                cfg,
                 nvme.replace(host_memory=small, **overlap),
-                opt,
             ),
-            offloaded_runner(
-                "d0",
-                "as d, step after backward (default)",
-                cfg,
-                nvme.replace(host_memory=small),
-                opt,
-            ),
+            ("d0", "as d, step after backward (default)", nvme.replace(host_memory=small)),
+        ]
+        runners = [plain_runner(cfg, optimizer)] + [
+            offloaded_runner(name, about, cfg, conf, optimizer) for name, about, conf in offloaded
         ]
         for r in range(rounds + warm_rounds):
             warm = r < warm_rounds

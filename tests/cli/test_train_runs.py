@@ -19,7 +19,7 @@ import pytest
 
 import infinity.checkpoint.save as save_mod
 from infinity.cli.main import main
-from infinity.cli.train.runs import RunDirectory
+from infinity.cli.train.checkpoints import RunDirectory
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["train", "--preset", "tiny", "--json", "--eval-batches", "0", "--plot", "none"]

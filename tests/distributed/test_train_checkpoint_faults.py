@@ -17,7 +17,7 @@ from harness import spawn_ranks
 import infinity
 from infinity.cli.main import _build_parser
 from infinity.cli.train import checkpoints as ckpt
-from infinity.cli.train.runs import RunDirectory
+from infinity.cli.train.checkpoints import RunDirectory
 from infinity.cli.train.settings import resolve_settings
 from infinity.distributed import DistributedError
 

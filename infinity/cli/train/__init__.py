@@ -9,8 +9,8 @@ Where to read, in the order a run meets them:
 - ``command.py``: ``run``, the entry: launch or join the ranks, open the run
   directory, train, report;
 - ``ranks.py``: ``--nproc`` (the launch, one process per rank) and a rank's view;
-- ``runs.py``: the run directories (``DIR/run-<id>/``, owned and locked);
-  ``checkpoints.py``: their checkpoints, written and resumed;
+- ``checkpoints.py``: the run directories (``DIR/run-<id>/``, owned and
+  locked) and their checkpoints, written and resumed;
 - ``loop.py``: the session (model, optimizer, schedule) and one step;
   ``optimizers.py``: the ``--optimizer`` choices; ``pretrained.py``: ``--model
   DIR --data PATH``, a ``transformers`` model and the user's text;

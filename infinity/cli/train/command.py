@@ -18,19 +18,18 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import infinity
 from infinity.cli.main import CommandError
 from infinity.cli.train import checkpoints as ckpt
 from infinity.cli.train import ranks as train_ranks
-from infinity.cli.train.args import DEFAULT_CHECKPOINT_DIR, add_arguments
+from infinity.cli.train.args import DEFAULT_CHECKPOINT_DIR
 from infinity.cli.train.loop import Session, StopSignals
 from infinity.cli.train.optimizers import CHOICES, tensor_state_bytes
-from infinity.cli.train.pretrained import PretrainedModel, save_model
-from infinity.cli.train.pretrained import describe as describe_pretrained
+from infinity.cli.train.pretrained import PretrainedModel, describe, save_model
 from infinity.cli.train.pretrained import load_corpus as load_pretrained_corpus
-from infinity.cli.train.report import HumanReport, JsonReport, RunSummary, budget_lines
-from infinity.cli.train.runs import RUN_PREFIX, RunDirectory, check_directory
+from infinity.cli.train.report import HumanReport, JsonReport, RunSummary
 from infinity.cli.train.settings import (
     RunSettings,
     as_flags,
@@ -40,15 +39,12 @@ from infinity.cli.train.settings import (
 )
 from infinity.data import Corpus, CorpusError, load_corpus
 from infinity.devices.choice import choose_dtype
-from infinity.models.gpt import GPTConfig
-from infinity.models.gpt import describe as describe_gpt
 from infinity.offload import engine_of
 from infinity.utils.process_memory import reset_device_peak, reset_resident_peak
+from infinity.utils.sizes import format_size
 
 DEMO_BUDGET_ATTEMPTS = 6
 _Budgets = tuple[infinity.Config, tuple[str, ...]]  # the config, and which budgets are derived
-
-__all__ = ["add_arguments", "run"]
 
 
 def _none(text: str | None) -> str | None:
@@ -79,32 +75,32 @@ def _resume_point(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
             f"--resume: '{given}' is neither a checkpoint nor a directory holding one"
         )
     # New checkpoints go next to the resumed run unless --checkpoint-dir says otherwise.
-    in_run = found.parent.name.startswith(RUN_PREFIX)
+    in_run = found.parent.name.startswith(ckpt.RUN_PREFIX)
     return found, directory if given_dir else (found.parent.parent if in_run else found.parent)
 
 
 def _open_run_dir(
     directory: Path, resume_from: Path | None, resumed: ckpt.TrainerState | None
-) -> tuple[RunDirectory, str | None]:
+) -> tuple[ckpt.RunDirectory, str | None]:
     """Check ``--checkpoint-dir`` and take this run's directory in it (at start-up, before
     training); returns it and, when a resumed run cannot be continued in place, why."""
-    created = check_directory(directory)
+    created = ckpt.check_directory(directory)
     why = None
     if resume_from is not None and resumed is not None:
         run_path = resume_from.parent
         newest = ckpt.complete_checkpoints(run_path)
-        if run_path.name != f"{RUN_PREFIX}{resumed.run_id}":
+        if run_path.name != f"{ckpt.RUN_PREFIX}{resumed.run_id}":
             why = f"{resume_from} is not in its run's directory"
         elif run_path.parent.resolve() != directory.resolve():
             why = f"checkpoints go to '{directory}'"
         elif not newest or newest[-1][1] != resume_from:
             why = f"{run_path} has newer checkpoints than {resume_from.name}; they are kept"
         else:
-            continued = RunDirectory.resume(run_path)
+            continued = ckpt.RunDirectory.resume(run_path)
             if continued is not None:
                 return continued, None
             why = f"{run_path} is not yours or another process is training it"
-    return RunDirectory.new(directory, created), why
+    return ckpt.RunDirectory.new(directory, created), why
 
 
 @dataclass
@@ -122,14 +118,9 @@ class _Run:
     resumed: ckpt.TrainerState | None
     started: float
     ranks: train_ranks.Ranks
-    run_dir: RunDirectory | None = None  # this run's own directory in ckpt_dir
+    run_dir: ckpt.RunDirectory | None = None  # this run's own directory in ckpt_dir
     forked: str | None = None  # why a resumed run continues as a new run, if it does
     last_saved: Path | None = None  # the newest complete checkpoint of this run
-
-
-def describe(m: GPTConfig | PretrainedModel) -> str:
-    """One line about the model being trained."""
-    return describe_pretrained(m) if isinstance(m, PretrainedModel) else describe_gpt(m)
 
 
 def _header(run: _Run, session: Session) -> list[str]:
@@ -159,34 +150,40 @@ def _header(run: _Run, session: Session) -> list[str]:
     ]
 
 
+def budget_lines(
+    state_bytes: int, stats: dict[str, Any], demo: bool, tensor_state_bytes: int = 0
+) -> list[str]:
+    """Model-state bytes against each tier's budget (what makes this run 'beyond memory');
+    ``tensor_state_bytes``: the optimizer's per-tensor states (Adafactor's factors), kept
+    in host memory inside the host budget but not in chunks, so not in ``state_bytes``."""
+    dev, host = stats["device_budget_bytes"], stats["host_budget_bytes"]
+    lines = [f"model states  {format_size(state_bytes):>12}  (parameters, gradients, optimizer)"]
+    if tensor_state_bytes:
+        lines.append(
+            f"+ per tensor  {format_size(tensor_state_bytes):>12}  (the optimizer's "
+            "factored states: host memory, inside the host budget)"
+        )
+    lines += [
+        f"device budget {format_size(dev):>12}  = {dev / state_bytes:6.1%} of the states",
+        f"host budget   {format_size(host):>12}  = {host / state_bytes:6.1%} of the states",
+        f"nvme swap     {format_size(stats['nvme_bytes']):>12}  in {stats.get('nvme_path') or '-'}",
+    ]
+    if demo:
+        lines.append(
+            "(demo budgets, derived from the model; set --device-memory/--host-memory to change)"
+        )
+    return lines
+
+
 def _prepare_nvme(path: str | None) -> list[Path]:
     """Create the NVMe directory (and missing parents); returns what was created."""
     if path is None:
         return []
-    created = []
     target = Path(path).absolute()
-    for directory in [target, *target.parents][::-1]:
-        if not directory.exists():
-            try:
-                directory.mkdir()
-            except FileExistsError:
-                continue  # another rank of this run made it first (not ours to remove)
-            except OSError as exc:
-                raise CommandError(
-                    f"--nvme-path: cannot create '{directory}': {exc.strerror}"
-                ) from None
-            created.append(directory)
+    created = ckpt.make_dirs(target, "--nvme-path")
     if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
         raise CommandError(f"--nvme-path: '{target}' is not a writable directory")
     return created
-
-
-def _remove_created(created: list[Path]) -> None:
-    for directory in reversed(created):
-        try:
-            directory.rmdir()  # only when empty: never removes anything but our own dirs
-        except OSError:
-            break
 
 
 def _open_session(run: _Run) -> Session:
@@ -280,7 +277,7 @@ def _run(args: argparse.Namespace, ranks: train_ranks.Ranks) -> int:
     finally:
         if plan.run_dir is not None:
             plan.run_dir.close()
-        _remove_created(created)
+        ckpt.remove_empty(created)
 
 
 def _where(run: _Run) -> str:

@@ -23,9 +23,8 @@ import infinity
 from infinity.cli.train import checkpoints as ckpt
 from infinity.cli.train import optimizers as train_optimizers
 from infinity.cli.train import ranks as train_ranks
-from infinity.cli.train.measures import BOUND_KEYS
 from infinity.cli.train.pretrained import PretrainedModel, build_model, causal_lm_loss
-from infinity.cli.train.report import TRAFFIC_KEYS, WAIT_KEYS, StepRecord
+from infinity.cli.train.report import BOUND_KEYS, TRAFFIC_KEYS, WAIT_KEYS, StepRecord
 from infinity.cli.train.settings import RunSettings
 from infinity.data import Corpus
 from infinity.models.gpt import GPT, init_weights
@@ -182,7 +181,7 @@ class Session:
     # --- state ----------------------------------------------------------------------------
     def restore(self, path: Path, state: ckpt.TrainerState) -> None:
         """Continue the run saved at ``path``: weights, optimizer, schedule, RNG, counters."""
-        ckpt.restore(path, self.model, self.optimizer)
+        infinity.load_checkpoint(path, self.model, self.optimizer)  # CRC-checked
         self.scheduler.load_state_dict(state.scheduler)
         # NOTE: the schedule may have changed (a larger --steps, a new --lr); the LR of
         # the next step is the current schedule's value at this step, not the one saved.

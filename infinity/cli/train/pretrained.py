@@ -26,6 +26,8 @@ from infinity.data import Corpus, CorpusError
 from infinity.data.files import byte_encode, load_text
 from infinity.data.jsonl import is_jsonl, load_jsonl, plain_render
 from infinity.data.text import IGNORE
+from infinity.models.gpt import GPTConfig
+from infinity.models.gpt import describe as describe_gpt
 from infinity.models.losses import causal_lm_loss as transformers_loss
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -47,8 +49,10 @@ class PretrainedModel:
     tokenizer: bool  # the directory's own tokenizer; else byte-level
 
 
-def describe(m: PretrainedModel) -> str:
-    """One line about the model, for the header."""
+def describe(m: PretrainedModel | GPTConfig) -> str:
+    """One line about the model being trained (the built-in GPT's too), for the header."""
+    if isinstance(m, GPTConfig):
+        return describe_gpt(m)
     return f"{m.model_type} from {m.path} ({m.num_params / 1e6:.1f}M parameters)"
 
 

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from infinity.cli.main import CommandError
+from infinity.cli.train.checkpoints import RunDirectory
 from infinity.cli.train.report import HumanReport, JsonReport, RunSummary
-from infinity.cli.train.runs import RunDirectory
 from infinity.config import Config
 from infinity.data import Batches
 from infinity.distributed import Collectives, DistributedError, resolve_world
@@ -190,28 +190,19 @@ class Ranks:
         """This rank's rows of the global batches (``batch_size`` per rank)."""
         if self.size == 1:
             return Batches(data, seq_len, batch_size, seed, mask)
-        return _RankRows(data, seq_len, batch_size * self.size, seed, self.rank, self.size, mask)
+        rows = _RankRows(data, seq_len, batch_size * self.size, seed, mask)
+        rows.rows = slice(self.rank, None, self.size)
+        return rows
 
 
 class _RankRows(Batches):
     """Rows ``rank::size`` of each batch of ``size`` times the per-rank batch size."""
 
-    def __init__(
-        self,
-        data: torch.Tensor,
-        seq_len: int,
-        batch_size: int,
-        seed: int,
-        rank: int,
-        size: int,
-        mask: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(data, seq_len, batch_size, seed, mask)
-        self.rank, self.size = rank, size
+    rows: slice  # this rank's: rank::size
 
     def get(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = super().get(step, micro)
-        return inputs[self.rank :: self.size], targets[self.rank :: self.size]
+        return inputs[self.rows], targets[self.rows]
 
 
 SINGLE = Ranks()

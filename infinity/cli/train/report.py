@@ -3,6 +3,9 @@
 Two reporters share one interface: :class:`HumanReport` (text on stdout, a
 tqdm bar on stderr) and :class:`JsonReport` (one JSON object per line on
 stdout: ``start``, ``step``, ``eval``, ``checkpoint``, ``summary``), for tools.
+The summary's measured rows set each memory line against its limit, the peaks
+against the forecast and the step against its bound (what ``infinity.stats(model)``
+reports; runtime/memory.py, runtime/stepping.py).
 """
 
 from __future__ import annotations
@@ -14,12 +17,21 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
-from infinity.cli.train.measures import BOUND_KEYS, BOUND_WINDOW, bound_row, memory_rows
 from infinity.utils.sizes import format_size
 
 # sent_bytes: payload this process sent to the others in collectives (0 for one process)
 TRAFFIC_KEYS = ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes", "sent_bytes")
 WAIT_KEYS = ("wait_nvme_seconds", "wait_device_seconds")
+# The step's bound (infinity.stats(model)["last_step"], runtime/stepping.py).
+BOUND_PARTS = {
+    "device_compute_seconds": "device compute",
+    "host_optimizer_seconds": "host optimizer",
+    "h2d_seconds": "host→device",
+    "d2h_seconds": "device→host",
+    "nvme_seconds": "NVMe",
+}
+BOUND_KEYS = (*BOUND_PARTS, "seconds", "bound_seconds", "step_over_bound", "bound_by")
+BOUND_WINDOW = 1000  # steps the summary's medians of the bound are taken over
 
 
 @dataclass(frozen=True)
@@ -100,34 +112,6 @@ def postfix(record: StepRecord) -> str:
     )
 
 
-def budget_lines(
-    state_bytes: int, stats: dict[str, Any], demo: bool, tensor_state_bytes: int = 0
-) -> list[str]:
-    """Model-state bytes against each tier's budget (what makes this run 'beyond memory');
-    ``tensor_state_bytes``: the optimizer's per-tensor states (Adafactor's factors), kept
-    in host memory inside the host budget but not in chunks, so not in ``state_bytes``."""
-    dev, host = stats["device_budget_bytes"], stats["host_budget_bytes"]
-    lines = [
-        f"model states  {format_size(state_bytes):>12}  (parameters, gradients, optimizer)",
-        *(
-            [
-                f"+ per tensor  {format_size(tensor_state_bytes):>12}  (the optimizer's "
-                "factored states: host memory, inside the host budget)"
-            ]
-            if tensor_state_bytes
-            else []
-        ),
-        f"device budget {format_size(dev):>12}  = {dev / state_bytes:6.1%} of the states",
-        f"host budget   {format_size(host):>12}  = {host / state_bytes:6.1%} of the states",
-        f"nvme swap     {format_size(stats['nvme_bytes']):>12}  in {stats.get('nvme_path') or '-'}",
-    ]
-    if demo:
-        lines.append(
-            "(demo budgets, derived from the model; set --device-memory/--host-memory to change)"
-        )
-    return lines
-
-
 def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
     """The end-of-run table: peaks against budgets, NVMe traffic, time waiting on I/O."""
     rows = [f"{'tier':<8}{'budget':>12}{'peak':>12}{'use':>7}"]
@@ -201,6 +185,54 @@ def summary_table(summary: RunSummary, stats: dict[str, Any]) -> str:
             "per byte); a higher locked-memory limit (ulimit -l) lets them register"
         )
     return "\n".join(rows)
+
+
+def bound_row(bound: dict[str, float | str]) -> str | None:
+    """The summary's line on the step's bound: the median step against the slowest of
+    its resources, and each resource's seconds."""
+    if not bound:
+        return None
+    parts = ", ".join(f"{name} {float(bound.get(k, 0.0)):.3f} s" for k, name in BOUND_PARTS.items())
+    return (
+        f"step bound: a step took {float(bound['seconds']):.3f} s, "
+        f"{float(bound['step_over_bound']):.2f}x its bound {float(bound['bound_seconds']):.3f} s "
+        f"({bound['bound_by']}); per step {parts} (median over steps)"
+    )
+
+
+def memory_rows(memory: dict[str, Any]) -> list[str]:
+    """Each budget's lines, their peaks against their limits; the device allocator's peak
+    and the resident set's against the forecast (``infinity.stats(model)["memory"]``)."""
+    rows = [f"{'memory line':<36}{'limit':>12}{'peak':>12}"]
+    for tier in ("host", "device"):
+        rows.append(f"{tier} (budget {format_size(memory[tier]['budget_bytes'])})")
+        lines = dict(memory[tier]["lines"])
+        if tier == "host" and memory["host"]["transient_copies"]["limit"]:
+            lines["transient copies, beside it"] = memory["host"]["transient_copies"]
+        if tier == "host" and memory["host"].get("pretrained_read_block", {}).get("peak"):
+            lines["pretrained read block, beside it"] = memory["host"]["pretrained_read_block"]
+        for name, line in lines.items():
+            rows.append(
+                f"  {name:<34}{format_size(line['limit']):>12}{format_size(line['peak']):>12}"
+            )
+    forecast = memory.get("forecast") or {}
+
+    def against(measured: int, key: str) -> str:
+        if not forecast:
+            return format_size(measured)
+        return (
+            f"{format_size(measured)}, forecast {format_size(forecast[key])} "
+            f"({measured / forecast[key]:.2f}x)"
+        )
+
+    allocated = memory["device"].get("allocated_peak_bytes")
+    if allocated is not None:
+        rows.append(f"device allocator peak: {against(allocated, 'device_peak')}")
+    rows.append(
+        f"resident set peak: {against(memory['host']['resident_peak_bytes'], 'resident_peak')} "
+        f"(baseline {format_size(memory['host']['baseline_bytes'])} at offload)"
+    )
+    return rows
 
 
 def rank_rows(ranks: list[dict[str, float]]) -> list[str]:

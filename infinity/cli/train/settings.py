@@ -31,11 +31,11 @@ from infinity.config import AUTO, Config, ConfigError
 from infinity.devices.choice import choose_dtype, resolve_device
 from infinity.models.gpt import GPTConfig
 from infinity.optim.state_formats import StateFormat
+from infinity.runtime.budgets import DTYPE_OF
 from infinity.utils.sizes import align_up, parse_size
 
 DEFAULT_NVME_PATH = "./.infinity/nvme"
 DEFAULT_PLOT = "./.infinity/timeline.png"
-BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Demo budgets. The device caches about half of the parameter chunks, so
 # chunks are evicted in forward and fetched again in backward; the host holds
 # half of all model states (parameters, gradients, staging and some optimizer
@@ -112,7 +112,7 @@ class RunSettings:
         are those of the parameters, gradients and master alone): its factors,
         about (rows + columns) x 4 bytes per matrix, live in host memory outside
         the budgets; the header shows them on a line of their own."""
-        element = BYTES_PER_ELEMENT[self.dtype]
+        element = DTYPE_OF[self.dtype].itemsize
         master = 4 if element < 4 else 0
         n = self.model.num_params
         stored = StateFormat(self.optimizer_state_dtype)
@@ -121,7 +121,7 @@ class RunSettings:
 
     def param_bytes(self) -> int:
         """Bytes of the parameters in the compute dtype."""
-        return self.model.num_params * BYTES_PER_ELEMENT[self.dtype]
+        return self.model.num_params * DTYPE_OF[self.dtype].itemsize
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``from_dict`` rebuilds an equal object)."""
