@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infinity.checkpoint.format import DATA_FILES, META, OPTIM_FILE, PARAM_FILE, CheckpointError
-from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.optim.cpu_adam import ADAM
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MAX_INT = (1 << 62) - 1  # offsets, sizes and counts must stay int64 (torch, file offsets)
