@@ -270,10 +270,6 @@ class ChunkOptimizer(ABC, Generic[H]):
         other.state_format = StateFormat(name)
         return other
 
-    def unit_parts(self, has_master: bool) -> int:
-        """Parts of one unit: the master (if any) plus one per slot."""
-        return len(self.state_slots) + int(has_master)
-
     def unit_part_bytes(self, capacity: int, has_master: bool) -> list[int]:
         """Bytes of each part of the unit of a chunk of ``capacity`` elements, in order."""
         master = [capacity * FP32_BYTES] if has_master else []

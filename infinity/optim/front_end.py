@@ -2,14 +2,16 @@
 chunk optimizer (:class:`~infinity.optim.CPUAdam`, :class:`~infinity.optim.CPUSGD`,
 :class:`~infinity.optim.CPULion`, :class:`~infinity.optim.CPUAdafactor`).
 
-A concrete optimizer says two things (see "Adding an optimizer" in
+A concrete optimizer names two things (see "Adding an optimizer" in
 docs/design/optimizer.md):
 
-- :meth:`CPUOptimizer.hyper_of`: the validated hyper-parameters of one param
-  group, a frozen dataclass compared by value (tensors whose hyper-parameters
-  and step count are equal run through one kernel call);
-- :meth:`CPUOptimizer.make_chunk_optimizer`: the per-element update and the
-  state slots (:class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`).
+- :attr:`CPUOptimizer.hyper_params`: the validated hyper-parameters of one
+  param group (:meth:`CPUOptimizer.hyper_of`), a frozen dataclass compared by
+  value (tensors whose hyper-parameters and step count are equal run through
+  one kernel call);
+- :attr:`CPUOptimizer.chunk_optimizer`: the per-element update and the state
+  slots (:class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`,
+  :meth:`CPUOptimizer.make_chunk_optimizer`).
 
 Everything else is here, once: parameters of offloaded models step inside
 their engines, which learn the chunk optimizer from the optimizer constructed

@@ -13,7 +13,7 @@ single pass over memory, reading gradients in fp32, bf16 or fp16, applying a
 gradient scale factor, and optionally writing a bf16/fp16 copy of the updated
 parameters. The native kernel is chosen at run time like the Adam kernel's
 (AVX-512, AVX2+FMA+F16C or scalar: :func:`infinity.optim.kernels.force_isa`
-forces both) and runs on the same pool of C++ threads with the GIL released.
+forces every kernel) and runs on the same pool of C++ threads with the GIL released.
 Results are bitwise identical for every ISA and thread count. Every argument
 is validated here, with an error that names it
 (see NOTE [raw pointers into native code] in docs/NOTES.md).
