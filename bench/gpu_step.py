@@ -59,7 +59,7 @@ import torch
 import infinity
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
-from infinity.optim.chunk_optimizer import ADAM
+from infinity.optim.cpu_adam import ADAM
 from infinity.utils.sizes import format_size
 
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1

@@ -31,9 +31,8 @@ import torch
 from infinity._native import native
 from infinity._native.adam import BANDWIDTH_KERNELS
 from infinity.optim import kernels
-from infinity.optim.lion_kernel import lion_step
-from infinity.optim.sgd import SGDHyperParams
-from infinity.optim.sgd_kernel import sgd_step
+from infinity.optim.lion import lion_step
+from infinity.optim.sgd import SGDHyperParams, sgd_step
 
 OPTIMIZERS = ("adam", "lion", "sgd")
 BYTES_PER_PARAM = {"adam": 28, "lion": 20, "sgd": 20}

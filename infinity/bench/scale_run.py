@@ -38,7 +38,7 @@ from infinity.config import Config
 from infinity.io.rates import GB, faster, io_bound_seconds, measure_mix
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
-from infinity.optim.chunk_optimizer import ADAM
+from infinity.optim.cpu_adam import ADAM
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.params import ParamRegistry
 from infinity.utils.sizes import format_size

@@ -141,7 +141,7 @@ class EngineProfile:
     def install(self) -> None:
         """Patch the engine's classes (call before ``infinity.offload``)."""
         from infinity.chunks.pools import Traffic
-        from infinity.optim.chunk_optimizer import ADAM
+        from infinity.optim.cpu_adam import ADAM
         from infinity.runtime.engine import OffloadEngine
         from infinity.runtime.gradients import GradientSink
 

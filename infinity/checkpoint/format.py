@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.optim.cpu_adam import ADAM
 
 FORMAT = "infinity-checkpoint"
 VERSION = 4

@@ -23,8 +23,7 @@ from typing import NamedTuple, cast
 
 from infinity.core.names import Key, Kind
 from infinity.core.plan import Plan
-from infinity.optim.chunk_optimizer import unit_ranges
-from infinity.optim.state_formats import StateFormat
+from infinity.optim.chunk_optimizer import StateFormat, unit_ranges
 
 
 class SpanKey(NamedTuple):

@@ -34,8 +34,7 @@ from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span
 from infinity.config import ConfigError
 from infinity.core.names import Kind
 from infinity.core.plan import FP32_BYTES, Plan
-from infinity.optim.chunk_optimizer import unit_ranges
-from infinity.optim.state_formats import StateFormat
+from infinity.optim.chunk_optimizer import StateFormat, unit_ranges
 from infinity.utils.sizes import format_size
 
 

@@ -29,10 +29,10 @@ from infinity.distributed import World
 from infinity.models.gpt import GPT, describe
 from infinity.models.presets import PRESETS, preset
 from infinity.optim.adafactor import ADAFACTOR
-from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.optim.chunk_optimizer import STATE_DTYPES, ChunkOptimizer
+from infinity.optim.cpu_adam import ADAM
 from infinity.optim.lion import LION
 from infinity.optim.sgd import SGD
-from infinity.optim.state_formats import STATE_DTYPES
 from infinity.runtime.budgets import DTYPE_OF, plan_for
 from infinity.runtime.params import ParamRegistry
 from infinity.schedule.planner import PlanError

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, hyper_value
-from infinity.optim.dense import step_dtype
-from infinity.optim.front_end import CPUOptimizer, check_state_shape
+from infinity.optim.front_end import CPUOptimizer, check_state_shape, step_dtype
 
 __all__ = ["ADAFACTOR", "AdafactorChunks", "AdafactorHyperParams", "CPUAdafactor"]
 
@@ -178,6 +177,9 @@ class CPUAdafactor(CPUOptimizer[AdafactorHyperParams]):
     constructing it over a sharded model raises a ``ConfigError``.
     """
 
+    hyper_params = AdafactorHyperParams
+    chunk_optimizer = ADAFACTOR
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -200,14 +202,6 @@ class CPUAdafactor(CPUOptimizer[AdafactorHyperParams]):
             "maximize": maximize,
         }
         super().__init__(params, defaults)
-
-    def hyper_of(self, group: dict[str, Any]) -> AdafactorHyperParams:
-        """The validated Adafactor hyper-parameters of one param group."""
-        return AdafactorHyperParams.from_group(group)
-
-    def make_chunk_optimizer(self) -> ChunkOptimizer[AdafactorHyperParams]:
-        """Adafactor over per-tensor factored states."""
-        return ADAFACTOR
 
     def _step_dense(self, group: dict[str, Any]) -> None:
         """Step the plain CPU tensors of one group, each on its own states (what

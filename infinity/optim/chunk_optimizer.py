@@ -1,23 +1,35 @@
-"""The chunk-optimizer interface: what the planner, the offloaded step and the
-checkpoint format ask of an optimizer instead of assuming Adam.
+"""The chunk-optimizer interface and the unit its state lives in: what the planner,
+the offloaded step and the checkpoint format ask of an optimizer instead of assuming Adam.
 
 An optimizer keeps, per trainable chunk, one *unit* of bytes: the fp32 master
 copy of the parameters (16-bit compute dtypes only; for fp32 the parameter
 chunk is the master) followed by one chunk-long *state slot* per state tensor
-(Adam: ``exp_avg`` then ``exp_avg_sq``), stored in the optimizer's
-:class:`~infinity.optim.state_formats.StateFormat` (``Config.optimizer_state_dtype``:
-fp32, bf16, or int8 codes followed by their block scales). Every part starts
-on the I/O alignment. The planner sizes a unit from
-:meth:`ChunkOptimizer.unit_bytes`, the step views its pieces with
-:meth:`ChunkOptimizer.piece_views`, the checkpoint finds a tensor's bytes with
-:meth:`ChunkOptimizer.tensor_ranges`, and :meth:`ChunkOptimizer.step` runs the
-update on one run of tensors. Another optimizer is a subclass naming its slots
-and its kernel (:mod:`infinity.optim.sgd` is the smallest), chosen by the
-front-end the user constructs (:mod:`infinity.optim.front_end`).
+(Adam: ``exp_avg`` then ``exp_avg_sq``). Every part starts on the I/O
+alignment. The planner sizes a unit from :meth:`ChunkOptimizer.unit_bytes`, the
+step views its pieces with :meth:`ChunkOptimizer.piece_views`, the checkpoint
+finds a tensor's bytes with :meth:`ChunkOptimizer.tensor_ranges`, and
+:meth:`ChunkOptimizer.step` runs the update on one run of tensors. Another
+optimizer is a subclass naming its slots and its kernel
+(:mod:`infinity.optim.sgd` is the smallest), chosen by the front-end the user
+constructs (:mod:`infinity.optim.front_end`).
 
-Adam's own chunk optimizer (:data:`ADAM`) and hyper-parameters
-(:class:`AdamHyperParams`, validated once per step) are here too, with
-:func:`hyper_value`, the check every optimizer's hyper-parameters use.
+The slots are stored in the optimizer's :class:`StateFormat`,
+``Config(optimizer_state_dtype=...)``. ``"fp32"`` keeps every value exact.
+``"bf16"`` stores each in bfloat16 (half the bytes; rounded stochastically on
+every store, unbiased, see NOTE [bf16 stochastic rounding] in docs/NOTES.md).
+``"int8"`` stores one byte per element plus one fp32 scale per block of
+:data:`QBLOCK` elements: 8-bit Adam's block-wise dynamic quantisation (signed
+codes for the first moment, unsigned for the second), decoded and re-encoded
+inside the fused kernel (``cpp/simd/q8_codec.hpp`` documents the codes, the
+rounding and the block size). The update always runs in fp32; master weights
+stay fp32. :class:`StateFormat` says how many bytes a stored slot takes and cuts
+it into its views (:class:`StoredSlot`). :func:`read_slot`,
+:func:`read_moments` and :func:`write_moments` convert between a stored slot
+and fp32 values, for state dicts: they use the kernel's own encoder, so a
+value written and stepped gives the bytes the kernel would have stored.
+
+:func:`hyper_value` and :func:`betas_value` are the checks every optimizer's
+hyper-parameters use.
 """
 
 from __future__ import annotations
@@ -31,16 +43,149 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from infinity.optim import kernels
-from infinity.optim.state_formats import (
-    FP32_BYTES,
-    StateFormat,
-    StoredSlot,
-    read_moments,
-    write_moments,
-)
+from infinity._native import native
+from infinity._native.adam import QBLOCK, STATE_ELEMENT_BYTES
+from infinity._native.io import ALIGNMENT
+from infinity.utils.sizes import align_up
 
 H = TypeVar("H", contravariant=True)
+
+STATE_DTYPES: tuple[str, ...] = tuple(STATE_ELEMENT_BYTES)
+"""The allowed values of ``Config.optimizer_state_dtype`` (``"fp32"`` first: the default)."""
+_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+FP32_BYTES = 4
+
+
+def _blocks(n: int) -> int:
+    return -(-n // QBLOCK)
+
+
+@dataclass(frozen=True)
+class StoredSlot:
+    """One stored state tensor (or a span of one): its values and, for int8, block scales."""
+
+    data: torch.Tensor  # fp32, bf16, or uint8 codes
+    scale: torch.Tensor | None  # int8: fp32 absmax per QBLOCK elements of ``data``
+
+    def span(self, span: slice) -> StoredSlot:
+        """Elements ``span`` (int8: ``span.start`` must be a multiple of QBLOCK)."""
+        if self.scale is None:
+            return StoredSlot(self.data[span], None)
+        start, stop = span.start or 0, span.stop
+        if start % QBLOCK:
+            raise ValueError(
+                f"int8 state spans start on a {QBLOCK}-element block, not at element {start}"
+            )
+        return StoredSlot(self.data[start:stop], self.scale[start // QBLOCK : _blocks(stop)])
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """The storage of each per-element state slot, by ``optimizer_state_dtype`` name."""
+
+    name: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.name not in STATE_DTYPES:
+            raise ValueError(
+                f"optimizer_state_dtype={self.name!r} is not supported; use one of "
+                f"{', '.join(repr(d) for d in STATE_DTYPES)}"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        """Block-quantised (int8): spans start on QBLOCK boundaries."""
+        return self.name == "int8"
+
+    @property
+    def element_alignment(self) -> int:
+        """Elements a tensor's state must start on inside a chunk (int8: one block;
+        see NOTE [int8 block size])."""
+        return QBLOCK if self.quantized else 1
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of a slot's stored values (uint8 codes for int8)."""
+        return _TORCH_DTYPE[self.name]
+
+    @property
+    def span_granule(self) -> int:
+        """Elements every span boundary of an oversize chunk is a multiple of, so that
+        each part's byte range of a span (values, int8 block scales, and the fp32
+        master beside them) stays on the I/O alignment (NOTE [O_DIRECT alignment])."""
+        values = ALIGNMENT // STATE_ELEMENT_BYTES[self.name]
+        scales = QBLOCK * ALIGNMENT // FP32_BYTES if self.quantized else 1
+        return max(values, scales, ALIGNMENT // FP32_BYTES)
+
+    def data_bytes(self, capacity: int) -> int:
+        """Bytes of one slot's values for a chunk of ``capacity`` elements."""
+        return capacity * STATE_ELEMENT_BYTES[self.name]
+
+    def scale_bytes(self, capacity: int) -> int:
+        """Bytes of one slot's block scales (0 unless int8)."""
+        return _blocks(capacity) * FP32_BYTES if self.quantized else 0
+
+    def slot_bytes(self, capacity: int) -> int:
+        """Bytes of one stored slot, rounded up to the I/O alignment (parts stay aligned)."""
+        return align_up(self.data_bytes(capacity) + self.scale_bytes(capacity), ALIGNMENT)
+
+    def tensor_ranges(self, capacity: int, offset: int, numel: int) -> list[tuple[int, int]]:
+        """Byte ranges ``(start, length)`` inside one slot holding elements
+        ``[offset, offset + numel)``: the values, then (int8) the block scales."""
+        size = STATE_ELEMENT_BYTES[self.name]
+        ranges = [(offset * size, numel * size)]
+        if self.quantized:
+            if numel == 0:
+                return [*ranges, (0, 0)]
+            if offset % QBLOCK:
+                raise ValueError(f"int8 state of a tensor at element {offset} is not block-aligned")
+            first = self.data_bytes(capacity) + offset // QBLOCK * FP32_BYTES
+            ranges.append((first, _blocks(numel) * FP32_BYTES))
+        return ranges
+
+
+def _ptr(t: torch.Tensor) -> int:
+    if not (t.is_cpu and t.is_contiguous()):
+        raise ValueError("int8 state conversion needs contiguous CPU tensors")
+    return t.data_ptr()
+
+
+def read_slot(slot: StoredSlot, signed: bool) -> torch.Tensor:
+    """A new fp32 copy of one stored state tensor (int8: signed or unsigned codes)."""
+    if slot.scale is None:
+        return slot.data.to(torch.float32, copy=True)
+    values = torch.empty(slot.data.numel(), dtype=torch.float32)
+    n = slot.data.numel()
+    native().adam.q8_decode(_ptr(slot.data), _ptr(slot.scale), _ptr(values), n, signed)
+    return values
+
+
+def read_moments(exp_avg: StoredSlot, exp_avg_sq: StoredSlot) -> tuple[torch.Tensor, torch.Tensor]:
+    """New fp32 copies of a pair of stored moments (first, second)."""
+    return read_slot(exp_avg, signed=True), read_slot(exp_avg_sq, signed=False)
+
+
+def write_moments(
+    exp_avg: StoredSlot, exp_avg_sq: StoredSlot, m: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store fp32 moments ``m``, ``v`` (flat, as long as the slots) as the kernel would."""
+    if exp_avg.scale is None or exp_avg_sq.scale is None:
+        exp_avg.data.copy_(m)
+        exp_avg_sq.data.copy_(v)
+        return
+    m32 = m.to(torch.float32).contiguous()
+    v32 = v.to(torch.float32).contiguous()
+    if not (m32.numel() == v32.numel() == exp_avg.data.numel() == exp_avg_sq.data.numel()):
+        raise ValueError("moments and their int8 slots must have the same number of elements")
+    native().adam.q8_encode_moments(
+        _ptr(m32),
+        _ptr(v32),
+        _ptr(exp_avg.data),
+        _ptr(exp_avg.scale),
+        _ptr(exp_avg_sq.data),
+        _ptr(exp_avg_sq.scale),
+        m32.numel(),
+    )
 
 
 @dataclass(frozen=True)
@@ -125,10 +270,6 @@ class ChunkOptimizer(ABC, Generic[H]):
         other.state_format = StateFormat(name)
         return other
 
-    def unit_parts(self, has_master: bool) -> int:
-        """Parts of one unit: the master (if any) plus one per slot."""
-        return len(self.state_slots) + int(has_master)
-
     def unit_part_bytes(self, capacity: int, has_master: bool) -> list[int]:
         """Bytes of each part of the unit of a chunk of ``capacity`` elements, in order."""
         master = [capacity * FP32_BYTES] if has_master else []
@@ -187,74 +328,6 @@ class ChunkOptimizer(ABC, Generic[H]):
         (1 on the first update), gradients are divided by ``grad_scale``."""
 
 
-# Keys torch.optim.Adam/AdamW keep in every param group. CPUAdam stores them
-# with torch's defaults so its state_dict loads into torch unchanged.
-_TORCH_GROUP_DEFAULTS: dict[str, Any] = {
-    "amsgrad": False,
-    "maximize": False,
-    "foreach": None,
-    "capturable": False,
-    "differentiable": False,
-    "fused": None,
-}
-# Group flags torch supports and CPUAdam does not: flag -> what to use instead.
-_UNSUPPORTED_FLAGS = {
-    "amsgrad": "torch.optim.AdamW(amsgrad=True)",
-    "maximize": "minimising the negated loss",
-    "capturable": "torch.optim.AdamW(capturable=True) on the GPU",
-    "differentiable": "torch.optim.AdamW(differentiable=True)",
-}
-
-
-@dataclass(frozen=True)
-class AdamHyperParams:
-    """The hyper-parameters of one param group, as plain validated floats.
-
-    ``adamw=True`` means decoupled weight decay (AdamW: ``p -= lr * wd * p``
-    before the Adam update); ``adamw=False`` means classic L2 regularisation
-    (Adam: ``wd * p`` is added to the gradient, so it also flows through the
-    moments).
-    """
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw: bool
-
-    @classmethod
-    def from_group(cls, group: dict[str, Any]) -> AdamHyperParams:
-        """Read and validate a param group (values may be floats or 1-element tensors).
-
-        Raises ``ValueError`` naming the key for out-of-range values and for
-        torch flags CPUAdam does not implement (``amsgrad``, ``maximize``, ...).
-        """
-        for flag, instead in _UNSUPPORTED_FLAGS.items():
-            if group.get(flag, False):
-                raise ValueError(f"CPUAdam does not implement {flag}=True; use {instead}")
-        beta1, beta2 = betas_value(group)
-        return cls(
-            lr=hyper_value("lr", group["lr"], low=0.0),
-            beta1=beta1,
-            beta2=beta2,
-            eps=hyper_value("eps", group["eps"], low=0.0),
-            weight_decay=hyper_value("weight_decay", group["weight_decay"], low=0.0),
-            adamw=bool(group["adamw"]),
-        )
-
-    def kernel_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`kernels.adam_step` for these hyper-parameters."""
-        return {
-            "lr": self.lr,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-            "adamw": self.adamw,
-        }
-
-
 def betas_value(group: dict[str, Any]) -> tuple[float, float]:
     """A param group's ``betas``: a pair in [0, 1]; ``ValueError`` naming it otherwise."""
     betas = group["betas"]
@@ -282,49 +355,6 @@ def hyper_value(name: str, value: Any, *, low: float, high: float | None = None)
     return x
 
 
-class AdamChunks(ChunkOptimizer[AdamHyperParams]):
-    """Adam / AdamW over chunks, on the fused CPU-Adam kernel (:func:`.kernels.adam_step`)."""
-
-    name = "adam"
-    front_end = "infinity.optim.CPUAdam"
-    state_slots = ("exp_avg", "exp_avg_sq")
-    state_dtypes = ("fp32", "bf16", "int8")
-
-    def read_state(self, unit: UnitViews, span: slice) -> dict[str, torch.Tensor]:
-        """New fp32 copies of both moments of elements ``span`` (int8: decoded)."""
-        m, v = read_moments(unit.slots["exp_avg"].span(span), unit.slots["exp_avg_sq"].span(span))
-        return {"exp_avg": m, "exp_avg_sq": v}
-
-    def write_state(self, unit: UnitViews, span: slice, values: Mapping[str, torch.Tensor]) -> None:
-        """Store fp32 moments as the kernel would (int8: encoded block by block from
-        ``span.start``, which is a block boundary: tensors start on one)."""
-        write_moments(
-            unit.slots["exp_avg"].span(span),
-            unit.slots["exp_avg_sq"].span(span),
-            values["exp_avg"].reshape(-1),
-            values["exp_avg_sq"].reshape(-1),
-        )
-
-    def step(
-        self, views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float
-    ) -> None:
-        """One Adam update of the run (see :class:`ChunkOptimizer`)."""
-        kernels.adam_step(
-            views.master,
-            views.grad,
-            views.state["exp_avg"],
-            views.state["exp_avg_sq"],
-            step=step,
-            grad_scale=grad_scale,
-            out16=views.out16,
-            exp_avg_scale=views.scales.get("exp_avg"),
-            exp_avg_sq_scale=views.scales.get("exp_avg_sq"),
-            round_stream=views.rounding[0],
-            round_offset=views.rounding[1],
-            **hyper.kernel_kwargs(),
-        )
-
-
 def unit_ranges(
     state_format: StateFormat, slots: int, capacity: int, has_master: bool, offset: int, numel: int
 ) -> list[tuple[int, int]]:
@@ -340,7 +370,3 @@ def unit_ranges(
         ]
         at += state_format.slot_bytes(capacity)
     return ranges
-
-
-ADAM = AdamChunks()
-"""Adam with exact fp32 moments; ``ADAM.with_state_dtype(...)`` for bf16 or int8."""

@@ -1,31 +1,155 @@
-"""``infinity.optim.CPUAdam``: a drop-in, faster ``torch.optim.AdamW`` / ``Adam`` for CPU tensors.
+"""``infinity.optim.CPUAdam``: Adam / AdamW for CPU tensors and offloaded models, a
+drop-in, faster ``torch.optim.AdamW`` / ``Adam``.
 
-Each parameter is updated by one call of the fused native kernel
-(:func:`infinity.optim.kernels.adam_step`): one pass over parameter, gradient
-and both moments instead of the dozen tensor passes of torch's reference
-implementation. The per-parameter state (``step``, ``exp_avg``,
-``exp_avg_sq``) and the parameter groups are those of ``torch.optim.AdamW``,
-so checkpoints move between the two optimizers in both directions.
+Adam's pieces, as every optimizer's (docs/design/optimizer.md, "Adding an
+optimizer"): its hyper-parameters (:class:`AdamHyperParams`, validated once per
+step), its chunk optimizer over the ``exp_avg`` and ``exp_avg_sq`` slots
+(:data:`ADAM`, in any state format), and the front-end users construct
+(:class:`CPUAdam`). Each update is a call of the fused native kernel
+(:func:`infinity.optim.kernels.adam_step`; plain CPU tensors of a param group
+go through :func:`~infinity.optim.kernels.adam_step_many` in one call): one
+pass over parameter, gradient and both moments instead of the dozen tensor
+passes of torch's reference implementation. The per-parameter state
+(``step``, ``exp_avg``, ``exp_avg_sq``) and the parameter groups are those of
+``torch.optim.AdamW``, so checkpoints move between the two optimizers in both
+directions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from infinity.optim import kernels, offloaded
 from infinity.optim.chunk_optimizer import (
-    _TORCH_GROUP_DEFAULTS,
-    ADAM,
-    AdamHyperParams,
     ChunkOptimizer,
+    StepViews,
+    UnitViews,
+    betas_value,
+    hyper_value,
+    read_moments,
+    write_moments,
 )
-from infinity.optim.dense import check_dense_param, flat_buffers, step_dtype
-from infinity.optim.front_end import CPUOptimizer
+from infinity.optim.front_end import CPUOptimizer, check_dense_param, flat_buffers, step_dtype
 
-__all__ = ["AdamHyperParams", "CPUAdam"]
+__all__ = ["ADAM", "AdamChunks", "AdamHyperParams", "CPUAdam"]
+
+# Keys torch.optim.Adam/AdamW keep in every param group. CPUAdam stores them
+# with torch's defaults so its state_dict loads into torch unchanged.
+_TORCH_GROUP_DEFAULTS: dict[str, Any] = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+}
+# Group flags torch supports and CPUAdam does not: flag -> what to use instead.
+_UNSUPPORTED_FLAGS = {
+    "amsgrad": "torch.optim.AdamW(amsgrad=True)",
+    "maximize": "minimising the negated loss",
+    "capturable": "torch.optim.AdamW(capturable=True) on the GPU",
+    "differentiable": "torch.optim.AdamW(differentiable=True)",
+}
+
+
+@dataclass(frozen=True)
+class AdamHyperParams:
+    """The hyper-parameters of one param group, as plain validated floats.
+
+    ``adamw=True`` means decoupled weight decay (AdamW: ``p -= lr * wd * p``
+    before the Adam update); ``adamw=False`` means classic L2 regularisation
+    (Adam: ``wd * p`` is added to the gradient, so it also flows through the
+    moments).
+    """
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw: bool
+
+    @classmethod
+    def from_group(cls, group: dict[str, Any]) -> AdamHyperParams:
+        """Read and validate a param group (values may be floats or 1-element tensors).
+
+        Raises ``ValueError`` naming the key for out-of-range values and for
+        torch flags CPUAdam does not implement (``amsgrad``, ``maximize``, ...).
+        """
+        for flag, instead in _UNSUPPORTED_FLAGS.items():
+            if group.get(flag, False):
+                raise ValueError(f"CPUAdam does not implement {flag}=True; use {instead}")
+        beta1, beta2 = betas_value(group)
+        return cls(
+            lr=hyper_value("lr", group["lr"], low=0.0),
+            beta1=beta1,
+            beta2=beta2,
+            eps=hyper_value("eps", group["eps"], low=0.0),
+            weight_decay=hyper_value("weight_decay", group["weight_decay"], low=0.0),
+            adamw=bool(group["adamw"]),
+        )
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`kernels.adam_step` for these hyper-parameters."""
+        return {
+            "lr": self.lr,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "adamw": self.adamw,
+        }
+
+
+class AdamChunks(ChunkOptimizer[AdamHyperParams]):
+    """Adam / AdamW over chunks, on the fused CPU-Adam kernel (:func:`.kernels.adam_step`)."""
+
+    name = "adam"
+    front_end = "infinity.optim.CPUAdam"
+    state_slots = ("exp_avg", "exp_avg_sq")
+    state_dtypes = ("fp32", "bf16", "int8")
+
+    def read_state(self, unit: UnitViews, span: slice) -> dict[str, torch.Tensor]:
+        """New fp32 copies of both moments of elements ``span`` (int8: decoded)."""
+        m, v = read_moments(unit.slots["exp_avg"].span(span), unit.slots["exp_avg_sq"].span(span))
+        return {"exp_avg": m, "exp_avg_sq": v}
+
+    def write_state(self, unit: UnitViews, span: slice, values: Mapping[str, torch.Tensor]) -> None:
+        """Store fp32 moments as the kernel would (int8: encoded block by block from
+        ``span.start``, which is a block boundary: tensors start on one)."""
+        write_moments(
+            unit.slots["exp_avg"].span(span),
+            unit.slots["exp_avg_sq"].span(span),
+            values["exp_avg"].reshape(-1),
+            values["exp_avg_sq"].reshape(-1),
+        )
+
+    def step(
+        self, views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float
+    ) -> None:
+        """One Adam update of the run (see :class:`ChunkOptimizer`)."""
+        kernels.adam_step(
+            views.master,
+            views.grad,
+            views.state["exp_avg"],
+            views.state["exp_avg_sq"],
+            step=step,
+            grad_scale=grad_scale,
+            out16=views.out16,
+            exp_avg_scale=views.scales.get("exp_avg"),
+            exp_avg_sq_scale=views.scales.get("exp_avg_sq"),
+            round_stream=views.rounding[0],
+            round_offset=views.rounding[1],
+            **hyper.kernel_kwargs(),
+        )
+
+
+ADAM = AdamChunks()
+"""Adam with exact fp32 moments; ``ADAM.with_state_dtype(...)`` for bf16 or int8."""
 
 
 class CPUAdam(CPUOptimizer[AdamHyperParams]):
@@ -61,6 +185,9 @@ class CPUAdam(CPUOptimizer[AdamHyperParams]):
     The number of threads is set with :func:`infinity.optim.kernels.set_num_threads`.
     """
 
+    hyper_params = AdamHyperParams
+    chunk_optimizer = ADAM
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -88,14 +215,6 @@ class CPUAdam(CPUOptimizer[AdamHyperParams]):
             "differentiable": differentiable,
         }
         super().__init__(params, defaults)
-
-    def hyper_of(self, group: dict[str, Any]) -> AdamHyperParams:
-        """The validated Adam hyper-parameters of one param group."""
-        return AdamHyperParams.from_group(group)
-
-    def make_chunk_optimizer(self) -> ChunkOptimizer[AdamHyperParams]:
-        """The fused Adam/AdamW kernel over fp32 master, ``exp_avg`` and ``exp_avg_sq``."""
-        return ADAM
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore from ``load_state_dict``, accepting torch Adam/AdamW checkpoints too."""
@@ -129,7 +248,8 @@ class CPUAdam(CPUOptimizer[AdamHyperParams]):
 
     def _step_dense(self, group: dict[str, Any]) -> None:
         """Step the plain CPU tensors of one param group in one native multi-tensor call."""
-        kwargs = AdamHyperParams.from_group(group).kernel_kwargs()
+        hyper = AdamHyperParams.from_group(group)
+        kwargs = hyper.kernel_kwargs()
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         exp_avgs: list[torch.Tensor] = []
@@ -157,7 +277,7 @@ class CPUAdam(CPUOptimizer[AdamHyperParams]):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             flats = flat_buffers(p, grad, state["exp_avg"], state["exp_avg_sq"])
             if flats is None:
-                others.append((p, grad, state))
+                others.append((p, grad))
                 continue
             params.append(flats[0])
             grads.append(flats[1])
@@ -171,22 +291,5 @@ class CPUAdam(CPUOptimizer[AdamHyperParams]):
             steps = [int(s) + 1 for s in torch.stack(batch_steps).tolist()]
             kernels.adam_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps, **kwargs)
             torch._foreach_add_(batch_steps, 1)  # one op for all, as torch's multi-tensor Adam
-        for p, grad, state in others:
-            _step_copies(p, grad, state, int(state["step"].item()) + 1, kwargs)
-            state["step"] += 1
-
-
-def _step_copies(
-    p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], step: int, kwargs: dict[str, Any]
-) -> None:
-    """Step a parameter with an unusual layout on contiguous copies, then copy back.
-
-    Rare (views with gaps, gradients with other strides than their
-    parameter); same result as in place, two extra passes over memory.
-    """
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    pc, mc, vc = p.contiguous(), exp_avg.contiguous(), exp_avg_sq.contiguous()
-    kernels.adam_step(pc, grad.contiguous(), mc, vc, step=step, **kwargs)
-    for dst, src in ((p, pc), (exp_avg, mc), (exp_avg_sq, vc)):
-        if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
+        for p, grad in others:
+            self._step_tensor(ADAM, hyper, p, grad)

@@ -2,14 +2,16 @@
 chunk optimizer (:class:`~infinity.optim.CPUAdam`, :class:`~infinity.optim.CPUSGD`,
 :class:`~infinity.optim.CPULion`, :class:`~infinity.optim.CPUAdafactor`).
 
-A concrete optimizer says two things (see "Adding an optimizer" in
+A concrete optimizer names two things (see "Adding an optimizer" in
 docs/design/optimizer.md):
 
-- :meth:`CPUOptimizer.hyper_of`: the validated hyper-parameters of one param
-  group, a frozen dataclass compared by value (tensors whose hyper-parameters
-  and step count are equal run through one kernel call);
-- :meth:`CPUOptimizer.make_chunk_optimizer`: the per-element update and the
-  state slots (:class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`).
+- :attr:`CPUOptimizer.hyper_params`: the validated hyper-parameters of one
+  param group (:meth:`CPUOptimizer.hyper_of`), a frozen dataclass compared by
+  value (tensors whose hyper-parameters and step count are equal run through
+  one kernel call);
+- :attr:`CPUOptimizer.chunk_optimizer`: the per-element update and the state
+  slots (:class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`,
+  :meth:`CPUOptimizer.make_chunk_optimizer`).
 
 Everything else is here, once: parameters of offloaded models step inside
 their engines, which learn the chunk optimizer from the optimizer constructed
@@ -18,24 +20,102 @@ same chunk optimizer on their own fp32 state (a concrete optimizer may
 override :meth:`CPUOptimizer._step_dense` with something faster, as CPUAdam
 does, or with states not shaped like the parameters, as CPUAdafactor does);
 state dicts carry the slots by name, as torch's do; fp16 loss scaling and
-gradient clipping work on offloaded parameters.
+gradient clipping work on offloaded parameters. The checks and flat views of
+parameters that were not offloaded (:func:`check_dense_param`,
+:func:`flat_buffers`) are here too, for every front-end.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch.optim import Optimizer
 
 from infinity.optim import offloaded
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews
-from infinity.optim.dense import check_dense_param, check_grad, flat_buffers, step_dtype
 from infinity.optim.offloaded import ChunkStepper
 
 H = TypeVar("H")
+
+
+def check_dense_param(owner: str, p: torch.Tensor) -> None:
+    """Raise a clear error if optimizer ``owner`` (its class name) cannot step ``p``
+    as a plain CPU tensor."""
+    if p.is_cpu is True and p.dtype is torch.float32 and p.layout is torch.strided:
+        return  # the common case, tested with the cheapest attributes
+    where = f"a parameter of shape {tuple(p.shape)}"
+    if p.device.type != "cpu":
+        raise ValueError(
+            f"{owner} updates parameters in CPU memory, but {where} is on '{p.device}'. "
+            "Keep the parameters on the CPU, or use infinity.offload(model, config), whose "
+            "chunks hold fp32 master copies in CPU memory."
+        )
+    if p.layout != torch.strided:
+        raise ValueError(f"{owner} needs dense parameters; {where} has layout {p.layout}")
+    if p.dtype in (torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"{owner} keeps fp32 master parameters, but {where} is {str(p.dtype)[6:]}: updating "
+            "16-bit weights in place loses most small updates to rounding. Give "
+            f"{owner} fp32 parameters (keep a 16-bit copy for compute), or use "
+            "infinity.offload(model, Config(dtype='bf16')), which keeps fp32 masters and writes "
+            "16-bit copies in the step."
+        )
+    if p.dtype != torch.float32:
+        raise TypeError(f"{owner} supports fp32 parameters only; {where} is {str(p.dtype)[6:]}")
+
+
+def check_grad(owner: str, p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Raise if ``grad`` cannot update ``p`` (sparse, or another shape)."""
+    if grad.is_sparse:
+        raise RuntimeError(f"{owner} does not support sparse gradients; use torch.optim.SparseAdam")
+    if grad.shape != p.shape:
+        raise ValueError(
+            f"gradient of shape {tuple(grad.shape)} does not match its parameter "
+            f"of shape {tuple(p.shape)}"
+        )
+
+
+def flat_memory(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of ``t``'s elements in memory order, if they fill a gap-free block.
+
+    True for contiguous tensors and for permuted ones such as channels_last
+    weights; ``None`` for views with gaps, overlaps or negative strides.
+    """
+    if t.is_contiguous():
+        return t.view(-1)
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda ss: ss[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return None
+        expected *= size
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def flat_buffers(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors as flat views of their memory, if a kernel can update them in place.
+
+    True when all are contiguous, or all share one gap-free layout (e.g.
+    channels_last): then element i of each view is the same logical element.
+    """
+    if all(t.is_contiguous() for t in tensors):
+        return [t.view(-1) for t in tensors]
+    first = tensors[0].stride()
+    if any(t.stride() != first for t in tensors):
+        return None
+    flats = [flat_memory(t) for t in tensors]
+    return None if any(f is None for f in flats) else flats  # type: ignore[return-value]
+
+
+def step_dtype() -> torch.dtype:
+    """The dtype of a parameter's ``step`` state, as torch keeps it."""
+    # torch keeps `step` as a CPU float tensor (float64 under a float64
+    # default dtype); matching it keeps state dicts interchangeable.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def check_state_shape(
@@ -53,9 +133,15 @@ class CPUOptimizer(Optimizer, Generic[H]):
     """A torch optimizer for CPU fp32 tensors and offloaded parameters, over one
     :class:`~infinity.optim.chunk_optimizer.ChunkOptimizer`.
 
-    Subclasses implement :meth:`hyper_of` and :meth:`make_chunk_optimizer` and
+    Subclasses name their :attr:`hyper_params` and :attr:`chunk_optimizer` and
     call ``super().__init__(params, defaults)`` with torch's group keys.
     """
+
+    hyper_params: ClassVar[type[Any]]
+    """The hyper-parameters: a frozen dataclass whose ``from_group(group)`` reads and
+    validates one param group (``ValueError`` naming the bad key and value)."""
+    chunk_optimizer: ClassVar[ChunkOptimizer[Any]]
+    """The per-element update and state slots of this optimizer."""
 
     def __init__(
         self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]
@@ -67,11 +153,11 @@ class CPUOptimizer(Optimizer, Generic[H]):
     def hyper_of(self, group: dict[str, Any]) -> H:
         """The validated hyper-parameters of one param group (``ValueError`` naming the
         bad key and value)."""
-        raise NotImplementedError
+        return self.hyper_params.from_group(group)
 
     def make_chunk_optimizer(self) -> ChunkOptimizer[H]:
         """The per-element update and state slots of this optimizer."""
-        raise NotImplementedError
+        return self.chunk_optimizer
 
     # --- torch's Optimizer interface ------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -111,7 +197,8 @@ class CPUOptimizer(Optimizer, Generic[H]):
         state_dict = dict(state_dict)
         taken = offloaded.take_offloaded_state(self.param_groups, state_dict)
         super().load_state_dict(state_dict)
-        offloaded.put_offloaded_state(taken)
+        for engine, values in taken.items():
+            engine.write_moments(values)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -142,8 +229,19 @@ class CPUOptimizer(Optimizer, Generic[H]):
     # --- offloaded models -----------------------------------------------------------------
     def offloaded_hyper(self) -> dict[ChunkStepper, dict[int, H]]:
         """For each engine, the hyper-parameters of every offloaded parameter (by tensor
-        index); what the engine's early steps (``overlap_optimizer``) read too."""
-        return offloaded.offloaded_hyper(self.param_groups, self.hyper_of)
+        index, validated once per group); what the engine's early steps
+        (``overlap_optimizer``) read too."""
+        out: dict[ChunkStepper, dict[int, H]] = {}
+        for group in self.param_groups:
+            hyper = None
+            for p in group["params"]:
+                slot = offloaded.param_slot(p)
+                if slot is None:
+                    continue
+                if hyper is None:
+                    hyper = self.hyper_of(group)
+                out.setdefault(slot.engine, {})[slot.tensor_index] = hyper
+        return out
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward()`` on: times the fp16 loss scale of offloaded models.
@@ -153,7 +251,14 @@ class CPUOptimizer(Optimizer, Generic[H]):
         removes the scale again and skips the step (halving the scale) when a
         gradient overflowed.
         """
-        return offloaded.scale_loss(self.param_groups, loss)
+        scales = set()
+        for engine in offloaded.engines(self.param_groups):
+            if engine.scaler is not None:
+                engine.note_loss_scaled()
+                scales.add(engine.scaler.scale)
+        if len(scales) > 1:
+            raise RuntimeError("the optimizer holds fp16 models with different loss scales")
+        return loss * scales.pop() if scales else loss
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -217,16 +322,25 @@ class CPUOptimizer(Optimizer, Generic[H]):
             for name in slots:  # NOTE: all checked before any tensor changes
                 check_state_shape(name, p, state[name], tuple(p.shape))
         for p, grad in todo:
-            state = self.state[p]
-            tensors = [p, grad, *(state[name] for name in slots)]
-            flats = flat_buffers(*tensors)
-            work = flats if flats is not None else [t.contiguous().view(-1) for t in tensors]
-            views = StepViews(work[0], work[1], dict(zip(slots, work[2:], strict=True)), None)
-            update.step(views, hyper, step=int(state["step"].item()) + 1, grad_scale=1.0)
-            if flats is None:
-                # Rare (views with gaps, gradients with other strides): stepped
-                # on contiguous copies, copied back.
-                for k, (dst, src) in enumerate(zip(tensors, work, strict=True)):
-                    if k != 1 and dst.data_ptr() != src.data_ptr():  # 1: the gradient
-                        dst.copy_(src.view(dst.shape))
-            state["step"] += 1
+            self._step_tensor(update, hyper, p, grad)
+
+    def _step_tensor(
+        self, update: ChunkOptimizer[H], hyper: H, p: torch.Tensor, grad: torch.Tensor
+    ) -> None:
+        """Step one plain CPU tensor on its state slots (checked, and created) and count
+        the step."""
+        state = self.state[p]
+        slots = update.state_slots
+        tensors = [p, grad, *(state[name] for name in slots)]
+        flats = flat_buffers(*tensors)
+        work = flats if flats is not None else [t.contiguous().view(-1) for t in tensors]
+        views = StepViews(work[0], work[1], dict(zip(slots, work[2:], strict=True)), None)
+        update.step(views, hyper, step=int(state["step"].item()) + 1, grad_scale=1.0)
+        if flats is None:
+            # Rare (views with gaps, gradients with other strides than their
+            # parameter): stepped on contiguous copies, copied back; same result
+            # as in place, two extra passes over memory.
+            for k, (dst, src) in enumerate(zip(tensors, work, strict=True)):
+                if k != 1 and dst.data_ptr() != src.data_ptr():  # 1: the gradient
+                    dst.copy_(src.view(dst.shape))
+        state["step"] += 1

@@ -1,5 +1,6 @@
-"""Argument checks of the fused CPU kernels' entry points (Adam: :mod:`infinity.optim.kernels`,
-Lion: :mod:`infinity.optim.lion_kernel`, SGD: :mod:`infinity.optim.sgd_kernel`).
+"""Argument checks shared by the fused CPU kernels' entry points (Adam:
+:mod:`infinity.optim.kernels`, Lion: :func:`infinity.optim.lion.lion_step`, SGD:
+:func:`infinity.optim.sgd.sgd_step`).
 
 Every argument is validated in Python with an error that names it, so a bad
 tensor never reaches the native code as a bad pointer
@@ -21,8 +22,6 @@ import torch
 
 from infinity._native.adam import GRAD_CODES, OUT16_CODES, QBLOCK, STATE_FORMATS
 
-_F32 = torch.float32
-_STRIDED = torch.strided
 FP32 = (torch.float32,)
 GRAD_DTYPES = tuple(GRAD_CODES)
 OUT16_DTYPES = tuple(OUT16_CODES)
@@ -212,50 +211,6 @@ def finite(
     return x
 
 
-def check_four(i: int, p: object, g: object, m: object, v: object) -> int:
-    """Check tensor i of adam_step_many; return its numel.
-
-    One combined test on the happy path (this runs once per parameter
-    tensor per step); the detailed checks that name the culprit run only when
-    it fails.
-    """
-    try:
-        n = p.numel()  # type: ignore[attr-defined]
-        if (
-            p.is_cpu is True  # type: ignore[attr-defined]
-            and g.is_cpu is True  # type: ignore[attr-defined]
-            and m.is_cpu is True  # type: ignore[attr-defined]
-            and v.is_cpu is True  # type: ignore[attr-defined]
-            and p.dtype is _F32  # type: ignore[attr-defined]
-            and m.dtype is _F32  # type: ignore[attr-defined]
-            and v.dtype is _F32  # type: ignore[attr-defined]
-            and g.dtype in GRAD_DTYPES  # type: ignore[attr-defined]
-            and p.layout is _STRIDED  # type: ignore[attr-defined]
-            and g.layout is _STRIDED  # type: ignore[attr-defined]
-            and m.layout is _STRIDED  # type: ignore[attr-defined]
-            and v.layout is _STRIDED  # type: ignore[attr-defined]
-            and p.is_contiguous()  # type: ignore[attr-defined]
-            and g.is_contiguous()  # type: ignore[attr-defined]
-            and m.is_contiguous()  # type: ignore[attr-defined]
-            and v.is_contiguous()  # type: ignore[attr-defined]
-            and g.numel() == n  # type: ignore[attr-defined]
-            and m.numel() == n  # type: ignore[attr-defined]
-            and v.numel() == n  # type: ignore[attr-defined]
-            and isinstance(p, torch.Tensor)
-            and isinstance(g, torch.Tensor)
-            and isinstance(m, torch.Tensor)
-            and isinstance(v, torch.Tensor)
-        ):
-            return n
-    except (AttributeError, TypeError):
-        pass  # not tensors: the detailed checks below say which
-    n = check_tensor(f"masters[{i}]", p, FP32, None)
-    check_tensor(f"grads[{i}]", g, GRAD_DTYPES, n, "masters")
-    check_tensor(f"exp_avgs[{i}]", m, FP32, n, "masters")
-    check_tensor(f"exp_avg_sqs[{i}]", v, FP32, n, "masters")
-    raise AssertionError("unreachable: the detailed checks must reject what the fast one did")
-
-
 def check_step(name: str, step: object) -> int:
     if isinstance(step, bool):
         raise TypeError(f"{name} must be an int, got bool")
@@ -281,24 +236,8 @@ def check_rounding(stream: object, offset: object) -> tuple[int, int]:
     return values[0], values[1]
 
 
-def check_hyper(
-    lr: object,
-    beta1: object,
-    beta2: object,
-    eps: object,
-    weight_decay: object,
-    adamw: object,
-    grad_scale: object,
-) -> tuple[float, float, float, float, float, bool, float]:
-    """Validated hyper-parameters in the order of the native signature."""
-    if not isinstance(adamw, bool):
-        raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
-    return (
-        finite("lr", lr, low=0.0),
-        finite("beta1", beta1, low=0.0, high=1.0),
-        finite("beta2", beta2, low=0.0, high=1.0),
-        finite("eps", eps, low=0.0),
-        finite("weight_decay", weight_decay, low=0.0),
-        adamw,
-        finite("grad_scale", grad_scale),
-    )
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a bool; ``TypeError`` naming ``name`` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value

@@ -18,6 +18,7 @@ bad tensor never reaches the native code as a bad pointer
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,13 +26,15 @@ from infinity._native import submodule
 from infinity._native.adam import GRAD_CODES as _GRAD_CODES
 from infinity._native.adam import OUT16_CODES as _OUT_CODES
 from infinity.optim.kernel_args import (
+    FP32,
+    GRAD_DTYPES,
     OUT16_DTYPES,
+    check_bool,
     check_flat_buffers,
-    check_four,
-    check_hyper,
     check_rounding,
     check_step,
     check_tensor,
+    finite,
 )
 
 __all__ = [
@@ -44,6 +47,9 @@ __all__ = [
     "get_num_threads",
     "set_num_threads",
 ]
+
+_F32 = torch.float32
+_STRIDED = torch.strided
 
 
 def adam_step(
@@ -122,7 +128,7 @@ def adam_step(
         int8_state="int8 (uint8) moments",
     )
     step = check_step("step", step)
-    hyper = check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
+    hyper = _check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
     submodule("adam").step(
         *b.leading_args(),
         step,
@@ -175,11 +181,11 @@ def adam_step_many(
         if len(steps) != count:
             raise ValueError(f"steps has {len(steps)} entries but masters has {count}")
         step_list = [check_step(f"steps[{i}]", s) for i, s in enumerate(steps)]
-    hyper = check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
+    hyper = _check_hyper(lr, beta1, beta2, eps, weight_decay, adamw, grad_scale)
 
     numels, grad_codes, out_ptrs, out_codes = [], [], [], []
     for i in range(count):
-        n = check_four(i, masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i])
+        n = _check_four(i, masters[i], grads[i], exp_avgs[i], exp_avg_sqs[i])
         numels.append(n)
         grad_codes.append(_GRAD_CODES[grads[i].dtype])
         out = None if out16s is None else out16s[i]
@@ -203,6 +209,72 @@ def adam_step_many(
         numels,
         step_list,
         *hyper,
+    )
+
+
+def _check_four(i: int, p: Any, g: Any, m: Any, v: Any) -> int:
+    """Check tensor i of adam_step_many; return its numel.
+
+    One combined test on the happy path (this runs once per parameter
+    tensor per step); the detailed checks that name the culprit run only when
+    it fails.
+    """
+    try:
+        n = p.numel()
+        if (
+            p.is_cpu is True
+            and g.is_cpu is True
+            and m.is_cpu is True
+            and v.is_cpu is True
+            and p.dtype is _F32
+            and m.dtype is _F32
+            and v.dtype is _F32
+            and g.dtype in GRAD_DTYPES
+            and p.layout is _STRIDED
+            and g.layout is _STRIDED
+            and m.layout is _STRIDED
+            and v.layout is _STRIDED
+            and p.is_contiguous()
+            and g.is_contiguous()
+            and m.is_contiguous()
+            and v.is_contiguous()
+            and g.numel() == n
+            and m.numel() == n
+            and v.numel() == n
+            and isinstance(p, torch.Tensor)
+            and isinstance(g, torch.Tensor)
+            and isinstance(m, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+        ):
+            return n
+    except (AttributeError, TypeError):
+        pass  # not tensors: the detailed checks below say which
+    n = check_tensor(f"masters[{i}]", p, FP32, None)
+    check_tensor(f"grads[{i}]", g, GRAD_DTYPES, n, "masters")
+    check_tensor(f"exp_avgs[{i}]", m, FP32, n, "masters")
+    check_tensor(f"exp_avg_sqs[{i}]", v, FP32, n, "masters")
+    raise AssertionError("unreachable: the detailed checks must reject what the fast one did")
+
+
+def _check_hyper(
+    lr: object,
+    beta1: object,
+    beta2: object,
+    eps: object,
+    weight_decay: object,
+    adamw: object,
+    grad_scale: object,
+) -> tuple[float, float, float, float, float, bool, float]:
+    """Validated hyper-parameters in the order of the native signature."""
+    adamw = check_bool("adamw", adamw)
+    return (
+        finite("lr", lr, low=0.0),
+        finite("beta1", beta1, low=0.0, high=1.0),
+        finite("beta2", beta2, low=0.0, high=1.0),
+        finite("eps", eps, low=0.0),
+        finite("weight_decay", weight_decay, low=0.0),
+        adamw,
+        finite("grad_scale", grad_scale),
     )
 
 

@@ -20,29 +20,71 @@ not depend on the runtime that implements it.
 What the front-ends do: a registered parameter has no ``.grad`` tensor and no
 values in RAM. Its step runs chunk by chunk inside the engine, its ``.grad``
 sentinel answers gradient clipping from the chunks, and fp16 loss scaling is
-the engine's.
+the engine's, with the policy of :class:`LossScaler` (here, as every engine
+and the front-ends read it).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.optim.chunk_optimizer import ChunkOptimizer
-from infinity.optim.loss_scale import LossScaler
 
-__all__ = ["ChunkStepper", "MomentState", "engine_of_param"]
+__all__ = ["ChunkStepper", "LossScaler", "MomentState", "engine_of_param"]
 
-H = TypeVar("H")
 
 # A tensor's step count and its optimizer state by slot name (Adam: exp_avg, exp_avg_sq;
 # a slot left out is zeros).
 MomentState = tuple[int, dict[str, torch.Tensor]]
+
+
+@dataclass
+class LossScaler:
+    """The scale fp16 losses are multiplied by before backward.
+
+    On a step whose gradients hold inf/NaN the step is skipped and the scale
+    halves (not below ``min_scale``); after ``window`` good steps in a row it
+    doubles. The same policy as ``torch.amp.GradScaler``.
+    """
+
+    scale: float
+    window: int
+    min_scale: float
+    good_steps: int = 0
+    skipped_steps: int = 0
+
+    def update(self, found_inf: bool) -> None:
+        """Account for one step; ``found_inf`` means it was skipped."""
+        if found_inf:
+            self.scale = max(self.min_scale, self.scale / 2)
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.window:
+            self.scale *= 2
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        """Plain numbers, for checkpoints."""
+        return {
+            "scale": self.scale,
+            "good_steps": self.good_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore from :meth:`state_dict`."""
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
 
 
 class ChunkStepper(Protocol):
@@ -126,24 +168,6 @@ def engine_of_param(param: torch.Tensor) -> ChunkStepper | None:
     return slot.engine if slot is not None else None
 
 
-def offloaded_hyper(
-    param_groups: Iterable[dict[str, Any]], hyper_of: Callable[[dict[str, Any]], H]
-) -> dict[ChunkStepper, dict[int, H]]:
-    """For each engine, the hyper-parameters (``hyper_of(group)``, validated once per
-    group) of every offloaded parameter, by tensor index."""
-    out: dict[ChunkStepper, dict[int, H]] = {}
-    for group in param_groups:
-        hyper = None
-        for p in group["params"]:
-            slot = param_slot(p)
-            if slot is None:
-                continue
-            if hyper is None:
-                hyper = hyper_of(group)
-            out.setdefault(slot.engine, {})[slot.tensor_index] = hyper
-    return out
-
-
 def engines(param_groups: Iterable[dict[str, Any]]) -> list[ChunkStepper]:
     """The distinct engines whose parameters the optimizer holds."""
     found: dict[int, ChunkStepper] = {}
@@ -153,18 +177,6 @@ def engines(param_groups: Iterable[dict[str, Any]]) -> list[ChunkStepper]:
             if engine is not None:
                 found[id(engine)] = engine
     return list(found.values())
-
-
-def scale_loss(param_groups: Iterable[dict[str, Any]], loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` times the fp16 loss scale (unchanged for bf16/fp32 models)."""
-    scales = set()
-    for engine in engines(param_groups):
-        if engine.scaler is not None:
-            engine.note_loss_scaled()
-            scales.add(engine.scaler.scale)
-    if len(scales) > 1:
-        raise RuntimeError("the optimizer holds fp16 models with different loss scales")
-    return loss * scales.pop() if scales else loss
 
 
 def add_offloaded_state(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
@@ -189,7 +201,9 @@ def take_offloaded_state(
 ) -> dict[ChunkStepper, dict[int, MomentState | None]]:
     """Remove the states of offloaded parameters from ``state_dict`` (a copy is
     changed); returns, per engine, the moments to write by tensor index (``None``:
-    the state dict has none for it, as a tensor never stepped)."""
+    the state dict has none for it, as a tensor never stepped), after checking them
+    all (the front-end writes them with ``engine.write_moments`` once torch's own
+    load has passed)."""
     state = dict(state_dict["state"])
     state_dict["state"] = state
     taken: dict[ChunkStepper, dict[int, MomentState | None]] = {}
@@ -210,12 +224,6 @@ def take_offloaded_state(
     for engine, values in taken.items():
         engine.check_moments(values)
     return taken
-
-
-def put_offloaded_state(taken: dict[ChunkStepper, dict[int, MomentState | None]]) -> None:
-    """Write what :func:`take_offloaded_state` took into the engines' chunks."""
-    for engine, values in taken.items():
-        engine.write_moments(values)
 
 
 def _moment_state(value: dict[str, Any], slots: tuple[str, ...], key: object) -> MomentState:

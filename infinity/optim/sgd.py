@@ -1,16 +1,26 @@
 """``infinity.optim.CPUSGD``: ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
-decay, maximize) for CPU tensors and offloaded models, in this module and its fused
-kernel (:mod:`infinity.optim.sgd_kernel`).
+decay, maximize) for CPU tensors and offloaded models, with its fused kernel's entry point
+(:func:`sgd_step`, ``infinity._C.sgd``).
 
 It is the smallest optimizer on the generic front-end and shows the whole recipe
 (docs/design/optimizer.md, "Adding an optimizer"): validated hyper-parameters of a
 param group (:class:`SGDHyperParams`), the per-element update over a run of
 tensors inside a chunk and its state slot (:class:`SGDChunks`: one
-``momentum_buffer``, as torch names it), and the front-end users construct
-(:class:`CPUSGD`). The update runs on a fused native kernel
-(:mod:`infinity.optim.sgd_kernel`, ``cpp/sgd/``) that does torch's single-tensor
-SGD operation for operation, so results match ``torch.optim.SGD(foreach=False)``
-bit for bit on fp32 tensors.
+``momentum_buffer``, as torch names it), the front-end users construct
+(:class:`CPUSGD`), and the Python side of its native kernel (:func:`sgd_step`,
+``cpp/sgd/``).
+
+One :func:`sgd_step` does torch's single-tensor SGD operation for operation in
+one pass over memory: it updates the fp32 master parameters and the momentum
+buffer, reading gradients in fp32, bf16 or fp16, applying a gradient scale
+factor, and optionally writing a bf16/fp16 copy of the updated parameters. The
+kernel is chosen at run time like the Adam and Lion kernels (AVX-512,
+AVX2+FMA+F16C or scalar: :func:`infinity.optim.kernels.force_isa` forces all)
+and runs on the same pool of C++ threads with the GIL released. Results are
+bitwise identical for every ISA and thread count, and on fp32 buffers to
+``torch.optim.SGD(foreach=False)`` on a CPU whose torch kernels use FMA (AVX2
+or AVX-512). Every argument is validated here, with an error that names it
+(see NOTE [raw pointers into native code] in docs/NOTES.md).
 """
 
 from __future__ import annotations
@@ -22,11 +32,15 @@ from typing import Any
 
 import torch
 
+from infinity._native import submodule
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, hyper_value
 from infinity.optim.front_end import CPUOptimizer
-from infinity.optim.sgd_kernel import sgd_step
+from infinity.optim.kernel_args import STATE_OF_DTYPE, check_bool, check_flat_buffers, finite
 
-__all__ = ["CPUSGD", "SGD", "SGDChunks", "SGDHyperParams"]
+__all__ = ["CPUSGD", "SGD", "SGDChunks", "SGDHyperParams", "sgd_step"]
+
+# The momentum buffer is fp32 or bf16 (no int8 format).
+_STATE_OF_DTYPE = {d: code for d, code in STATE_OF_DTYPE.items() if d is not torch.uint8}
 
 # Flags torch.optim.SGD keeps in every group that CPUSGD does not implement: flag -> instead.
 _UNSUPPORTED_FLAGS = {
@@ -80,7 +94,7 @@ class SGDChunks(ChunkOptimizer[SGDHyperParams]):
     def step(
         self, views: StepViews, hyper: SGDHyperParams, *, step: int, grad_scale: float
     ) -> None:
-        """One SGD update of the run (see :func:`~infinity.optim.sgd_kernel.sgd_step`)."""
+        """One SGD update of the run (see :func:`sgd_step`)."""
         sgd_step(
             views.master,
             views.grad,
@@ -121,6 +135,9 @@ class CPUSGD(CPUOptimizer[SGDHyperParams]):
         differentiable, fused: accepted for signature compatibility; ``True`` raises.
     """
 
+    hyper_params = SGDHyperParams
+    chunk_optimizer = SGD
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -148,10 +165,78 @@ class CPUSGD(CPUOptimizer[SGDHyperParams]):
         }
         super().__init__(params, defaults)
 
-    def hyper_of(self, group: dict[str, Any]) -> SGDHyperParams:
-        """The validated SGD hyper-parameters of one param group."""
-        return SGDHyperParams.from_group(group)
 
-    def make_chunk_optimizer(self) -> ChunkOptimizer[SGDHyperParams]:
-        """SGD over the ``momentum_buffer`` slot."""
-        return SGD
+def sgd_step(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    first_step: bool = False,
+    grad_scale: float = 1.0,
+    out16: torch.Tensor | None = None,
+) -> None:
+    """Apply one ``torch.optim.SGD`` step in place, in one pass over the buffers.
+
+    Per element, with ``g = grad * grad_scale`` (negated if ``maximize``)::
+
+        g = g + weight_decay * p                       # if weight_decay
+        buf = g                                        # first_step (momentum != 0)
+        buf = momentum * buf + (1 - dampening) * g     # later steps (momentum != 0)
+        g = g + momentum * buf if nesterov else buf    # momentum != 0
+        p = p - lr * g
+        out16 = bf16/fp16(p)                           # round-to-nearest-even, if given
+
+    Args:
+        master: fp32 master parameters, updated in place.
+        grad: gradients, fp32, bf16 or fp16; only read.
+        momentum_buffer: fp32 or bf16 (rounded to nearest even on every store;
+            the step uses the fp32 value), updated in place; required when
+            ``momentum != 0``, ignored (may be ``None``) when it is 0.
+        lr, momentum, dampening, weight_decay, nesterov, maximize: as in
+            ``torch.optim.SGD``.
+        first_step: the buffer's first step: it is set to the gradient (torch's
+            ``momentum_buffer`` is ``None`` before), dampening not applied.
+        grad_scale: factor applied to every gradient before the update.
+        out16: optional bf16/fp16 buffer that receives the updated parameters.
+
+    All buffers must be contiguous CPU tensors with the same number of
+    elements that do not overlap.
+
+    Raises:
+        TypeError: a buffer is not a tensor or has the wrong dtype, or a
+            hyper-parameter has the wrong type.
+        ValueError: wrong device, layout, contiguity or size, overlapping
+            buffers, a missing momentum buffer, or a hyper-parameter out of range.
+    """
+    # The momentum is checked first: whether the buffer is used depends on it.
+    momentum = finite("momentum", momentum, low=0.0)
+    states: tuple[tuple[str, torch.Tensor], ...] = ()
+    if momentum != 0:
+        if momentum_buffer is None:
+            raise ValueError(f"momentum_buffer is required with momentum={momentum} (!= 0)")
+        states = (("momentum_buffer", momentum_buffer),)
+    b = check_flat_buffers("sgd_step", master, grad, states, out16, state_codes=_STATE_OF_DTYPE)
+    submodule("sgd").step(
+        b.master,
+        b.grad,
+        b.grad_code,
+        b.states[0] if b.states else 0,
+        b.state_code,
+        b.out16,
+        b.out16_code,
+        b.n,
+        finite("lr", lr, low=0.0),
+        momentum,
+        finite("dampening", dampening),
+        finite("weight_decay", weight_decay, low=0.0),
+        check_bool("nesterov", nesterov),
+        check_bool("maximize", maximize),
+        check_bool("first_step", first_step),
+        finite("grad_scale", grad_scale),
+    )

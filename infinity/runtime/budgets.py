@@ -39,7 +39,8 @@ from infinity.config import AUTO, Config, ConfigError
 from infinity.core.plan import Plan, PlanError
 from infinity.distributed import SINGLE, World
 from infinity.io.directories import nearest_existing
-from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.optim.cpu_adam import ADAM
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.params import ParamRegistry
 from infinity.runtime.update_queue import UpdateQueue

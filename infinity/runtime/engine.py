@@ -51,9 +51,9 @@ from infinity.distributed import Collectives, resolve_world
 from infinity.distributed.agreement import check_same_units
 from infinity.io import SwapFile
 from infinity.io.directories import prepare_directory
-from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
-from infinity.optim.loss_scale import LossScaler
-from infinity.optim.offloaded import MomentState
+from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.optim.cpu_adam import ADAM
+from infinity.optim.offloaded import LossScaler, MomentState
 from infinity.runtime.budgets import DTYPE_OF, bind_optimizer, first_layout, plan_for
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.gradients import GradientNorms, GradientSink

@@ -36,7 +36,7 @@ from infinity.chunks.homes import Kind
 from infinity.chunks.pieces import tensor_values
 from infinity.chunks.states import TensorState
 from infinity.core.names import Phase
-from infinity.optim.loss_scale import LossScaler
+from infinity.optim.offloaded import LossScaler
 from infinity.runtime.grad_ledger import GradientInChunks, GradientLedger
 from infinity.runtime.model_chunks import LEGAL_BACKWARD, Backward, Lifecycle, ModelChunks
 from infinity.runtime.params import ParamEntry, tensor_index

@@ -38,8 +38,7 @@ from infinity.chunks.pools import Traffic
 from infinity.devices.base import DeviceBackend
 from infinity.io.rates import GB, DiskMix, disk_rates, io_bound_seconds
 from infinity.optim.chunk_optimizer import UnitViews
-from infinity.optim.loss_scale import LossScaler
-from infinity.optim.offloaded import MomentState, engine_of_param
+from infinity.optim.offloaded import LossScaler, MomentState, engine_of_param
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.model_chunks import LEGAL_LOSS_SCALE, Lifecycle, LossScale, ModelChunks
 from infinity.runtime.offloaded_step import plan_chunk, plan_works

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from infinity.chunks.layout import ChunkLayout
 from infinity.core.names import HOST, NVME, Tier
 from infinity.core.plan import Budgets, Plan, PlanError
-from infinity.optim.chunk_optimizer import ADAM, ChunkOptimizer
+from infinity.optim.chunk_optimizer import ChunkOptimizer
+from infinity.optim.cpu_adam import ADAM
 from infinity.schedule.device_slots import add_device_slots, min_device_slots
 from infinity.schedule.traffic import estimate_traffic
 from infinity.schedule.units import tensor_state_bytes

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from infinity.chunks.layout import TensorInfo, build_layout
-from infinity.optim.chunk_optimizer import ADAM
+from infinity.optim.cpu_adam import ADAM
 from infinity.optim.sgd import SGD
 from infinity.schedule.planner import Budgets, make_plan
 

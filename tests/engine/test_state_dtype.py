@@ -27,7 +27,7 @@ from infinity.chunks.layout import build_layout
 from infinity.core.plan import Budgets, TensorInfo
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
-from infinity.optim.chunk_optimizer import ADAM
+from infinity.optim.cpu_adam import ADAM
 from infinity.schedule.planner import make_plan
 
 DTYPES = ("fp32", "bf16", "int8")

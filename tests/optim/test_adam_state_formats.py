@@ -16,7 +16,7 @@ import q8_reference as ref
 import torch
 
 from infinity.optim import kernels
-from infinity.optim.state_formats import StoredSlot, read_moments, write_moments
+from infinity.optim.chunk_optimizer import StoredSlot, read_moments, write_moments
 
 ISAS = kernels.available_isas()
 SIZES = (1, 7, 17, 255, 256, 257, 1000, 4099)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from infinity.optim import kernels
-from infinity.optim.lion_kernel import lion_step
+from infinity.optim.lion import lion_step
 
 ISAS = kernels.available_isas()
 SEED = 0x1F0E2D3C  # kRoundSeed in cpp/simd/stochastic_round.hpp

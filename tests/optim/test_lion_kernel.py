@@ -18,7 +18,7 @@ import torch
 from adam_reference import assert_same_bits, random_floats
 
 from infinity.optim import kernels
-from infinity.optim.lion_kernel import lion_step, q8_encode_signed
+from infinity.optim.lion import lion_step, q8_encode_signed
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1)
 SIZES = (1, 7, 15, 17, 33, 255, 256, 257, 1000, 4099)

@@ -18,7 +18,7 @@ import torch
 from adam_reference import assert_same_bits, random_floats
 
 from infinity.optim import kernels
-from infinity.optim.sgd_kernel import sgd_step
+from infinity.optim.sgd import sgd_step
 
 SIZES = (1, 7, 15, 17, 33, 257, 1000)
 ISAS = kernels.available_isas()

@@ -22,7 +22,7 @@ from infinity.core.names import HOST, NVME
 from infinity.core.plan import Plan
 from infinity.models.gpt import GPT, GPTConfig
 from infinity.optim.adafactor import ADAFACTOR
-from infinity.optim.chunk_optimizer import ADAM
+from infinity.optim.cpu_adam import ADAM
 from infinity.optim.lion import LION
 from infinity.optim.sgd import SGD
 from infinity.runtime.budgets import plan_for

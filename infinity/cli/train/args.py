@@ -8,7 +8,7 @@ from infinity.cli.train import ranks
 from infinity.cli.train.optimizers import CHOICES, HELP
 from infinity.cli.train.settings import DEFAULT_PLOT, PRESETS
 from infinity.config import ACTIVATION_POLICIES
-from infinity.optim.state_formats import STATE_DTYPES
+from infinity.optim.chunk_optimizer import STATE_DTYPES
 
 DEFAULT_CHECKPOINT_DIR = "./.infinity/checkpoints"
 

@@ -30,7 +30,7 @@ from infinity.cli.train.pretrained import (
 from infinity.config import AUTO, Config, ConfigError
 from infinity.devices.choice import choose_dtype, resolve_device
 from infinity.models.gpt import GPTConfig
-from infinity.optim.state_formats import StateFormat
+from infinity.optim.chunk_optimizer import StateFormat
 from infinity.runtime.budgets import DTYPE_OF
 from infinity.utils.sizes import align_up, parse_size
 
