@@ -13,7 +13,7 @@ Tensors without a gradient are skipped exactly as ``torch.optim`` skips
 Each chunk is updated window by window (``chunks/updates.py``
 ``update_windows``): one window, its home, for a normal chunk; an oversize
 chunk (one tensor larger than a normal chunk) in spans of the normal chunk
-size (``chunks/spans.py``): for each span its gradient, its slice of the
+size (``chunks/pools.py``): for each span its gradient, its slice of the
 optimizer unit and its parameters come to host memory, the kernel runs over
 the parts of the chunk's runs inside the span, and the span is written back
 while the next one is read. The update is element-wise, so the
@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.manager import typed
 from infinity.chunks.updates import UpdateWindow, close_update, open_update, update_windows
 from infinity.core.names import Phase
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
@@ -331,8 +330,8 @@ def step_window(
     had, not a staging slot's stale bytes.
     """
     dtype = engine.dtype
-    grads = typed(window.grads, dtype)
-    params = None if window.params is None else typed(window.params, dtype)
+    grads = window.grads.view(dtype)
+    params = None if window.params is None else window.params.view(dtype)
     unit = engine.chunk_optimizer.piece_views(window.unit, engine.plan.has_master)
     if params_unread and params is not None:
         params[max(runs[-1].end - window.start, 0) :].zero_()
