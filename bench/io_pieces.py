@@ -4,7 +4,7 @@ python bench/io_pieces.py --path DIR [--piece 196MiB --rounds 5 --bytes 1GiB --j
 
 Issue 26 part 4 suspected that int8 moments move their bytes slower than fp32
 ones because their pieces are a quarter the size: a span of an oversize
-optimizer unit is issued as one request per part (``chunks/spans.py``), and
+optimizer unit is issued as one request per part (``chunks/pools.py``), and
 an int8 moment's codes are a quarter of an fp32 moment's bytes (its block
 scales 1/64 of them). This bench moves the same bytes through
 :class:`~infinity.io.IOEngine` and a :class:`~infinity.io.SwapFile`

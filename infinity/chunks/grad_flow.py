@@ -19,20 +19,14 @@ import torch
 
 from infinity.chunks.cache import Copy, TierCache
 from infinity.chunks.homes import HomeStore, Key, Kind
-from infinity.chunks.pools import ChainedTransfer, Pending, Traffic
+from infinity.chunks.pools import ChainedTransfer, Pending, Traffic, is_split, span_key, span_ranges
 from infinity.chunks.shards import device_shard
-from infinity.chunks.spans import is_split, span_key, span_ranges
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.states import Clock, GradState, GradStates
 from infinity.core.names import HOST
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
 from infinity.distributed import Collectives
-
-
-def typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """View a uint8 region as a flat tensor of ``dtype``."""
-    return region.view(dtype)
 
 
 def chunk_key(copy: Copy) -> Key:
@@ -230,7 +224,7 @@ class GradientFlow:
 
     def _flush_in_spans(self, copy: Copy, i: int) -> None:
         """:meth:`write_back_device` of an oversize gradient chunk, span by span through
-        staging slots of the normal size (``chunks/spans.py``); its gaps are zeroed.
+        staging slots of the normal size (``chunks/pools.py``); its gaps are zeroed.
 
         Unlike a normal chunk, its staged bytes are written home even with
         ``consume_grads``: spans are not kept for the step to consume.
@@ -248,7 +242,9 @@ class GradientFlow:
                 total = self.homes.host(key)
                 for start, end in span_ranges(self.homes.plan, i):
                     device = copy.tensor[start * size : end * size]
-                    self._add_piece(total[start * size : end * size], device, ("span", i, start))
+                    self._add_into(
+                        total[start * size : end * size], device, ("span", i, start), device.numel()
+                    )
             self.grads.flushed(i)
             return
         for start, end in span_ranges(self.homes.plan, i):
@@ -260,36 +256,19 @@ class GradientFlow:
                 d2h = self.backend.copy_async(home.tensor, device)
                 copy.pending.append(d2h)
                 home.fill = d2h  # readers of the staging copy wait for it
-                home.pending.append(ChainedTransfer(d2h, self._writer(span, home.tensor)))
+                home.pending.append(
+                    ChainedTransfer(d2h, partial(self.homes.write, span, home.tensor))
+                )
                 continue
             home = self.staging.staged(span, load=True)
             assert home is not None
             home.pins += 1  # the transient slot of the sum must not take this one
             try:
-                self._add_piece(home.tensor, device, span)
+                self._add_into(home.tensor, device, span, device.numel())
             finally:
                 home.pins -= 1
             home.pending.append(self.homes.write(span, home.tensor))
         self.grads.flushed(i)
-
-    def _writer(self, key: Key, staged: torch.Tensor) -> Callable[[], Pending]:
-        return lambda: self.homes.write(key, staged)
-
-    def _add_piece(self, total: torch.Tensor, device: torch.Tensor, tag: Hashable) -> None:
-        """``total += `` device gradient bytes ``device`` (both uint8, as long), through
-        a transient staging slot of their size."""
-        cache = self.staging.caches[Kind.GRAD]
-        stage_key = ("incoming", tag)
-        stage = cache.insert(stage_key, device.numel(), self.clock.now)
-        try:
-            handle = self.backend.copy_async(stage.tensor, device)
-            with self.traffic.waiting("device"):
-                handle.wait()
-            summed = typed(total, self.dtype)
-            summed.add_(stage.typed(self.dtype))
-            self._check_finite(summed)  # two finite fp16 gradients may sum to inf
-        finally:
-            cache.remove(stage_key)
 
     def consume_grad(self, copy: Copy | None) -> None:
         """The optimizer step is done with a gradient chunk's staging copy: if its
@@ -354,17 +333,19 @@ class GradientFlow:
         )
         return own
 
-    def _add_into(self, total: torch.Tensor, source: torch.Tensor, i: int, nbytes: int) -> None:
-        """``total += `` the device gradient bytes ``source``, through a transient
-        staging slot."""
+    def _add_into(
+        self, total: torch.Tensor, source: torch.Tensor, tag: Hashable, nbytes: int
+    ) -> None:
+        """``total += `` the device gradient bytes ``source`` (both uint8), through a
+        transient staging slot of ``nbytes`` keyed by ``tag``."""
         cache = self.staging.caches[Kind.GRAD]
-        stage_key = ("incoming", i)
+        stage_key = ("incoming", tag)
         stage = cache.insert(stage_key, nbytes, self.clock.now)
         try:
             handle = self.backend.copy_async(stage.tensor, source)
             with self.traffic.waiting("device"):
                 handle.wait()
-            summed = typed(total, self.dtype)
+            summed = total.view(self.dtype)
             summed.add_(stage.typed(self.dtype))
             # NOTE: adding two finite fp16 gradients can overflow, so accumulated
             # sums are checked too, not only what came off the device.

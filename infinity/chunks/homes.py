@@ -20,8 +20,16 @@ from collections.abc import Callable
 
 import torch
 
-from infinity.chunks.pools import Arena, ChainedTransfer, Pending, TierAccount, Traffic
-from infinity.chunks.spans import AllOf, SpanKey, part_ranges, span_nbytes
+from infinity.chunks.pools import (
+    AllOf,
+    ChainedTransfer,
+    Pending,
+    SpanKey,
+    TierAccount,
+    Traffic,
+    part_ranges,
+    span_nbytes,
+)
 from infinity.core.names import HOST, NVME, Key, Kind
 from infinity.core.plan import Plan
 from infinity.io import IORequest, NVMeIOError, SwapFile
@@ -29,6 +37,23 @@ from infinity.io import IORequest, NVMeIOError, SwapFile
 # Starts reading a swap file region (offset) into a buffer: ``SwapFile.read``, or
 # a backend's reader straight into device memory (``DeviceBackend.nvme_reader``).
 Reader = Callable[[torch.Tensor, int], IORequest]
+
+
+class Arena:
+    """A single allocation split into fixed regions (permanent homes of chunks)."""
+
+    def __init__(
+        self, tier: str, sizes: list[int], allocate: Callable[[int], torch.Tensor]
+    ) -> None:
+        self.tier = tier
+        total = sum(sizes)
+        self.slab = allocate(total) if total else torch.empty(0, dtype=torch.uint8)
+        self.regions: list[torch.Tensor] = []
+        offset = 0
+        for size in sizes:
+            self.regions.append(self.slab[offset : offset + size])
+            offset += size
+        self.reserved_bytes = total
 
 
 class HomeStore:

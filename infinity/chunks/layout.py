@@ -73,7 +73,7 @@ def build_layout(
     quantisation block, so no block holds two tensors). Oversize capacities are
     multiples of ``oversize_align`` elements too when a normal chunk holds at least
     that many (the optimizer's span granule: such a chunk may then be staged in
-    spans, see ``chunks/spans.py``; below it, the planner never splits).
+    spans, see ``chunks/pools.py``; below it, the planner never splits).
     """
     granule = chunk_alignment_elems(element_size)
     if chunk_elems <= 0 or chunk_elems % granule:

@@ -18,12 +18,19 @@ import torch
 
 from infinity.chunks.cache import Copy, EvictionPolicy, TierCache
 from infinity.chunks.grad_flow import GradientFlow, chunk_key
-from infinity.chunks.grad_flow import typed as typed  # re-exported (runtime uses it)
 from infinity.chunks.homes import HomeStore, Key, Kind
 from infinity.chunks.movers import Purpose, Stop, device_mover, route_table
-from infinity.chunks.pools import SlabPool, TierAccount, Traffic
+from infinity.chunks.pools import (
+    SlabPool,
+    SpanKey,
+    TierAccount,
+    Traffic,
+    first_span,
+    is_split,
+    part_ranges,
+    span_key,
+)
 from infinity.chunks.shards import InUse, gather_param, start_gathers
-from infinity.chunks.spans import first_span
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.states import Clock, GradStates, UpdateStates
 from infinity.core.names import HOST, NVME
@@ -304,6 +311,41 @@ class ChunkManager:
         copy = self.host.staged(key, load=load, writable=writable, from_device=True, pin=True)
         assert copy is not None
         return copy.tensor, copy
+
+    def open_span(
+        self,
+        kind: Kind,
+        chunk: int,
+        start: int,
+        end: int,
+        *,
+        load: bool = True,
+        writable: bool = True,
+    ) -> tuple[list[torch.Tensor], Copy | None]:
+        """Host bytes (uint8) of elements ``[start, end)`` of every part of ``(kind, chunk)``;
+        pair with ``close_host(copy, ...)``.
+
+        A host-homed key gives slices of its home (no copy); an NVMe-homed one a
+        staging copy of the span, read first if ``load``.
+        """
+        key: Key = (kind, chunk)
+        span = SpanKey(kind, chunk, start, end)
+        capacity = self.plan.layout.chunks[chunk].capacity
+        ranges = part_ranges(self.plan, span)
+        if self.homes.tier(key) == HOST:
+            region, _none = self.open_host(key, load=load, writable=writable)
+            return [region[offset : offset + nbytes] for offset, nbytes in ranges], None
+        if not is_split(self.plan, chunk) and (start, end) == (0, capacity):
+            region, copy = self.open_host(key, load=load, writable=writable)
+        else:
+            region, copy = self.open_host(
+                span_key(kind, chunk, start, end), load=load, writable=writable
+            )
+        parts, at = [], 0
+        for _offset, nbytes in ranges:
+            parts.append(region[at : at + nbytes])
+            at += nbytes
+        return parts, copy
 
     def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None:
         """Finish with :meth:`open_host`: start writing it home if ``modified``.

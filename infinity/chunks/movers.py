@@ -21,8 +21,17 @@ import torch
 
 from infinity.chunks.cache import Copy, TierCache
 from infinity.chunks.homes import HomeStore, Reader
-from infinity.chunks.pools import ChainedTransfer, Pending, Traffic
-from infinity.chunks.spans import AllOf, SpanKey, is_split, span_key, span_ranges, transfer_keys
+from infinity.chunks.pools import (
+    AllOf,
+    ChainedTransfer,
+    Pending,
+    SpanKey,
+    Traffic,
+    is_split,
+    span_key,
+    span_ranges,
+    transfer_keys,
+)
 from infinity.chunks.staging import HostStaging
 from infinity.core.names import HOST, NVME, Key, Kind, Tier, _Name
 from infinity.core.plan import Plan

@@ -7,7 +7,7 @@ slot's values and, for int8, its block scales. The host reaches them in
 
 - a whole chunk is one window, opened whole (gathered from every rank's shard
   when sharded: :func:`~infinity.chunks.shards.open_whole`);
-- an oversize chunk moved in spans (``chunks/spans.py``) is one window per
+- an oversize chunk moved in spans (``chunks/pools.py``) is one window per
   span, never staged whole.
 
 Callers (the step's readers, state access, checkpoints) walk
@@ -29,29 +29,26 @@ sharded across ranks or oversize (moved in spans).
 
 An oversize chunk is larger than any staging slot, so it is never opened
 whole: each tensor is read (or written) span by span through a transient copy
-of that tensor alone. A whole chunk is opened once and every item is a view
-into it. Either way the caller sees one flat tensor per slot.
+of that tensor alone (:func:`read_elements`, :func:`write_elements`, each span
+opened with ``ChunkManager.open_span``, so at most a couple of normal-size
+staging slots are held at a time, whatever the chunk's size). A whole chunk is
+opened once and every item is a view into it. Either way the caller sees one
+flat tensor per slot. A chunk's initial values are written the same way
+(:func:`write_initial`).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing
 from typing import NamedTuple
 
 import torch
 
-from infinity.chunks.grad_flow import typed
 from infinity.chunks.manager import ChunkManager
-from infinity.chunks.span_access import (
-    close_whole,
-    open_span,
-    open_whole,
-    read_elements,
-    write_elements,
-)
-from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
+from infinity.chunks.pools import SpanKey, is_split, part_ranges, span_key, span_ranges
+from infinity.chunks.shards import close_whole, open_whole
 from infinity.core.names import Kind
 from infinity.core.plan import TensorSlot
 
@@ -102,7 +99,7 @@ def windows(
         if ahead and load and position + 1 < len(ranges):
             current = span_key(kind, chunk, start, end)
             manager.prefetch_host(span_key(kind, chunk, *ranges[position + 1]), {current})
-        parts, copy = open_span(manager, kind, chunk, start, end, load=load, writable=write)
+        parts, copy = manager.open_span(kind, chunk, start, end, load=load, writable=write)
         try:
             yield Window(start, end, parts)
         finally:
@@ -193,9 +190,123 @@ def tensor_values(
         return
     region, handle = open_whole(manager, (kind, chunk), writable=write, gather=gather)
     try:
-        whole = typed(region, dtype)
+        whole = region.view(dtype)
         for slot in slots:
             view = whole[slot.offset : slot.offset + slot.numel]
             yield view.clone() if copy else view
     finally:
         close_whole(manager, handle, modified=write, keep=keep)
+
+
+def write_initial(
+    manager: ChunkManager, i: int, values: torch.Tensor, *, background: bool = False
+) -> None:
+    """Set chunk ``i``'s parameters (and fp32 master, zero moments) from fp32 ``values``.
+
+    With ``background`` the NVMe writes are left in flight and their staging
+    copies cached (a slot waits for its write only when reused), so that
+    initialising a large model overlaps the disk with the next chunks' compute.
+    """
+    plan = manager.plan
+    if is_split(plan, i):
+        write_initial_spans(manager, i, values)
+        return
+    if plan.sharded:
+        # Like DDP, every rank starts from rank 0's values (ranks seeded
+        # alike agree anyway; ranks that were not must still train one model).
+        assert manager.collectives is not None
+        manager.collectives.broadcast(values, f"initialising chunk {i}")
+        start, end = plan.home_window(i)
+        values = values[start:end]
+    region, copy = manager.open_host((Kind.PARAM, i), load=False)
+    region.view(manager.dtype).copy_(values)
+    manager.close_host(copy, modified=True, keep=background)
+    if plan.grad_home[i] is None:
+        return
+    region, copy = manager.open_host((Kind.OPTIM, i), load=False)
+    region.zero_()
+    if plan.has_master:
+        region[: values.numel() * 4].view(torch.float32).copy_(values)
+    manager.close_host(copy, modified=True, keep=background)
+
+
+def write_initial_spans(manager: ChunkManager, chunk: int, values: torch.Tensor) -> None:
+    """``write_initial`` of an oversize chunk: parameters (and fp32 master, zero
+    moments) from fp32 ``values``, span by span."""
+    trainable = manager.plan.grad_home[chunk] is not None
+    for start, end in span_ranges(manager.plan, chunk):
+        parts, copy = manager.open_span(Kind.PARAM, chunk, start, end, load=False)
+        parts[0].view(manager.dtype).copy_(values[start:end])
+        manager.close_host(copy, modified=True)
+        if not trainable:
+            continue
+        parts, copy = manager.open_span(Kind.OPTIM, chunk, start, end, load=False)
+        for part in parts:
+            part.zero_()  # zero moments in every format (int8: zero scales)
+        if manager.plan.has_master:
+            parts[0].view(torch.float32).copy_(values[start:end])
+        manager.close_host(copy, modified=True)
+
+
+def each_span(
+    manager: ChunkManager,
+    kind: Kind,
+    chunk: int,
+    start: int,
+    end: int,
+    *,
+    load: bool = True,
+    modify: bool = False,
+) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """Elements ``[start, end)`` of ``(kind, chunk)``, one span at a time: yields the
+    position in the range and each part's bytes (uint8) of the span's overlap.
+    With ``modify`` the span is written back once the caller moves on."""
+    for low, high in span_ranges(manager.plan, chunk):
+        first, last = max(low, start), min(high, end)
+        if first >= last:
+            continue
+        parts, copy = manager.open_span(kind, chunk, low, high, load=load, writable=modify)
+        try:
+            if (first, last) == (low, high):
+                yield first - start, parts
+                continue
+            width = high - low
+            views = []
+            for part in parts:
+                size, rest = divmod(part.numel(), width)
+                if rest or not size:
+                    # int8 block scales are not per element; callers cut a
+                    # partial span of an optimizer unit with ChunkOptimizer.piece_views.
+                    raise AssertionError(f"piece of {part.numel()} bytes is not per element")
+                views.append(part[(first - low) * size : (last - low) * size])
+            yield first - start, views
+        finally:
+            manager.close_host(copy, modified=modify)
+
+
+def read_elements(
+    manager: ChunkManager,
+    kind: Kind,
+    chunk: int,
+    part: int,
+    start: int,
+    end: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A new flat tensor of elements ``[start, end)`` of part ``part`` of ``(kind, chunk)``."""
+    out = torch.empty(end - start, dtype=dtype)
+    for at, parts in each_span(manager, kind, chunk, start, end):
+        piece = parts[part].view(dtype)
+        out[at : at + piece.numel()].copy_(piece)
+    return out
+
+
+def write_elements(
+    manager: ChunkManager, kind: Kind, chunk: int, part: int, start: int, values: torch.Tensor
+) -> None:
+    """Set elements ``[start, start + len(values))`` of part ``part`` of ``(kind, chunk)``."""
+    flat = values.reshape(-1)
+    end = start + flat.numel()
+    for at, parts in each_span(manager, kind, chunk, start, end, modify=True):
+        piece = parts[part].view(flat.dtype)
+        piece.copy_(flat[at : at + piece.numel()])

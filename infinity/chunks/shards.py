@@ -3,12 +3,12 @@
 With ``Plan.shard_count`` ranks, each rank's homes and staging hold one equal
 shard of every chunk (elements ``Plan.home_window``); the device holds whole
 chunks. Host side: state reads and writes by tensor (``state_dict``, checkpoints, gradients,
-norms) open a *whole* host copy of a chunk (``span_access.open_whole``): gathered for
+norms) open a *whole* host copy of a chunk (:func:`open_whole`): gathered for
 reading, and written back by each rank taking its own shard out of it.
 
 An optimizer unit's shard is laid out like the unit of a chunk of the shard's
 size (master, then each state slot's values and int8 scales): exactly a span
-of the whole unit (``chunks/spans.py``), whose byte ranges say where each
+of the whole unit (``chunks/pools.py``), whose byte ranges say where each
 piece goes.
 
 NOTE: a gather is collective: all ranks call it for the same chunks in the
@@ -31,13 +31,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from infinity.chunks.cache import Copy, TierCache
-from infinity.chunks.pools import Traffic
-from infinity.chunks.spans import SpanKey, part_ranges
+from infinity.chunks.pools import SpanKey, TierAccount, Traffic, part_ranges
 from infinity.chunks.states import UpdateStates
 from infinity.core.names import Key, Kind
 from infinity.core.plan import IN_USE_CHUNKS, Plan
@@ -184,9 +184,11 @@ class InUse:
 
 
 class DeviceAccess(Protocol):
-    """What :func:`gather_param` and :func:`start_gathers` use of the chunk manager."""
+    """What :func:`gather_param`, :func:`start_gathers` and :func:`open_whole` use of the
+    chunk manager."""
 
     plan: Plan
+    transient_account: TierAccount
     collectives: Collectives | None
     device: TierCache
     backend: DeviceBackend
@@ -317,3 +319,64 @@ def gather_param(manager: DeviceAccess, i: int) -> Copy:
     manager.traffic.h2d_bytes += region.numel()
     manager.in_use.hold(i, copy)
     return copy
+
+
+@dataclass
+class WholeChunk:
+    """A whole host copy of a chunk opened by :func:`open_whole` (sharded plans)."""
+
+    key: Key
+    region: torch.Tensor  # this rank's home bytes (a host home or staging copy)
+    copy: Copy | None  # the staging copy behind ``region``, if any
+    whole: torch.Tensor  # the chunk's bytes, every shard
+
+
+def open_whole(
+    manager: DeviceAccess,
+    key: Key,
+    *,
+    load: bool = True,
+    writable: bool = True,
+    gather: bool = True,
+) -> tuple[torch.Tensor, WholeChunk | Copy | None]:
+    """``manager.open_host`` of the whole chunk (every rank's shard): collective when
+    sharded, where ``load`` gathers it; pair with :func:`close_whole`.
+
+    ``gather=False`` (not collective) loads only this rank's part of the whole
+    chunk, the rest being zeros: enough for writes every rank makes alike, of
+    which each keeps only its own shard (loading state it was given whole).
+    """
+    region, copy = manager.open_host(key, load=load, writable=writable)
+    plan = manager.plan
+    if not plan.sharded:
+        return region, copy
+    assert manager.collectives is not None
+    whole = torch.zeros(whole_bytes(plan, key), dtype=torch.uint8)
+    account = manager.transient_account
+    account.add(whole.nbytes)
+    if load and gather:
+        # A unit's shards arrive in a buffer of their own (gather_whole), as large
+        gathered = whole.nbytes if key[0] is Kind.OPTIM else 0
+        account.add(gathered)
+        try:
+            gather_whole(plan, manager.collectives, key, region, whole)
+        finally:
+            account.sub(gathered)
+    elif load:
+        place_shard(plan, key, region, whole)
+    return whole, WholeChunk(key, region, copy, whole)
+
+
+def close_whole(
+    manager: DeviceAccess, handle: WholeChunk | Copy | None, *, modified: bool, keep: bool = False
+) -> None:
+    """Finish with :func:`open_whole` (``keep`` as ``close_host``); if ``modified`` each
+    rank stores its own shard of the whole chunk (every rank must have written the
+    same whole values)."""
+    if not isinstance(handle, WholeChunk):
+        manager.close_host(handle, modified=modified, keep=keep)
+        return
+    manager.transient_account.sub(handle.whole.nbytes)
+    if modified:
+        take_shard(manager.plan, handle.key, handle.whole, handle.region)
+    manager.close_host(handle.copy, modified=modified, keep=keep)

@@ -15,9 +15,17 @@ from collections.abc import Callable, Collection
 
 from infinity.chunks.cache import Copy, EvictionPolicy, TierCache
 from infinity.chunks.homes import HomeStore, Key, Kind
-from infinity.chunks.pools import Pending, SlabPool, TierAccount, Traffic
+from infinity.chunks.pools import (
+    Pending,
+    SlabPool,
+    SpanKey,
+    TierAccount,
+    Traffic,
+    base_key,
+    first_span,
+    is_split,
+)
 from infinity.chunks.shards import device_shard
-from infinity.chunks.spans import SpanKey, base_key, first_span, is_split
 from infinity.chunks.states import Clock
 from infinity.core.names import HOST
 from infinity.core.plan import Plan
@@ -134,7 +142,7 @@ class HostStaging:
         source: Copy | None = None
         if copy is None:
             if not isinstance(key, SpanKey) and is_split(self.plan, key[1]):
-                raise AssertionError(f"{key} is oversize: stage it in spans (chunks/spans.py)")
+                raise AssertionError(f"{key} is oversize: stage it in spans (chunks/pools.py)")
             source = self._device_source(key) if load and from_device else None
             copy = cache.get(key)  # NOTE: the poll above may have staged it itself
         placed = copy is None

@@ -25,12 +25,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from infinity.chunks.grad_flow import typed
 from infinity.chunks.manager import ChunkManager
 from infinity.chunks.pieces import Window, windows
-from infinity.chunks.shards import whole_bytes
-from infinity.chunks.span_access import WholeChunk, close_whole, open_span, open_whole
-from infinity.chunks.spans import SpanKey, is_split, part_ranges, span_key, span_ranges
+from infinity.chunks.pools import SpanKey, is_split, part_ranges, span_key, span_ranges
+from infinity.chunks.shards import WholeChunk, close_whole, open_whole, whole_bytes
 from infinity.config import ConfigError
 from infinity.core.names import Kind
 from infinity.core.plan import FP32_BYTES, Plan
@@ -129,7 +127,7 @@ def open_update(
         try:
             for kind, load, writable in _opens(load_params):
                 opened.append(
-                    open_span(manager, kind, chunk, start, end, load=load, writable=writable)
+                    manager.open_span(kind, chunk, start, end, load=load, writable=writable)
                 )
         except BaseException:
             for _parts, copy in opened:
@@ -238,7 +236,7 @@ def _scatter_spans(manager: ChunkManager, window: UpdateWindow) -> None:
     """Write a gathered window's unit pieces and parameters (cast from the fp32 master
     when there is one) back into the oversize chunk's spans, without reading them."""
     plan, chunk = manager.plan, window.chunk
-    master = typed(window.unit[0], torch.float32) if window.params is None else None
+    master = window.unit[0].view(torch.float32) if window.params is None else None
     for kind, wholes in ((Kind.OPTIM, window.unit), (Kind.PARAM, [window.params])):
         if not wholes:
             continue  # a unit without pieces (CPUAdafactor in fp32)
@@ -252,7 +250,7 @@ def _scatter_spans(manager: ChunkManager, window: UpdateWindow) -> None:
                         part[:n].copy_(whole[at : at + n])
                     else:  # the parameters, from the master
                         assert master is not None
-                        typed(part[:n], manager.dtype).copy_(master[span.start : span.end])
+                        part[:n].view(manager.dtype).copy_(master[span.start : span.end])
 
 
 def _within(plan: Plan, kind: Kind, chunk: int, span: Window) -> list[tuple[int, int]]:

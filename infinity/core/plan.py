@@ -162,7 +162,7 @@ class Plan:
     optim_unit_bytes: tuple[int, ...] = ()
     state_dtype: str = "fp32"  # how the state slots are stored
     # Chunks larger than this many elements go through host staging in spans of
-    # it (chunks/spans.py); 0 means the layout's normal chunk capacity.
+    # it (chunks/pools.py); 0 means the layout's normal chunk capacity.
     span_elems: int = 0
     # The smallest budgets this layout plans with: the device's is set by the
     # largest module (its tensors whole), the host's with every state on NVMe

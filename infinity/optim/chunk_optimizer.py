@@ -298,7 +298,7 @@ class ChunkOptimizer(ABC, Generic[H]):
     def piece_views(self, pieces: list[torch.Tensor], has_master: bool) -> UnitViews:
         """The unit views of elements ``[a, b)`` held as separate byte *pieces*, in the
         order of :meth:`tensor_ranges` (the span of an oversize chunk, see
-        ``chunks/spans.py``)."""
+        ``chunks/pools.py``)."""
         pieces = [p.view(torch.uint8) for p in pieces]
         master = pieces.pop(0).view(torch.float32) if has_master else None
         per_slot = 2 if self.state_format.quantized else 1

@@ -46,7 +46,6 @@ from typing import Any, Protocol
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.manager import typed
 from infinity.chunks.pieces import windows
 from infinity.chunks.states import UpdateState
 from infinity.runtime.model_chunks import ModelChunks
@@ -124,7 +123,7 @@ class GradientLedger:
         each = windows(self.manager, Kind.GRAD, chunk, write=True, gather=False)
         with closing(each):
             for window in each:
-                grads = typed(window.parts[0], self.chunks.dtype)
+                grads = window.parts[0].view(self.chunks.dtype)
                 for index, change in changes.items():
                     slot = layout.slots[index]
                     where = window.overlap(slot.offset, slot.numel)

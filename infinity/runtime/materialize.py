@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infinity.chunks.span_access import write_initial
+from infinity.chunks.pieces import write_initial
 from infinity.chunks.states import TensorState
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_pretrained_model, placeholder

@@ -54,7 +54,7 @@ from typing import Any, Generic, cast
 import torch
 
 from infinity.chunks.layout import ChunkLayout
-from infinity.chunks.manager import ChunkManager, typed
+from infinity.chunks.manager import ChunkManager
 from infinity.chunks.pieces import Window, home_bytes, windows
 from infinity.chunks.states import E, StateArray, StateCounters, TensorState, check_transition
 from infinity.core.names import Kind, Phase
@@ -136,7 +136,7 @@ class ModelChunks:
     def chunk_view(self, chunk_bytes: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
         """``entry``'s tensor inside a chunk's bytes (compute dtype, its shape)."""
         slot = self.layout.slots[entry.index]
-        flat = typed(chunk_bytes, self.dtype)
+        flat = chunk_bytes.view(self.dtype)
         return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def require_set(self, entries: Iterable[ParamEntry], what: str) -> None:

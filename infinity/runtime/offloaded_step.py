@@ -13,7 +13,7 @@ Tensors without a gradient are skipped exactly as ``torch.optim`` skips
 Each chunk is updated window by window (``chunks/updates.py``
 ``update_windows``): one window, its home, for a normal chunk; an oversize
 chunk (one tensor larger than a normal chunk) in spans of the normal chunk
-size (``chunks/spans.py``): for each span its gradient, its slice of the
+size (``chunks/pools.py``): for each span its gradient, its slice of the
 optimizer unit and its parameters come to host memory, the kernel runs over
 the parts of the chunk's runs inside the span, and the span is written back
 while the next one is read. The update is element-wise, so the
@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from infinity.chunks.homes import Kind
-from infinity.chunks.manager import typed
 from infinity.chunks.updates import UpdateWindow, close_update, open_update, update_windows
 from infinity.core.names import Phase
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
@@ -72,9 +71,7 @@ def plan_runs(
     Adafactor's norms): one run per tensor, naming it, never stretched; the old
     parameters are then not read only if the tensors leave no gap.
     """
-    if whole_tensors:
-        return _tensor_runs(members, hyper_of, step_of)
-    groups: list[list[Any]] = []  # [start, end, hyper, step]
+    groups: list[list[Any]] = []  # [start, end, hyper, step, tensor]
     covered = True
     previous_skipped = False
     for index, offset, numel in sorted(members, key=lambda m: m[1]):
@@ -86,41 +83,27 @@ def plan_runs(
             previous_skipped = True
             continue
         step = step_of(index) + 1
-        last = groups[-1] if groups else None
+        last = groups[-1] if groups and not whole_tensors else None
         if last is not None and not previous_skipped and last[2] == hyper and last[3] == step:
             last[1] = offset + numel
         else:
-            groups.append([offset, offset + numel, hyper, step])
+            groups.append([offset, offset + numel, hyper, step, index])
         previous_skipped = False
+    if whole_tensors:
+        runs = [
+            Run(start, end, hyper, step, tensor=index) for start, end, hyper, step, index in groups
+        ]
+        # NOTE: a gap between tensors (alignment) is not rewritten from a master, so
+        # the parameter chunk must then be read to keep its bytes.
+        gapless = bool(runs) and runs[0].start == 0
+        gapless = gapless and all(a.end == b.start for a, b in itertools.pairwise(runs))
+        return runs, covered and gapless
     if covered and groups:
         groups[0][0] = 0
         for a, b in itertools.pairwise(groups):
             a[1] = b[0]
-    runs = [Run(start, end, hyper, step) for start, end, hyper, step in groups]
+    runs = [Run(start, end, hyper, step) for start, end, hyper, step, _index in groups]
     return runs, covered and bool(runs)
-
-
-def _tensor_runs(
-    members: list[tuple[int, int, int]],
-    hyper_of: Callable[[int], object | None],
-    step_of: Callable[[int], int],
-) -> tuple[list[Run], bool]:
-    """:func:`plan_runs` with one run per tensor (``whole_tensors``)."""
-    runs: list[Run] = []
-    covered = True
-    for index, offset, numel in sorted(members, key=lambda m: m[1]):
-        if numel == 0:
-            continue
-        hyper = hyper_of(index)
-        if hyper is None:
-            covered = False
-            continue
-        runs.append(Run(offset, offset + numel, hyper, step_of(index) + 1, tensor=index))
-    # NOTE: a gap between tensors (alignment) is not rewritten from a master, so
-    # the parameter chunk must then be read to keep its bytes.
-    gapless = bool(runs) and runs[0].start == 0
-    gapless = gapless and all(a.end == b.start for a, b in itertools.pairwise(runs))
-    return runs, covered and gapless
 
 
 def step_chunk(
@@ -331,8 +314,8 @@ def step_window(
     had, not a staging slot's stale bytes.
     """
     dtype = engine.dtype
-    grads = typed(window.grads, dtype)
-    params = None if window.params is None else typed(window.params, dtype)
+    grads = window.grads.view(dtype)
+    params = None if window.params is None else window.params.view(dtype)
     unit = engine.chunk_optimizer.piece_views(window.unit, engine.plan.has_master)
     if params_unread and params is not None:
         params[max(runs[-1].end - window.start, 0) :].zero_()

@@ -233,15 +233,18 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
     optimizer = engine.chunk_optimizer
     for chunk, group in engine.layout.group_by_chunk(values, int).items():
         slots = [engine.layout.slots[i] for i in group]
-        flats = [
-            {
-                name: given.reshape(-1).to(torch.float32)
-                for name, given in _complete(
-                    optimizer.state_slots, _states(values[i]), slot.numel
-                ).items()
-            }
-            for i, slot in zip(group, slots, strict=True)
-        ]
+        flats = []
+        for i, slot in zip(group, slots, strict=True):
+            value = values[i]
+            given = value[1] if value is not None else {}  # no state: zeros, as never stepped
+            flats.append(
+                {
+                    name: (given[name] if name in given else torch.zeros(slot.numel))
+                    .reshape(-1)
+                    .to(torch.float32)
+                    for name in optimizer.state_slots
+                }
+            )
         for unit, window in _units(engine, chunk, write=True):
             for slot, flat in zip(slots, flats, strict=True):
                 where = window.overlap(slot.offset, slot.numel)
@@ -250,18 +253,6 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
         for i in group:
             value = values[i]
             engine.tensor_steps[i] = value[0] if value is not None else 0
-
-
-def _states(value: MomentState | None) -> dict[str, torch.Tensor]:
-    """The per-element states of ``value`` (none: zeros, as never stepped)."""
-    return value[1] if value is not None else {}
-
-
-def _complete(
-    slots: tuple[str, ...], states: dict[str, torch.Tensor], numel: int
-) -> dict[str, torch.Tensor]:
-    """``states`` with zeros for every slot it leaves out."""
-    return {name: states[name] if name in states else torch.zeros(numel) for name in slots}
 
 
 def _tensor_copies(engine: ModelChunks, index: int) -> dict[str, torch.Tensor]:

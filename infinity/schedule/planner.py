@@ -67,7 +67,7 @@ def make_plan(
     An optimizer unit holds ``optimizer.unit_bytes(capacity, has_master)`` bytes
     (an fp32 master if any, then the state slots in the optimizer's state format).
     Oversize chunks are staged in spans of the normal chunk size
-    (``chunks/spans.py``), so host staging is bounded by the chunk size whatever
+    (``chunks/pools.py``), so host staging is bounded by the chunk size whatever
     the largest tensor is; whole, if the host affords it at no extra NVMe bytes.
 
     Raises :class:`PlanError` (before anything is allocated) when a budget is
@@ -194,7 +194,7 @@ def _place(
     optim_home: list[Tier | None] = [HOST if t else None for t in trainable]
     staging: dict[str, Counter[int]] = {"param": Counter(), "grad": Counter(), "optim": Counter()}
     # Oversize chunks go through host staging in spans of the normal chunk
-    # size (chunks/spans.py), so no staging slot is ever larger than that.
+    # size (chunks/pools.py), so no staging slot is ever larger than that.
     normal = {
         "param": span_elems * element_size,
         "grad": span_elems * element_size,
@@ -225,7 +225,7 @@ def _place(
     # Order: optimizer units, then gradients, then parameters.
     # Overlapped, a gradient chunk homed on NVMe is used from host staging
     # by its update and never goes to disk (unless it moves in spans, see
-    # chunks/spans.is_split): spilling it costs no bytes, an optimizer unit
+    # chunks/pools.is_split): spilling it costs no bytes, an optimizer unit
     # costs a read and a write per step. So those gradients leave first, and
     # the host keeps optimizer units instead.
     free: list[tuple[str, int]] = []

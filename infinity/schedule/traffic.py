@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from infinity.chunks.spans import is_split
+from infinity.chunks.pools import is_split
 from infinity.core.names import NVME
 from infinity.core.plan import Plan
 

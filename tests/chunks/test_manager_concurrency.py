@@ -11,7 +11,7 @@ import torch
 from chunk_fakes import CHUNK_BYTES, CHUNK_ELEMS, GatedSwap, HeldBackend, small_plan
 
 from infinity.chunks.manager import ChunkManager
-from infinity.chunks.span_access import write_initial
+from infinity.chunks.pieces import write_initial
 from infinity.core.names import NVME, Kind
 from infinity.core.plan import Plan
 from infinity.io import NVMeIOError, SwapFile

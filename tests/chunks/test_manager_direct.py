@@ -10,7 +10,7 @@ import torch
 from chunk_fakes import CHUNK_BYTES, CHUNK_ELEMS, small_plan
 
 from infinity.chunks.manager import ChunkManager
-from infinity.chunks.span_access import write_initial
+from infinity.chunks.pieces import write_initial
 from infinity.core.names import HOST, NVME, Kind
 from infinity.core.plan import Plan
 from infinity.devices.cpu import CpuBackend

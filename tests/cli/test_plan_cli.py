@@ -81,7 +81,7 @@ def test_plan_shows_the_bytes_of_each_optimizer_state_dtype(capsys):
     assert "optimizer states: int8" in capsys.readouterr().out
     # fp32 compute has no master: 8 bytes a parameter, 4 in bf16, 2 + 4/256 in int8
     # (within 2%: chunk tails, int8's block-aligned tensors, and oversize chunks
-    # padded to int8's span granule of 262144 elements, see chunks/spans.py)
+    # padded to int8's span granule of 262144 elements, see chunks/pools.py)
     assert 0.5 <= units["bf16"] / units["fp32"] <= 0.505
     assert (2 + 4 / 256) / 8 <= units["int8"] / units["fp32"] <= (2 + 4 / 256) / 8 * 1.02
 

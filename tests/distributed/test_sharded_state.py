@@ -22,7 +22,7 @@ from engine_helpers import tiny_llama
 from harness import run_ranks, state_rel_error
 
 import infinity
-from infinity.chunks.spans import is_split
+from infinity.chunks.pools import is_split
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
 from infinity.pretrained.safetensors_io import ShardWriter

@@ -16,7 +16,7 @@ from test_equivalence import Branchy
 
 import infinity
 from infinity.chunks.homes import Kind
-from infinity.chunks.span_access import read_elements
+from infinity.chunks.pieces import read_elements
 from infinity.devices.cpu import CpuBackend
 from infinity.offload import engine_of
 

@@ -20,8 +20,8 @@ from engine_helpers import config, tiny_llama
 
 import infinity
 from infinity.chunks.movers import SpanFill
-from infinity.chunks.span_access import read_elements
-from infinity.chunks.spans import is_split, span_key, span_ranges
+from infinity.chunks.pieces import read_elements
+from infinity.chunks.pools import is_split, span_key, span_ranges
 from infinity.core.names import NVME, Kind
 from infinity.offload import engine_of
 
