@@ -97,22 +97,6 @@ class IllegalTransition(RuntimeError):
 E = TypeVar("E", bound=enum.IntEnum)
 
 
-def check_transition(
-    legal: frozenset[tuple[E, E]],
-    old: E,
-    new: E,
-    what: str,
-    index: int,
-    error: type[IllegalTransition] = IllegalTransition,
-) -> None:
-    """Raise ``error`` naming ``what index``, ``old`` and ``new`` unless the move is ``legal``."""
-    if (old, new) not in legal:
-        raise error(
-            f"{what} {index}: {old.name} -> {new.name} is not a legal transition "
-            "(an internal error of the engine)"
-        )
-
-
 class StateArray(Generic[E]):
     """The state of each of ``n`` items in one machine, with a count per state.
 
@@ -144,7 +128,11 @@ class StateArray(Generic[E]):
     def set(self, i: int, new: E) -> None:
         """Move item ``i`` to ``new``; raise if the whitelist does not allow it."""
         old = self.states[i]
-        check_transition(self._legal, old, new, self._what, i, self._error)
+        if (old, new) not in self._legal:
+            raise self._error(
+                f"{self._what} {i}: {old.name} -> {new.name} is not a legal transition "
+                "(an internal error of the engine)"
+            )
         self.states[i] = new
         self.counts[old] -= 1
         self.counts[new] += 1

@@ -49,14 +49,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, cast
+from typing import Any, cast
 
 import torch
 
 from infinity.chunks.layout import ChunkLayout
 from infinity.chunks.manager import ChunkManager
 from infinity.chunks.pieces import Window, home_bytes, windows
-from infinity.chunks.states import E, StateArray, StateCounters, TensorState, check_transition
+from infinity.chunks.states import E, StateArray, StateCounters, TensorState
 from infinity.core.names import Kind, Phase
 from infinity.core.plan import ChunkSpec, Plan, TensorSlot
 from infinity.optim.chunk_optimizer import ChunkOptimizer
@@ -189,20 +189,23 @@ class ModelChunks:
         )
 
 
-class Lifecycle(Generic[E]):
-    """One object's state in a machine given by its legal transitions."""
+class Lifecycle(StateArray[E]):
+    """One object's state in a machine given by its legal transitions (a
+    :class:`~infinity.chunks.states.StateArray` of one item)."""
 
-    __slots__ = ("_legal", "state", "what")
+    __slots__ = ()
 
     def __init__(self, initial: E, legal: frozenset[tuple[E, E]], what: str) -> None:
-        self.state = initial
-        self._legal = legal
-        self.what = what
+        super().__init__(1, initial, legal, what)
+
+    @property
+    def state(self) -> E:
+        """The current state."""
+        return self.states[0]
 
     def move(self, new: E) -> None:
         """Go to ``new``; raise ``IllegalTransition`` if the whitelist does not allow it."""
-        check_transition(self._legal, self.state, new, self.what, 0)
-        self.state = new
+        self.set(0, new)
 
 
 class Backward(enum.IntEnum):
