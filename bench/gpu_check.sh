@@ -13,7 +13,11 @@
 #   train      the main job: `infinity train --steps 30`, the same with
 #              `--activations offload`, and `--model DIR --data FILE` (a tiny Llama)
 #   step       bench/gpu_step.py at 4 x 512 and 16 x 1024 tokens (plain, host, overlap; at
-#              4 x 512 also the device budgets params+half and all-but-opt), clipping 1.0
+#              4 x 512 also the device budgets params+half and all-but-opt, and host
+#              unclipped: what clipping costs), clipping 1.0
+#   profile    the host row at 4 x 512 and at params+half under torch.profiler (host and
+#              CUDA), top ops and CUDA runtime calls per row in $OUT/profile/: where the
+#              host thread of a small-batch step goes, and why a larger budget is slower
 #   traffic    bench/traffic_vs_plan.py: a step's host-device bytes against the plan
 #   disk       the swap folder's rates: `infinity bench nvme`, and fio's fastest
 #              engine where fio is installed (the NVMe rows' bound)
@@ -32,7 +36,7 @@ export PYTHONUNBUFFERED=1 INFINITY_BUILD_JOBS=${INFINITY_BUILD_JOBS:-16}
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8} HF_HUB_OFFLINE=1
 PY=${PYTHON:-python3}
 DEVICE=${CHECK_DEVICE:-cuda}
-STAGES=",${GPU_STAGES:-build,tests,train,step,traffic,disk,deepspeed},"
+STAGES=",${GPU_STAGES:-build,tests,train,step,profile,traffic,disk,deepspeed},"
 BUDGET=${GPU_CHECK_BUDGET:-470}
 SCRATCH=$(mktemp -d /tmp/gpu-check-work.XXXXXX)
 trap 'rm -rf "$SCRATCH"' EXIT
@@ -138,13 +142,26 @@ if wants step; then
   if [[ $DEVICE == cuda ]]; then
     # Two batch sizes: launch-bound (4 x 512) and compute-bound (16 x 1024).
     run_stage step 100 gpu_step.txt "step_rows $OUT/gpu_step.txt" -- $PY bench/gpu_step.py --nvme-path "$SCRATCH" \
-      --rows host,host+overlap,nvme+overlap,host@params+half,host@all-but-opt
+      --rows host,host+noclip,host+overlap,nvme+overlap,host@params+half,host@all-but-opt
     run_stage step-large 80 gpu_step_large.txt "step_rows $OUT/gpu_step_large.txt" -- $PY bench/gpu_step.py \
       --nvme-path "$SCRATCH" --batch 16 --seq 1024 --rows host,host+overlap
   else
     run_stage step 100 gpu_step.txt "step_rows $OUT/gpu_step.txt" -- $PY bench/gpu_step.py --device cpu \
       --layers 2 --hidden 128 --vocab 512 --batch 2 --seq 64 --steps 3 --warmup 1 \
-      --nvme-path "$SCRATCH" --rows host,nvme,host@params+half,host+overlap@all-but-opt
+      --nvme-path "$SCRATCH" --rows host,host+noclip,nvme,host@params+half,host+overlap@all-but-opt
+  fi
+fi
+
+if wants profile; then
+  # One more run of two rows, profiled (the profiler slows the steps: their times are
+  # not the step stage's). Tables: $OUT/profile/profile_<row>.txt.
+  if [[ $DEVICE == cuda ]]; then
+    run_stage profile 60 profile.txt "ls $OUT/profile" -- $PY bench/gpu_step.py --nvme-path "$SCRATCH" \
+      --rows host,host@params+half --steps 2 --warmup 2 --profile "$OUT/profile"
+  else
+    run_stage profile 60 profile.txt "ls $OUT/profile" -- $PY bench/gpu_step.py --device cpu \
+      --layers 2 --hidden 128 --vocab 512 --batch 2 --seq 64 --steps 2 --warmup 1 \
+      --nvme-path "$SCRATCH" --rows host,host@params+half --profile "$OUT/profile"
   fi
 fi
 

@@ -15,8 +15,9 @@ same batches:
 - ``nvme``: the same with ``host_memory`` a quarter of the host states, the
   rest on NVMe under ``--nvme-path``.
 
-An offloaded row may add ``+overlap`` (``overlap_optimizer``) and/or ``+eager``,
-then ``@BUDGET``, its ``device_memory`` (issue 43 part 5; none: ``quarter``):
+An offloaded row may add ``+overlap`` (``overlap_optimizer``), ``+eager`` and/or
+``+noclip`` (no clipping in that row, whatever ``--clip`` says: what clipping costs,
+issue 43 part 3), then ``@BUDGET``, its ``device_memory`` (issue 43 part 5; none: ``quarter``):
 
 - ``quarter``: a quarter of the bf16 parameters (beyond the GPU's memory);
 - ``params+half``: the bf16 parameters plus half the optimizer states' bytes
@@ -82,25 +83,28 @@ DASH = "\u2013"  # what the table prints for a value the engine does not report
 
 @dataclass(frozen=True)
 class Row:
-    """One offloaded row: ``tier[+overlap][+eager][@budget]``."""
+    """One offloaded row: ``tier[+overlap][+eager][+noclip][@budget]``."""
 
     name: str
     nvme: bool
     overlap: bool
     eager: bool
     budget: str
+    noclip: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Row:
         """The row ``text`` names; ``ValueError`` saying what is wrong."""
         spec, _, budget = text.partition("@")
         tier, *mods = spec.split("+")
-        if tier not in ("host", "nvme") or not set(mods) <= {"overlap", "eager"}:
-            raise ValueError(f"{text!r} is not host or nvme with +overlap and/or +eager")
+        if tier not in ("host", "nvme") or not set(mods) <= {"overlap", "eager", "noclip"}:
+            raise ValueError(f"{text!r} is not host or nvme with +overlap, +eager or +noclip")
         budget = budget or "quarter"
         if budget not in BUDGETS:
             raise ValueError(f"{text!r}: the budget after @ is one of {', '.join(BUDGETS)}")
-        return cls(text, tier == "nvme", "overlap" in mods, "eager" in mods, budget)
+        return cls(
+            text, tier == "nvme", "overlap" in mods, "eager" in mods, budget, "noclip" in mods
+        )
 
 
 def state_bytes(n: int, state_dtype: str) -> int:
@@ -199,9 +203,20 @@ def _timed(
     return (statistics.median(times) if times else float("nan")), losses
 
 
+# Host calls that wait for the GPU: where one sits on a hook's path, the GPU idles.
+SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaMemcpy",
+)
+
+
 @contextlib.contextmanager
 def _profiled(args: argparse.Namespace, row: str) -> Iterator[None]:
-    """With ``--profile DIR``: torch.profiler over the row's timed steps, its top ops to a file."""
+    """With ``--profile DIR``: torch.profiler over the row's timed steps. Written to
+    ``DIR/profile_<row>.txt``: the top ops by host time, on CUDA by device time too,
+    and the Python stacks of the host calls that wait for the GPU (:data:`SYNC_CALLS`)."""
     if not args.profile:
         yield
         return
@@ -210,10 +225,27 @@ def _profiled(args: argparse.Namespace, row: str) -> Iterator[None]:
     activities = [ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=True) as prof:
         yield
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-    Path(args.profile, f"profile_{row}.txt").write_text(table)
+    averages = prof.key_averages()
+    parts = [
+        f"# {row}: top ops by host time",
+        averages.table(sort_by="self_cpu_time_total", row_limit=40),
+    ]
+    if args.device == "cuda":
+        parts += [
+            "# by device time",
+            averages.table(sort_by="self_device_time_total", row_limit=25),
+        ]
+        waits = [e for e in prof.key_averages(group_by_stack_n=8) if e.key in SYNC_CALLS]
+        waits.sort(key=lambda e: e.cpu_time_total, reverse=True)
+        parts.append("# host calls that wait for the GPU, by Python stack")
+        for e in waits[:15]:
+            stack = "\n    ".join(e.stack)
+            parts.append(f"{e.key}: {e.count} calls, {e.cpu_time_total / 1e3:.1f} ms\n    {stack}")
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_{row}.txt").write_text("\n\n".join(parts) + "\n")
 
 
 def run_plain(args: argparse.Namespace, data: list[torch.Tensor]) -> dict:
@@ -273,7 +305,7 @@ def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], row: Row) 
     # NOTE: overlap_optimizer steps each chunk during backward, before any global norm:
     # the engine refuses clipping there (check_not_stepped_early), so those rows run
     # without it and say so.
-    clip = args.clip if args.clip > 0 and not row.overlap else None
+    clip = args.clip if args.clip > 0 and not (row.overlap or row.noclip) else None
 
     def step(ids: torch.Tensor) -> float:
         loss = model(input_ids=ids, labels=ids).loss
@@ -337,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rows",
         default="host,nvme",
-        help="offloaded rows beside plain: host or nvme, then +overlap and/or +eager, then "
+        help="offloaded rows beside plain: host or nvme, then +overlap, +eager, +noclip, then "
         f"@budget, one of {', '.join(BUDGETS)} (default quarter) "
         "(e.g. host,host+eager,nvme+overlap,host+overlap@params+half)",
     )
