@@ -213,7 +213,11 @@ def chunk_ready(engine: ModelChunks, work: ChunkWork) -> bool:
 
 def finish_chunk(engine: ModelChunks, work: ChunkWork, grad_scale: float) -> int:
     """Run the update of one planned chunk; returns the tensors updated."""
-    with engine.manager.traffic.updating():
+    # NOTE: a queued update runs when the next forward first touches its chunk, which
+    # may be an evaluation under torch.inference_mode(): tensors made there (the
+    # per-tensor states of a first step, such as Adafactor's factored moments) would be
+    # inference tensors, which no later step outside that mode could update in place.
+    with torch.inference_mode(False), engine.manager.traffic.updating():
         step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
     return count_update(engine, work)
 

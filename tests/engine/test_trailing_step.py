@@ -109,3 +109,34 @@ def test_gradients_read_after_step_are_the_step_s_gradients(tmp_path):
     grads = infinity.gradients(model)  # before zero_grad, as torch keeps them
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_first_updates_run_inside_an_inference_mode_evaluation_train_on_like_torch(tmp_path):
+    """Sweep seed 6161: the first update of NVMe-homed chunks, queued by step(), runs in
+    the next forward; under ``torch.inference_mode()`` the per-tensor states it makes
+    (Adafactor's factored moments) were inference tensors, and the next step could not
+    update them in place."""
+    import copy
+
+    from engine_helpers import offload_on_nvme, tiny_gpt
+
+    from infinity.optim import CPUAdafactor
+
+    model = tiny_gpt()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=1e-2, foreach=False)
+    model = offload_on_nvme(model, tmp_path, host_factor=2.0)
+    opt = CPUAdafactor(model.parameters(), lr=1e-2)
+    engine = engine_of(model)
+    data = batches(3)
+    _step_both(model, opt, ref, ref_opt, data[0])
+    assert engine.queue.trailing, "nothing was queued: the states are not on NVMe"
+    before = engine.queue.trailing_chunk_steps
+    with torch.inference_mode():
+        model(data[0][0])
+    assert engine.queue.trailing_chunk_steps > before  # the evaluation ran them
+    # the next updates run outside that mode (in the training forward after step 2)
+    for batch in data[1:]:
+        _step_both(model, opt, ref, ref_opt, batch)
+    err = global_rel_error(model, ref)
+    assert err < TOL, f"global relative error {err:.2e}"

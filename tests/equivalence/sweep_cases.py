@@ -749,4 +749,20 @@ EXAMPLES: tuple[Case, ...] = (
             "stale evaluation; a stale one is off towards the loss before the step"
         ),
     ),
+    Case(
+        dtype="bf16",
+        overlap=True,
+        chunk_size="16KiB",
+        host=0.25,
+        optimizer="adafactor",
+        nvme_direct=True,
+        recipe=True,
+        frozen=True,
+        evaluate="inference_mode",
+        why=(
+            "sweep seed 6161: an early update (overlap) queued in backward ran in the next "
+            "forward, an inference_mode() evaluation; Adafactor's first factored moments were "
+            "made there as inference tensors, and the next step could not update them"
+        ),
+    ),
 )
