@@ -213,11 +213,17 @@ def chunk_ready(engine: ModelChunks, work: ChunkWork) -> bool:
 
 def finish_chunk(engine: ModelChunks, work: ChunkWork, grad_scale: float) -> int:
     """Run the update of one planned chunk; returns the tensors updated."""
-    # NOTE: a queued update runs when the next forward first touches its chunk, which
-    # may be an evaluation under torch.inference_mode(): tensors made there (the
+    # NOTE: a queued update runs when the next forward first touches its chunk, inside
+    # the user's modes there. Under torch.inference_mode() the tensors it makes (the
     # per-tensor states of a first step, such as Adafactor's factored moments) would be
-    # inference tensors, which no later step outside that mode could update in place.
-    with torch.inference_mode(False), engine.manager.traffic.updating():
+    # inference tensors, which no later step outside that mode could update in place;
+    # under torch.autocast("cpu") its matmuls (Adafactor's factored estimate) would run
+    # in bf16. It computes as optimizer.step() does, outside both.
+    with (
+        torch.inference_mode(False),
+        torch.autocast("cpu", enabled=False),
+        engine.manager.traffic.updating(),
+    ):
         step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
     return count_update(engine, work)
 

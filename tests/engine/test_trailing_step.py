@@ -140,3 +140,29 @@ def test_first_updates_run_inside_an_inference_mode_evaluation_train_on_like_tor
         _step_both(model, opt, ref, ref_opt, batch)
     err = global_rel_error(model, ref)
     assert err < TOL, f"global relative error {err:.2e}"
+
+
+def test_updates_run_inside_an_autocast_forward_compute_as_outside_it(tmp_path):
+    """A queued update runs in the next forward, which may be under the user's
+    ``torch.autocast``: Adafactor's factored estimate is a matmul, which autocast
+    would run in bf16. The updates must compute as ``optimizer.step()`` does."""
+    import copy
+
+    from engine_helpers import offload_on_nvme, tiny_gpt
+
+    from infinity.optim import CPUAdafactor
+
+    model = tiny_gpt()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=1e-2, foreach=False)
+    model = offload_on_nvme(model, tmp_path, host_factor=2.0)
+    opt = CPUAdafactor(model.parameters(), lr=1e-2)
+    engine = engine_of(model)
+    for batch in batches(3):
+        _step_both(model, opt, ref, ref_opt, batch)
+        before = engine.queue.trailing_chunk_steps
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(batch[0])
+        assert engine.queue.trailing_chunk_steps > before  # the evaluation ran them
+    err = global_rel_error(model, ref)
+    assert err < TOL, f"global relative error {err:.2e}"
