@@ -120,7 +120,11 @@ class ModelChunks:
         if states is None:
             shape = self.layout.slots[index].shape
             shapes = self.chunk_optimizer.tensor_state_shapes(tuple(shape))
-            states = {name: torch.zeros(size) for name, size in shapes.items()}
+            # fp32 host tensors, whatever the user set as default dtype or device
+            states = {
+                name: torch.zeros(size, dtype=torch.float32, device="cpu")
+                for name, size in shapes.items()
+            }
             self.tensor_states[index] = states
         return states
 

@@ -162,7 +162,11 @@ def read_moments(engine: ModelChunks, indices: Iterable[int]) -> Iterator[tuple[
     for chunk, group in engine.layout.group_by_chunk(stepped, int).items():
         slots = [engine.layout.slots[i] for i in group]
         states = [
-            {name: torch.empty(slot.numel) for name in optimizer.state_slots} for slot in slots
+            {
+                name: torch.empty(slot.numel, dtype=torch.float32, device="cpu")
+                for name in optimizer.state_slots
+            }
+            for slot in slots
         ]
         for unit, window in _units(engine, chunk, write=False):
             for slot, values in zip(slots, states, strict=True):
@@ -239,7 +243,7 @@ def write_moments(engine: ModelChunks, values: dict[int, MomentState | None]) ->
             given = value[1] if value is not None else {}  # no state: zeros, as never stepped
             flats.append(
                 {
-                    name: (given[name] if name in given else torch.zeros(slot.numel))
+                    name: (given[name] if name in given else torch.zeros(slot.numel, device="cpu"))
                     .reshape(-1)
                     .to(torch.float32)
                     for name in optimizer.state_slots
