@@ -41,8 +41,10 @@ CHECKPOINTING = ("", "", "non-reentrant", "reentrant")
 # "auto" keeps, offloads or (with neither room nor NVMe: its cases without NVMe get
 # `host` of the states' bytes, sweep_train.config) checkpoints each block.
 ACTIVATIONS = ("keep", "keep", "checkpoint", "offload", "offload", "auto")
-# How a validation loop between steps turns autograd off (Case.evaluate).
-EVAL_MODES = ("no_grad", "inference_mode")
+# How a validation loop between steps turns autograd off (Case.evaluate); "autocast":
+# no_grad under torch.autocast("cpu", bf16), the host's ops of the forward (and of the
+# updates that run in it) included.
+EVAL_MODES = ("no_grad", "inference_mode", "autocast")
 HOST_FRACTIONS = (1.5, 0.75, 0.45, 0.25, 0.12)
 AUTO_HOST = 1.15  # the host fraction of activations="auto" cases without NVMe
 DEVICE_FRACTIONS = (1.2, 0.6, 0.35)
@@ -103,7 +105,7 @@ class Case:
     # before offload); every parameter still handed to the optimizer.
     frozen: bool = False
     # Evaluate a held-out batch after every step, in eval mode under this grad mode
-    # ("no_grad" or "inference_mode"; "": no evaluation), as a validation loop does.
+    # (one of EVAL_MODES; "": no evaluation), as a validation loop does.
     evaluate: str = ""
     # fp16: the loss scale to start from (0: Config's 2**16); a large one makes the
     # first steps overflow, so that they are skipped and the scale halves.

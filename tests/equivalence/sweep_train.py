@@ -99,7 +99,8 @@ def evaluate(case: Case, model: torch.nn.Module) -> float:
     afterwards. Every rank evaluates the whole batch."""
     model.eval()
     grad_mode = torch.inference_mode() if case.evaluate == "inference_mode" else torch.no_grad()
-    with grad_mode:
+    host_autocast = torch.autocast("cpu", torch.bfloat16, enabled=case.evaluate == "autocast")
+    with grad_mode, host_autocast:
         ids = eval_batch(case).to(case.backend)
         loss = float(model(input_ids=ids, labels=ids).loss)
     model.train()
