@@ -324,7 +324,8 @@ def _train(
         for micro in range(case.accumulation):
             ids = list(_parts(case, data[step * case.accumulation + micro], case.world))[rank]
             ids = ids.to(case.backend)
-            loss = _loss(case, model, ids) / case.accumulation
+            with training_autocast(case):
+                loss = _loss(case, model, ids) / case.accumulation
             # fp16: the loss times infinity's dynamic loss scale (torch's GradScaler.scale)
             (opt.scale_loss(loss) if case.dtype == "fp16" else loss).backward()
             total += float(loss.detach())
@@ -353,6 +354,11 @@ def _evaluated(case: Case, model: torch.nn.Module) -> float:
     if case.backend != "cpu":
         torch.get_device_module(case.backend).reset_peak_memory_stats()
     return value
+
+
+def training_autocast(case: Case) -> torch.autocast:
+    """The training forward's autocast: bf16 on the host with ``case.autocast``, else off."""
+    return torch.autocast("cpu", torch.bfloat16, enabled=case.autocast)
 
 
 def _loss(case: Case, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -492,10 +498,11 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
                 continue
             for ids in _parts(case, batch, split):
                 ids = ids.to(case.backend)
-                if variant == "blocks":
-                    loss = _loss(case, compute, ids) / case.accumulation / split
-                else:
-                    loss = compute(input_ids=ids, labels=ids).loss / case.accumulation / split
+                with training_autocast(case):
+                    if variant == "blocks":
+                        loss = _loss(case, compute, ids) / case.accumulation / split
+                    else:
+                        loss = compute(input_ids=ids, labels=ids).loss / case.accumulation / split
                 (loss * scaler.scale if scaler else loss).backward()
                 total += float(loss.detach())
         if per_rank is not None:

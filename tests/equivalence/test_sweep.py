@@ -13,7 +13,16 @@ from __future__ import annotations
 import os
 
 import pytest
-from sweep_cases import EVALUATED, EXAMPLES, FP16, PINNED, RESUMED, Case, draw_cases
+from sweep_cases import (
+    AUTOCAST,
+    EVALUATED,
+    EXAMPLES,
+    FP16,
+    PINNED,
+    RESUMED,
+    Case,
+    draw_cases,
+)
 from sweep_run import Outcome, check, run_case, run_two_ranks
 
 pytest.importorskip("transformers")
@@ -21,7 +30,7 @@ pytest.importorskip("transformers")
 SEED = int(os.environ.get("INFINITY_SWEEP_SEED", "26"))
 DRAWN = 6
 CASES: list[Case] = [
-    *EXAMPLES, *PINNED, *RESUMED, *EVALUATED, *FP16, *draw_cases(SEED, DRAWN)
+    *EXAMPLES, *PINNED, *RESUMED, *EVALUATED, *FP16, *AUTOCAST, *draw_cases(SEED, DRAWN)
 ]  # fmt: skip
 WORLD1 = [c for c in CASES if c.world == 1]
 WORLD2 = [c for c in CASES if c.world == 2]
