@@ -125,6 +125,40 @@ def _warn_emulated_bf16() -> None:
     )
 
 
+def autocast_casts_weights(device: torch.device, dtype: torch.dtype) -> str | None:
+    """What is wrong with the autocast around a training forward of a model offloaded on
+    ``device`` as ``dtype``, or ``None`` (no autocast, or one to ``dtype`` itself).
+
+    NOTE: autocast casts each weight to its dtype at each use and autograd saves the cast
+    for backward: a copy of every weight, held from its forward to its backward as a saved
+    activation, in no budget (on a GPU, up to a whole copy of the model in device memory).
+    The engine's own mixed precision keeps no such copy: bf16 or fp16 chunks computed on
+    directly, the fp32 masters beside the optimizer states.
+    """
+    if not torch.is_grad_enabled():
+        return None  # nothing is saved
+    try:
+        if not torch.is_autocast_enabled(device.type):
+            return None
+        cast_to = torch.get_autocast_dtype(device.type)
+    except RuntimeError:  # a device type autocast does not know
+        return None
+    if cast_to == dtype:
+        return None
+    name = str(cast_to).removeprefix("torch.")
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cast_to, name)
+    return (
+        f"torch.autocast({device.type!r}, dtype=torch.{name}) is on around a forward of a "
+        f"model offloaded as {str(dtype).removeprefix('torch.')}: autocast casts each weight "
+        f"to {name} and autograd saves every cast for backward, a {name} copy of the weights "
+        "held until backward beside the chunks (saved activations: on a GPU up to a whole "
+        "copy of the model in device memory, whatever device_memory says). Offload "
+        f"with infinity.Config(dtype={short!r}) "
+        "instead (the chunks compute in it, fp32 masters beside the optimizer states) and "
+        "leave autocast out of the training loop"
+    )
+
+
 def resolved(config: Config) -> Config:
     """``config`` with its device and compute dtype decided for this machine (what an
     engine runs with; the user's ``Config`` keeps its ``"auto"``)."""
