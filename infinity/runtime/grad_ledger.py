@@ -200,6 +200,14 @@ def _times(factor: float) -> Callable[[torch.Tensor], object]:
 
 _aten = torch.ops.aten
 
+# torch.amp.GradScaler's unscale_ (and step) reach the gradients through this op.
+_GRAD_SCALER = (
+    "torch.amp.GradScaler cannot unscale an offloaded model's gradients: they live in "
+    "infinity's chunks, and infinity scales the loss itself. With Config(dtype='fp16') "
+    "backpropagate optimizer.scale_loss(loss) and call optimizer.step() (the engine skips "
+    "an overflowed step and adapts the scale, as GradScaler does); with bf16 or fp32 no "
+    "loss scaling is needed. Drop the GradScaler."
+)
 _HELP = (
     "the gradient of an offloaded parameter lives in infinity's chunks, not in param.grad: "
     "param.grad supports only gradient clipping (torch.nn.utils.clip_grad_norm_, "
@@ -264,6 +272,8 @@ class GradientInChunks(torch.Tensor):
         if func in (_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar):
             _foreach_mul_(args[0], _scalar(args[1], func))
             return None
+        if func is _aten._amp_foreach_non_finite_check_and_unscale_.default:
+            raise RuntimeError(_GRAD_SCALER)
         raise RuntimeError(f"{func}: {_HELP}")
 
     # NOTE: printing must not dispatch; torch's __repr__ takes an extra keyword.

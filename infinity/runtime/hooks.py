@@ -142,6 +142,7 @@ class HookSet:
             self.handles.append(direct.backbone.register_forward_hook(backbone_post))
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
         self._move_guard = MoveGuard(model, engine.device, engine.dtype)
+        self._copy_guard = CopyGuard(model)
         # Blocks: what the forward saves is measured per block (and checkpointed).
         policy = engine.activation_policy
         trace = policy.trace
@@ -200,6 +201,7 @@ class HookSet:
             handle.remove()
         self.handles.clear()
         self._move_guard.remove()
+        self._copy_guard.remove()
         self._engine.activation_policy.remove()
 
 
@@ -276,6 +278,38 @@ class MoveGuard:
         model = self._model()
         if model is not None and model.__dict__.get("to") is self:
             del model.__dict__["to"]
+
+
+class CopyGuard:
+    """Installed as ``model.__deepcopy__`` of an offloaded model: ``copy.deepcopy`` raises,
+    saying how to get a second model with the same weights.
+
+    NOTE: a deep copy would hold the parameters' placeholders (NaN), not the weights, and
+    its hooks would drive this model's engine: an EMA (``AveragedModel``) averaged NaN, and
+    a frozen reference model copied from it (TRL's ``create_reference_model``) failed in
+    its first forward with a KeyError. ``copy.deepcopy`` looks ``__deepcopy__`` up on the
+    instance, so the guard is this model's alone, like :class:`MoveGuard` (the engine's own
+    shape-only copy, ``activations/estimate.py``, sets it aside)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        model.__dict__["__deepcopy__"] = self
+
+    def __call__(self, memo: dict[int, Any]) -> nn.Module:
+        raise TypeError(
+            "copy.deepcopy of an offloaded model: its parameters are placeholders and its "
+            "values live in infinity's chunks, so a copy would hold no weights. For a second "
+            "model with the same weights (an EMA, a frozen reference model), build the model "
+            "again, offload it (infinity.offload) if it should not sit in memory whole, and "
+            "load the weights with new_model.load_state_dict(model.state_dict()), or save "
+            "them with infinity.save_pretrained and load them with infinity.load_pretrained"
+        )
+
+    def remove(self) -> None:
+        """Let ``copy.deepcopy`` copy the model again."""
+        model = self._model()
+        if model is not None and model.__dict__.get("__deepcopy__") is self:
+            del model.__dict__["__deepcopy__"]
 
 
 def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:

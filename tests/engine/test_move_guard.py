@@ -57,3 +57,33 @@ def test_removing_the_hooks_gives_the_model_its_own_to_back():
     engine.hooks.remove()
     engine.close()
     assert "to" not in model.__dict__  # the class's Module.to again
+
+
+def test_a_deep_copy_is_refused_saying_how_to_get_a_second_model():
+    """An EMA (``AveragedModel``) or a reference model deep-copied from an offloaded one
+    held NaN placeholders (and its forward drove the original's engine)."""
+    import copy
+
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    for make_copy in (copy.deepcopy, torch.optim.swa_utils.AveragedModel):
+        with pytest.raises(TypeError, match="load_state_dict"):
+            make_copy(model)
+    # the engine's own shape-only copy (the activation estimate of a first forward) works,
+    # and the model trains as before
+    batch = batches(1)[0]
+    gpt_loss(model, batch).backward()
+    assert "__deepcopy__" in model.__dict__
+    engine = engine_of(model)
+    engine.hooks.remove()
+    engine.close()
+    assert "__deepcopy__" not in model.__dict__  # copy.deepcopy copies a plain module again
+    copy.deepcopy(model)
+
+
+def test_a_grad_scaler_is_told_that_the_engine_scales_the_loss():
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    opt = infinity.optim.CPUAdam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(gpt_loss(model, batches(1)[0])).backward()
+    with pytest.raises(RuntimeError, match=r"scale_loss\(loss\)"):
+        scaler.step(opt)
