@@ -184,6 +184,9 @@ class OffloadEngine:
                 f"this model's chunks could not be laid out ({type(failure).__name__}: "
                 f"{failure}); call infinity.offload() on a new model"
             ) from failure
+        # The values to lay out are those offload kept: a conversion or write since would
+        # be dropped silently (the parameters show placeholders from offload on).
+        check_model(self.registry, self.dtype, self.device, self._param_count)
         if units is None or plan is None:
             units, plan = self.offload_optimizer, self.offload_plan
         self._laying_out = True

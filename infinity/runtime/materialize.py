@@ -222,9 +222,10 @@ def take_values(
             on_meta.add(entry.index)
             fresh = nn.Parameter(entry.placeholder, requires_grad=entry.trainable)
             torch.utils.swap_tensors(entry.param, fresh)
+            entry.placeholder_version = entry.param._version
         else:
             kept[entry.index] = entry.param.data
-            entry.param.data = entry.placeholder
+            entry.show_placeholder()
     return on_meta, kept
 
 

@@ -166,7 +166,7 @@ class ModelChunks:
         """Point the parameter back at its placeholder (no chunk memory held)."""
         if entry.placeholder is None:
             entry.placeholder = placeholder(entry.shape, self.dtype, self.device)
-        entry.param.data = entry.placeholder
+        entry.show_placeholder()
 
     def sample(self, phase: Phase, chunk: int) -> None:
         """Add the tiers' state after an access to the memory timeline."""

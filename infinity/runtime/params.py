@@ -64,6 +64,16 @@ class ParamEntry:
     trainable: bool
     shape: tuple[int, ...]
     placeholder: torch.Tensor | None = None
+    # The parameter's version counter when its .data last became the placeholder: a
+    # write in place since then (nn.init.zeros_, fill_) reached the placeholder, not the
+    # chunks (check_model refuses it).
+    placeholder_version: int = 0
+
+    def show_placeholder(self) -> None:
+        """Point the parameter's ``.data`` at its placeholder (which must exist)."""
+        assert self.placeholder is not None
+        self.param.data = self.placeholder
+        self.placeholder_version = self.param._version
 
 
 def tensor_index(entry: ParamEntry) -> int:
@@ -192,6 +202,18 @@ def check_model(
                 f"parameter {entry.name!r} was changed after infinity.offload() "
                 f"(now {data.dtype} on {data.device}); move or convert the model before "
                 "offloading it, not after"
+            )
+        if entry.param._version != entry.placeholder_version:
+            # NOTE: constant fills (fill_, zero_, nn.init.zeros_/ones_/constant_) pass on
+            # an expanded tensor and wrote the NaN cell every placeholder shares.
+            _nan_cell(dtype, device).fill_(float("nan"))
+            entry.placeholder_version = entry.param._version
+            raise ModelChangedError(
+                f"parameter {entry.name!r} was written in place after infinity.offload() "
+                "(nn.init.zeros_, ones_, constant_, fill_, ...): outside a forward its .data "
+                "is a placeholder and its values live in infinity's chunks, so the write "
+                "reached no weight and was dropped. Initialise the model before offloading "
+                "it, or load values with model.load_state_dict(...)"
             )
     root = next(m for m, parent in registry.parents.items() if parent is None)
     now = sum(1 for _ in root.parameters())

@@ -14,7 +14,7 @@ from engine_helpers import batches, config, gpt_loss, tiny_gpt
 
 import infinity
 from infinity.offload import engine_of
-from infinity.runtime.params import is_placeholder
+from infinity.runtime.params import ModelChangedError, is_placeholder
 
 
 def test_moves_to_its_own_device_leave_the_model_as_it_is():
@@ -87,3 +87,42 @@ def test_a_grad_scaler_is_told_that_the_engine_scales_the_loss():
     scaler.scale(gpt_loss(model, batches(1)[0])).backward()
     with pytest.raises(RuntimeError, match=r"scale_loss\(loss\)"):
         scaler.step(opt)
+
+
+@pytest.mark.parametrize("laid_out", [False, True], ids=["before-layout", "after-layout"])
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda p: p.fill_(0.0),
+        lambda p: torch.nn.init.zeros_(p),
+        lambda p: torch.nn.init.constant_(p, 0.5),
+    ],
+    ids=["fill_", "init.zeros_", "init.constant_"],
+)
+def test_a_write_in_place_after_offload_is_refused_not_dropped(laid_out, write):
+    """Constant fills pass on a placeholder (one NaN cell expanded): the write reached no
+    weight and was dropped silently, and it overwrote the NaN every placeholder shows."""
+    before = tiny_gpt().state_dict()  # the same weights, never offloaded (a read lays out)
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    if laid_out:
+        infinity.optim.CPUAdam(model.parameters(), lr=1e-3)
+    target = model.blocks[0].attn.qkv.bias
+    with torch.no_grad():
+        write(target)
+    batch = batches(1)[0]
+    with pytest.raises(ModelChangedError, match=r"blocks\.0\.attn\.qkv\.bias.*written in place"):
+        if laid_out:
+            gpt_loss(model, batch)
+        else:
+            infinity.optim.CPUAdam(model.parameters(), lr=1e-3)  # the lay-out checks first
+    assert torch.isnan(target.data).all()  # every placeholder shows NaN again
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the chunks: untouched
+    gpt_loss(model, batch).backward()  # once said, the model trains on
+
+
+def test_a_conversion_before_the_layout_is_refused_not_dropped():
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    model.half()  # Module.half converts through _apply, past the guard of model.to
+    with pytest.raises(ModelChangedError, match="float16"):
+        infinity.optim.CPUAdam(model.parameters(), lr=1e-3)
