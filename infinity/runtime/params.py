@@ -216,7 +216,15 @@ def check_model(
                 "it, or load values with model.load_state_dict(...)"
             )
     root = next(m for m, parent in registry.parents.items() if parent is None)
-    now = sum(1 for _ in root.parameters())
+    now = 0
+    for p in root.parameters():
+        now += 1
+        if id(p) not in registry.by_id:  # a module replaced since (resize_token_embeddings)
+            name = next(n for n, q in root.named_parameters() if q is p)
+            raise ModelChangedError(
+                f"parameter {name!r} was added after infinity.offload() (a module replaced or "
+                "added since); build the final model first, then call infinity.offload()"
+            )
     if now != count:
         raise ModelChangedError(
             f"the model now has {now} parameters but had {count} when it was "

@@ -126,3 +126,13 @@ def test_a_conversion_before_the_layout_is_refused_not_dropped():
     model.half()  # Module.half converts through _apply, past the guard of model.to
     with pytest.raises(ModelChangedError, match="float16"):
         infinity.optim.CPUAdam(model.parameters(), lr=1e-3)
+
+
+def test_a_parameter_replaced_after_offload_is_refused_even_at_the_same_count():
+    """A replaced parameter (``resize_token_embeddings`` swaps the module) kept the count,
+    and trained in RAM beside the chunks, unoffloaded."""
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    gpt_loss(model, batches(1)[0]).backward()
+    model.wpe = torch.nn.Parameter(torch.zeros(model.wpe.shape))
+    with pytest.raises(ModelChangedError, match="'wpe' was added"):
+        gpt_loss(model, batches(1)[0])
