@@ -94,11 +94,41 @@ def recomputed_blocks(model: nn.Module, config: Config) -> list[nn.Module]:
     if config.activations == "auto" and config.nvme_path is None:
         # A model without repeated blocks has nothing auto could checkpoint.
         return [module for _, module in blocks_for(model, config.activation_blocks, False)]
-    # transformers 5 renamed the flag (the old name warns, and goes in 6)
-    new = hasattr(type(model), "is_activation_checkpointing")
-    if getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False):
+    if transformers_checkpointing(model):
         return [module for _, module in blocks_for(model, config.activation_blocks, False)]
     return []
+
+
+def transformers_checkpointing(model: nn.Module) -> bool:
+    """A ``transformers`` model's gradient checkpointing is on."""
+    # transformers 5 renamed the flag (the old name warns, and goes in 6)
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    return bool(getattr(model, flag, False))
+
+
+def checkpointing_turned_on_late(model: nn.Module, recomputed: list[nn.Module]) -> str | None:
+    """What is wrong if ``model``'s ``transformers`` gradient checkpointing was turned on
+    after offload planned no recomputed block (``recomputed``), or ``None``.
+
+    NOTE: a recomputed block holds all its chunks at once in backward; a plan made
+    without one reserves no room for that, and backward ran out of device slots
+    (``PoolExhausted``) at budgets that train with checkpointing turned on first. The
+    Trainer turns it on itself (``TrainingArguments(gradient_checkpointing=True)``).
+    """
+    if recomputed or not transformers_checkpointing(model):
+        return None
+    return (
+        "transformers' gradient checkpointing was turned on after infinity.offload() "
+        "(model.gradient_checkpointing_enable(), which the Trainer calls with "
+        "TrainingArguments(gradient_checkpointing=True)): the plan holds no device room for "
+        "a block recomputed in backward, which could run out of device slots there. Turn it "
+        "on before infinity.offload() (the Trainer then finds it on), or offload with "
+        "infinity.Config(activations='checkpoint')"
+    )
 
 
 def _outermost(pairs: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

@@ -38,7 +38,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from infinity.activations.blocks import blocks_for, recomputed_blocks
+from infinity.activations.blocks import (
+    blocks_for,
+    checkpointing_turned_on_late,
+    recomputed_blocks,
+)
 from infinity.activations.policy import ActivationPolicy, first_forward_estimate
 from infinity.activations.store import SavedActivation
 from infinity.chunks.homes import Kind
@@ -59,7 +63,13 @@ from infinity.runtime.budgets import DTYPE_OF, bind_optimizer, first_layout, pla
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.gradients import GradientNorms, GradientSink
 from infinity.runtime.model_chunks import ChunkIO, ModelChunks
-from infinity.runtime.params import ParamEntry, ParamRegistry, check_model, tensor_index
+from infinity.runtime.params import (
+    ModelChangedError,
+    ParamEntry,
+    ParamRegistry,
+    check_model,
+    tensor_index,
+)
 from infinity.runtime.stepping import UpdatePipeline, check_moments, read_moments, write_moments
 from infinity.runtime.swap import (
     activation_host_room,
@@ -387,6 +397,9 @@ class OffloadEngine:
         self.manager.failures.check()
         self.queue.check_failed()
         check_model(self.registry, self.dtype, self.device, self._param_count)
+        late = checkpointing_turned_on_late(self.registry.root, self.registry.recomputed)
+        if late is not None and torch.is_grad_enabled():
+            raise ModelChangedError(late)
         problem = None if self._autocast_warned else autocast_casts_weights(self.device, self.dtype)
         if problem is not None:
             self._autocast_warned = True

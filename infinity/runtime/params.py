@@ -38,13 +38,20 @@ def placeholder(
 ) -> torch.Tensor:
     """What a parameter's ``.data`` is while its values live only in chunks.
 
-    One shared NaN element expanded to the parameter's shape: metadata
+    One shared NaN element seen with zero strides in the parameter's shape: metadata
     (``shape``, ``numel()``, ``dtype``, ``device``) is right and no memory is
     held; reading gives NaN (obviously not the weights, where a zero-byte
-    storage would crash the process), and writing in place raises. Autograd's
-    AccumulateGrad reads only metadata, so gradients still arrive.
+    storage would crash the process), and most writes in place raise (a constant
+    fill passes: :func:`check_model` refuses it). Autograd's AccumulateGrad reads
+    only metadata, so gradients still arrive.
+
+    NOTE: not a view of the cell (``expand``): a view shares its base's version
+    counter, and so would every parameter born on ``meta`` (made from its
+    placeholder), so that a write to one looked like a write to all.
     """
-    return _nan_cell(dtype, device).expand(tuple(shape))
+    shape = tuple(shape)
+    alone = torch.empty(0, dtype=dtype, device=device)
+    return alone.set_(_nan_cell(dtype, device).untyped_storage(), 0, shape, (0,) * len(shape))
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
@@ -185,6 +192,11 @@ class ParamRegistry:
             sets.append(HeldBlock(held))
         return sets
 
+    @property
+    def root(self) -> nn.Module:
+        """The model itself (the module without a parent)."""
+        return next(m for m, parent in self.parents.items() if parent is None)
+
     def entry(self, param: torch.Tensor) -> ParamEntry | None:
         """The entry of ``param`` if it belongs to the model."""
         return self.by_id.get(id(param))
@@ -215,7 +227,7 @@ def check_model(
                 "reached no weight and was dropped. Initialise the model before offloading "
                 "it, or load values with model.load_state_dict(...)"
             )
-    root = next(m for m, parent in registry.parents.items() if parent is None)
+    root = registry.root
     now = 0
     for p in root.parameters():
         now += 1

@@ -153,3 +153,37 @@ def test_accelerate_loop_matches_adamw():
     assert any(n > 0.5 for n in norms["single"])
     assert norms["cpu_adam"] == pytest.approx(norms["single"], rel=1e-5)
     _check_against_noise(models)
+
+
+def test_gradient_checkpointing_turned_on_after_offload_is_refused_with_the_order_to_use():
+    """Turned on after offload (the Trainer does it with gradient_checkpointing=True), the
+    plan had no room for a recomputed block: backward ran out of device slots."""
+    model = infinity.offload(
+        tiny_llama(VOCAB, hidden=32, tie=True), config(device_memory="64KiB", chunk_size="16KiB")
+    )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids)  # nothing recomputed without a backward
+    with pytest.raises(infinity.ModelChangedError, match="before infinity.offload"):
+        model(input_ids=ids, labels=ids)
+
+
+def test_trainer_with_gradient_checkpointing_on_a_model_that_had_it_before_offload(tmp_path):
+    models = _models()
+    kwargs = {"use_reentrant": False}
+    for model in models.values():
+        if model is not models["cpu_adam"]:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    base = tiny_llama(VOCAB, hidden=32, tie=True)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    models["cpu_adam"] = infinity.offload(base, config(device_memory="64KiB", chunk_size="16KiB"))
+    for kind, model in models.items():
+        _train_with_trainer(
+            model,
+            kind,
+            tmp_path / kind,
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs=kwargs,
+        )
+    _check_against_noise(models)
