@@ -111,11 +111,9 @@ def test_gradients_read_after_step_are_the_step_s_gradients(tmp_path):
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_first_updates_run_inside_an_inference_mode_evaluation_train_on_like_torch(tmp_path):
-    """Sweep seed 6161: the first update of NVMe-homed chunks, queued by step(), runs in
-    the next forward; under ``torch.inference_mode()`` the per-tensor states it makes
-    (Adafactor's factored moments) were inference tensors, and the next step could not
-    update them in place."""
+def _adafactor_pair(tmp_path):
+    """A tiny GPT with Adafactor's states (per-tensor, made at a tensor's first update) on
+    NVMe, and its torch reference: ``(model, optimizer, ref, ref_optimizer)``."""
     import copy
 
     from engine_helpers import offload_on_nvme, tiny_gpt
@@ -126,7 +124,15 @@ def test_first_updates_run_inside_an_inference_mode_evaluation_train_on_like_tor
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.Adafactor(ref.parameters(), lr=1e-2, foreach=False)
     model = offload_on_nvme(model, tmp_path, host_factor=2.0)
-    opt = CPUAdafactor(model.parameters(), lr=1e-2)
+    return model, CPUAdafactor(model.parameters(), lr=1e-2), ref, ref_opt
+
+
+def test_first_updates_run_inside_an_inference_mode_evaluation_train_on_like_torch(tmp_path):
+    """Sweep seed 6161: the first update of NVMe-homed chunks, queued by step(), runs in
+    the next forward; under ``torch.inference_mode()`` the per-tensor states it makes
+    (Adafactor's factored moments) were inference tensors, and the next step could not
+    update them in place."""
+    model, opt, ref, ref_opt = _adafactor_pair(tmp_path)
     engine = engine_of(model)
     data = batches(3)
     _step_both(model, opt, ref, ref_opt, data[0])
@@ -146,17 +152,7 @@ def test_updates_run_inside_an_autocast_forward_compute_as_outside_it(tmp_path):
     """A queued update runs in the next forward, which may be under the user's
     ``torch.autocast``: Adafactor's factored estimate is a matmul, which autocast
     would run in bf16. The updates must compute as ``optimizer.step()`` does."""
-    import copy
-
-    from engine_helpers import offload_on_nvme, tiny_gpt
-
-    from infinity.optim import CPUAdafactor
-
-    model = tiny_gpt()
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=1e-2, foreach=False)
-    model = offload_on_nvme(model, tmp_path, host_factor=2.0)
-    opt = CPUAdafactor(model.parameters(), lr=1e-2)
+    model, opt, ref, ref_opt = _adafactor_pair(tmp_path)
     engine = engine_of(model)
     for batch in batches(3):
         _step_both(model, opt, ref, ref_opt, batch)
