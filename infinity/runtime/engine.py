@@ -397,9 +397,10 @@ class OffloadEngine:
         self.manager.failures.check()
         self.queue.check_failed()
         check_model(self.registry, self.dtype, self.device, self._param_count)
-        late = checkpointing_turned_on_late(self.registry.root, self.registry.recomputed)
-        if late is not None and torch.is_grad_enabled():
-            raise ModelChangedError(late)
+        if torch.is_grad_enabled():  # a forward whose backward may recompute blocks
+            late = checkpointing_turned_on_late(self.registry.root, self.registry.recomputed)
+            if late is not None:
+                raise ModelChangedError(late)
         problem = None if self._autocast_warned else autocast_casts_weights(self.device, self.dtype)
         if problem is not None:
             self._autocast_warned = True

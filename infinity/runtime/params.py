@@ -217,7 +217,7 @@ def check_model(
             )
         if entry.param._version != entry.placeholder_version:
             # NOTE: constant fills (fill_, zero_, nn.init.zeros_/ones_/constant_) pass on
-            # an expanded tensor and wrote the NaN cell every placeholder shares.
+            # a zero-stride tensor and wrote the NaN cell every placeholder shares.
             _nan_cell(dtype, device).fill_(float("nan"))
             entry.placeholder_version = entry.param._version
             raise ModelChangedError(
