@@ -38,11 +38,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from infinity.activations.blocks import (
-    blocks_for,
-    checkpointing_turned_on_late,
-    recomputed_blocks,
-)
+from infinity.activations.blocks import blocks_for, recomputed_blocks
 from infinity.activations.policy import ActivationPolicy, first_forward_estimate
 from infinity.activations.store import SavedActivation
 from infinity.chunks.homes import Kind
@@ -63,13 +59,7 @@ from infinity.runtime.budgets import DTYPE_OF, bind_optimizer, first_layout, pla
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.gradients import GradientNorms, GradientSink
 from infinity.runtime.model_chunks import ChunkIO, ModelChunks
-from infinity.runtime.params import (
-    ModelChangedError,
-    ParamEntry,
-    ParamRegistry,
-    check_model,
-    tensor_index,
-)
+from infinity.runtime.params import ParamEntry, ParamRegistry, check_model, tensor_index
 from infinity.runtime.stepping import UpdatePipeline, check_moments, read_moments, write_moments
 from infinity.runtime.swap import (
     activation_host_room,
@@ -396,11 +386,8 @@ class OffloadEngine:
         self.lay_out("the first forward")
         self.manager.failures.check()
         self.queue.check_failed()
-        check_model(self.registry, self.dtype, self.device, self._param_count)
-        if torch.is_grad_enabled():  # a forward whose backward may recompute blocks
-            late = checkpointing_turned_on_late(self.registry.root, self.registry.recomputed)
-            if late is not None:
-                raise ModelChangedError(late)
+        training = torch.is_grad_enabled()  # its backward may recompute blocks
+        check_model(self.registry, self.dtype, self.device, self._param_count, training=training)
         problem = None if self._autocast_warned else autocast_casts_weights(self.device, self.dtype)
         if problem is not None:
             self._autocast_warned = True

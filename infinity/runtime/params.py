@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from infinity.activations.blocks import checkpointing_turned_on_late
 from infinity.activations.estimate import forward_order
 from infinity.chunks.layout import ChunkLayout, TensorInfo
 from infinity.schedule.device_slots import HeldBlock
@@ -203,10 +204,17 @@ class ParamRegistry:
 
 
 def check_model(
-    registry: ParamRegistry, dtype: torch.dtype, device: torch.device, count: int
+    registry: ParamRegistry,
+    dtype: torch.dtype,
+    device: torch.device,
+    count: int,
+    *,
+    training: bool = False,
 ) -> None:
-    """Refuse to run if parameters were swapped, added or converted after offload
-    (``count``: the parameters the model had then)."""
+    """Refuse to run if parameters were swapped, added, converted or written in place
+    after offload (``count``: the parameters the model had then), or (``training``: a
+    forward whose backward may recompute blocks) if gradient checkpointing was turned on
+    after the plan was made without room for it."""
     for entry in registry.entries:
         data = entry.param.data
         if not is_placeholder(data) or data.dtype != dtype or data.device != device:
@@ -242,6 +250,9 @@ def check_model(
             f"the model now has {now} parameters but had {count} when it was "
             "offloaded; build the final model first, then call infinity.offload()"
         )
+    late = checkpointing_turned_on_late(root, registry.recomputed) if training else None
+    if late is not None:
+        raise ModelChangedError(late)
 
 
 class ModelChangedError(RuntimeError):
