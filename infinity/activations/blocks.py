@@ -110,27 +110,6 @@ def transformers_checkpointing(model: nn.Module) -> bool:
     return bool(getattr(model, flag, False))
 
 
-def checkpointing_turned_on_late(model: nn.Module, recomputed: list[nn.Module]) -> str | None:
-    """What is wrong if ``model``'s ``transformers`` gradient checkpointing was turned on
-    after offload planned no recomputed block (``recomputed``), or ``None``.
-
-    NOTE: a recomputed block holds all its chunks at once in backward; a plan made
-    without one reserves no room for that, and backward ran out of device slots
-    (``PoolExhausted``) at budgets that train with checkpointing turned on first. The
-    Trainer turns it on itself (``TrainingArguments(gradient_checkpointing=True)``).
-    """
-    if recomputed or not transformers_checkpointing(model):
-        return None
-    return (
-        "transformers' gradient checkpointing was turned on after infinity.offload() "
-        "(model.gradient_checkpointing_enable(), which the Trainer calls with "
-        "TrainingArguments(gradient_checkpointing=True)): the plan holds no device room for "
-        "a block recomputed in backward, which could run out of device slots there. Turn it "
-        "on before infinity.offload() (the Trainer then finds it on), or offload with "
-        "infinity.Config(activations='checkpoint')"
-    )
-
-
 def _outermost(pairs: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """The pairs (in order) whose name is not inside an earlier one's."""
     out: list[tuple[str, nn.Module]] = []

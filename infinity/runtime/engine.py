@@ -59,7 +59,13 @@ from infinity.runtime.budgets import DTYPE_OF, bind_optimizer, first_layout, pla
 from infinity.runtime.grad_ledger import GradientLedger
 from infinity.runtime.gradients import GradientNorms, GradientSink
 from infinity.runtime.model_chunks import ChunkIO, ModelChunks
-from infinity.runtime.params import ParamEntry, ParamRegistry, check_model, tensor_index
+from infinity.runtime.params import (
+    ParamEntry,
+    ParamRegistry,
+    check_late_checkpointing,
+    check_model,
+    tensor_index,
+)
 from infinity.runtime.stepping import UpdatePipeline, check_moments, read_moments, write_moments
 from infinity.runtime.swap import (
     activation_host_room,
@@ -386,8 +392,10 @@ class OffloadEngine:
         self.lay_out("the first forward")
         self.manager.failures.check()
         self.queue.check_failed()
-        training = torch.is_grad_enabled()  # its backward may recompute blocks
-        check_model(self.registry, self.dtype, self.device, self._param_count, training=training)
+        check_model(self.registry, self.dtype, self.device, self._param_count)
+        blocks = self.config.activation_blocks
+        if torch.is_grad_enabled() and check_late_checkpointing(self.registry, self.plan, blocks):
+            self.manager.device.lend_larger = False  # as a plan made with the blocks has it
         problem = None if self._autocast_warned else autocast_casts_weights(self.device, self.dtype)
         if problem is not None:
             self._autocast_warned = True

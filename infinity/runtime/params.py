@@ -12,6 +12,7 @@ importing ``transformers``).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,10 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from infinity.activations.blocks import checkpointing_turned_on_late
+from infinity.activations.blocks import blocks_for, transformers_checkpointing
 from infinity.activations.estimate import forward_order
 from infinity.chunks.layout import ChunkLayout, TensorInfo
-from infinity.schedule.device_slots import HeldBlock
+from infinity.core.plan import Plan
+from infinity.schedule.device_slots import HeldBlock, min_device_slots
 
 _NAN_CELLS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -204,17 +206,10 @@ class ParamRegistry:
 
 
 def check_model(
-    registry: ParamRegistry,
-    dtype: torch.dtype,
-    device: torch.device,
-    count: int,
-    *,
-    training: bool = False,
+    registry: ParamRegistry, dtype: torch.dtype, device: torch.device, count: int
 ) -> None:
     """Refuse to run if parameters were swapped, added, converted or written in place
-    after offload (``count``: the parameters the model had then), or (``training``: a
-    forward whose backward may recompute blocks) if gradient checkpointing was turned on
-    after the plan was made without room for it."""
+    after offload (``count``: the parameters the model had then)."""
     for entry in registry.entries:
         data = entry.param.data
         if not is_placeholder(data) or data.dtype != dtype or data.device != device:
@@ -236,23 +231,62 @@ def check_model(
                 "it, or load values with model.load_state_dict(...)"
             )
     root = registry.root
-    now = 0
-    for p in root.parameters():
-        now += 1
-        if id(p) not in registry.by_id:  # a module replaced since (resize_token_embeddings)
-            name = next(n for n, q in root.named_parameters() if q is p)
-            raise ModelChangedError(
-                f"parameter {name!r} was added after infinity.offload() (a module replaced or "
-                "added since); build the final model first, then call infinity.offload()"
-            )
+    now = sum(1 for _ in root.parameters())
     if now != count:
         raise ModelChangedError(
             f"the model now has {now} parameters but had {count} when it was "
             "offloaded; build the final model first, then call infinity.offload()"
         )
-    late = checkpointing_turned_on_late(root, registry.recomputed) if training else None
-    if late is not None:
-        raise ModelChangedError(late)
+    for name, p in root.named_parameters():  # as many, but one replaced since
+        if id(p) not in registry.by_id:
+            raise ModelChangedError(
+                f"parameter {name!r} was replaced after infinity.offload() (a module swapped "
+                "since, as resize_token_embeddings does); build the final model first, then "
+                "call infinity.offload()"
+            )
+
+
+def check_late_checkpointing(
+    registry: ParamRegistry, plan: Plan, activation_blocks: tuple[str, ...] | None
+) -> bool:
+    """Refuse a training forward whose backward recomputes blocks the plan made no room
+    for: ``transformers``' gradient checkpointing turned on after ``offload`` (``plan``:
+    the engine's; ``activation_blocks``: ``Config.activation_blocks``). True when such
+    blocks were accepted now: the device cache must then keep slots to their sizes, as
+    under a plan made with them (``TierCache.lend_larger``).
+
+    NOTE: a recomputed block holds all its chunks at once in backward, beside a
+    receiving gradient slot of each size. A plan made without one may lack the slots,
+    and backward then ran out of them (PoolExhausted) at budgets that train with
+    checkpointing turned on first; where the plan's slots hold every block, the
+    blocks are accepted (and recorded, so this is asked once).
+    """
+    if registry.recomputed:
+        return False
+    root = registry.root
+    if not transformers_checkpointing(root):
+        return False
+    blocks = [module for _, module in blocks_for(root, activation_blocks, False)]
+    with_blocks = dataclasses.replace(registry, recomputed=blocks)
+    need = min_device_slots(
+        plan.layout,
+        plan.element_size,
+        with_blocks.working_sets(plan.layout),
+        2 if plan.sharded else 1,
+    )
+    short = {size: n for size, n in need.items() if plan.device_slots.get(size, 0) < n}
+    if not short:
+        registry.recomputed = blocks
+        return True
+    missing = sum(size * (n - plan.device_slots.get(size, 0)) for size, n in short.items())
+    raise ModelChangedError(
+        "transformers' gradient checkpointing was turned on after infinity.offload() "
+        "(model.gradient_checkpointing_enable(), which the Trainer calls with "
+        "TrainingArguments(gradient_checkpointing=True)), and the device slots planned "
+        f"without it are {missing} bytes short of holding a recomputed block in backward. "
+        "Turn it on before infinity.offload() (the Trainer then finds it on), or offload "
+        "with infinity.Config(activations='checkpoint')"
+    )
 
 
 class ModelChangedError(RuntimeError):

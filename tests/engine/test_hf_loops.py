@@ -155,18 +155,32 @@ def test_accelerate_loop_matches_adamw():
     _check_against_noise(models)
 
 
-def test_gradient_checkpointing_turned_on_after_offload_is_refused_with_the_order_to_use():
-    """Turned on after offload (the Trainer does it with gradient_checkpointing=True), the
-    plan had no room for a recomputed block: backward ran out of device slots."""
-    model = infinity.offload(
-        tiny_llama(VOCAB, hidden=32, tie=True), config(device_memory="64KiB", chunk_size="16KiB")
-    )
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def test_gradient_checkpointing_turned_on_after_offload_is_refused_where_the_slots_are_short():
+    """Turned on after offload (the Trainer does it with gradient_checkpointing=True), a
+    recomputed block had no room planned: at 16 slots of 16 KiB, one short of a block
+    and its gradient, backward ran out of device slots (PoolExhausted); turned on before
+    offload, the same budget trains."""
+
+    def llama() -> torch.nn.Module:
+        torch.manual_seed(0)
+        shape = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(shape)
+
+    budget = config(device_memory="256KiB", chunk_size="16KiB")
+    kwargs = {"use_reentrant": False}
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = infinity.offload(llama(), budget)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     with torch.no_grad():
         model(input_ids=ids)  # nothing recomputed without a backward
-    with pytest.raises(infinity.ModelChangedError, match="before infinity.offload"):
+    with pytest.raises(infinity.ModelChangedError, match="bytes short"):
         model(input_ids=ids, labels=ids)
+    first = llama()
+    first.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    infinity.offload(first, budget)(input_ids=ids, labels=ids).loss.backward()
 
 
 def test_trainer_with_gradient_checkpointing_on_a_model_that_had_it_before_offload(tmp_path):
