@@ -29,7 +29,6 @@ unpacks a weight view) and keeps the methods hooks, the optimizer front-ends (``
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -47,7 +46,7 @@ from infinity.chunks.states import TensorState
 from infinity.config import Config
 from infinity.core.names import Phase
 from infinity.core.plan import Plan
-from infinity.devices.choice import autocast_casts_weights, make_backend
+from infinity.devices.choice import make_backend
 from infinity.distributed import Collectives, resolve_world
 from infinity.distributed.agreement import check_same_units
 from infinity.io import SwapFile
@@ -137,7 +136,6 @@ class OffloadEngine:
             estimate=first_forward_estimate(model, self.dtype, self.device, config),
         )
         self._param_count = len(self.registry.entries)
-        self._autocast_warned = False  # autocast_casts_weights: said once
         self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
         # By module: (attribute, Parameter) a recomputation sees through a view (_stand_in).
         self._stand_ins: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
@@ -396,10 +394,6 @@ class OffloadEngine:
         blocks = self.config.activation_blocks
         if torch.is_grad_enabled() and check_late_checkpointing(self.registry, self.plan, blocks):
             self.manager.device.lend_larger = False  # as a plan made with the blocks has it
-        problem = None if self._autocast_warned else autocast_casts_weights(self.device, self.dtype)
-        if problem is not None:
-            self._autocast_warned = True
-            warnings.warn(problem, RuntimeWarning, stacklevel=4)
         if self.sink.running and torch._C._current_graph_task_id() == -1:
             # A backward that never finished (interrupted, or an exception inside
             # it): its end-of-backward callback will not come, so settle it now.

@@ -47,6 +47,7 @@ torch copy into a placeholder.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
 from infinity.activations.policy import batch_shape
+from infinity.devices.choice import autocast_casts_weights
 from infinity.runtime.engine import OffloadEngine
 from infinity.runtime.params import ParamEntry, ParamRegistry, is_pretrained_model
 from infinity.runtime.state_access import read_params, write_params
@@ -94,6 +96,8 @@ class HookSet:
         self.handles: list[RemovableHandle] = []
         self._scopes: list[saved_tensors_hooks] = []
         self._engine = engine
+        self._autocast_said = False  # autocast_casts_weights: said once
+        device, dtype = engine.device, engine.dtype
         pack = _opaque(engine.pack)
 
         @_opaque
@@ -107,6 +111,10 @@ class HookSet:
         @_opaque
         def root_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
             engine.begin_forward(batch_shape(args, kwargs))
+            problem = None if self._autocast_said else autocast_casts_weights(device, dtype)
+            if problem is not None:
+                self._autocast_said = True
+                warnings.warn(problem, RuntimeWarning, stacklevel=4)
             scope = saved_tensors_hooks(pack, unpack)
             scope.__enter__()
             self._scopes.append(scope)
