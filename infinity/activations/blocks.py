@@ -100,14 +100,14 @@ def recomputed_blocks(model: nn.Module, config: Config) -> list[nn.Module]:
 
 
 def transformers_checkpointing(model: nn.Module) -> bool:
-    """A ``transformers`` model's gradient checkpointing is on."""
-    # transformers 5 renamed the flag (the old name warns, and goes in 6)
-    flag = (
-        "is_activation_checkpointing"
-        if hasattr(type(model), "is_activation_checkpointing")
-        else "is_gradient_checkpointing"
-    )
-    return bool(getattr(model, flag, False))
+    """A ``transformers`` model's gradient checkpointing is on (``model`` or the first
+    module inside it that has the flag: a ``peft`` wrapper does not)."""
+    for module in model.modules():
+        # transformers 5 renamed the flag (the old name warns, and goes in 6)
+        for flag in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            if hasattr(type(module), flag):
+                return bool(getattr(module, flag))
+    return False
 
 
 def _outermost(pairs: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
