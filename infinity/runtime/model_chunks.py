@@ -118,13 +118,9 @@ class ModelChunks:
         for an optimizer without them)."""
         states = self.tensor_states.get(index)
         if states is None:
-            shape = self.layout.slots[index].shape
-            shapes = self.chunk_optimizer.tensor_state_shapes(tuple(shape))
+            shapes = self.chunk_optimizer.tensor_state_shapes(tuple(self.layout.slots[index].shape))
             # fp32 host tensors, whatever the user set as default dtype or device
-            states = {
-                name: torch.zeros(size, dtype=torch.float32, device="cpu")
-                for name, size in shapes.items()
-            }
+            states = {k: torch.zeros(v, dtype=torch.float, device="cpu") for k, v in shapes.items()}
             self.tensor_states[index] = states
         return states
 
