@@ -33,6 +33,9 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.optim.chunk_optimizer import ChunkOptimizer
@@ -141,10 +144,51 @@ def register(
     model: nn.Module, engine: ChunkStepper, params: Iterable[tuple[torch.Tensor, int]]
 ) -> None:
     """Record that ``engine`` holds ``model`` and each ``(parameter, tensor index)``."""
+    global _foreign_optimizers
     ref = weakref.ref(engine)
     _models[model] = ref
     for param, index in params:
         _params[param] = (ref, index)
+    if _foreign_optimizers is None:
+        _foreign_optimizers = register_optimizer_step_pre_hook(_refuse_foreign_optimizer)
+
+
+# NOTE: torch's own optimizers (AdamW from a user's loop or a Trainer built without
+# ours) wrote into the placeholders at their first step and failed in torch ("more
+# than one element of the written-to tensor refers to a single memory location").
+# A global step pre-hook, registered at the first offload, names the fix instead; it
+# looks at an optimizer's parameters once (again when their number changes).
+_foreign_optimizers: RemovableHandle | None = None
+_checked = weakref.WeakKeyDictionary[Optimizer, int]()
+_OURS = {
+    "Adam": "CPUAdam(adamw=False)",
+    "AdamW": "CPUAdam",
+    "SGD": "CPUSGD",
+    "Adafactor": "CPUAdafactor",
+}
+
+
+def _refuse_foreign_optimizer(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    inner: Any = optimizer
+    for _ in range(4):  # wrappers that delegate (Accelerate's) hold ours as `.optimizer`
+        if isinstance(getattr(type(inner), "chunk_optimizer", None), ChunkOptimizer):
+            return
+        inner = getattr(inner, "optimizer", None)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _checked.get(optimizer) == len(params) or not _params:
+        return
+    if not any(p in _params for p in params):
+        _checked[optimizer] = len(params)
+        return
+    name = type(optimizer).__name__
+    ours = _OURS.get(name, "CPUAdam, CPUAdafactor, CPULion or CPUSGD")
+    raise TypeError(
+        f"{type(optimizer).__module__}.{name} cannot step an offloaded model's parameters: "
+        "their values live in infinity's chunks (the parameters are placeholders), and "
+        "only infinity's optimizers update them there. Use infinity.optim." + ours + " with "
+        "the same hyper-parameters (for transformers.Trainer, pass it as "
+        "optimizers=(optimizer, scheduler))"
+    )
 
 
 def model_engine(model: nn.Module) -> ChunkStepper | None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,19 +289,28 @@ class MoveGuard:
 
 
 class CopyGuard:
-    """Installed as ``model.__deepcopy__`` of an offloaded model: ``copy.deepcopy`` raises,
-    saying how to get a second model with the same weights.
+    """Refuses the two copies torch makes of a whole model that an offloaded model cannot
+    take: ``copy.deepcopy`` (installed as ``model.__deepcopy__``) and the broadcast of
+    ``DistributedDataParallel`` (installed as the names DDP is told to skip, which it reads
+    first). Each raises, saying what to do instead.
 
     NOTE: a deep copy would hold the parameters' placeholders (NaN), not the weights, and
     its hooks would drive this model's engine: an EMA (``AveragedModel``) averaged NaN, and
     a frozen reference model copied from it (TRL's ``create_reference_model``) failed in
-    its first forward with a KeyError. ``copy.deepcopy`` looks ``__deepcopy__`` up on the
-    instance, so the guard is this model's alone, like :class:`MoveGuard` (the engine's own
-    shape-only copy, ``activations/estimate.py``, sets it aside)."""
+    its first forward with a KeyError. DDP's constructor broadcast rank 0's values into the
+    placeholders and failed in torch ("more than one element of the written-to tensor
+    refers to a single memory location"); an offloaded model is data parallel already.
+    ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance and DDP reads
+    ``module._ddp_params_and_buffers_to_ignore``, so both guards are this model's alone,
+    like :class:`MoveGuard` (the engine's own shape-only copy, ``activations/estimate.py``,
+    sets the first aside)."""
+
+    _DDP_SKIP = "_ddp_params_and_buffers_to_ignore"
 
     def __init__(self, model: nn.Module) -> None:
         self._model = weakref.ref(model)
         model.__dict__["__deepcopy__"] = self
+        model.__dict__[self._DDP_SKIP] = _RefuseDataParallel()
 
     def __call__(self, memo: dict[int, Any]) -> nn.Module:
         raise TypeError(
@@ -314,10 +323,28 @@ class CopyGuard:
         )
 
     def remove(self) -> None:
-        """Let ``copy.deepcopy`` copy the model again."""
+        """Let ``copy.deepcopy`` and DDP take the model again."""
         model = self._model()
-        if model is not None and model.__dict__.get("__deepcopy__") is self:
+        if model is None:
+            return
+        if model.__dict__.get("__deepcopy__") is self:
             del model.__dict__["__deepcopy__"]
+        if isinstance(model.__dict__.get(self._DDP_SKIP), _RefuseDataParallel):
+            del model.__dict__[self._DDP_SKIP]
+
+
+class _RefuseDataParallel:
+    """What ``DistributedDataParallel(model)`` reads first of an offloaded model: reading
+    it raises (see :class:`CopyGuard`)."""
+
+    def __iter__(self) -> Iterator[str]:
+        raise TypeError(
+            "DistributedDataParallel over an offloaded model: infinity is data parallel "
+            "already (under an initialised process group every chunk is sharded over the "
+            "ranks and the engine averages the gradients, as DDP does). Train the offloaded "
+            "model itself, without the DDP wrapper: launch with torchrun and call "
+            "infinity.offload(model, config) on every rank (docs/design/data-parallel.md)"
+        )
 
 
 def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:

@@ -97,3 +97,20 @@ def test_a_rank_that_reads_first_makes_both_raise_naming_the_reasons(tmp_path):
         message = result["error"]
         assert message is not None and "different optimizers" in message
         assert "the construction of CPUSGD" in message and "a read of its" in message
+
+
+def _wrap_in_ddp(rank: int) -> str:
+    model = infinity.offload(_model(), infinity.Config(device="cpu", dtype="fp32"))
+    try:
+        torch.nn.parallel.DistributedDataParallel(model)
+    except TypeError as error:
+        return str(error)
+    return "wrapped"
+
+
+def test_wrapping_an_offloaded_model_in_ddp_is_refused_naming_what_to_do():
+    """DDP's constructor broadcast rank 0's values into the parameter placeholders and
+    failed inside torch ("more than one element of the written-to tensor refers to a single
+    memory location"); an offloaded model is data parallel already."""
+    for message in run_ranks(_wrap_in_ddp):
+        assert "without the DDP wrapper" in message, message

@@ -136,3 +136,31 @@ def test_a_parameter_replaced_after_offload_is_refused_even_at_the_same_count():
     model.wpe = torch.nn.Parameter(torch.zeros(model.wpe.shape))
     with pytest.raises(ModelChangedError, match="'wpe' was replaced"):
         gpt_loss(model, batches(1)[0])
+
+
+@pytest.mark.parametrize(
+    "make, ours",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "CPUAdam with"),
+        (lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False), r"CPUAdam\(adamw=False\)"),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), "CPUSGD"),
+    ],
+    ids=["AdamW", "Adam", "SGD"],
+)
+def test_a_torch_optimizer_over_offloaded_parameters_is_refused_naming_ours(make, ours):
+    """torch's own optimizers wrote into the placeholders at their first step and failed in
+    torch ("more than one element of the written-to tensor refers to a single memory
+    location"). Ordinary tensors beside the model, in another optimizer, still step."""
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    before = tiny_gpt().state_dict()
+    extra = torch.nn.Parameter(torch.ones(3))
+    side = make([extra])
+    optimizer = make(model.parameters())
+    gpt_loss(model, batches(1)[0]).backward()
+    (extra * 2).sum().backward()
+    with pytest.raises(TypeError, match=ours):
+        optimizer.step()
+    side.step()
+    assert not torch.equal(extra.detach(), torch.ones(3))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
