@@ -89,6 +89,20 @@ def test_model_without_data_says_so(capsys, workspace):
     assert "--data" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("what", ["missing", "empty folder"])
+def test_a_model_path_that_holds_no_model_is_named(capsys, tmp_path, what):
+    """A missing path reached transformers' hub check ("Repo id must use alphanumeric
+    chars ..."), which says nothing about a local folder."""
+    path = tmp_path / "model"
+    if what == "empty folder":
+        path.mkdir()
+    (tmp_path / "t.txt").write_text(TEXT)
+    code = main(["train", "--model", str(path), "--data", str(tmp_path / "t.txt")])
+    err = capsys.readouterr().err
+    assert code == 2 and str(path) in err
+    assert ("has no config.json" if path.exists() else "is not a directory") in err
+
+
 def test_the_directory_tokenizer_is_used_and_saved_with_the_model(capsys, workspace):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 

@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--data",
         metavar="PATH",
-        help="with --model: a text file or a folder of text files to train on",
+        help="the text to train on: a text file, a folder of text files or a .jsonl file of "
+        "examples; with --model encoded by its tokenizer, for the built-in GPT as bytes "
+        "(default for the GPT: the standard library's Python sources)",
     )
     model.add_argument(
         "--output",

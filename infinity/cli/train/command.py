@@ -27,7 +27,12 @@ from infinity.cli.train import ranks as train_ranks
 from infinity.cli.train.args import DEFAULT_CHECKPOINT_DIR
 from infinity.cli.train.loop import Session, StopSignals
 from infinity.cli.train.optimizers import CHOICES, tensor_state_bytes
-from infinity.cli.train.pretrained import PretrainedModel, describe, save_model
+from infinity.cli.train.pretrained import (
+    PretrainedModel,
+    describe,
+    load_byte_corpus,
+    save_model,
+)
 from infinity.cli.train.pretrained import load_corpus as load_pretrained_corpus
 from infinity.cli.train.report import HumanReport, JsonReport, RunSummary
 from infinity.cli.train.settings import (
@@ -244,11 +249,12 @@ def _run(args: argparse.Namespace, ranks: train_ranks.Ranks) -> int:
     report = train_ranks.report_for(args, ranks)
     resume_from, ckpt_dir, resumed, settings, (config, derived) = _decide(args)
     try:
-        corpus = (
-            load_pretrained_corpus(settings.model)
-            if isinstance(settings.model, PretrainedModel)
-            else load_corpus()
-        )
+        if isinstance(settings.model, PretrainedModel):
+            corpus = load_pretrained_corpus(settings.model)
+        elif settings.data is not None:
+            corpus = load_byte_corpus(settings.data, settings.model.seq_len)
+        else:
+            corpus = load_corpus()
     except CorpusError as exc:
         raise CommandError(str(exc)) from None
     plan = _Run(

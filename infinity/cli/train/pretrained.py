@@ -82,6 +82,13 @@ def inspect_model(args: argparse.Namespace, seq_len: int | None) -> PretrainedMo
     if args.data is None:
         raise CommandError("--model needs --data PATH: a text file or a folder of text files")
     path = Path(args.model).absolute()
+    if not (path / "config.json").is_file():
+        what = "has no config.json" if path.is_dir() else "is not a directory"
+        raise CommandError(
+            f"--model '{args.model}' {what}: give a local folder holding a transformers "
+            "causal LM (config.json and safetensors weights, as save_pretrained writes "
+            "them); nothing is downloaded"
+        )
     transformers = _transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
@@ -132,13 +139,23 @@ def _tokenizer(path: str) -> Any:
 def load_corpus(m: PretrainedModel) -> Corpus:
     """``--data`` encoded with the model's tokenizer (or as bytes); a ``.jsonl`` file
     is read as examples (see :mod:`infinity.data.jsonl`)."""
-    if is_jsonl(m.data):
-        return _load_examples(m)
-    if m.tokenizer:
-        tok = _tokenizer(m.path)
+    return _load(m.data, m.seq_len, m.path if m.tokenizer else None)
 
-        def encode(data: bytes) -> torch.Tensor:
-            ids = tok(data.decode("utf-8", errors="replace"), add_special_tokens=False)
+
+def load_byte_corpus(data: str, seq_len: int) -> Corpus:
+    """The built-in GPT's ``--data``: text (a file or a folder) or ``.jsonl`` examples,
+    as bytes (its vocabulary is the 256 byte values)."""
+    return _load(data, seq_len, None)
+
+
+def _load(data: str, seq_len: int, tokenizer: str | None) -> Corpus:
+    if is_jsonl(data):
+        return _load_examples(data, seq_len, tokenizer)
+    if tokenizer is not None:
+        tok = _tokenizer(tokenizer)
+
+        def encode(text: bytes) -> torch.Tensor:
+            ids = tok(text.decode("utf-8", errors="replace"), add_special_tokens=False)
             return torch.tensor(ids["input_ids"], dtype=torch.int32)
 
         eos, unit = tok.eos_token_id, "tokens"
@@ -146,7 +163,7 @@ def load_corpus(m: PretrainedModel) -> Corpus:
     else:
         encode, eos, about, unit = byte_encode, None, "text (byte-level)", "bytes"
     try:
-        return load_text(m.data, encode, eos=eos, min_tokens=m.seq_len + 2, about=about, unit=unit)
+        return load_text(data, encode, eos=eos, min_tokens=seq_len + 2, about=about, unit=unit)
     except CorpusError as exc:
         raise CommandError(str(exc)) from None
 
@@ -160,17 +177,17 @@ def build_model(m: PretrainedModel, config: infinity.Config) -> nn.Module:
         raise CommandError(f"--model: {exc}") from None
 
 
-def _load_examples(m: PretrainedModel) -> Corpus:
+def _load_examples(data: str, seq_len: int, tokenizer: str | None) -> Corpus:
     """A JSON-lines ``--data``: ``text`` examples whole; ``messages`` through the
     tokenizer's chat template, trained on the assistant turns where the template
     marks them ({% generation %}), else on every token; without a template (or a
     tokenizer) as ``<|role|>`` blocks, trained on the assistant contents."""
-    min_tokens = m.seq_len + 2
-    if not m.tokenizer:
+    min_tokens = seq_len + 2
+    if tokenizer is None:
         render = plain_render(lambda text: byte_encode(text.encode()).tolist())
         about, eos, unit = "chat/text examples (byte-level)", None, "bytes"
     else:
-        tok = _tokenizer(m.path)
+        tok = _tokenizer(tokenizer)
         plain = plain_render(lambda text: tok(text, add_special_tokens=False)["input_ids"])
         template = getattr(tok, "chat_template", None)
         about = "chat/text examples (the model's tokenizer"
@@ -193,7 +210,7 @@ def _load_examples(m: PretrainedModel) -> Corpus:
             return ids, [bool(x) for x in marked]
 
     try:
-        return load_jsonl(m.data, render, eos=eos, min_tokens=min_tokens, about=about, unit=unit)
+        return load_jsonl(data, render, eos=eos, min_tokens=min_tokens, about=about, unit=unit)
     except CorpusError as exc:
         raise CommandError(str(exc)) from None
 

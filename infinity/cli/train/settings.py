@@ -97,6 +97,9 @@ class RunSettings:
     seed: int
     optimizer_state_dtype: str = "fp32"  # how the moments are stored (absent before: fp32)
     optimizer: str = DEFAULT_OPTIMIZER  # --optimizer (absent before: adamw)
+    # The built-in GPT's --data (an absolute path; a --model run's is the model's);
+    # None: the standard library's Python sources (absent before: those).
+    data: str | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -223,6 +226,7 @@ def resolve_settings(args: argparse.Namespace, resumed: RunSettings | None) -> R
         seed=pick("seed", 0),
         optimizer_state_dtype=pick("optimizer_state_dtype", "fp32"),
         optimizer=optimizer,
+        data=None if pretrained is not None else _gpt_data(args, resumed),
     )
     check_state_dtype(optimizer, settings.optimizer_state_dtype)
     preset_shape = (preset.layers, preset.hidden, preset.heads, preset.seq_len)
@@ -289,6 +293,27 @@ def _pretrained(args: argparse.Namespace, resumed: RunSettings | None) -> Pretra
     if getattr(args, "model", None) is None:
         return None
     return inspect_model(args, args.seq_len)
+
+
+def _gpt_data(args: argparse.Namespace, resumed: RunSettings | None) -> str | None:
+    """The built-in GPT's ``--data`` (or the resumed run's); a resumed run keeps its text
+    (a resume is exact only on the same batches)."""
+    if getattr(args, "output", None) is not None:
+        raise CommandError(
+            "--output is where a fine-tuned --model is written; the built-in GPT's weights "
+            "are in its checkpoints (--checkpoint-dir), so drop --output"
+        )
+    given = getattr(args, "data", None)
+    given = None if given is None else str(Path(given).absolute())
+    if resumed is None or given is None:
+        return given if resumed is None else resumed.data
+    if given != resumed.data:
+        trained = resumed.data or "the standard library's Python sources (no --data)"
+        raise CommandError(
+            f"--data {args.data}: the checkpoint trained on {trained}; resume with the same "
+            "--data (or without the flag), or use another --checkpoint-dir to start a new run"
+        )
+    return given
 
 
 def _divisor_below(n: int, limit: int) -> int:
