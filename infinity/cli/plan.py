@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,10 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a GPT preset ({', '.join(PRESETS)}) or a transformers config.json path",
     )
     for flag in ("layers", "hidden", "heads", "vocab-size"):
-        parser.add_argument(f"--{flag}", type=int, help=f"override the preset's {flag}")
+        parser.add_argument(f"--{flag}", type=_positive_int, help=f"override the preset's {flag}")
     parser.add_argument(
         "--seq-len",
-        type=int,
+        type=_positive_int,
         help="tokens per sequence: the preset's context, and the activation estimate's "
         "(default for a config.json: 2048)",
     )
@@ -111,20 +112,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _positive_int(text: str) -> int:
-    """``--nproc``: a whole number of processes, at least 1."""
+    """A count flag (``--nproc``, ``--layers``, ``--seq-len``, ...): a whole number, at least 1."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be a positive whole number of processes, got {text!r} (e.g. --nproc 2)"
-        )
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
     return value
 
 
 def _build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
+    if Path(args.model).is_dir() and (Path(args.model) / "config.json").is_file():
+        args.model = str(Path(args.model) / "config.json")  # a saved model's folder
     if args.model.endswith(".json"):
+        if not Path(args.model).is_file():
+            raise CommandError(
+                f"--model {args.model!r}: no such file; give a transformers config.json (or the "
+                f"folder holding one) or a GPT preset ({', '.join(PRESETS)})"
+            )
         try:
             import transformers
         except ImportError:

@@ -126,3 +126,42 @@ def test_plan_for_a_smaller_optimizer_moves_fewer_bytes(tmp_path):
     assert plans["lion"]["optim_bytes"] < plans["adamw"]["optim_bytes"]
     bad = _plan("--model", "tiny", "--optimizer", "sgd", "--optimizer-state-dtype", "int8")
     assert bad.returncode == 2 and "--optimizer sgd" in bad.stderr and "int8" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--seq-len", "-1"], "argument --seq-len: must be a positive whole number, got '-1'"),
+        (["--layers", "0"], "argument --layers: must be a positive whole number"),
+        (["--batch-size", "0"], "argument --batch-size: must be a positive whole number, got '0'"),
+        (["--model", "missing/config.json"], "'missing/config.json': no such file"),
+    ],
+)
+def test_bad_model_flags_are_named(capsys, flags, needle):
+    """``--seq-len -1`` ended in a traceback (a tensor of negative size), ``--layers 0``
+    printed a plan of no blocks, ``--batch-size 0`` was called a number of processes and
+    a missing config.json reached transformers' hub check ("Repo id must be ...")."""
+    from infinity.cli.main import main
+
+    try:
+        code = main(["plan", *flags])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err, err
+
+
+def test_a_saved_models_folder_plans_like_its_config(tmp_path, capsys):
+    from infinity.cli.main import main
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    outs = []
+    for model in (str(tmp_path), str(tmp_path / "config.json")):
+        assert main(["plan", "--model", model, "--device", "cpu", "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outs[0]["homes"] == outs[1]["homes"] and outs[0]["homes"]
