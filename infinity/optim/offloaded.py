@@ -156,10 +156,12 @@ def register(
 # NOTE: torch's own optimizers (AdamW from a user's loop or a Trainer built without
 # ours) wrote into the placeholders at their first step and failed in torch ("more
 # than one element of the written-to tensor refers to a single memory location").
-# A global step pre-hook, registered at the first offload, names the fix instead; it
-# looks at an optimizer's parameters once (again when their number changes).
+# A global step pre-hook, registered at the first offload, names the fix instead. Only
+# offloaded parameters with a gradient are refused: torch skips the others, so a torch
+# optimizer over a frozen offloaded base and ordinary adapters (peft) steps as before.
+# An optimizer's parameters are looked up once (again when their number changes).
 _foreign_optimizers: RemovableHandle | None = None
-_checked = weakref.WeakKeyDictionary[Optimizer, int]()
+_offloaded_in = weakref.WeakKeyDictionary[Optimizer, tuple[int, list[torch.Tensor]]]()
 _OURS = {
     "Adam": "CPUAdam(adamw=False)",
     "AdamW": "CPUAdam",
@@ -174,11 +176,13 @@ def _refuse_foreign_optimizer(optimizer: Optimizer, args: Any, kwargs: Any) -> N
         if isinstance(getattr(type(inner), "chunk_optimizer", None), ChunkOptimizer):
             return
         inner = getattr(inner, "optimizer", None)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if _checked.get(optimizer) == len(params) or not _params:
-        return
-    if not any(p in _params for p in params):
-        _checked[optimizer] = len(params)
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    known = _offloaded_in.get(optimizer)
+    if known is None or known[0] != count:
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        known = (count, [p for p in params if p in _params])
+        _offloaded_in[optimizer] = known
+    if not any(p.grad is not None for p in known[1]):
         return
     name = type(optimizer).__name__
     ours = _OURS.get(name, "CPUAdam, CPUAdafactor, CPULion or CPUSGD")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import batches, config, gpt_loss, tiny_gpt
+from engine_helpers import batches, config, gpt_loss, tiny_gpt, tiny_llama
 
 import infinity
 from infinity.offload import engine_of
@@ -164,3 +164,25 @@ def test_a_torch_optimizer_over_offloaded_parameters_is_refused_naming_ours(make
     assert not torch.equal(extra.detach(), torch.ones(3))
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_torch_optimizer_steps_a_prompt_beside_a_frozen_offloaded_model():
+    """Prompt tuning with torch's AdamW over the prompt and ``model.parameters()``: the
+    frozen offloaded model has no gradient (torch skips it), the prompt steps as in
+    plain torch."""
+    reference = tiny_llama().requires_grad_(False)
+    model = infinity.offload(tiny_llama().requires_grad_(False), config(dtype="fp32"))
+    prompts = []
+    for m in (model, reference):
+        torch.manual_seed(3)
+        prompt = torch.nn.Parameter(torch.randn(1, 4, 32) * 0.02)
+        optimizer = torch.optim.AdamW([prompt, *m.parameters()], lr=1e-2)
+        for ids, _ in batches(2):
+            embeds = reference.get_input_embeddings()(ids)  # the same frozen table
+            embeds = torch.cat([prompt.expand(len(ids), -1, -1), embeds], dim=1)
+            m(inputs_embeds=embeds, labels=torch.cat([ids[:, :4], ids], dim=1)).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        prompts.append(prompt)
+    assert not torch.equal(prompts[1], prompts[0] * 0)
+    torch.testing.assert_close(prompts[0], prompts[1])
