@@ -130,6 +130,7 @@ def load_checkpoint(
     engine = engine_of(model)
     if not engine.world.sharded:
         return _load(Path(path), engine, optimizer, verify)
+    engine.collectives.align("load_checkpoint")
     # NOTE: sharded, every rank reads the checkpoint (on a filesystem they all
     # see) and keeps its shard: no collective inside, so they agree at the end.
     error: BaseException | None = None

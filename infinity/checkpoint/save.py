@@ -207,6 +207,7 @@ def save_checkpoint(
     engine = engine_of(model)
     engine.chunks.require_set(engine.registry.entries, "saving a checkpoint")
     if engine.world.sharded:
+        engine.collectives.align("save_checkpoint")
         return _save_sharded(target, model, optimizer, engine)
     _write_or_remove(_prepare(target), target, model, optimizer)
     return target

@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--nproc",
-        type=_positive_int,
+        type=_processes,
         default=1,
         help="plan for one rank of N data-parallel processes (per-rank bytes and communication)",
     )
@@ -111,15 +111,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def _positive_int(text: str) -> int:
-    """A count flag (``--nproc``, ``--layers``, ``--seq-len``, ...): a whole number, at least 1."""
+def _positive_int(text: str, of: str = "") -> int:
+    """A count flag (``--layers``, ``--seq-len``, ...): a whole number, at least 1."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive whole number{of}, got {text!r}")
     return value
+
+
+def _processes(text: str) -> int:
+    """``--nproc``: a whole number of processes, at least 1."""
+    return _positive_int(text, " of processes")
 
 
 def _build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:

@@ -125,6 +125,22 @@ class DistributedError(RuntimeError):
     """A collective failed: a peer rank stopped, raised or timed out."""
 
 
+# The calls into a sharded model that run collectives, which every rank must make
+# together, in the same order (Collectives.align); the index is what ranks exchange.
+ENTRIES = (
+    "a training forward",
+    "a forward without gradients",
+    "backward",
+    "optimizer.step()",
+    "reading parameter values (state_dict)",
+    "writing parameter values (load_state_dict)",
+    "reading gradients (infinity.gradients)",
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_pretrained",
+)
+
+
 class InFlight:
     """A collective started asynchronously (a transfer handle: ``done``, ``wait``)."""
 
@@ -173,6 +189,7 @@ class Collectives:
         self.world = world
         self.bytes_sent = 0  # payload bytes this rank put into collectives (a statistic)
         self.seconds = 0.0  # time this rank spent in collectives and waiting for them
+        self.entries = 0  # calls into the model this rank made (align)
 
     def _group(self, tensor: torch.Tensor) -> Any:
         """The group for ``tensor``: the world's own for device tensors, its gloo twin
@@ -240,6 +257,42 @@ class Collectives:
             dist.broadcast(target, root, group=self._group(target))
         if target is not tensor:
             tensor.copy_(target)
+
+    def align(self, entry: str) -> None:
+        """Collective, at the start of each call of :data:`ENTRIES`: raise on every rank
+        unless every rank is making the same call.
+
+        NOTE: a rank that alone evaluates, generates, reads ``state_dict()`` or loads
+        one (the habit of DDP code: ``if rank == 0: ...``) pairs its gathers with
+        whatever the others run next: gloo aborted the process ("collective
+        mismatch"), NCCL hangs, and same-sized collectives of another kind (a gather
+        against a reduce-scatter) could exchange wrong bytes silently. One small
+        exchange on the host group at each entry makes the first diverging call an
+        error on every rank, naming what each was doing.
+        """
+        if not self.world.sharded:
+            return
+        self.entries += 1
+        mine = torch.tensor([ENTRIES.index(entry), self.entries], dtype=torch.int64)
+        everyone = torch.empty(2 * self.world.size, dtype=torch.int64)
+        with self._failing_as(f"starting {entry}"):
+            _all_gather_flat(everyone, mine, group=self.world.host_group)
+        codes, counts = everyone.view(-1, 2).t().tolist()
+        if len(set(codes)) == 1:
+            return
+        doing = "; ".join(
+            f"rank {rank} is starting {ENTRIES[code]} (its call {count} into the model)"
+            for rank, (code, count) in enumerate(zip(codes, counts, strict=True))
+        )
+        raise DistributedError(
+            f"rank {self.world.rank} of {self.world.size}: the ranks diverged: {doing}. "
+            "Under data parallel every rank must make every call into the offloaded model, "
+            "in the same order: each forward (evaluations and generation too: "
+            "generate(..., synced_gpus=True)), backward, optimizer.step(), state_dict(), "
+            "load_state_dict() and checkpoint saves and loads gather or reduce the sharded "
+            "chunks over all ranks. Evaluate and save on every rank (each on its share of "
+            "the batches); let rank 0 alone only print or write what they computed"
+        )
 
     def any(self, flag: bool, what: str) -> bool:
         """True on every rank if ``flag`` is true on any."""

@@ -166,6 +166,7 @@ def _save_sharded(
     model: nn.Module, engine: OffloadEngine, target: Path, files: _Files, tokenizer: Any
 ) -> Path:
     """:func:`save_pretrained` of a sharded model: collective, rank 0 writes."""
+    engine.collectives.align("save_pretrained")
 
     def write(tmp: Path | None) -> None:
         values = param_bytes_by_chunk(engine, files.entries)

@@ -316,6 +316,7 @@ class OffloadEngine:
     # --- delegated to the components --------------------------------------------------
     def optimizer_step(self, hyper_by_index: Mapping[int, object]) -> bool:
         """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
+        self.collectives.align("optimizer.step()")
         return self.pipeline.step(hyper_by_index)
 
     def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
@@ -391,8 +392,10 @@ class OffloadEngine:
         self.manager.failures.check()
         self.queue.check_failed()
         check_model(self.registry, self.dtype, self.device, self._param_count)
+        training = torch.is_grad_enabled()
+        self.collectives.align("a training forward" if training else "a forward without gradients")
         blocks = self.config.activation_blocks
-        if torch.is_grad_enabled() and check_late_checkpointing(self.registry, self.plan, blocks):
+        if training and check_late_checkpointing(self.registry, self.plan, blocks):
             self.manager.device.lend_larger = False  # as a plan made with the blocks has it
         if self.sink.running and torch._C._current_graph_task_id() == -1:
             # A backward that never finished (interrupted, or an exception inside

@@ -108,6 +108,8 @@ class GradientSink:
         """First event of a backward pass: settle last step's gradients, arm the end hook."""
         if self.running:
             return
+        if self.manager.collectives is not None:  # a manager built alone (tests) has none
+            self.manager.collectives.align("backward")
         self.queue.check_not_stepped_early("a second backward before optimizer.step()")
         self.queue.settle()  # the updates still queued read the previous gradients
         self.backward.move(Backward.RUNNING)

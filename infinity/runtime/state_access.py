@@ -25,6 +25,7 @@ def read_params(
     """Copies of parameter values (compute dtype; fp32 masters when ``master``)."""
     entries = list(entries)
     engine.chunks.require_set(entries, "reading parameter values")
+    engine.collectives.align("reading parameter values (state_dict)")
     engine.queue.settle()
     for chunk, group in engine.layout.group_by_chunk(entries, tensor_index).items():
         use_master = master and engine.plan.has_master and engine.layout.chunks[chunk].trainable
@@ -39,6 +40,7 @@ def read_params(
 
 def write_params(engine: OffloadEngine, values: dict[int, torch.Tensor]) -> None:
     """Set parameters (by tensor index) to ``values``; fp32 masters follow."""
+    engine.collectives.align("writing parameter values (load_state_dict)")
     engine.queue.settle()
     entries = [engine.registry.entries[i] for i in values]
     _write_entries(engine, entries, values)
@@ -92,6 +94,7 @@ def _grad_views(
 
 def gradients(model: nn.Module, engine: OffloadEngine) -> dict[str, torch.Tensor]:
     """Copies of every gradient held in chunks, by parameter name (RAM for all of them)."""
+    engine.collectives.align("reading gradients (infinity.gradients)")
     indices = range(len(engine.registry.entries))
     return {entry.name: view.clone() for entry, view in _grad_views(engine, indices)}
 

@@ -48,3 +48,49 @@ def test_nvme_on_one_rank_only_fails_naming_nvme_path(tmp_path) -> None:
     errors = run_ranks(_offload, [{}, {"nvme_path": str(tmp_path)}], [{}, {}])
     expected = "Config field 'nvme_path' is null on rank 0 and \"a path (NVMe on)\" on rank 1"
     assert all(e is not None and expected in e for e in errors), errors
+
+
+def _rank_zero_alone(rank: int, what: str) -> str:
+    """Train one step on both ranks, then ``what`` on rank 0 alone (the habit of DDP
+    code), then the next training step on both: each rank's error."""
+    import torch
+
+    model = infinity.offload(tiny_gpt(), config(chunk_size="16KiB", device_memory="96KiB"))
+    opt = infinity.optim.CPUAdam(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(rank))
+    model(ids, ids).backward()
+    opt.step()
+    opt.zero_grad()
+    try:
+        if rank == 0:
+            if what == "evaluate":
+                with torch.no_grad():
+                    model(ids, ids)
+            elif what == "state_dict":
+                model.state_dict()
+            elif what == "load_state_dict":
+                model.load_state_dict(tiny_gpt(seed=1).state_dict())
+        model(ids, ids).backward()
+        opt.step()
+    except DistributedError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("what", "doing"),
+    [
+        ("evaluate", "rank 0 is starting a forward without gradients"),
+        ("state_dict", "rank 0 is starting reading parameter values (state_dict)"),
+        ("load_state_dict", "rank 0 is starting writing parameter values (load_state_dict)"),
+    ],
+)
+def test_a_call_on_rank_zero_alone_fails_on_every_rank_naming_it(what, doing) -> None:
+    """Rank 0 alone evaluating crashed its process (gloo: "Is there a distributed
+    collective mismatch in your code?") while rank 1 saw a closed connection; alone
+    loading a state dict (no collective inside) would leave the ranks' shards of two
+    different models. Now both ranks raise at the first call they do not share."""
+    errors = run_ranks(_rank_zero_alone, what)
+    for error in errors:
+        assert "the ranks diverged" in error and doing in error, error
+        assert "rank 1 is starting a training forward" in error, error

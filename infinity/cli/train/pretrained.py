@@ -154,8 +154,8 @@ def _load(data: str, seq_len: int, tokenizer: str | None) -> Corpus:
     if tokenizer is not None:
         tok = _tokenizer(tokenizer)
 
-        def encode(text: bytes) -> torch.Tensor:
-            ids = tok(text.decode("utf-8", errors="replace"), add_special_tokens=False)
+        def encode(data: bytes) -> torch.Tensor:
+            ids = tok(data.decode("utf-8", errors="replace"), add_special_tokens=False)
             return torch.tensor(ids["input_ids"], dtype=torch.int32)
 
         eos, unit = tok.eos_token_id, "tokens"
