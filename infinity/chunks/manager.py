@@ -36,7 +36,7 @@ from infinity.chunks.states import Clock, GradStates, UpdateStates
 from infinity.core.names import HOST, NVME
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
-from infinity.distributed import Collectives
+from infinity.distributed import SINGLE, Collectives
 from infinity.io import SwapFile
 
 log = logging.getLogger("infinity")
@@ -71,7 +71,8 @@ class ChunkManager:
         if plan.sharded and collectives is None:
             raise AssertionError("a sharded plan needs the collectives of its ranks")
         self.plan = plan
-        self.collectives = collectives
+        # One process's (a manager built alone, in tests) answers every collective itself.
+        self.collectives = collectives if collectives is not None else Collectives(SINGLE)
         self.dtype = dtype
         self.backend = backend
         self.traffic = Traffic(stall=backend.clock.stall)

@@ -214,7 +214,6 @@ def write_initial(
     if plan.sharded:
         # Like DDP, every rank starts from rank 0's values (ranks seeded
         # alike agree anyway; ranks that were not must still train one model).
-        assert manager.collectives is not None
         manager.collectives.broadcast(values, f"initialising chunk {i}")
         start, end = plan.home_window(i)
         values = values[start:end]

@@ -189,7 +189,7 @@ class DeviceAccess(Protocol):
 
     plan: Plan
     transient_account: TierAccount
-    collectives: Collectives | None
+    collectives: Collectives
     device: TierCache
     backend: DeviceBackend
     traffic: Traffic
@@ -222,7 +222,6 @@ def start_gathers(
     ``host_ready`` says whether a key's bytes are in host memory now (the staging's).
     """
     collectives = manager.collectives
-    assert collectives is not None
     plan, device = manager.plan, manager.device
     if chunks == manager.in_use.prefetched:
         # Agreed once per list, i.e. when the trace moves on to another
@@ -293,7 +292,6 @@ def gather_param(manager: DeviceAccess, i: int) -> Copy:
     """
     key = (Kind.PARAM, i)
     collectives = manager.collectives
-    assert collectives is not None
     copy = manager.device.get(key)
     if copy is not None and manager.in_use.holds(i, copy):
         return copy
@@ -350,7 +348,6 @@ def open_whole(
     plan = manager.plan
     if not plan.sharded:
         return region, copy
-    assert manager.collectives is not None
     whole = torch.zeros(whole_bytes(plan, key), dtype=torch.uint8)
     account = manager.transient_account
     account.add(whole.nbytes)

@@ -135,6 +135,7 @@ ENTRIES = (
     "reading parameter values (state_dict)",
     "writing parameter values (load_state_dict)",
     "reading gradients (infinity.gradients)",
+    "reading gradient norms (clip_grad_norm_)",
     "save_checkpoint",
     "load_checkpoint",
     "save_pretrained",
@@ -288,7 +289,8 @@ class Collectives:
             f"rank {self.world.rank} of {self.world.size}: the ranks diverged: {doing}. "
             "Under data parallel every rank must make every call into the offloaded model, "
             "in the same order: each forward (evaluations and generation too: "
-            "generate(..., synced_gpus=True)), backward, optimizer.step(), state_dict(), "
+            "generate(..., synced_gpus=True)), backward, clip_grad_norm_, optimizer.step(), "
+            "state_dict(), "
             "load_state_dict() and checkpoint saves and loads gather or reduce the sharded "
             "chunks over all ranks. Evaluate and save on every rank (each on its share of "
             "the batches); let rank 0 alone only print or write what they computed"

@@ -108,8 +108,7 @@ class GradientSink:
         """First event of a backward pass: settle last step's gradients, arm the end hook."""
         if self.running:
             return
-        if self.manager.collectives is not None:  # a manager built alone (tests) has none
-            self.manager.collectives.align("backward")
+        self.manager.collectives.align("backward")
         self.queue.check_not_stepped_early("a second backward before optimizer.step()")
         self.queue.settle()  # the updates still queued read the previous gradients
         self.backward.move(Backward.RUNNING)
@@ -216,6 +215,8 @@ class GradientNorms:
             self.ledger.collect_zeroed()  # may change the version: before taking the cache
             self._collected = self.ledger.version
         cache = self._norm_cache().setdefault(norm_type, {})
+        if not cache:  # the first norm asked of these gradients (a sharded read gathers)
+            self.chunks.manager.collectives.align("reading gradient norms (clip_grad_norm_)")
         chunk = self.chunks.chunk_of(index)
         if not self._from_device(chunk, norm_type, cache):
             members = self.chunks.chunk_members[chunk]

@@ -71,6 +71,8 @@ def _rank_zero_alone(rank: int, what: str) -> str:
             elif what == "load_state_dict":
                 model.load_state_dict(tiny_gpt(seed=1).state_dict())
         model(ids, ids).backward()
+        if rank == 0 and what == "clip_grad_norm_":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     except DistributedError as exc:
         return str(exc)
@@ -83,6 +85,7 @@ def _rank_zero_alone(rank: int, what: str) -> str:
         ("evaluate", "rank 0 is starting a forward without gradients"),
         ("state_dict", "rank 0 is starting reading parameter values (state_dict)"),
         ("load_state_dict", "rank 0 is starting writing parameter values (load_state_dict)"),
+        ("clip_grad_norm_", "rank 0 is starting reading gradient norms (clip_grad_norm_)"),
     ],
 )
 def test_a_call_on_rank_zero_alone_fails_on_every_rank_naming_it(what, doing) -> None:
@@ -91,6 +94,7 @@ def test_a_call_on_rank_zero_alone_fails_on_every_rank_naming_it(what, doing) ->
     loading a state dict (no collective inside) would leave the ranks' shards of two
     different models. Now both ranks raise at the first call they do not share."""
     errors = run_ranks(_rank_zero_alone, what)
+    other = "optimizer.step()" if what == "clip_grad_norm_" else "a training forward"
     for error in errors:
         assert "the ranks diverged" in error and doing in error, error
-        assert "rank 1 is starting a training forward" in error, error
+        assert f"rank 1 is starting {other}" in error, error
