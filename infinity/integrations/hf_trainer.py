@@ -10,6 +10,9 @@ cannot afford. With :class:`StreamedCheckpoints` mixed in (or the ready-made
 streamed chunk by chunk; the scheduler, RNG and trainer state are the
 Trainer's own (small) files. ``trainer.train(resume_from_checkpoint=...)``
 restores the model and optimizer from ``infinity/`` and resumes exactly.
+Built without an optimizer, it trains an offloaded model with
+:class:`~infinity.optim.CPUAdam` from the ``TrainingArguments`` (torch's AdamW, the
+Trainer's default, for a model that is not offloaded).
 
 ::
 
@@ -17,8 +20,8 @@ restores the model and optimizer from ``infinity/`` and resumes exactly.
     trainer = Trainer(model=offloaded, args=args, optimizers=(CPUAdam(...), scheduler), ...)
 
 For a model that is not offloaded, everything is the Trainer's own behaviour.
-A mixin over documented Trainer methods (``save_model`` and the
-optimizer/scheduler save and load hooks); nothing of transformers is patched.
+A mixin over documented Trainer methods (``save_model``, the optimizer's choice and
+the optimizer/scheduler save and load hooks); nothing of transformers is patched.
 """
 
 from __future__ import annotations
@@ -32,11 +35,16 @@ from torch import nn
 
 from infinity.checkpoint import load_checkpoint, save_checkpoint
 from infinity.offload import find_engine
+from infinity.optim import CPUAdam
 from infinity.pretrained import save_pretrained
 
 # The folder inside each checkpoint-N that holds infinity's checkpoint.
 STATE_DIR = "infinity"
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
+
+
+# TrainingArguments.optim values that mean torch's AdamW: CPUAdam steps an offloaded model.
+_TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")
 
 
 def _offloaded(model: Any) -> nn.Module | None:
@@ -65,6 +73,28 @@ class StreamedCheckpoints:
         _save_weights_into(model, output_dir, self.args.should_save)
         if self.processing_class is not None and self.args.should_save:
             self.processing_class.save_pretrained(output_dir)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
+        """The optimizer the Trainer builds when none was given: for an offloaded model,
+        :class:`~infinity.optim.CPUAdam` where ``args.optim`` is torch's AdamW (the
+        default), with the arguments' learning rate, betas and epsilon (the Trainer
+        groups the parameters and sets each group's weight decay, as for AdamW);
+        another choice raises, naming what to do. Otherwise the Trainer's own."""
+        import transformers
+
+        if model is None or _offloaded(model) is None:
+            return transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+        optim = getattr(args.optim, "value", args.optim)
+        if optim not in _TORCH_ADAMW:
+            raise ValueError(
+                f"TrainingArguments(optim={optim!r}) cannot step an offloaded model: its "
+                "parameters are updated by infinity's optimizers only. Leave optim at its "
+                "default (torch's AdamW, run as infinity.optim.CPUAdam), or construct one of "
+                "infinity.optim's optimizers and pass optimizers=(optimizer, scheduler)"
+            )
+        betas = (args.adam_beta1, args.adam_beta2)
+        return CPUAdam, {"lr": args.learning_rate, "betas": betas, "eps": args.adam_epsilon}
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         model = _offloaded(self.model)

@@ -191,7 +191,8 @@ def _refuse_foreign_optimizer(optimizer: Optimizer, args: Any, kwargs: Any) -> N
         "their values live in infinity's chunks (the parameters are placeholders), and "
         "only infinity's optimizers update them there. Use infinity.optim." + ours + " with "
         "the same hyper-parameters (for transformers.Trainer, pass it as "
-        "optimizers=(optimizer, scheduler))"
+        "optimizers=(optimizer, scheduler), or use infinity.integrations.hf_trainer.Trainer, "
+        "which makes CPUAdam from the TrainingArguments)"
     )
 
 

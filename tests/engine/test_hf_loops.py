@@ -124,6 +124,33 @@ def test_trainer_resumes_from_its_own_checkpoint_like_uninterrupted_adamw(tmp_pa
     _check_against_noise(models)
 
 
+def _train_without_optimizer(model, trainer_class, out_dir, **kw) -> None:
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=BATCH, max_steps=STEPS,
+        learning_rate=LR, weight_decay=0.1, report_to=[], use_cpu=True, seed=0,
+        disable_tqdm=True, save_strategy="no", **kw,
+    )  # fmt: skip
+    trainer_class(model=model, args=args, train_dataset=_samples()).train()
+
+
+def test_our_trainer_without_an_optimizer_trains_with_cpu_adam_like_adamw(tmp_path):
+    """``transformers.Trainer`` built without an optimizer made torch's AdamW, which cannot
+    step an offloaded model; ours makes CPUAdam from the same arguments and param groups
+    (weight decay on the matrices only). The reference is the plain model in the Trainer
+    with its default (fused AdamW); the noise, its foreach AdamW against that."""
+    from infinity.integrations.hf_trainer import Trainer
+
+    models = _models()  # "single": the reference here, "fused": the noise probe
+    _train_without_optimizer(models["single"], transformers.Trainer, tmp_path / "a")
+    _train_without_optimizer(
+        models["fused"], transformers.Trainer, tmp_path / "b", optim="adamw_torch"
+    )
+    _train_without_optimizer(models["cpu_adam"], Trainer, tmp_path / "c")
+    _check_against_noise(models)
+    with pytest.raises(ValueError, match=r"optim='adafactor'\) cannot step an offloaded model"):
+        _train_without_optimizer(_models()["cpu_adam"], Trainer, tmp_path / "d", optim="adafactor")
+
+
 def _train_with_accelerate(model, kind: str) -> list[float]:
     from accelerate import Accelerator
 
