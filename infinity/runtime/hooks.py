@@ -257,13 +257,38 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 
 class MoveGuard:
-    """Installed as ``model.to`` of an offloaded model; :meth:`remove` restores the method."""
+    """Installed as ``model.to`` and ``model._apply`` of an offloaded model; :meth:`remove`
+    restores the methods.
+
+    NOTE: ``model.half()``, ``.float()``, ``.cuda()`` and the like run ``_apply``, which
+    converted every placeholder (one NaN cell, expanded) into a full tensor: a whole copy
+    of the model in RAM or device memory before the next forward refused it, so a model
+    beyond RAM was killed instead of told. ``_apply`` first runs its function on a
+    one-element tensor like the placeholders; a result other than that tensor itself (a
+    conversion or a move) is refused, a no-op (``share_memory()``, a move to where the
+    model is) goes on.
+    """
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         self._model = weakref.ref(model)
         self._device = device
         self._dtype = dtype
         model.__dict__["to"] = self
+        model.__dict__["_apply"] = self._apply
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        model = self._model()
+        assert model is not None, "the guard lives in its model's __dict__"
+        probe = torch.empty(1, dtype=self._dtype, device=self._device)
+        if fn(probe) is not probe:
+            raise ValueError(
+                "converting or moving an offloaded model (model.half(), .float(), .cuda(), "
+                "...): its parameters live in infinity's chunks on "
+                f"{self._device} as {str(self._dtype).replace('torch.', '')}, and the "
+                "conversion would make a full copy of every one. Choose the device and dtype "
+                "with infinity.Config(device=..., dtype=...) before offload()"
+            )
+        return nn.Module._apply(model, fn, recurse)
 
     def __call__(self, *args: Any, **kwargs: Any) -> nn.Module:
         model = self._model()
@@ -286,6 +311,7 @@ class MoveGuard:
         model = self._model()
         if model is not None and model.__dict__.get("to") is self:
             del model.__dict__["to"]
+            del model.__dict__["_apply"]
 
 
 class CopyGuard:

@@ -123,9 +123,25 @@ def test_a_write_in_place_after_offload_is_refused_not_dropped(laid_out, write):
 
 def test_a_conversion_before_the_layout_is_refused_not_dropped():
     model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
-    model.half()  # Module.half converts through _apply, past the guard of model.to
+    model.blocks[0].half()  # a submodule's conversion: past the model's own guards
     with pytest.raises(ModelChangedError, match="float16"):
         infinity.optim.CPUAdam(model.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "double"])
+def test_converting_the_whole_model_is_refused_before_it_copies_anything(convert):
+    """``model.half()`` runs ``Module._apply`` (past the guard of ``model.to``), which
+    turned every placeholder into a full tensor: a whole copy of the model before the next
+    forward refused it. No-ops (``float()`` of an fp32 model, ``share_memory()``) pass."""
+    before = tiny_gpt().state_dict()
+    model = infinity.offload(tiny_gpt(), config(dtype="fp32"))
+    with pytest.raises(ValueError, match="would make a full copy of every one"):
+        getattr(model, convert)()
+    assert all(p.dtype == torch.float32 and is_placeholder(p.data) for p in model.parameters())
+    assert model.float() is model and model.share_memory() is model
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    gpt_loss(model, batches(1)[0]).backward()
 
 
 def test_a_parameter_replaced_after_offload_is_refused_even_at_the_same_count():
