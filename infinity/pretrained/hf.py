@@ -16,6 +16,7 @@ from torch import nn
 from infinity.config import Config
 from infinity.pretrained.empty_init import init_empty
 from infinity.pretrained.load import offload_pretrained
+from infinity.pretrained.safetensors_io import PretrainedError
 from infinity.runtime.materialize import InitFn
 
 log = logging.getLogger("infinity")
@@ -57,6 +58,14 @@ def from_pretrained(
     """
     transformers = require_transformers()
     model_class = model_class or transformers.AutoModelForCausalLM
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        # NOTE: else transformers answers a missing folder with its hub check ("Repo id
+        # must use alphanumeric chars ..."): nothing here is fetched from the network.
+        what = "has no config.json" if os.path.isdir(path) else "is not a directory"
+        raise PretrainedError(
+            f"'{os.fspath(path)}' {what}: from_pretrained reads a local transformers model "
+            "directory (config.json and safetensors weights, as save_pretrained writes them)"
+        )
 
     def build() -> tuple[nn.Module, InitFn | None]:
         hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)

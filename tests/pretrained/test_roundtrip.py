@@ -214,3 +214,15 @@ def test_the_file_is_read_when_the_optimizer_lays_the_model_out(
     for name, value in plain.state_dict().items():
         assert torch.equal(got[name], value), name
     engine.close()
+
+
+@pytest.mark.parametrize("what", ["missing", "empty folder"])
+def test_from_pretrained_names_a_path_that_holds_no_model(tmp_path, offload_config, what):
+    """A missing folder reached transformers' hub check ("Repo id must use alphanumeric
+    chars ..."), which says nothing about a local path."""
+    path = tmp_path / "model"
+    if what == "empty folder":
+        path.mkdir()
+    expected = "has no config.json" if path.exists() else "is not a directory"
+    with pytest.raises(infinity.PretrainedError, match=expected):
+        infinity.from_pretrained(path, offload_config("fp32"))
