@@ -194,7 +194,7 @@ def _weightless(model: nn.Module) -> nn.Module:
         for b in module._buffers.values():
             if b is not None:
                 memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    # The engine's copy guard (runtime/hooks.py CopyGuard) refuses a user's deep copy;
+    # The engine's copy guard (runtime/guards.py CopyGuard) refuses a user's deep copy;
     # this one replaces every tensor first, so it is set aside meanwhile.
     guard = model.__dict__.pop("__deepcopy__", None)
     try:
