@@ -58,16 +58,18 @@ def from_pretrained(
     """
     transformers = require_transformers()
     model_class = model_class or transformers.AutoModelForCausalLM
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        # NOTE: else transformers answers a missing folder with its hub check ("Repo id
-        # must use alphanumeric chars ..."): nothing here is fetched from the network.
-        what = "has no config.json" if os.path.isdir(path) else "is not a directory"
-        raise PretrainedError(
-            f"'{os.fspath(path)}' {what}: from_pretrained reads a local transformers model "
-            "directory (config.json and safetensors weights, as save_pretrained writes them)"
-        )
 
     def build() -> tuple[nn.Module, InitFn | None]:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            # NOTE: else transformers answers a missing folder with its hub check ("Repo
+            # id must use alphanumeric chars ..."): nothing is fetched from the network.
+            # Raised in build, which every rank of a sharded model agrees on.
+            what = "has no config.json" if os.path.isdir(path) else "is not a directory"
+            raise PretrainedError(
+                f"'{os.fspath(path)}' {what}: from_pretrained reads a local transformers "
+                "model directory (config.json and safetensors weights, as save_pretrained "
+                "writes them)"
+            )
         hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         with init_empty():
             model = model_class.from_config(hf_config, **model_kwargs)
