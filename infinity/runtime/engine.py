@@ -190,7 +190,9 @@ class OffloadEngine:
             ) from failure
         # The values to lay out are those offload kept: a conversion or write since would
         # be dropped silently (the parameters show placeholders from offload on).
-        check_model(self.registry, self.dtype, self.device, self._param_count)
+        check_model(
+            self.registry, self.dtype, self.device, self._param_count, torch.is_grad_enabled()
+        )
         if units is None or plan is None:
             units, plan = self.offload_optimizer, self.offload_plan
         self._laying_out = True
@@ -391,8 +393,8 @@ class OffloadEngine:
         self.lay_out("the first forward")
         self.manager.failures.check()
         self.queue.check_failed()
-        check_model(self.registry, self.dtype, self.device, self._param_count)
         training = torch.is_grad_enabled()
+        check_model(self.registry, self.dtype, self.device, self._param_count, training)
         self.collectives.align("a training forward" if training else "a forward without gradients")
         blocks = self.config.activation_blocks
         if training and check_late_checkpointing(self.registry, self.plan, blocks):

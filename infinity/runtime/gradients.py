@@ -102,6 +102,17 @@ class GradientSink:
 
     def before_grad(self, grad: torch.Tensor) -> None:
         """Tensor hook of a parameter, run before its AccumulateGrad."""
+        if grad.requires_grad:
+            # NOTE: a gradient with a graph of its own comes from create_graph=True.
+            # It would keep every parameter view of that graph alive in the device
+            # slots (backward then ran out of them with PoolExhausted), and its chunk
+            # copy could carry no graph anyway.
+            raise RuntimeError(
+                "backward(create_graph=True) or torch.autograd.grad(..., create_graph=True) "
+                "asks for gradients of gradients, which offloaded parameters cannot give: "
+                "their gradients go into chunks, outside any graph. Compute higher-order "
+                "terms (gradient penalties, MAML) with a model that is not offloaded"
+            )
         self.note_backward()
 
     def note_backward(self) -> None:

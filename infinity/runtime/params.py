@@ -206,11 +206,26 @@ class ParamRegistry:
 
 
 def check_model(
-    registry: ParamRegistry, dtype: torch.dtype, device: torch.device, count: int
+    registry: ParamRegistry,
+    dtype: torch.dtype,
+    device: torch.device,
+    count: int,
+    training: bool,
 ) -> None:
     """Refuse to run if parameters were swapped, added, converted or written in place
-    after offload (``count``: the parameters the model had then)."""
+    after offload (``count``: the parameters the model had then), or, when ``training``,
+    unfrozen since."""
     for entry in registry.entries:
+        if training and not entry.trainable and entry.param.requires_grad:
+            # NOTE: the chunks were cut at offload with frozen tensors apart, without
+            # gradient or optimizer room; such a parameter's gradient had nowhere to go
+            # and it silently never trained.
+            raise ModelChangedError(
+                f"parameter {entry.name!r} was frozen (requires_grad=False) when the model "
+                "was offloaded and requires gradients now: infinity laid out no gradient or "
+                "optimizer state for it, so it would not train. Set requires_grad on every "
+                "parameter to train before infinity.offload() (freezing later is fine)"
+            )
         data = entry.param.data
         if not is_placeholder(data) or data.dtype != dtype or data.device != device:
             raise ModelChangedError(

@@ -6,7 +6,16 @@ import os
 
 import pytest
 import torch
-from engine_helpers import batches, config, param_bytes, tiny_gpt
+from engine_helpers import (
+    batches,
+    config,
+    global_rel_error,
+    offload_on_nvme,
+    param_bytes,
+    reference_pair,
+    tiny_gpt,
+    train,
+)
 
 import infinity
 from infinity.offload import engine_of
@@ -118,6 +127,53 @@ def test_model_changed_after_offload_is_refused():
     model.blocks[0].double()  # the model's own .double() is refused at once (test_move_guard)
     with pytest.raises(infinity.ModelChangedError, match="changed after infinity.offload"):
         model(x, y)
+
+
+def _frozen(model: torch.nn.Module, prefix: str, frozen: bool = True) -> None:
+    for name, param in model.named_parameters():
+        if name.startswith(prefix):
+            param.requires_grad_(not frozen)
+
+
+def test_unfreezing_after_offload_is_refused_and_freezing_trains_as_torch(tmp_path):
+    # Frozen at offload, then unfrozen: that parameter used to train silently never.
+    base = tiny_gpt()
+    _frozen(base, "blocks.0.")
+    ref, ref_opt = reference_pair(base)
+    model = offload_on_nvme(base, tmp_path, 1.0)
+    opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
+    data = batches(6)
+    _frozen(model, "blocks.0.", frozen=False)
+    with pytest.raises(infinity.ModelChangedError, match=r"'blocks\.0\..*' was frozen"):
+        model(*data[0])
+    with torch.no_grad():
+        model(*data[0])  # no gradients asked: nothing to refuse
+    _frozen(model, "blocks.0.")
+    train(model, opt, data[:3])
+    train(ref, ref_opt, data[:3])
+    # Freezing more after offload is plain PyTorch's result.
+    for m in (model, ref):
+        _frozen(m, "blocks.1.")
+    train(model, opt, data[3:])
+    train(ref, ref_opt, data[3:])
+    assert global_rel_error(model, ref) < 1e-5
+
+
+def test_higher_order_gradients_are_refused_and_training_goes_on(tmp_path):
+    base = tiny_gpt()
+    ref, ref_opt = reference_pair(base)
+    model = offload_on_nvme(base, tmp_path, 1.0)
+    opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
+    data = batches(4)
+    # It used to fail deep in backward with PoolExhausted, the device slots full.
+    with pytest.raises(RuntimeError, match="gradients of gradients"):
+        model(*data[0]).backward(create_graph=True)
+    with pytest.raises(RuntimeError, match="gradients of gradients"):
+        torch.autograd.grad(model(*data[0]), list(model.parameters()), create_graph=True)
+    opt.zero_grad()
+    train(model, opt, data)
+    train(ref, ref_opt, data)
+    assert global_rel_error(model, ref) < 1e-5
 
 
 def test_offloading_twice_and_optimizer_errors():
