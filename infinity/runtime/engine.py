@@ -418,13 +418,21 @@ class OffloadEngine:
 
     # --- saved tensors -----------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
-        """Saved-tensor pack hook: a view of a parameter chunk becomes a handle."""
+        """Saved-tensor pack hook: a view of a parameter chunk becomes a handle, any
+        other tensor goes to the activation policy."""
+        handle = self.pack_weight(tensor)
+        return self.activation_policy.pack(tensor) if handle is None else handle
+
+    def pack_weight(self, tensor: torch.Tensor) -> tuple | None:
+        """The handle :meth:`unpack` rebuilds a view of a parameter chunk from; None
+        for a tensor that is not one (also the pack hook of modules called outside a
+        forward: NOTE [modules called on their own])."""
         key = cast(
             "tuple[object, int] | None",
             self.manager.device.key_at(tensor.untyped_storage().data_ptr()),
         )
         if key is None or key[0] is not Kind.PARAM:
-            return self.activation_policy.pack(tensor)
+            return None
         chunk = key[1]
         return (
             chunk,

@@ -1,7 +1,10 @@
 """Install the engine's hooks on a model (and remove them).
 
 - root forward pre/post: start an iteration; scope the saved-tensor hooks that
-  turn saved weight views into handles (so autograd never pins chunk memory);
+  turn saved weight views into handles (so autograd never pins chunk memory); a
+  ``transformers`` backbone called on its own is the root of its call, and any
+  other module called outside a forward scopes its saved weights
+  (NOTE [modules called on their own]);
 - forward pre/post on every module that owns parameters: fetch and release;
 - per trainable parameter: a tensor hook (runs before AccumulateGrad) and a
   post-accumulate-grad hook that moves the gradient into its chunk.
@@ -58,6 +61,11 @@ from infinity.runtime.state_access import read_params, write_params
 _opaque = torch.compiler.disable
 
 
+def _in_backward() -> bool:
+    """A backward pass is running (a checkpointed block's forward is recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _to_sink(engine: OffloadEngine, verb: str) -> Callable[..., Any]:
     """A tensor hook that calls the gradient sink's ``verb`` (``on_grad``,
     ``before_grad``) through a weak reference to the engine, timed as the engine's
@@ -88,7 +96,6 @@ class HookSet:
         self._scopes: list[saved_tensors_hooks] = []
         self._engine = engine
         self._autocast_said = False  # autocast_casts_weights: said once
-        device, dtype = engine.device, engine.dtype
         pack = _opaque(engine.pack)
 
         @_opaque
@@ -100,33 +107,46 @@ class HookSet:
                 return engine.unpack(packed)
 
         @_opaque
+        def pack_weight(tensor: torch.Tensor) -> Any:
+            handle = engine.pack_weight(tensor)
+            return tensor if handle is None else handle
+
+        self._saved_hooks = (pack, unpack)
+        self._weight_hooks = (pack_weight, unpack)
+        # The owner module whose call, outside any forward of the model's, holds the
+        # weight-only saved-tensor scope (NOTE [modules called on their own]).
+        self._outside: tuple[nn.Module, saved_tensors_hooks] | None = None
+
+        @_opaque
         def root_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            engine.begin_forward(batch_shape(args, kwargs))
-            problem = None if self._autocast_said else autocast_casts_weights(device, dtype)
-            if problem is not None:
-                self._autocast_said = True
-                warnings.warn(problem, RuntimeWarning, stacklevel=4)
-            scope = saved_tensors_hooks(pack, unpack)
-            scope.__enter__()
-            self._scopes.append(scope)
+            self._begin_forward(batch_shape(args, kwargs))
 
         @_opaque
         def root_post(module: nn.Module, args: tuple, output: object) -> None:
             # always_call=True: runs on exceptions too, so the scope never leaks.
-            while self._direct_open:
-                self._leave(self._direct_open.pop())
-            if self._scopes:
-                self._scopes.pop().__exit__(None, None, None)
-            engine.end_forward()
+            self._end_forward()
 
         # Nesting depth of each owner's binding: a module bound by a direct read
         # (head_read_directly, below) may also run its own forward inside it.
         self._depth: dict[nn.Module, int] = {}
         direct = head_read_directly(model, engine.registry)
+        self._backbone_is_root = False
+
+        @_opaque
+        def backbone_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._scopes and not _in_backward():
+                # NOTE [modules called on their own]: the loop runs the backbone itself
+                # (model.model(...), then model.lm_head(h)): its call is the forward.
+                self._backbone_is_root = True
+                self._begin_forward(batch_shape(args, kwargs))
 
         @_opaque
         def backbone_post(module: nn.Module, args: tuple, output: object) -> None:
             assert direct is not None
+            if self._backbone_is_root:
+                self._backbone_is_root = False
+                self._end_forward()
+                return
             self._enter(direct.owner)
             self._direct_open.append(direct.owner)
 
@@ -138,7 +158,15 @@ class HookSet:
             self.handles.append(module.register_forward_pre_hook(self._pre(module)))
             self.handles.append(module.register_forward_hook(self._post(module), always_call=True))
         if direct is not None:
-            self.handles.append(direct.backbone.register_forward_hook(backbone_post))
+            self.handles.append(
+                # prepend: before an owner's hook could take the call for its own
+                direct.backbone.register_forward_pre_hook(
+                    backbone_pre, prepend=True, with_kwargs=True
+                )
+            )
+            self.handles.append(
+                direct.backbone.register_forward_hook(backbone_post, always_call=True)
+            )
         self.handles.append(model.register_forward_hook(root_post, always_call=True))
         self._move_guard = MoveGuard(model, engine.device, engine.dtype)
         self._copy_guard = CopyGuard(model)
@@ -162,6 +190,28 @@ class HookSet:
                 self.handles.append(param.register_hook(before_grad))
                 self.handles.append(param.register_post_accumulate_grad_hook(on_grad))
 
+    def _begin_forward(self, shape: tuple[int, int] | None) -> None:
+        """A forward of the model starts: the engine's iteration, and the scope that
+        turns what the forward saves into handles."""
+        engine = self._engine
+        engine.begin_forward(shape)
+        device, dtype = engine.device, engine.dtype
+        problem = None if self._autocast_said else autocast_casts_weights(device, dtype)
+        if problem is not None:
+            self._autocast_said = True
+            warnings.warn(problem, RuntimeWarning, stacklevel=5)
+        scope = saved_tensors_hooks(*self._saved_hooks)
+        scope.__enter__()
+        self._scopes.append(scope)
+
+    def _end_forward(self) -> None:
+        """The forward ended (or raised): close its direct reads and its scope."""
+        while self._direct_open:
+            self._leave(self._direct_open.pop())
+        if self._scopes:
+            self._scopes.pop().__exit__(None, None, None)
+        self._engine.end_forward()
+
     def _enter(self, module: nn.Module) -> None:
         depth = self._depth.get(module, 0)
         if depth == 0:
@@ -183,6 +233,17 @@ class HookSet:
     def _pre(self, module: nn.Module) -> Callable[..., None]:
         @_opaque
         def hook(mod: nn.Module, args: tuple) -> None:
+            if not self._scopes and self._outside is None and not _in_backward():
+                # NOTE [modules called on their own]: a module called outside every
+                # forward of the model's (model.lm_head(h), an embedding for
+                # inputs_embeds) saves views of its chunks like any: unscoped, they
+                # would pin the device slots until backward (PoolExhausted at tight
+                # budgets). Only weights become handles here: other saved tensors
+                # stay as they are, outside any iteration of the activation policy.
+                self._engine.lay_out("a module's forward")
+                scope = saved_tensors_hooks(*self._weight_hooks)
+                scope.__enter__()
+                self._outside = (module, scope)
             self._enter(module)
 
         return hook
@@ -191,6 +252,9 @@ class HookSet:
         @_opaque
         def hook(mod: nn.Module, args: tuple, output: object) -> None:
             self._leave(module)
+            if self._outside is not None and self._outside[0] is module:
+                self._outside[1].__exit__(None, None, None)
+                self._outside = None
 
         return hook
 
