@@ -215,7 +215,7 @@ class CPUOptimizer(Optimizer, Generic[H]):
             self._step_dense(group)
         for engine, hyper in self.offloaded_hyper().items():
             self._check_bound(engine)
-            engine.optimizer_step(hyper)
+            engine.optimizer_step(hyper, self)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

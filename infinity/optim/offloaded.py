@@ -114,8 +114,9 @@ class ChunkStepper(Protocol):
     def note_loss_scaled(self) -> None:
         """The loss of the coming backward was multiplied by the fp16 loss scale."""
 
-    def optimizer_step(self, hyper_by_index: Mapping[int, object]) -> bool:
-        """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
+    def optimizer_step(self, hyper_by_index: Mapping[int, object], stepper: object) -> bool:
+        """Update every parameter that has a gradient; False if fp16 overflow skipped it
+        (``stepper``: the optimizer stepping)."""
         ...
 
     def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:

@@ -316,10 +316,38 @@ class OffloadEngine:
         self.pipeline.note_loss_scaled()
 
     # --- delegated to the components --------------------------------------------------
-    def optimizer_step(self, hyper_by_index: Mapping[int, object]) -> bool:
-        """Update every parameter that has a gradient; False if fp16 overflow skipped it."""
+    def optimizer_step(self, hyper_by_index: Mapping[int, object], stepper: object) -> bool:
+        """Update every parameter that has a gradient; False if fp16 overflow skipped it.
+        ``stepper``: the optimizer stepping (refused where only the last one may)."""
+        self._check_stepper(stepper, len(hyper_by_index))
         self.collectives.align("optimizer.step()")
         return self.pipeline.step(hyper_by_index)
+
+    def _check_stepper(self, stepper: object, count: int) -> None:
+        """Refuse a step by another optimizer than the one constructed over this model
+        last, where one step must see all its parameters: overlap_optimizer (the early
+        updates, during backward, use that optimizer's groups and consume the gradients
+        of whole chunks) and fp16 (one overflow check and scale update a step).
+        Optimizers over parts of a model are otherwise fine: each steps its tensors."""
+        why = (
+            "Config(overlap_optimizer=True) (the updates run during backward)"
+            if self.overlap
+            else "fp16 loss scaling (one overflow check and scale update a step)"
+            if self.scaler is not None
+            else None
+        )
+        last = self.pipeline.optimizer() if self.pipeline.optimizer is not None else None
+        if why is None or last is None or last is stepper:
+            return
+        held = len(last.offloaded_hyper().get(self, {}))
+        raise RuntimeError(
+            f"this {type(stepper).__name__} (over {count} of the offloaded model's "
+            f"parameters) cannot step it: with {why} the model is stepped by one "
+            f"optimizer, the one constructed over it last ({type(last).__name__} over "
+            f"{held}). Give each set of hyper-parameters a param group of one optimizer "
+            "(CPUAdam([{'params': a, 'lr': 1e-3}, {'params': b, 'lr': 1e-2}])), or stop "
+            "stepping the optimizer it replaced"
+        )
 
     def read_moments(self, indices: Iterable[int]) -> Iterator[tuple[int, MomentState]]:
         """Copies of the moments of the tensors ``indices`` stepped at least once."""
