@@ -119,6 +119,10 @@ class Case:
     # the mixed-precision recipe of a user who keeps fp32 weights (fp32 cases on the CPU
     # backend; autocast caches its bf16 copies of the weights, which autograd saves).
     autocast: bool = False
+    # The loop takes its own loss: it calls the backbone, then the output embedding, and
+    # computes transformers' loss from the logits (NOTE [modules called on their own]);
+    # the reference keeps the model's own.
+    own_loss: bool = False
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -194,6 +198,8 @@ class Case:
             parts.append(f"loss{self.loss_block}")
         if self.autocast:
             parts.append("autocast")
+        if self.own_loss:
+            parts.append("ownloss")
         if self.backend != "cpu":
             parts.append(self.backend)
         return "-".join(parts)
@@ -288,6 +294,11 @@ def draw(rng: random.Random) -> Case:
     judged = case.optimizer != "lion" and not case.loss_block
     if case.dtype == "fp32" and judged and rng.random() < 1 / 3:
         case = dataclasses.replace(case, autocast=True)
+    # NOTE: last, from the name: a fifth of the cases with the model's loss take it
+    # themselves, from the backbone and the head called on their own.
+    rng = random.Random(zlib.crc32(f"own-loss:{case.name()}".encode()))
+    if not case.loss_block and rng.random() < 1 / 5:
+        case = dataclasses.replace(case, own_loss=True)
     return case
 
 
@@ -325,6 +336,9 @@ PINNED: tuple[Case, ...] = (
     # The loss a block of tokens at a time (infinity.causal_lm_loss): the tied head is
     # called per block in forward and again in backward, its chunks partly on NVMe.
     Case(host=0.25, device=0.6, chunk_size="16KiB", accumulation=2, loss_block=5),
+    # The loop's own loss from the backbone and the head called on their own, at two
+    # ranks with NVMe (the saved head's weight pinned the device slots before).
+    Case(world=2, host=0.25, device=0.6, chunk_size="16KiB", own_loss=True, tied=False),
     # Parameters read from NVMe straight into device memory (NOTE [routes are data]),
     # 16-bit copies written home by each update, accumulation and clipping.
     Case(

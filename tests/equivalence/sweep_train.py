@@ -362,8 +362,17 @@ def training_autocast(case: Case) -> torch.autocast:
 
 
 def _loss(case: Case, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The training loss of ``ids`` (labels are the inputs): the model's own, or with
-    ``case.loss_block`` infinity's blockwise one (the reference keeps the model's)."""
+    """The training loss of ``ids`` (labels are the inputs): the model's own, the loop's
+    own (``case.own_loss``) or with ``case.loss_block`` infinity's blockwise one (the
+    reference keeps the model's)."""
+    if case.own_loss:
+        # transformers' causal LM loss, from the parts: fp32 logits, targets shifted
+        backbone = getattr(model, type(model).base_model_prefix)
+        logits = model.get_output_embeddings()(backbone(input_ids=ids).last_hidden_state)
+        targets = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+        return torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100
+        )
     if not case.loss_block:
         return model(input_ids=ids, labels=ids).loss
     targets = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]  # as transformers shifts
