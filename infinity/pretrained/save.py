@@ -32,6 +32,7 @@ from infinity.checkpoint.format import fsync_dir
 from infinity.checkpoint.temporaries import replace_dir
 from infinity.distributed.agreement import rank_zero_writes
 from infinity.offload import engine_of
+from infinity.pretrained.adapters import merged_names, peft_base
 from infinity.pretrained.names import saved_names, state_names
 from infinity.pretrained.safetensors_io import (
     INDEX_FILE,
@@ -66,6 +67,11 @@ def save_pretrained(
     atomically, but only if it holds nothing this save would not write again
     (an earlier save of the same kind): other files are never deleted.
     Sharded (data parallel), every rank must call it; rank 0 writes.
+
+    A ``peft`` LoRA model is saved as its base model with the adapters merged in,
+    as ``merge_and_unload().save_pretrained(path)`` would save it
+    (:mod:`infinity.pretrained.adapters`); its adapter alone is peft's own
+    ``model.save_pretrained(path)``.
     """
     engine = engine_of(model)
     files = _plan_files(model, engine, parse_size(max_shard_size, name="max_shard_size"))
@@ -91,12 +97,17 @@ class _Files:
     buffers: dict[str, torch.Tensor]
     names: list[str]
     shards: list[list[TensorSpec]]
+    owner: nn.Module  # whose configs are saved (a peft model's base)
+    deltas: dict[int, torch.Tensor]  # tensor index -> the LoRA delta merged into it
 
 
 def _plan_files(model: nn.Module, engine: OffloadEngine, limit: int) -> _Files:
-    names = state_names(model)
+    base = peft_base(model)
+    merged = merged_names(model, base, engine) if base is not None else None
+    owner = base if base is not None else model
+    names = merged.names if merged is not None else state_names(model)
     chosen = {
-        engine.registry.by_id[key].index: name for key, name in saved_names(model, names).items()
+        engine.registry.by_id[key].index: name for key, name in saved_names(owner, names).items()
     }
     slot = engine.chunk_io.slot
     entries = sorted(
@@ -116,7 +127,8 @@ def _plan_files(model: nn.Module, engine: OffloadEngine, limit: int) -> _Files:
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    return _Files(entries, chosen, buffers, files, shards)
+    deltas = merged.deltas if merged is not None else {}
+    return _Files(entries, chosen, buffers, files, shards, owner, deltas)
 
 
 def _prepare(target: Path, tokenizer: Any) -> Path:
@@ -149,7 +161,7 @@ def _write_or_remove(
             with open(tmp / INDEX_FILE, "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
                 f.write("\n")
-        _save_configs(model, tmp, engine.dtype)
+        _save_configs(files.owner, tmp, engine.dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _refuse_foreign(target, {p.name for p in tmp.iterdir()})
@@ -255,6 +267,11 @@ def _write_shards(
                     continue
                 entry, data = next(values)
                 assert files.chosen[entry.index] == spec.name
+                delta = files.deltas.get(entry.index)
+                if delta is not None:  # peft's merge: W += delta (fp32), rounded once
+                    weight = torch.frombuffer(data, dtype=spec.dtype).view(spec.shape)
+                    merged = (weight.float() + delta).to(spec.dtype)
+                    data = merged.view(-1).view(torch.uint8).numpy().data
                 writer.write(spec.name, data)
         except BaseException:
             writer.abort()

@@ -118,11 +118,15 @@ class CopyGuard:
     sets the first aside)."""
 
     _DDP_SKIP = "_ddp_params_and_buffers_to_ignore"
+    _PEFT_MERGES = ("merge_and_unload", "merge_adapter")
 
     def __init__(self, model: nn.Module) -> None:
         self._model = weakref.ref(model)
         model.__dict__["__deepcopy__"] = self
         model.__dict__[self._DDP_SKIP] = _RefuseDataParallel()
+        if type(model).__module__.partition(".")[0] == "peft":
+            for name in self._PEFT_MERGES:
+                model.__dict__[name] = _RefusePeftMerge(name)
 
     def __call__(self, memo: dict[int, Any]) -> nn.Module:
         raise TypeError(
@@ -143,6 +147,31 @@ class CopyGuard:
             del model.__dict__["__deepcopy__"]
         if isinstance(model.__dict__.get(self._DDP_SKIP), _RefuseDataParallel):
             del model.__dict__[self._DDP_SKIP]
+        for name in self._PEFT_MERGES:
+            if isinstance(model.__dict__.get(name), _RefusePeftMerge):
+                del model.__dict__[name]
+
+
+class _RefusePeftMerge:
+    """A ``peft`` model's ``merge_and_unload`` / ``merge_adapter`` on an offloaded model.
+
+    NOTE: peft adds each adapter's product into the base weight in place, and an
+    offloaded weight is a placeholder: the add failed inside torch ("more than one
+    element of the written-to tensor refers to a single memory location"), or, with
+    ``safe_merge``, replaced the weight by a full tensor of NaN.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"peft's {self._name}() on an offloaded model: peft adds the adapters into the "
+            "base weights in place, and an offloaded model's weights live in infinity's "
+            "chunks (nothing was changed). infinity.save_pretrained(model, path) writes the "
+            "merged model, as merge_and_unload().save_pretrained(path) would; "
+            "model.save_pretrained(path) writes the adapter alone"
+        )
 
 
 class _RefuseDataParallel:
