@@ -63,6 +63,7 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
         raise TypeError(f"config must be an infinity.Config, got {type(config).__name__}")
     init = init if init is not None else native_init(model)
     check_initialisable(model, init)
+    _refuse_sparse_gradients(model)
     # See NOTE [dtype auto]: decided once, here, so the ranks agree on what was chosen
     # and the engine (its stats, plans and checkpoints) never sees "auto".
     config = resolved(config)
@@ -108,6 +109,24 @@ def _filler(
             fill_chunks(engine, target, init, pending, on_meta, kept)
 
     return fill
+
+
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    """Raise naming a trainable embedding that makes sparse gradients (``sparse=True``).
+
+    NOTE: a gradient chunk holds a tensor's gradient dense; a sparse one failed in the
+    middle of backward, inside torch ("copy_() between dense and sparse Tensors").
+    """
+    for name, module in model.named_modules():
+        sparse = isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse
+        if sparse and module.weight.requires_grad:
+            target = f"model.{name}" if name else "model"
+            raise ValueError(
+                f"{name or '<root>'} ({type(module).__name__}) has sparse=True: its gradients "
+                "would be sparse, and infinity's gradient chunks hold them dense. Set "
+                f"{target}.sparse = False before infinity.offload() (CPUAdam then updates "
+                "it as torch's AdamW does a dense embedding), or freeze it"
+            )
 
 
 def _decline_data_parallel_wrappers(model: nn.Module) -> None:

@@ -176,6 +176,32 @@ def test_higher_order_gradients_are_refused_and_training_goes_on(tmp_path):
     assert global_rel_error(model, ref) < 1e-5
 
 
+def test_a_sparse_embedding_is_refused_at_offload_and_trains_dense_as_torch(tmp_path):
+    # Its sparse gradient failed mid-backward, inside torch's copy into the chunk.
+    class Bag(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(1000, 32, sparse=True)
+            self.out = torch.nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(x).mean(1))
+
+    torch.manual_seed(0)
+    model = Bag()
+    with pytest.raises(ValueError, match=r"emb \(Embedding\) has sparse=True.*model\.emb\.sparse"):
+        infinity.offload(model, config(device_memory="1MiB"))
+    model.emb.sparse = False  # what the message says
+    ref, ref_opt = reference_pair(model, weight_decay=0.0)
+    model = infinity.offload(model, config(device_memory="1MiB", chunk_size="16KiB"))
+    opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 1000, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))]
+    for m, o in ((model, opt), (ref, ref_opt)):
+        train(m, o, data * 3, loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+    assert global_rel_error(model, ref) < 1e-6
+
+
 def test_offloading_twice_and_optimizer_errors():
     model = infinity.offload(tiny_gpt(), config(device_memory="1MiB"))
     with pytest.raises(ValueError, match="already offloaded"):
