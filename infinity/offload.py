@@ -63,7 +63,7 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
         raise TypeError(f"config must be an infinity.Config, got {type(config).__name__}")
     init = init if init is not None else native_init(model)
     check_initialisable(model, init)
-    _refuse_sparse_gradients(model)
+    _check_parameters(model)
     # See NOTE [dtype auto]: decided once, here, so the ranks agree on what was chosen
     # and the engine (its stats, plans and checkpoints) never sees "auto".
     config = resolved(config)
@@ -111,12 +111,23 @@ def _filler(
     return fill
 
 
-def _refuse_sparse_gradients(model: nn.Module) -> None:
-    """Raise naming a trainable embedding that makes sparse gradients (``sparse=True``).
+def _check_parameters(model: nn.Module) -> None:
+    """Raise naming a parameter the chunks cannot hold as it is: one that is not a
+    floating-point tensor, or a trainable embedding's with sparse gradients.
 
-    NOTE: a gradient chunk holds a tensor's gradient dense; a sparse one failed in the
-    middle of backward, inside torch ("copy_() between dense and sparse Tensors").
+    NOTE: the chunks hold every parameter in the compute dtype: a complex one lost its
+    imaginary part at offload (torch's copy only warned) and an integer one came back
+    as floats; a sparse gradient failed in the middle of backward, inside torch
+    ("copy_() between dense and sparse Tensors").
     """
+    for name, param in model.named_parameters():
+        if not param.dtype.is_floating_point:
+            raise ValueError(
+                f"parameter {name!r} is {param.dtype}: infinity's chunks hold parameters in "
+                "the compute dtype (a floating-point one), so it would not stay as it is. "
+                "Register it as a buffer (module.register_buffer): buffers keep their dtype, "
+                "or keep it outside the offloaded model"
+            )
     for name, module in model.named_modules():
         sparse = isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse
         if sparse and module.weight.requires_grad:

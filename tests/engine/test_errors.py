@@ -202,6 +202,16 @@ def test_a_sparse_embedding_is_refused_at_offload_and_trains_dense_as_torch(tmp_
     assert global_rel_error(model, ref) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.complex64])
+def test_a_parameter_that_is_not_floating_point_is_refused_at_offload(dtype):
+    # A complex one lost its imaginary part at offload (torch's copy only warned).
+    model = torch.nn.Linear(4, 4)
+    model.extra = torch.nn.Parameter(torch.ones(4, 4, dtype=dtype), requires_grad=False)
+    with pytest.raises(ValueError, match=rf"parameter 'extra' is {dtype}.*register_buffer"):
+        infinity.offload(model, config(device_memory="1MiB"))
+    assert model.extra.dtype == dtype and torch.equal(model.extra, torch.ones(4, 4, dtype=dtype))
+
+
 def test_offloading_twice_and_optimizer_errors():
     model = infinity.offload(tiny_gpt(), config(device_memory="1MiB"))
     with pytest.raises(ValueError, match="already offloaded"):
