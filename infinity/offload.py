@@ -25,6 +25,7 @@ from infinity.runtime.materialize import (
     native_init,
     take_values,
 )
+from infinity.runtime.params import is_placeholder
 
 
 def offload(model: nn.Module, config: Config | None = None, init: Init | None = None) -> nn.Module:
@@ -112,7 +113,8 @@ def _filler(
 
 
 def _check_parameters(model: nn.Module) -> None:
-    """Raise naming a parameter the chunks cannot hold as it is: one that is not a
+    """Raise naming a parameter the chunks cannot hold as it is: one offloaded already
+    (in a model around or inside this one, or shared with another), one that is not a
     floating-point tensor, or a trainable embedding's with sparse gradients.
 
     NOTE: the chunks hold every parameter in the compute dtype: a complex one lost its
@@ -121,6 +123,13 @@ def _check_parameters(model: nn.Module) -> None:
     ("copy_() between dense and sparse Tensors").
     """
     for name, param in model.named_parameters():
+        if offloaded.engine_of_param(param) is not None or is_placeholder(param.data):
+            raise ValueError(
+                f"parameter {name!r} belongs to a model offloaded already: its values live "
+                "in that model's chunks (here it shows a NaN placeholder). Offload each model "
+                "once, over all of its parameters: not a module of an offloaded model, nor a "
+                "model holding one, nor one sharing a parameter with one"
+            )
         if not param.dtype.is_floating_point:
             raise ValueError(
                 f"parameter {name!r} is {param.dtype}: infinity's chunks hold parameters in "

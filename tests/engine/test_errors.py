@@ -212,6 +212,27 @@ def test_a_parameter_that_is_not_floating_point_is_refused_at_offload(dtype):
     assert model.extra.dtype == dtype and torch.equal(model.extra, torch.ones(4, 4, dtype=dtype))
 
 
+@pytest.mark.parametrize("which", ["a shared parameter", "a module inside", "the model around"])
+def test_a_parameter_offloaded_already_is_refused_at_offload(which):
+    # Each was offloaded a second time silently: its value was the first one's NaN placeholder.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 2)))
+    x = torch.randn(3, 8)
+    want = model(x).detach()
+    if which == "a shared parameter":
+        first, second = model, torch.nn.Sequential(torch.nn.Linear(8, 8))
+        second[0].weight = model[0].weight
+    elif which == "a module inside":
+        first, second = model[1], model
+    else:
+        first, second = model, model[1]
+    infinity.offload(first, config(device_memory="1MiB"))
+    with pytest.raises(ValueError, match="belongs to a model offloaded already"):
+        infinity.offload(second, config(device_memory="1MiB"))
+    if first is model:
+        assert torch.equal(model(x), want)  # the first is untouched
+
+
 def test_offloading_twice_and_optimizer_errors():
     model = infinity.offload(tiny_gpt(), config(device_memory="1MiB"))
     with pytest.raises(ValueError, match="already offloaded"):
