@@ -27,12 +27,16 @@ from infinity.core.plan import Plan
 from infinity.schedule.device_slots import HeldBlock, min_device_slots
 
 _NAN_CELLS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+# The cells' storage addresses: a saved tensor is checked against them (the pack hook
+# reads its storage address anyway), a set lookup per saved tensor.
+PLACEHOLDER_STORAGES: set[int] = set()
 
 
 def _nan_cell(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     key = (dtype, device)
     if key not in _NAN_CELLS:
         _NAN_CELLS[key] = torch.full((1,), float("nan"), dtype=dtype, device=device)
+        PLACEHOLDER_STORAGES.add(_NAN_CELLS[key].untyped_storage().data_ptr())
     return _NAN_CELLS[key]
 
 

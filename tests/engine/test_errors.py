@@ -233,6 +233,29 @@ def test_a_parameter_offloaded_already_is_refused_at_offload(which):
         assert torch.equal(model(x), want)  # the first is untouched
 
 
+def test_a_weight_read_outside_its_modules_forward_is_refused_naming_it():
+    # F.linear(h, self.emb.weight) in the root's forward read the embedding's NaN
+    # placeholder: NaN losses, and a NaN gradient written into its chunk, silently.
+    class TiedByHand(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(96, 32)
+            self.mid = torch.nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(torch.tanh(self.mid(self.emb(x))), self.emb.weight)
+
+    torch.manual_seed(0)
+    model = TiedByHand()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model = infinity.offload(model, config(device_memory="1MiB", chunk_size="16KiB"))
+    x, _ = batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"parameter 'emb\.weight' was used outside the forward"):
+        model(x)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def test_offloading_twice_and_optimizer_errors():
     model = infinity.offload(tiny_gpt(), config(device_memory="1MiB"))
     with pytest.raises(ValueError, match="already offloaded"):
