@@ -332,8 +332,20 @@ def hyper_updates(
     for g, (entry, group) in enumerate(zip(saved, optimizer.param_groups, strict=True)):
         names = _param_names(engine, group, CheckpointError)
         if names != entry.params:
+            missing = [n for n in entry.params if n not in set(names)]
+            extra = [n for n in names if n not in set(entry.params)]
+            differ = (
+                f"; only the checkpoint's holds {', '.join(map(repr, missing[:3]))}"
+                if missing
+                else ""
+            ) + (
+                f"; only the optimizer's holds {', '.join(map(repr, extra[:3]))}" if extra else ""
+            ) or "; the same parameters in another order"
             raise CheckpointError(
-                "optimizer parameter groups hold different parameters than in the checkpoint"
+                f"optimizer parameter group {g} holds other parameters than in the checkpoint "
+                f"({len(names)} against {len(entry.params)}{differ}): construct the optimizer "
+                "over the parameters it was saved with (a parameter frozen or unfrozen since "
+                "changes them)"
             )
         values = {
             key: _value(f"group {g} {key!r}", value, group.get(key, _ABSENT))

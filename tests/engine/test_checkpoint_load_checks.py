@@ -307,3 +307,22 @@ def test_any_mutation_is_refused_or_changes_nothing(pair, mutation):
         after = infinity.save_checkpoint(scratch / "after", target, target_opt)
         for name in ("param.bin", "optim.bin"):
             assert (after / name).read_bytes() == (saved / name).read_bytes(), name
+
+
+def test_an_optimizer_over_other_parameters_is_named_and_nothing_changes(tmp_path):
+    # The message said only that the groups differed: now which, and why that happens.
+    model, opt = _offloaded(tmp_path / "a", seed=0, lr=1e-3)
+    train(model, opt, batches(2))
+    infinity.save_checkpoint(tmp_path / "ck", model, opt)
+    frozen = tiny_gpt(seed=3)
+    for name, param in frozen.named_parameters():
+        param.requires_grad_(not name.startswith("blocks.0."))
+    other = infinity.offload(frozen, config(dtype="bf16", device_memory="1MiB", chunk_size="12KiB"))
+    other_opt = CPUAdam([p for p in other.parameters() if p.requires_grad], lr=1e-3)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(
+        infinity.CheckpointError, match=r"group 0 .*only the checkpoint's holds 'blocks\.0\."
+    ):
+        infinity.load_checkpoint(tmp_path / "ck", other, other_opt)
+    after = other.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
