@@ -154,7 +154,26 @@ class ParamRegistry:
                 own.append(entry)
             if own:
                 reg.owners[module] = own
+        reg._own_once_per_branch()
         return reg
+
+    def _own_once_per_branch(self) -> None:
+        """A parameter a module and one of its ancestors both register is owned by the
+        ancestor alone, whose forward holds the module's.
+
+        NOTE: BERT's MLM head registers its output bias in the head and again in the
+        decoder inside it (``self.decoder.bias = self.bias``): binding it twice, nested,
+        was an illegal COMPUTE -> COMPUTE in the first forward.
+        """
+        for module, entries in list(self.owners.items()):
+            above = {id(e) for a in self.ancestors(module) for e in self.owners.get(a, ())}
+            kept = [e for e in entries if id(e) not in above]
+            if len(kept) == len(entries):
+                continue
+            if kept:
+                self.owners[module] = kept
+            else:
+                del self.owners[module]
 
     def tensor_infos(self) -> list[TensorInfo]:
         """What the layout needs, in registration order (grouped by first owning module)."""
