@@ -11,7 +11,6 @@ prints it next to the states.
 from __future__ import annotations
 
 import copy
-import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,7 +70,7 @@ def estimate(
     is called as a ``transformers`` causal LM (``input_ids``, ``labels``), else
     with one tensor of token ids.
     """
-    meta = _weightless(model)
+    meta = weightless(model)
     result = ActivationEstimate(tokens=batch * seq_len)
     found = blocks_for(meta, blocks, required=False)
     names = {id(m): i for i, (_, m) in enumerate(found)}
@@ -79,7 +78,7 @@ def estimate(
     result.block_inputs = [0] * len(names)
     current: list[int] = []  # the block running (a stack: blocks do not nest)
     with FakeTensorMode():
-        params = _fake_weights(meta, dtype, torch.device(device))
+        params = fake_weights(meta, dtype, torch.device(device))
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             base = tensor._base if tensor._base is not None else tensor
@@ -122,56 +121,7 @@ def estimate(
     return result
 
 
-def forward_order(model: nn.Module, seq_len: int = 8) -> list[str] | None:
-    """The names of ``model``'s modules that own parameters, in the order its forward
-    first calls them (a fake forward on one sequence of ``seq_len`` token ids, called as
-    :func:`estimate` calls it); ``None`` where that forward does not run.
-
-    NOTE: the order parameters are registered in is not the order a forward uses them
-    (a ``transformers`` decoder layer registers its norms after its attention and MLP,
-    and runs each norm first). Chunks packed in registration order then receive their
-    gradients out of order: a 16-layer Llama held up to three half-filled gradient
-    chunks at once in backward, whose evictions moved 1.4x the plan's bytes to the
-    device and 1.9x from it. Packed in forward order, a chunk's gradients arrive
-    together. A model without an embedding table takes no token ids: it keeps its
-    registration order without the fake run (whose first use costs ~5 MiB)."""
-    if not any(isinstance(m, nn.Embedding) for m in model.modules()):
-        return None
-    try:
-        meta = _weightless(model)
-    except Exception:  # an uncopyable model keeps its registration order
-        return None
-    names = {id(m): name for name, m in meta.named_modules()}
-    owners = {id(m) for m in meta.modules() if any(True for _ in m.parameters(recurse=False))}
-    order: dict[str, None] = {}
-
-    def pre(module: nn.Module, args: tuple) -> None:
-        order.setdefault(names[id(module)], None)
-
-    handles = [m.register_forward_pre_hook(pre) for m in meta.modules() if id(m) in owners]
-    # A forward that fails on fake tensors is expected here (any model that does
-    # not take token ids); torch logs each failed kernel at ERROR level.
-    quiet = logging.getLogger("torch._subclasses.fake_tensor")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
-    try:
-        with FakeTensorMode(), torch.no_grad():
-            _fake_weights(meta, torch.float32, torch.device("cpu"))
-            ids = torch.zeros((1, seq_len), dtype=torch.long)
-            try:
-                meta(input_ids=ids)
-            except TypeError:  # not a transformers model: one tensor of token ids
-                meta(ids)
-    except Exception:  # any forward it cannot run keeps registration order
-        return None
-    finally:
-        quiet.setLevel(level)
-        for handle in handles:
-            handle.remove()
-    return list(order)
-
-
-def _weightless(model: nn.Module) -> nn.Module:
+def weightless(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are empty ``meta`` tensors, with
     no module hooks and no instance ``forward``: the model's own forward, nothing else.
 
@@ -207,7 +157,7 @@ def _weightless(model: nn.Module) -> nn.Module:
     return copied
 
 
-def _fake_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> set[int]:
+def fake_weights(model: nn.Module, dtype: torch.dtype, device: torch.device) -> set[int]:
     """Replace every parameter and buffer by an empty (fake) tensor on ``device``,
     floating ones in ``dtype``; returns the parameters' ids. A tensor two modules share
     (tied embeddings) stays shared: its gradient is one tensor, accumulated once."""
@@ -317,11 +267,11 @@ def step_memory(
     """
     from infinity.activations.blocks import CheckpointedBlocks
 
-    fake = _weightless(model)
+    fake = weightless(model)
     result = StepMemory()
     found = blocks_for(fake, blocks, required=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        params = _fake_weights(fake, dtype, torch.device(device))
+        params = fake_weights(fake, dtype, torch.device(device))
         for p in fake.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))

@@ -154,9 +154,17 @@ class HookSet:
         self.handles.append(
             model.register_forward_pre_hook(root_pre, prepend=True, with_kwargs=True)
         )
-        for module in engine.registry.owners:
-            self.handles.append(module.register_forward_pre_hook(self._pre(module)))
-            self.handles.append(module.register_forward_hook(self._post(module), always_call=True))
+        # Each module binds its own parameters, and the owners of those its forward reads
+        # while they do not run (ParamRegistry.reads), for the length of its forward.
+        binds: dict[nn.Module, list[nn.Module]] = {m: [m] for m in engine.registry.owners}
+        for reader, owners in engine.registry.reads.items():
+            skip = direct.owner if direct is not None else None  # bound from the backbone's end
+            binds.setdefault(reader, []).extend(o for o in owners if o is not skip)
+        for module, owners in binds.items():
+            self.handles.append(module.register_forward_pre_hook(self._pre(module, owners)))
+            self.handles.append(
+                module.register_forward_hook(self._post(module, owners), always_call=True)
+            )
         if direct is not None:
             self.handles.append(
                 # prepend: before an owner's hook could take the call for its own
@@ -230,7 +238,7 @@ class HookSet:
         else:
             self._depth[module] = depth - 1
 
-    def _pre(self, module: nn.Module) -> Callable[..., None]:
+    def _pre(self, module: nn.Module, owners: list[nn.Module]) -> Callable[..., None]:
         @_opaque
         def hook(mod: nn.Module, args: tuple) -> None:
             if not self._scopes and self._outside is None and not _in_backward():
@@ -244,14 +252,16 @@ class HookSet:
                 scope = saved_tensors_hooks(*self._weight_hooks)
                 scope.__enter__()
                 self._outside = (module, scope)
-            self._enter(module)
+            for owner in owners:
+                self._enter(owner)
 
         return hook
 
-    def _post(self, module: nn.Module) -> Callable[..., None]:
+    def _post(self, module: nn.Module, owners: list[nn.Module]) -> Callable[..., None]:
         @_opaque
         def hook(mod: nn.Module, args: tuple, output: object) -> None:
-            self._leave(module)
+            for owner in reversed(owners):
+                self._leave(owner)
             if self._outside is not None and self._outside[0] is module:
                 self._outside[1].__exit__(None, None, None)
                 self._outside = None

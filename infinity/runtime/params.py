@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from infinity.activations.blocks import blocks_for, transformers_checkpointing
-from infinity.activations.estimate import forward_order
+from infinity.activations.forward_trace import forward_trace
 from infinity.chunks.layout import ChunkLayout, TensorInfo
 from infinity.core.plan import Plan
 from infinity.schedule.device_slots import HeldBlock, min_device_slots
@@ -106,6 +106,9 @@ class ParamRegistry:
     parents: dict[nn.Module, nn.Module | None] = field(default_factory=dict)
     # Blocks whose forward runs again in backward (activation checkpointing).
     recomputed: list[nn.Module] = field(default_factory=list)
+    # A module -> the owners whose parameters its forward reads while they do not run
+    # (forward_trace): bound for its whole forward, as its own are.
+    reads: dict[nn.Module, list[nn.Module]] = field(default_factory=dict)
 
     @classmethod
     def from_model(
@@ -129,8 +132,9 @@ class ParamRegistry:
             reg.module_names[module] = mod_name
             for child in module.children():
                 reg.parents.setdefault(child, module)
+        trace = forward_trace(model) if order is None else None
         if order is None:
-            order = forward_order(model) or ()
+            order = trace.order if trace is not None else ()
         used = [name for name in order if name in modules]
         for mod_name in dict.fromkeys([*used, *modules]):
             module = modules[mod_name]
@@ -155,7 +159,29 @@ class ParamRegistry:
             if own:
                 reg.owners[module] = own
         reg._own_once_per_branch()
+        if trace is not None:
+            reg._bind_reads(model, modules, trace.reads)
         return reg
+
+    def _bind_reads(
+        self, model: nn.Module, modules: dict[str, nn.Module], reads: dict[str, set[str]]
+    ) -> None:
+        """:attr:`reads` from the trace's names: each parameter read by a module's
+        forward while no module holding it ran, through the owner that binds it.
+
+        NOTE: DeBERTa's encoder reads its relative-position embedding's weight, and a
+        hand-tied head reads the token embedding's, without calling that module: the
+        weight was its NaN placeholder (training stopped at the pack hook's check,
+        evaluation gave NaN).
+        """
+        params = dict(model.named_parameters())
+        owner_of = {id(e): m for m, entries in self.owners.items() for e in entries}
+        for reader_name, names in reads.items():
+            reader = modules.get(reader_name)
+            entries = [self.by_id.get(id(params[n])) for n in names if n in params]
+            owners = {owner_of[id(e)]: None for e in entries if e is not None and id(e) in owner_of}
+            if reader is not None and owners:
+                self.reads[reader] = list(owners)
 
     def _own_once_per_branch(self) -> None:
         """A parameter a module and one of its ancestors both register is owned by the
@@ -203,6 +229,8 @@ class ParamRegistry:
         are held at once, beside the gradient chunks receiving.
         """
         own = {m: {layout.slots[e.index].chunk for e in es} for m, es in self.owners.items()}
+        for reader, owners in self.reads.items():  # bound for the reader's whole forward
+            own.setdefault(reader, set()).update(*(own.get(o, set()) for o in owners))
         sets = []
         for module, chunks in own.items():
             held = set(chunks)

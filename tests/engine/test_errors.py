@@ -233,25 +233,51 @@ def test_a_parameter_offloaded_already_is_refused_at_offload(which):
         assert torch.equal(model(x), want)  # the first is untouched
 
 
-def test_a_weight_read_outside_its_modules_forward_is_refused_naming_it():
+class _TiedByHand(torch.nn.Module):
+    """A head tied by hand: the root's forward reads the embedding's weight itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(96, 32)
+        self.mid = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.tanh(self.mid(self.emb(x))), self.emb.weight)
+
+
+class _TiedByHandTwoInputs(_TiedByHand):
+    """The same, with a forward the fake run at offload cannot call (two inputs)."""
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * scale
+
+
+def test_a_weight_read_outside_its_modules_forward_trains_as_torch(tmp_path):
     # F.linear(h, self.emb.weight) in the root's forward read the embedding's NaN
-    # placeholder: NaN losses, and a NaN gradient written into its chunk, silently.
-    class TiedByHand(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = torch.nn.Embedding(96, 32)
-            self.mid = torch.nn.Linear(32, 32)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.linear(torch.tanh(self.mid(self.emb(x))), self.emb.weight)
-
+    # placeholder: NaN losses, and NaN written into the weights, silently. The fake
+    # forward at offload finds the read, and the root binds the embedding.
     torch.manual_seed(0)
-    model = TiedByHand()
+    base = _TiedByHand()
+    ref, ref_opt = reference_pair(base)
+    model = offload_on_nvme(base, tmp_path, 4.0, chunk_size="8KiB", device_memory="96KiB")
+    opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
+    data = batches(3)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        train(m, o, data, loss_fn=lambda m, b: torch.nn.functional.cross_entropy(
+            m(b[0]).flatten(0, 1), b[1].flatten()))  # fmt: skip
+    assert global_rel_error(model, ref) < 1e-6
+
+
+def test_a_weight_read_the_fake_run_cannot_see_is_refused_naming_it():
+    # Where the fake forward at offload cannot run, the pack hook still refuses the
+    # placeholder, naming the parameter, before anything is written.
+    torch.manual_seed(0)
+    model = _TiedByHandTwoInputs()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model = infinity.offload(model, config(device_memory="1MiB", chunk_size="16KiB"))
     x, _ = batches(1)[0]
     with pytest.raises(RuntimeError, match=r"parameter 'emb\.weight' was used outside the forward"):
-        model(x)
+        model(x, torch.tensor(2.0))
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
 

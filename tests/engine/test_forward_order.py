@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.activations.estimate import forward_order
+from infinity.activations.forward_trace import forward_order
 from infinity.core.names import Phase
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam

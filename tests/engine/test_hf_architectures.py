@@ -3,9 +3,11 @@
 BERT's and RoBERTa's masked-LM heads register their output bias twice, in the
 head and again in the decoder inside it (``self.decoder.bias = self.bias``); the
 nested binding was an illegal COMPUTE -> COMPUTE in the first forward
-(``ParamRegistry._own_once_per_branch``). The others (an encoder-decoder, a
-parallel-attention decoder) are here so that a family's own way of reading its
-weights has a test.
+(``ParamRegistry._own_once_per_branch``). DeBERTa's encoder reads its
+relative-position embedding's weight without calling the embedding: it trained on
+the NaN placeholder, and evaluated to NaN (``ParamRegistry.reads``, from the fake
+forward at offload). The others (an encoder-decoder, a parallel-attention decoder)
+are here so that a family's own way of reading its weights has a test.
 """
 
 from __future__ import annotations
@@ -30,6 +32,19 @@ MODELS = {
     ),
     "roberta-mlm": lambda: transformers.RobertaForMaskedLM(
         transformers.RobertaConfig(vocab_size=VOCAB, intermediate_size=64, pad_token_id=1, **SMALL)
+    ),
+    "deberta-v2": lambda: transformers.DebertaV2ForSequenceClassification(
+        transformers.DebertaV2Config(
+            vocab_size=VOCAB,
+            intermediate_size=64,
+            num_labels=3,
+            relative_attention=True,
+            position_buckets=16,
+            max_relative_positions=32,
+            norm_rel_ebd="layer_norm",
+            pos_att_type=["p2c", "c2p"],
+            **SMALL,
+        )
     ),
     "t5": lambda: transformers.T5ForConditionalGeneration(
         transformers.T5Config(
@@ -60,6 +75,8 @@ def test_a_family_trains_as_torch(family):
     for _ in range(3):
         ids = torch.randint(2, VOCAB, (2, 12), generator=g)
         inputs = {"input_ids": ids, "labels": ids}
+        if family == "deberta-v2":
+            inputs["labels"] = ids[:, 0] % 3
         if family == "t5":
             inputs["decoder_input_ids"] = ids
         for m, o in ((model, opt), (ref, ref_opt)):
