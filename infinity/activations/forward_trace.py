@@ -37,6 +37,14 @@ class ForwardTrace:
     reads: dict[str, set[str]] = field(default_factory=dict)
 
 
+# What reads a tensor's metadata only (``weight.dtype`` is a getter through the mode):
+# not a use of its values, so no reason to bind it.
+_METADATA = frozenset(
+    ("__get__", "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride",
+     "is_floating_point", "is_complex", "is_contiguous", "get_device", "__len__")
+)  # fmt: skip
+
+
 class _Reads(TorchFunctionMode):
     """Records the parameters each torch function reads outside their modules."""
 
@@ -48,6 +56,8 @@ class _Reads(TorchFunctionMode):
         self.stack: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") in _METADATA:
+            return func(*args, **(kwargs or {}))
         for leaf in tree_flatten((args, kwargs or {}))[0]:
             held = self.holders.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
             if held is not None and self.stack and not any(self.running[m] for m in held[1]):
