@@ -56,6 +56,14 @@ def merged_names(model: nn.Module, base: nn.Module, engine: OffloadEngine) -> Me
     """The names and deltas of ``model`` (a ``PeftModel`` over ``base``) saved merged;
     reads the adapters' weights (small) out of the chunks, on every rank."""
     peft = sys.modules["peft"]
+    types = [getattr(c, "peft_type", "?") for c in getattr(model, "peft_config", {}).values()]
+    kinds = {str(getattr(t, "value", t)) for t in types}
+    if kinds - {"LORA"}:
+        raise PretrainedError(
+            f"a peft model with {', '.join(sorted(kinds))} adapters cannot be saved merged: "
+            "infinity merges LoRA only. Save the adapter with model.save_pretrained(path) "
+            "(peft's own)"
+        )
     lora_layer = peft.tuners.lora.LoraLayer
     wrapper = getattr(peft.utils, "ModulesToSaveWrapper", None)
     rename: dict[str, str] = {}  # prefix inside base -> prefix saved ("" drops it)

@@ -96,6 +96,16 @@ def test_what_is_not_merged_is_refused_before_anything_is_written(
     assert not (tmp_path / "merged").exists()
 
 
+def test_other_adapters_than_lora_are_refused_before_anything_is_written(
+    tmp_path, make_model, offload_config
+):
+    ia3 = peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+    model = infinity.offload(peft.get_peft_model(make_model("llama-untied"), ia3), offload_config())
+    with pytest.raises(PretrainedError, match="with IA3 adapters cannot be saved merged"):
+        infinity.save_pretrained(model, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+
+
 def test_peft_merge_on_an_offloaded_model_is_refused_naming_the_save(
     tmp_path, make_model, offload_config
 ):
