@@ -29,14 +29,37 @@ from infinity.runtime.state_access import read_params
 
 
 @dataclass
+class LoraDelta:
+    """What one adapted weight gains: the sum over its active adapters of
+    ``B @ A * scaling`` (transposed for ``fan_in_fan_out``), in fp32.
+
+    NOTE: kept as its factors (``r`` rows and columns each) and formed when its weight
+    is written: the deltas of every adapted weight at once would be a full fp32 copy of
+    those weights (for LoRA on every projection of a 7B model, ~26 GB), against the
+    save's promise of one chunk in memory."""
+
+    parts: list[tuple[torch.Tensor, torch.Tensor, float, bool]] = field(default_factory=list)
+
+    def value(self) -> torch.Tensor:
+        """The delta, formed now."""
+        total: torch.Tensor | None = None
+        for a, b, scaling, transpose in self.parts:
+            product = (b @ a) * scaling
+            product = product.T if transpose else product
+            total = product if total is None else total + product
+        assert total is not None
+        return total
+
+
+@dataclass
 class MergedNames:
     """What the merged save writes: the base model's state names (adapters and the
     originals of ``modules_to_save`` left out) and, by tensor index, each adapted
-    weight's delta."""
+    weight's :class:`LoraDelta`."""
 
     base: nn.Module
     names: StateNames
-    deltas: dict[int, torch.Tensor] = field(default_factory=dict)
+    deltas: dict[int, LoraDelta] = field(default_factory=dict)
 
 
 def peft_base(model: nn.Module) -> nn.Module | None:
@@ -101,14 +124,12 @@ def merged_names(model: nn.Module, base: nn.Module, engine: OffloadEngine) -> Me
     entries = [engine.registry.by_id[key] for key in adapters]
     values = {id(e.param): v.float() for e, v in read_params(engine, entries, master=True)}
     for layer in layers.values():
-        weight = layer.base_layer.weight
-        delta = torch.zeros(weight.shape, dtype=torch.float32)
+        delta = LoraDelta()
         for adapter in layer.active_adapters:
             a = values[id(layer.lora_A[adapter].weight)]
             b = values[id(layer.lora_B[adapter].weight)]
-            product = (b @ a) * layer.scaling[adapter]
-            delta += product.T if layer.fan_in_fan_out else product
-        merged.deltas[engine.registry.by_id[id(weight)].index] = delta
+            delta.parts.append((a, b, layer.scaling[adapter], layer.fan_in_fan_out))
+        merged.deltas[engine.registry.by_id[id(layer.base_layer.weight)].index] = delta
     return merged
 
 

@@ -32,7 +32,7 @@ from infinity.checkpoint.format import fsync_dir
 from infinity.checkpoint.temporaries import replace_dir
 from infinity.distributed.agreement import rank_zero_writes
 from infinity.offload import engine_of
-from infinity.pretrained.adapters import merged_names, peft_base
+from infinity.pretrained.adapters import LoraDelta, merged_names, peft_base
 from infinity.pretrained.names import saved_names, state_names
 from infinity.pretrained.safetensors_io import (
     INDEX_FILE,
@@ -98,7 +98,7 @@ class _Files:
     names: list[str]
     shards: list[list[TensorSpec]]
     owner: nn.Module  # whose configs are saved (a peft model's base)
-    deltas: dict[int, torch.Tensor]  # tensor index -> the LoRA delta merged into it
+    deltas: dict[int, LoraDelta]  # tensor index -> the LoRA delta merged into it
 
 
 def _plan_files(model: nn.Module, engine: OffloadEngine, limit: int) -> _Files:
@@ -270,7 +270,7 @@ def _write_shards(
                 delta = files.deltas.get(entry.index)
                 if delta is not None:  # peft's merge: W += delta (fp32), rounded once
                     weight = torch.frombuffer(data, dtype=spec.dtype).view(spec.shape)
-                    merged = (weight.float() + delta).to(spec.dtype)
+                    merged = (weight.float() + delta.value()).to(spec.dtype)
                     data = merged.view(-1).view(torch.uint8).numpy().data
                 writer.write(spec.name, data)
         except BaseException:
