@@ -64,6 +64,7 @@ from infinity.runtime.params import (
     ParamRegistry,
     check_late_checkpointing,
     check_model,
+    placeholder_used,
     tensor_index,
 )
 from infinity.runtime.stepping import UpdatePipeline, check_moments, read_moments, write_moments
@@ -459,7 +460,7 @@ class OffloadEngine:
         storage = tensor.untyped_storage().data_ptr()
         key = cast("tuple[object, int] | None", self.manager.device.key_at(storage))
         if key is None and storage in PLACEHOLDER_STORAGES:
-            raise RuntimeError(self._placeholder_used(tensor))
+            raise RuntimeError(placeholder_used(self.registry, tensor))
         if key is None or key[0] is not Kind.PARAM:
             return None
         chunk = key[1]
@@ -469,36 +470,6 @@ class OffloadEngine:
             tuple(tensor.stride()),
             tensor.storage_offset(),
             tensor.dtype,
-        )
-
-    def _placeholder_used(self, tensor: torch.Tensor) -> str:
-        """What to say of a parameter's placeholder that autograd was about to save.
-
-        NOTE: a parameter is bound only while its own module's forward runs; a forward
-        that reads it elsewhere (``F.linear(h, self.emb.weight)`` for a tied output
-        layer) computed with its placeholder: NaN logits, and a NaN gradient written
-        into its chunk, silently. Caught where autograd saves it (most such reads feed
-        a product, which saves its operands).
-        """
-        entry = self.registry.by_id.get(id(tensor))
-        # A view of it (a transpose) is saved as often: then the parameters of its size.
-        names = (
-            [entry.name]
-            if entry is not None
-            else [e.name for e in self.registry.entries if e.param.numel() == tensor.numel()]
-        )
-        what = (
-            f"parameter {' or '.join(repr(n) for n in names[:3])}"
-            if names
-            else f"a parameter ({tuple(tensor.shape)}, {tensor.dtype})"
-        )
-        return (
-            f"{what} was used outside the forward of the module that holds it: there it "
-            "is a NaN placeholder (its values live in infinity's chunks, bound while that "
-            "module's forward runs), and nothing was computed from its weights. Call the "
-            "module, or make the use a module of its own: a tied output layer is a Linear "
-            "whose weight is the embedding's (head.weight = emb.weight), as transformers' "
-            "models and infinity's GPT have it"
         )
 
     def unpack(self, packed: Any) -> torch.Tensor:

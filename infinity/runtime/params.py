@@ -67,6 +67,37 @@ def is_placeholder(t: torch.Tensor) -> bool:
     return cell is not None and t.untyped_storage().data_ptr() == cell.untyped_storage().data_ptr()
 
 
+def placeholder_used(registry: ParamRegistry, tensor: torch.Tensor) -> str:
+    """What to say of a parameter's placeholder that autograd was about to save.
+
+    NOTE: a parameter is bound only while a forward that uses it runs (its module's, or
+    a reader's: ``ParamRegistry.reads``); a forward that reads it elsewhere, where the
+    fake forward at offload could not see it, computed with its placeholder: NaN
+    logits, and a NaN gradient written into its chunk, silently. Caught where autograd
+    saves it (most such reads feed a product, which saves its operands).
+    """
+    entry = registry.by_id.get(id(tensor))
+    # A view of it (a transpose) is saved as often: then the parameters of its size.
+    names = (
+        [entry.name]
+        if entry is not None
+        else [e.name for e in registry.entries if e.param.numel() == tensor.numel()]
+    )
+    what = (
+        f"parameter {' or '.join(repr(n) for n in names[:3])}"
+        if names
+        else f"a parameter ({tuple(tensor.shape)}, {tensor.dtype})"
+    )
+    return (
+        f"{what} was used outside the forward of the module that holds it: there it "
+        "is a NaN placeholder (its values live in infinity's chunks, bound while that "
+        "module's forward runs), and nothing was computed from its weights. Call the "
+        "module, or make the use a module of its own: a tied output layer is a Linear "
+        "whose weight is the embedding's (head.weight = emb.weight), as transformers' "
+        "models and infinity's GPT have it"
+    )
+
+
 @dataclass
 class ParamEntry:
     """One unique parameter of the model."""
