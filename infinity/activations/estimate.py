@@ -10,9 +10,11 @@ prints it next to the states.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -110,7 +112,7 @@ def estimate(
         ids = torch.zeros((batch, seq_len), dtype=torch.long, device=device)
         meta.train()
         try:
-            with saved_tensors_hooks(pack, lambda t: t):
+            with saved_tensors_hooks(pack, lambda t: t), fake_errors_quiet():
                 try:
                     meta(input_ids=ids, labels=ids)
                 except TypeError:  # not a transformers model: one tensor of token ids
@@ -119,6 +121,23 @@ def estimate(
             for handle in handles:
                 handle.remove()
     return result
+
+
+@contextlib.contextmanager
+def fake_errors_quiet() -> Iterator[None]:
+    """Silence torch's ERROR log of each kernel that fails on fake tensors meanwhile.
+
+    NOTE: a fake forward that fails is expected (a model that takes no token ids, a
+    classifier given token ids as labels), and its caller falls back; torch still
+    logged a traceback per failed kernel, dozens of ERROR lines at a user's offload
+    or first forward (DeBERTa's sequence classifier printed 34)."""
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        quiet.setLevel(level)
 
 
 def weightless(model: nn.Module) -> nn.Module:

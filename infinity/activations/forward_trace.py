@@ -13,7 +13,6 @@ no arithmetic) to learn two things the registry lays the chunks out by:
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from infinity.activations.estimate import fake_weights, weightless
+from infinity.activations.estimate import fake_errors_quiet, fake_weights, weightless
 
 
 @dataclass
@@ -102,13 +101,8 @@ def forward_trace(model: nn.Module, seq_len: int = 8) -> ForwardTrace | None:
 
     handles = [m.register_forward_pre_hook(pre) for m in meta.modules()]
     handles += [m.register_forward_hook(post, always_call=True) for m in meta.modules()]
-    # A forward that fails on fake tensors is expected here (any model that does
-    # not take token ids); torch logs each failed kernel at ERROR level.
-    quiet = logging.getLogger("torch._subclasses.fake_tensor")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
     try:
-        with FakeTensorMode(), torch.no_grad():
+        with FakeTensorMode(), torch.no_grad(), fake_errors_quiet():
             fake_weights(meta, torch.float32, torch.device("cpu"))
             for name, param in meta.named_parameters():
                 reads.holders[id(param)] = (name, set())
@@ -125,7 +119,6 @@ def forward_trace(model: nn.Module, seq_len: int = 8) -> ForwardTrace | None:
     except Exception:  # any forward it cannot run keeps registration order
         return None
     finally:
-        quiet.setLevel(level)
         for handle in handles:
             handle.remove()
     trace.order = list(order)
