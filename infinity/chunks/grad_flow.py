@@ -23,7 +23,7 @@ from infinity.chunks.pools import ChainedTransfer, Pending, Traffic, is_split, s
 from infinity.chunks.shards import device_shard
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.states import Clock, GradState, GradStates
-from infinity.core.names import HOST
+from infinity.core.names import DEVICE, HOST
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
 from infinity.distributed import Collectives
@@ -154,6 +154,9 @@ class GradientFlow:
         if to_home is None:
             self._check_finite(source.view(self.dtype))
             to_home = partial(self._copy_to, source)
+        if self.homes.tier(key) == DEVICE:
+            self._flush_on_device(key, source)
+            return
         self.traffic.d2h_bytes += nbytes
         if is_split(self.homes.plan, i):
             self._flush_in_spans(copy, i)
@@ -199,6 +202,19 @@ class GradientFlow:
                 home.pins -= 1
             home.pending.append(self.homes.write(key, home.tensor))
             home.dirty = False  # the sum is on its way home
+        self.grads.flushed(i)
+
+    def _flush_on_device(self, key: Key, source: torch.Tensor) -> None:
+        """A device slot's gradients into their home on the device, copied or added there
+        in the compute stream's order: NOTE [chunks homed on the device]."""
+        i = key[1]
+        home = self.homes.device(key)
+        if self.grads[i] is GradState.RECEIVING:
+            self.backend.copy_on_device(home, source)
+        else:
+            summed = home.view(self.dtype)
+            summed.add_(source.view(self.dtype))
+            self._check_finite(summed)  # as _add_into: a sum of finite fp16 may overflow
         self.grads.flushed(i)
 
     def _take_norms(self, i: int, grads: torch.Tensor) -> None:

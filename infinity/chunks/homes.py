@@ -1,7 +1,9 @@
-"""Authoritative copies of chunks: host regions and NVMe offsets.
+"""Authoritative copies of chunks: host regions, NVMe offsets and device regions.
 
 Every (kind, chunk) has exactly one home, fixed by the plan: a region of a host
-arena (allocated once, exact size) or an offset in one preallocated swap file.
+arena (allocated once, exact size), an offset in one preallocated swap file, or
+a region of a device arena (a chunk stepped on the device: see
+NOTE [chunks homed on the device]).
 Caches in the tiers above hold copies; the home is what survives eviction.
 
 The first failed NVMe transfer of a chunk home is kept until someone acts on it
@@ -30,7 +32,7 @@ from infinity.chunks.pools import (
     part_ranges,
     span_nbytes,
 )
-from infinity.core.names import HOST, NVME, Key, Kind
+from infinity.core.names import DEVICE, HOST, NVME, Key, Kind
 from infinity.core.plan import Plan
 from infinity.io import IORequest, NVMeIOError, SwapFile
 
@@ -66,7 +68,10 @@ class HomeStore:
         host_account: TierAccount,
         traffic: Traffic,
         swap_file: SwapFile | None = None,
+        alloc_device: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """``alloc_device`` allocates the arena of device-homed keys (needed only when
+        the plan homes some on the device)."""
         self.plan = plan
         self.traffic = traffic
         self.swap_file = swap_file
@@ -92,6 +97,16 @@ class HomeStore:
         self._reserved = dict(self._nbytes)  # bytes of each home as placed
         host_account.reserved += self.arena.reserved_bytes
         host_account.add(self.arena.reserved_bytes)
+        device_keys = [k for k, t in self._where.items() if t == DEVICE]
+        self.device_arena: Arena | None = None
+        self._device: dict[Key, torch.Tensor] = {}
+        if device_keys:
+            if alloc_device is None:
+                raise AssertionError("the plan homes chunks on the device but no allocator was given")
+            sizes = [self._nbytes[k] for k in device_keys]
+            self.device_arena = Arena("device", sizes, alloc_device)
+            self._device = dict(zip(device_keys, self.device_arena.regions, strict=True))
+            self._regions.update(self._device)
         self._offset: dict[Key, int] = {}
         self._writing: dict[Key, Pending] = {}  # the last write of each key, until it lands
         offset = 0
@@ -105,7 +120,7 @@ class HomeStore:
             raise AssertionError("swap file is smaller than the plan's NVMe bytes")
 
     def _add(self, key: Key, tier: str | None, nbytes: int) -> None:
-        assert tier in (HOST, NVME)
+        assert tier in (HOST, NVME, DEVICE)
         self._where[key] = tier
         self._nbytes[key] = nbytes
 
@@ -120,7 +135,9 @@ class HomeStore:
             if nbytes > self._reserved[key]:
                 raise AssertionError(f"{key}: a unit of {nbytes} bytes in a home of fewer")
             self._nbytes[key] = nbytes
-            if key in self._regions:
+            if key in self._device:
+                self._device[key] = self._regions[key][:nbytes]
+            elif key in self._regions:
                 self._host[key] = self._regions[key][:nbytes]
         self.plan = plan
 
@@ -129,7 +146,7 @@ class HomeStore:
         return list(self._where)
 
     def tier(self, key: Key) -> str:
-        """``"host"`` or ``"nvme"`` (a span's is its key's)."""
+        """``"host"``, ``"nvme"`` or ``"device"`` (a span's is its key's)."""
         if isinstance(key, SpanKey):
             return self._where[key.base]
         return self._where[key]
@@ -151,6 +168,10 @@ class HomeStore:
     def host(self, key: Key) -> torch.Tensor:
         """The host region (uint8) of a host-homed key."""
         return self._host[key]
+
+    def device(self, key: Key) -> torch.Tensor:
+        """The device region (uint8) of a device-homed key."""
+        return self._device[key]
 
     def _swap(self) -> SwapFile:
         """The swap file (NVMe-homed keys exist only when the plan gave it bytes)."""

@@ -33,7 +33,7 @@ from infinity.chunks.pools import (
 from infinity.chunks.shards import InUse, gather_param, start_gathers
 from infinity.chunks.staging import HostStaging
 from infinity.chunks.states import Clock, GradStates, UpdateStates
-from infinity.core.names import HOST, NVME
+from infinity.core.names import DEVICE, HOST, NVME
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
 from infinity.distributed import SINGLE, Collectives
@@ -83,7 +83,14 @@ class ChunkManager:
         # sharded chunks opened whole (Adafactor's step, state dicts, checkpoints) and
         # an oversize tensor Adafactor steps whole (runtime/memory.py gives the limit).
         self.transient_account = TierAccount("host transient copies", None)
-        self.homes = HomeStore(plan, backend.alloc_host, self.host_account, self.traffic, swap_file)
+        self.homes = HomeStore(
+            plan,
+            backend.alloc_host,
+            self.host_account,
+            self.traffic,
+            swap_file,
+            alloc_device or backend.alloc_device,
+        )
         # NOTE [routes are data]: how bytes travel between the homes and the
         # device; a backend that reads NVMe into device memory shortens one.
         self.nvme_reader = backend.nvme_reader(swap_file) if swap_file is not None else None
@@ -98,6 +105,9 @@ class ChunkManager:
             for size, count in plan.device_slots.items()
         }
         self.device_account.reserved = sum(p.reserved_bytes for p in device_pools.values())
+        if self.homes.device_arena is not None:  # NOTE [chunks homed on the device]
+            self.device_account.reserved += self.homes.device_arena.reserved_bytes
+            self.device_account.add(self.homes.device_arena.reserved_bytes)
         self.device = TierCache(
             "device",
             device_pools,
@@ -154,6 +164,8 @@ class ChunkManager:
         """Start reading an NVMe-homed key into host staging (no-op if host-homed);
         False if no staging slot was free without evicting a key of ``protect``
         (try again later). An oversize key starts its first span."""
+        if self.homes.tier(key) == DEVICE:
+            return True  # stepped where it lives: nothing to read
         if self.homes.tier(key) != HOST:
             key = first_span(self.plan, key)
         cache = self.staging[key[0]]
@@ -204,7 +216,7 @@ class ChunkManager:
             return None
         copy.pending.append(fill)
         copy.filled = True
-        if route.stops[-2] is not Stop.NVME:  # h2d counts bytes from host memory
+        if route.stops[-2] not in (Stop.NVME, Stop.DEVICE_HOME):  # h2d: bytes from host memory
             self.traffic.h2d_bytes += nbytes  # (a direct mover counts what it copies)
         return copy
 
@@ -284,13 +296,16 @@ class ChunkManager:
 
     # --- host side: optimizer and state access ----------------------------------
     def open_host(
-        self, key: Key, *, load: bool = True, writable: bool = True
-    ) -> tuple[torch.Tensor, Copy | None]:
+        self, key: Key, *, load: bool = True, writable: bool = True, on_device: bool = False
+    ) -> tuple[torch.Tensor, Copy | DeviceHomeCopy | None]:
         """Host bytes of ``key`` to read or update; pair with :meth:`close_host`.
 
         A host-homed key gives its home; an NVMe-homed one a pinned staging
         copy (read first if ``load``). Its data has landed; with ``writable``
-        every transfer still reading the buffer has finished as well.
+        every transfer still reading the buffer has finished as well. A
+        device-homed key gives its home where the device's memory is the host's
+        (the CPU backend) or the caller computes on the device (``on_device``:
+        an update stepped there), else a host copy (:class:`DeviceHomeCopy`).
 
         NOTE: reading parameter or optimizer bytes of a chunk whose update
         trails the step runs that update first (``UpdateStates.ensure_readable``).
@@ -303,6 +318,11 @@ class ChunkManager:
         if self.homes.tier(key) == HOST:
             self.host.wait_home(key)
             return self.homes.host(key), None
+        if self.homes.tier(key) == DEVICE:
+            region = self.homes.device(key)
+            if on_device or self.backend.shares_host_memory:
+                return region, None
+            return DeviceHomeCopy.open(self, key, region, load=load)
         if load:
             # A consumed gradient chunk is never cached in staging, so
             # checking before the lookup is checking every read from disk.
@@ -322,7 +342,7 @@ class ChunkManager:
         *,
         load: bool = True,
         writable: bool = True,
-    ) -> tuple[list[torch.Tensor], Copy | None]:
+    ) -> tuple[list[torch.Tensor], Copy | DeviceHomeCopy | None]:
         """Host bytes (uint8) of elements ``[start, end)`` of every part of ``(kind, chunk)``;
         pair with ``close_host(copy, ...)``.
 
@@ -333,9 +353,9 @@ class ChunkManager:
         span = SpanKey(kind, chunk, start, end)
         capacity = self.plan.layout.chunks[chunk].capacity
         ranges = part_ranges(self.plan, span)
-        if self.homes.tier(key) == HOST:
-            region, _none = self.open_host(key, load=load, writable=writable)
-            return [region[offset : offset + nbytes] for offset, nbytes in ranges], None
+        if self.homes.tier(key) in (HOST, DEVICE):
+            region, home_copy = self.open_host(key, load=load, writable=writable)
+            return [region[offset : offset + nbytes] for offset, nbytes in ranges], home_copy
         if not is_split(self.plan, chunk) and (start, end) == (0, capacity):
             region, copy = self.open_host(key, load=load, writable=writable)
         else:
@@ -348,7 +368,9 @@ class ChunkManager:
             at += nbytes
         return parts, copy
 
-    def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None:
+    def close_host(
+        self, copy: Copy | DeviceHomeCopy | None, *, modified: bool, keep: bool = False
+    ) -> None:
         """Finish with :meth:`open_host`: start writing it home if ``modified``.
 
         ``keep`` leaves the staging copy cached (the write completes in the
@@ -360,6 +382,9 @@ class ChunkManager:
         pin and leaves the copy to the others, cached.
         """
         if copy is None:
+            return
+        if isinstance(copy, DeviceHomeCopy):
+            copy.close(self, modified=modified)
             return
         if copy.pins <= 0:
             raise AssertionError(f"staging copy {copy.key} closed more often than opened")
@@ -390,3 +415,40 @@ class ChunkManager:
                 copy.wait()
         self.backend.synchronize()
         self.failures.check()
+
+
+class DeviceHomeCopy:
+    """A host copy of a device-homed key, for a reader on the host (a state dict, a
+    checkpoint, the gradients): read from the device when opened (if loaded), written
+    back when closed modified. Counted in the manager's transient account while open,
+    as the other whole-chunk copies made for such readers are."""
+
+    def __init__(self, key: Key, tensor: torch.Tensor) -> None:
+        self.key = key
+        self.tensor = tensor
+
+    @classmethod
+    def open(
+        cls, manager: ChunkManager, key: Key, region: torch.Tensor, *, load: bool
+    ) -> tuple[torch.Tensor, DeviceHomeCopy]:
+        """The copy of ``key`` (its device home ``region``), and its handle."""
+        tensor = torch.empty(region.numel(), dtype=torch.uint8)
+        manager.transient_account.add(tensor.numel())
+        try:
+            if load:
+                with manager.traffic.waiting("device"):
+                    manager.backend.copy_async(tensor, region).wait()
+        except BaseException:
+            manager.transient_account.sub(tensor.numel())
+            raise
+        return tensor, cls(key, tensor)
+
+    def close(self, manager: ChunkManager, *, modified: bool) -> None:
+        """Write the copy home if ``modified``; it is then given up."""
+        try:
+            if modified:
+                region = manager.homes.device(self.key)
+                with manager.traffic.waiting("device"):
+                    manager.backend.copy_async(region, self.tensor).wait()
+        finally:
+            manager.transient_account.sub(self.tensor.numel())

@@ -33,7 +33,7 @@ from infinity.chunks.pools import (
     transfer_keys,
 )
 from infinity.chunks.staging import HostStaging
-from infinity.core.names import HOST, NVME, Key, Kind, Tier, _Name
+from infinity.core.names import DEVICE, HOST, NVME, Key, Kind, Tier, _Name
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
 
@@ -45,6 +45,7 @@ class Stop(_Name):
     HOST = "host"  # a home in a host arena
     STAGING = "staging"  # a pinned host staging slot
     DEVICE = "device"  # a device slot
+    DEVICE_HOME = "device home"  # a home in the device arena (NOTE [chunks homed on the device])
 
 
 class Purpose(_Name):
@@ -90,6 +91,9 @@ DEVICE_TO_HOST = route(Stop.DEVICE, Stop.HOST)
 DEVICE_VIA_STAGING_TO_NVME = route(Stop.DEVICE, Stop.STAGING, Stop.NVME)
 HOST_IN_PLACE = route(Stop.HOST)
 NVME_TO_STAGING = route(Stop.NVME, Stop.STAGING)
+DEVICE_HOME_TO_DEVICE = route(Stop.DEVICE_HOME, Stop.DEVICE)
+DEVICE_TO_DEVICE_HOME = route(Stop.DEVICE, Stop.DEVICE_HOME)
+DEVICE_HOME_IN_PLACE = route(Stop.DEVICE_HOME)
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,9 @@ def route_table(*, nvme_to_device: bool = False) -> RouteTable:
             (Purpose.FLUSH, NVME): DEVICE_VIA_STAGING_TO_NVME,
             (Purpose.STEP, HOST): HOST_IN_PLACE,
             (Purpose.STEP, NVME): NVME_TO_STAGING,
+            (Purpose.COMPUTE, DEVICE): DEVICE_HOME_TO_DEVICE,
+            (Purpose.FLUSH, DEVICE): DEVICE_TO_DEVICE_HOME,
+            (Purpose.STEP, DEVICE): DEVICE_HOME_IN_PLACE,
         }
     )
 
@@ -153,6 +160,11 @@ FILL_WINDOW = 2
 def from_host_home(manager: MoverAccess, chunk: int, copy: Copy, prefetch: bool) -> Pending:
     """host -> device: one copy from the chunk's host home."""
     return manager.backend.copy_async(copy.tensor, manager.homes.host((Kind.PARAM, chunk)))
+
+
+def from_device_home(manager: MoverAccess, chunk: int, copy: Copy, prefetch: bool) -> Pending:
+    """device home -> device slot: one copy in the compute stream's order."""
+    return manager.backend.copy_on_device(copy.tensor, manager.homes.device((Kind.PARAM, chunk)))
 
 
 def through_staging(manager: MoverAccess, chunk: int, copy: Copy, prefetch: bool) -> Pending | None:
@@ -216,6 +228,7 @@ _DEVICE_MOVERS: dict[Route, Mover] = {
     HOST_TO_DEVICE: from_host_home,
     NVME_VIA_STAGING_TO_DEVICE: through_staging,
     NVME_TO_DEVICE: nvme_to_device,
+    DEVICE_HOME_TO_DEVICE: from_device_home,
 }
 
 

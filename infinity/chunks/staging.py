@@ -27,7 +27,7 @@ from infinity.chunks.pools import (
 )
 from infinity.chunks.shards import device_shard
 from infinity.chunks.states import Clock
-from infinity.core.names import HOST
+from infinity.core.names import DEVICE, HOST
 from infinity.core.plan import Plan
 from infinity.devices.base import DeviceBackend
 from infinity.io import SwapFile
@@ -234,6 +234,8 @@ class HostStaging:
         for an oversize key, its first span)."""
         if self.homes.tier(key) == HOST:
             return landed(self.home_fill.get(key))
+        if self.homes.tier(key) == DEVICE:
+            return True  # stepped where it lives (NOTE [chunks homed on the device])
         key = first_span(self.plan, key)
         copy = self.caches[key[0]].get(key)
         return copy is not None and landed(copy.fill)

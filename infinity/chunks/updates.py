@@ -30,7 +30,7 @@ from infinity.chunks.pieces import Window, windows
 from infinity.chunks.pools import SpanKey, is_split, part_ranges, span_key, span_ranges
 from infinity.chunks.shards import WholeChunk, close_whole, open_whole, whole_bytes
 from infinity.config import ConfigError
-from infinity.core.names import Kind
+from infinity.core.names import DEVICE, Kind
 from infinity.core.plan import FP32_BYTES, Plan
 from infinity.optim.chunk_optimizer import StateFormat, unit_ranges
 from infinity.utils.sizes import format_size
@@ -143,7 +143,10 @@ def open_update(
             if gather:
                 region, handle = open_whole(manager, key, load=load, writable=writable)
             else:
-                region, handle = manager.open_host(key, load=load, writable=writable)
+                # A chunk homed on the device is stepped there, on its home.
+                region, handle = manager.open_host(
+                    key, load=load, writable=writable, on_device=True
+                )
             regions.append(region)
             handles.append(handle)
     except BaseException:
@@ -300,7 +303,23 @@ def transient_limit(plan: Plan, whole_tensors: bool) -> int:
     Sharded, a chunk is opened whole on every rank: Adafactor's step opens its
     gradient, unit and parameters at once, a unit's shards arriving in a buffer of the
     unit's size (state dicts and checkpoints open one kind at a time: less). Unsharded,
-    Adafactor steps an oversize tensor whole: its fp32 master and its gradient."""
+    Adafactor steps an oversize tensor whole: its fp32 master and its gradient. A host
+    reader of a chunk homed on the device gets a copy of one of its keys at a time
+    (``DeviceHomeCopy``; NOTE [chunks homed on the device])."""
+    chunks = range(plan.layout.num_chunks)
+    homed = max(
+        (
+            max(plan.param_bytes(i), plan.optim_bytes(i))
+            for i in chunks
+            if plan.optim_home[i] == DEVICE
+        ),
+        default=0,
+    )
+    return max(homed, _whole_copies(plan, whole_tensors))
+
+
+def _whole_copies(plan: Plan, whole_tensors: bool) -> int:
+    """:func:`transient_limit` of the whole-chunk and whole-tensor copies."""
     chunks = range(plan.layout.num_chunks)
     if plan.sharded:
         return max(

@@ -23,7 +23,7 @@ from infinity.activations.policy import choose_blocks
 from infinity.chunks.movers import Purpose, route_table
 from infinity.cli.main import CommandError
 from infinity.config import Config, ConfigError
-from infinity.core.names import HOST, NVME
+from infinity.core.names import DEVICE, HOST, NVME
 from infinity.core.plan import Plan
 from infinity.devices.choice import resolved
 from infinity.distributed import World
@@ -207,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
                     "chunk_size": plan.layout.chunk_bytes,
                     "num_chunks": n,
                     "device_bytes": plan.device_bytes,
+                    # NOTE [chunks homed on the device]: beside the slots, in the device budget
+                    "device_home_bytes": plan.home_bytes(DEVICE),
                     "host_bytes": plan.host_bytes,
                     "nvme_bytes": plan.nvme_bytes,
                     "staging_bytes": plan.staging_bytes,
@@ -231,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     print(title)
-    states = format_size(plan.home_bytes(HOST) + plan.home_bytes(NVME))
+    states = format_size(sum(plan.home_bytes(tier) for tier in (DEVICE, HOST, NVME)))
     print(f"model states: {states}" + (" per rank" if plan.sharded else ""))
     print(plan.describe())
     print("routes (how the bytes of each home travel):")
@@ -287,7 +289,7 @@ def activations_at(
     on_device = {"keep": est.total, "checkpoint": est.checkpoint, "offload": one_block}
     room = max(0, plan.budgets.device - slots)
     # "auto" keeps blocks in the room the plan's own slots leave (as the engine does)
-    auto_room = max(0, plan.budgets.device - plan.device_bytes)
+    auto_room = max(0, plan.budgets.device - plan.device_reserved_bytes)
 
     def fit(policy: str) -> int:
         per_token = on_device[policy] / tokens
@@ -302,11 +304,11 @@ def activations_at(
         "working_set_bytes": work,
         # the step's peak per tier (runtime/memory.py): the device's lines and working set;
         # the host's lines and this process's resident set now (the libraries and model)
-        "forecast_device_peak": plan.device_bytes + work,
+        "forecast_device_peak": plan.device_reserved_bytes + work,
         "device_in_host": target == "cpu",
         "forecast_resident_peak": resident_bytes()
         + plan.host_bytes
-        + (plan.device_bytes + work if target == "cpu" else 0),
+        + (plan.device_reserved_bytes + work if target == "cpu" else 0),
         "auto": {c: auto.count(c) for c in ("keep", "offload", "checkpoint")},
         "batch_size": batch,
         "seq_len": seq_len,

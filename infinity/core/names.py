@@ -26,9 +26,10 @@ class Tier(_Name):
 
     HOST = "host"
     NVME = "nvme"
+    DEVICE = "device"  # a trainable chunk kept whole on the device and stepped there
 
 
-HOST, NVME = Tier.HOST, Tier.NVME
+HOST, NVME, DEVICE = Tier.HOST, Tier.NVME, Tier.DEVICE
 
 
 class Kind(_Name):

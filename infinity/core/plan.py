@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from infinity.core.names import HOST, NVME, Tier
+from infinity.core.names import DEVICE, HOST, NVME, Tier
 from infinity.utils.sizes import format_size
 
 T = TypeVar("T")
@@ -184,6 +184,9 @@ class Plan:
     # holding all of its chunks through its backward: a chunk then never borrows a
     # device slot larger than its own (chunks/cache.py, TierCache._take_own_size).
     recomputes_blocks: bool = False
+    # Device bytes a chunk's update on the device takes beside its home (its temporaries),
+    # reserved where chunks are homed there (NOTE [chunks homed on the device]).
+    device_scratch_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.span_elems == 0:
@@ -231,8 +234,14 @@ class Plan:
 
     @property
     def device_bytes(self) -> int:
-        """Bytes reserved on the device (all slots)."""
+        """Bytes of the device's slots (the cache of chunk copies)."""
         return sum(size * count for size, count in self.device_slots.items())
+
+    @property
+    def device_reserved_bytes(self) -> int:
+        """Bytes reserved on the device: its slots, the chunks homed there and their
+        update's temporaries."""
+        return self.device_bytes + self.home_bytes(DEVICE) + self.device_scratch_bytes
 
     @property
     def staging_bytes(self) -> int:
@@ -289,7 +298,7 @@ class Plan:
             f"chunks: {n} x {format_size(self.layout.chunk_bytes)} "
             f"({sum(c.oversize for c in self.layout.chunks)} oversize, "
             f"{sum(not c.trainable for c in self.layout.chunks)} frozen)",
-            f"{'kind':<16}{'on host':>12}{'on nvme':>12}",
+            f"{'kind':<16}{'on device':>12}{'on host':>12}{'on nvme':>12}",
         ]
         for kind, homes in (
             ("parameters", self.param_home),
@@ -297,7 +306,8 @@ class Plan:
             ("optimizer", self.optim_home),
         ):
             lines.append(
-                f"{kind:<16}{sum(h == HOST for h in homes):>12}{sum(h == NVME for h in homes):>12}"
+                f"{kind:<16}{sum(h == DEVICE for h in homes):>12}"
+                f"{sum(h == HOST for h in homes):>12}{sum(h == NVME for h in homes):>12}"
             )
         trainable = [i for i in range(n) if self.optim_home[i] is not None]
         lines.append(
@@ -311,7 +321,7 @@ class Plan:
             )
         )
         for tier, used, budget in (
-            ("device", self.device_bytes, self.budgets.device),
+            ("device", self.device_reserved_bytes, self.budgets.device),
             ("host", self.host_bytes, self.budgets.host),
             ("nvme", self.nvme_bytes, self.budgets.nvme),
         ):

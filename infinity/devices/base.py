@@ -60,6 +60,20 @@ class TransferHandle(abc.ABC):
         self.wait()
 
 
+class _Landed(TransferHandle):
+    """A copy complete on the host's side (issued in compute order, or already done)."""
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+    def done(self) -> bool:
+        """Always complete."""
+        return True
+
+
+LANDED: TransferHandle = _Landed()
+
+
 class DeviceBackend(abc.ABC):
     """Allocation and asynchronous copies for one compute device."""
 
@@ -94,6 +108,14 @@ class DeviceBackend(abc.ABC):
         The copy is ordered after compute already issued on the device (so a
         slot being overwritten is no longer read by earlier kernels).
         """
+
+    def copy_on_device(self, dst: torch.Tensor, src: torch.Tensor) -> TransferHandle:
+        """``dst.copy_(src)`` between two device regions (a chunk homed on the device and
+        a slot), issued in the compute stream's order: compute issued later sees it, an
+        earlier kernel still reading ``dst`` finishes first, and the host waits for nothing.
+        """
+        dst.copy_(src)
+        return LANDED
 
     @abc.abstractmethod
     def alias(self, region: torch.Tensor) -> torch.Tensor:

@@ -325,7 +325,20 @@ class ChunkOptimizer(ABC, Generic[H]):
     @abstractmethod
     def step(self, views: StepViews, hyper: H, *, step: int, grad_scale: float) -> None:
         """Update one run of tensors in place; ``step`` is their step count after it
-        (1 on the first update), gradients are divided by ``grad_scale``."""
+        (1 on the first update), gradients are divided by ``grad_scale``. The views are
+        host tensors, or device tensors where :meth:`steps_on` said yes."""
+
+    def steps_on(self, device: torch.device) -> bool:
+        """:meth:`step` takes views on ``device`` (the host's always): chunks may then
+        be homed and stepped there (NOTE [chunks homed on the device]). An optimizer
+        whose update reads whole tensors never is (its per-tensor states live on the host)."""
+        return device.type == "cpu" and not self.whole_tensors
+
+    def device_step_scratch(self, elems: int, device: torch.device) -> int:
+        """Device bytes :meth:`step` allocates beside its views for a run of up to
+        ``elems`` elements on ``device`` (none on the host: the kernels make none)."""
+        del elems, device
+        return 0
 
 
 def betas_value(group: dict[str, Any]) -> tuple[float, float]:

@@ -34,8 +34,9 @@ from infinity.optim.chunk_optimizer import (
     write_moments,
 )
 from infinity.optim.front_end import CPUOptimizer, check_dense_param, flat_buffers, step_dtype
+from infinity.utils.process_memory import device_bytes
 
-__all__ = ["ADAM", "AdamChunks", "AdamHyperParams", "CPUAdam"]
+__all__ = ["ADAM", "AdamChunks", "AdamHyperParams", "CPUAdam", "adam_on_device"]
 
 # Keys torch.optim.Adam/AdamW keep in every param group. CPUAdam stores them
 # with torch's defaults so its state_dict loads into torch unchanged.
@@ -128,10 +129,24 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
             values["exp_avg_sq"].reshape(-1),
         )
 
+    def steps_on(self, device: torch.device) -> bool:
+        """The host, and any device with fp32 moments (:func:`adam_on_device`)."""
+        return device.type == "cpu" or self.state_format.name == "fp32"
+
+    def device_step_scratch(self, elems: int, device: torch.device) -> int:
+        """:func:`adam_on_device`'s fp32 temporaries of one block (a scaled gradient and a
+        denominator), each as the device's allocator holds it."""
+        if device.type == "cpu":
+            return 0
+        return 2 * device_bytes(4 * min(elems, DEVICE_STEP_ELEMS), device)
+
     def step(
         self, views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float
     ) -> None:
         """One Adam update of the run (see :class:`ChunkOptimizer`)."""
+        if views.master.device.type != "cpu":
+            adam_on_device(views, hyper, step=step, grad_scale=grad_scale)
+            return
         kernels.adam_step(
             views.master,
             views.grad,
@@ -146,6 +161,39 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
             round_offset=views.rounding[1],
             **hyper.kernel_kwargs(),
         )
+
+
+# Elements a device update takes at a time: its fp32 temporaries (the scaled gradient
+# and the denominator) stay this small, whatever the chunk (runtime/memory.py counts them).
+DEVICE_STEP_ELEMS = 1 << 18
+
+
+def adam_on_device(
+    views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float
+) -> None:
+    """:func:`kernels.adam_step`'s update (fp32 moments) as device kernels, on views in
+    device memory: the same operations in the same order, so results match torch's
+    AdamW to a few ulps, as the host kernel's do (NOTE [chunks homed on the device])."""
+    bias1 = 1.0 - hyper.beta1**step
+    bias2_sqrt = (1.0 - hyper.beta2**step) ** 0.5
+    master, grad = views.master, views.grad
+    m, v = views.state["exp_avg"], views.state["exp_avg_sq"]
+    for start in range(0, master.numel(), DEVICE_STEP_ELEMS):
+        part = slice(start, start + DEVICE_STEP_ELEMS)
+        p, g = master[part], grad[part].to(torch.float32, copy=True)
+        if grad_scale != 1.0:
+            g.mul_(grad_scale)
+        if hyper.weight_decay:
+            if hyper.adamw:
+                p.mul_(1.0 - hyper.lr * hyper.weight_decay)
+            else:
+                g.add_(p, alpha=hyper.weight_decay)
+        m[part].mul_(hyper.beta1).add_(g, alpha=1.0 - hyper.beta1)
+        v[part].mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
+        denom = v[part].sqrt().div_(bias2_sqrt).add_(hyper.eps)
+        p.addcdiv_(m[part], denom, value=-hyper.lr / bias1)
+        if views.out16 is not None:
+            views.out16[part].copy_(p)
 
 
 ADAM = AdamChunks()

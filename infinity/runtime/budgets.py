@@ -36,6 +36,7 @@ from infinity.chunks.layout import (
 )
 from infinity.chunks.updates import check_whole_tensors
 from infinity.config import AUTO, Config, ConfigError
+from infinity.core.names import DEVICE
 from infinity.core.plan import Plan, PlanError
 from infinity.distributed import SINGLE, World
 from infinity.io.directories import nearest_existing
@@ -110,8 +111,10 @@ def choose_plan(
     optimizer: ChunkOptimizer = ADAM,
     shard_count: int = 1,
     shard_rank: int = 0,
+    state_device: torch.device | None = None,
 ) -> Plan:
     """Layout plus plan; with ``chunk_size="auto"`` try smaller chunks until the budgets fit.
+    ``state_device``: where the optimizer may step chunks homed there (``make_plan``).
 
     ``working_sets_of(layout)`` returns the chunk sets modules hold at once.
     Sharded over ``shard_count`` processes, every capacity is a multiple of
@@ -147,6 +150,7 @@ def choose_plan(
             optimizer=optimizer,
             shard_count=shard_count,
             shard_rank=shard_rank,
+            state_device=state_device,
         )
 
     if config.chunk_size != AUTO:
@@ -229,20 +233,32 @@ def plan_for(
     optimizer: ChunkOptimizer = ADAM,
     world: World = SINGLE,
     budgets: Budgets | None = None,
+    *,
+    device_homes: bool = True,
 ) -> Plan:
     """The plan for a model's parameter registry under ``config`` (nothing is allocated);
     the optimizer's state slots are stored as ``config.optimizer_state_dtype``; homes
     hold ``world.rank``'s shard of every chunk. ``budgets``: resolved already (a plan
     made again for the same model keeps the ones its first plan resolved: free
-    memory and disk have changed since, not the model's budgets)."""
+    memory and disk have changed since, not the model's budgets). ``device_homes``:
+    chunks may be homed on ``device`` where the optimizer steps them there."""
+    stored = optimizer.with_state_dtype(config.optimizer_state_dtype)
     plan = choose_plan(
         registry.tensor_infos(),
         registry.working_sets,
         config=config,
         budgets=budgets or resolve_budgets(config, device, local_ranks(world)),
-        optimizer=optimizer.with_state_dtype(config.optimizer_state_dtype),
+        optimizer=stored,
         shard_count=world.size,
         shard_rank=world.rank,
+        # NOTE [chunks homed on the device]: only into room the user gave the chunks
+        # (an explicit device_memory, or RAM on the CPU): "auto" on a GPU is a cap for the
+        # cache, and the activations need what it leaves.
+        state_device=device
+        if device_homes
+        and stored.steps_on(device)
+        and (device.type == "cpu" or config.device_memory != AUTO)
+        else None,
     )
     return dataclasses.replace(plan, recomputes_blocks=bool(registry.recomputed))
 
@@ -292,6 +308,18 @@ def first_layout(
                 exc,
             )
             plan = None
+    if plan is None and DEVICE in offload_plan.optim_home and not wanted.steps_on(device):
+        # Its units are cut inside Adam's homes, which it cannot step on the device: the
+        # same homes without device homes (NOTE [chunks homed on the device]).
+        offload_plan = plan_for(
+            registry,
+            config,
+            device,
+            offload_units,
+            world=world,
+            budgets=offload_plan.budgets,
+            device_homes=False,
+        )
     if wanted.whole_tensors:
         check_whole_tensors(plan or offload_plan, owner, overlap=config.overlap_optimizer is True)
     if plan is None:
@@ -333,6 +361,15 @@ def wanted_layout(
         )
     if wanted.whole_tensors:
         check_whole_tensors(chunks.plan, owner, overlap=config.overlap_optimizer is True)
+    device = chunks.manager.backend.device
+    on_device = sum(home == DEVICE for home in chunks.plan.optim_home)
+    if on_device and not wanted.steps_on(device):
+        raise ValueError(
+            f"{on_device} of this model's chunks are homed on {device} and stepped there "
+            f"(planned for {current.front_end or current.name}), which {owner} cannot do "
+            f"(NOTE [chunks homed on the device]): construct {owner} right after "
+            "infinity.offload(), before the first forward, so the chunks are planned for it"
+        )
     return wanted
 
 

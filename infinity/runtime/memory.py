@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from infinity.activations.estimate import StepFn, StepMemory, step_memory
 from infinity.chunks.grad_flow import grad_norm_bytes
 from infinity.chunks.updates import transient_limit
-from infinity.core.names import HOST, NVME
+from infinity.core.names import DEVICE, HOST, NVME
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.utils.process_memory import (
     device_block_bytes,
@@ -216,8 +216,17 @@ def host_lines(engine: OffloadEngine) -> dict[str, dict[str, int]]:
 
 def device_lines(engine: OffloadEngine) -> dict[str, dict[str, int]]:
     """Each device line's limit and measured peak (bytes)."""
-    account = engine.chunks.manager.device_account
-    return {"chunk slots": {"limit": account.reserved, "peak": account.peak}}
+    manager = engine.chunks.manager
+    account = manager.device_account
+    arena = manager.homes.device_arena
+    homed = arena.reserved_bytes if arena is not None else 0
+    lines = {"chunk slots": {"limit": account.reserved - homed, "peak": account.peak - homed}}
+    if homed:  # NOTE [chunks homed on the device]
+        lines["chunks homed on the device"] = {"limit": homed, "peak": homed}
+        scratch = engine.plan.device_scratch_bytes
+        if scratch:  # the temporaries of an update on the device (not measured apart)
+            lines["device update scratch"] = {"limit": scratch, "peak": scratch}
+    return lines
 
 
 def memory_stats(engine: OffloadEngine) -> dict[str, Any]:
@@ -319,7 +328,7 @@ def tier_stats(chunks: ModelChunks) -> dict[str, Any]:
         # staging slabs registered with io_uring (no page pinning per transfer)
         "nvme_registered_buffers": manager.fixed_buffers is None,
         "placement": {
-            kind: {tier: sum(h == tier for h in homes) for tier in (HOST, NVME)}
+            kind: {tier: sum(h == tier for h in homes) for tier in (DEVICE, HOST, NVME)}
             for kind, homes in (
                 ("param", plan.param_home),
                 ("grad", plan.grad_home),

@@ -34,7 +34,7 @@ from infinity.chunks.homes import Kind
 from infinity.chunks.states import UpdateState
 from infinity.chunks.updates import gathers_from_ranks, opens_once
 from infinity.config import Config
-from infinity.core.names import HOST, Phase
+from infinity.core.names import DEVICE, NVME, Phase
 from infinity.io import NVMeIOError
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.offloaded_step import (
@@ -199,7 +199,7 @@ class UpdateQueue:
     def _staged_grads_queued(self) -> int:
         """Queued early updates whose gradients wait in host staging (NVMe-homed)."""
         tier = self.manager.homes.tier
-        return sum(tier((Kind.GRAD, w.chunk)) != HOST for w in self.early)
+        return sum(tier((Kind.GRAD, w.chunk)) == NVME for w in self.early)
 
     def _grad_staging_slots(self) -> int:
         return sum(self.chunks.plan.host_staging.get(Kind.GRAD.value, {}).values())
@@ -226,8 +226,11 @@ class UpdateQueue:
         later: list[ChunkWork] = []
         self._host_only = set()
         for work in works:
-            on_nvme = any(self.manager.homes.tier(k) != HOST for k in work.keys(has_master))
-            if not on_nvme and defer_host and work.chunk in first_use:
+            tiers = {self.manager.homes.tier(k) for k in work.keys(has_master)}
+            on_nvme = NVME in tiers
+            # NOTE [chunks homed on the device]: their updates are device kernels, queued
+            # at once behind the backward; only host work is worth deferring.
+            if not on_nvme and defer_host and DEVICE not in tiers and work.chunk in first_use:
                 self._host_only.add(work.chunk)
                 on_nvme = True
             (later if on_nvme else now).append(work)

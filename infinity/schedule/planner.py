@@ -21,8 +21,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import torch
+
 from infinity.chunks.layout import ChunkLayout
-from infinity.core.names import HOST, NVME, Tier
+from infinity.core.names import DEVICE, HOST, NVME, Tier
 from infinity.core.plan import Budgets, Plan, PlanError
 from infinity.optim.chunk_optimizer import ChunkOptimizer
 from infinity.optim.cpu_adam import ADAM
@@ -56,8 +58,13 @@ def make_plan(
     optimizer: ChunkOptimizer = ADAM,
     shard_count: int = 1,
     shard_rank: int = 0,
+    state_device: torch.device | None = None,
 ) -> Plan:
     """Place every chunk's kinds on host or NVMe and size the slot pools.
+
+    ``state_device``: the compute device, where the optimizer can step chunks (None:
+    nowhere but the host); device room beyond a slot for every chunk copy then homes
+    whole trainable chunks there (NOTE [chunks homed on the device]).
 
     Sharded (``shard_count > 1``, data parallel): homes and staging hold this
     rank's shard of each chunk (capacities are multiples of ``shard_count``
@@ -83,6 +90,7 @@ def make_plan(
         "optimizer": optimizer,
         "shard_count": shard_count,
         "shard_rank": shard_rank,
+        "state_device": state_device if shard_count == 1 else None,
     }
     largest = max((c.capacity for c in layout.chunks), default=layout.chunk_elems)
     if shard_count > 1:
@@ -155,6 +163,7 @@ def _place(
     optimizer: ChunkOptimizer,
     shard_count: int = 1,
     shard_rank: int = 0,
+    state_device: torch.device | None = None,
 ) -> Plan:
     """:func:`make_plan` with staging slots of at most ``span_elems`` elements."""
     chunks = layout.chunks
@@ -192,6 +201,21 @@ def _place(
     param_home = [HOST] * n
     grad_home: list[Tier | None] = [HOST if t else None for t in trainable]
     optim_home: list[Tier | None] = [HOST if t else None for t in trainable]
+    scratch = 0
+    if state_device is not None:
+        # NOTE [chunks homed on the device]: room beyond a slot for every chunk copy
+        # would sit idle; a trainable chunk homed there (parameters, gradients and
+        # optimizer unit) never crosses the link and is stepped on the device, with
+        # its update's temporaries inside the budget too.
+        scratch = optimizer.device_step_scratch(layout.chunk_elems, state_device)
+        room = budgets.device - sum(size * count for size, count in device.items()) - scratch
+        for i in reversed(range(n)):
+            cost = 2 * pbytes[i] + obytes[i]
+            if trainable[i] and not chunks[i].oversize and obytes[i] and cost <= room:
+                param_home[i] = grad_home[i] = optim_home[i] = DEVICE
+                room -= cost
+        if DEVICE not in optim_home:
+            scratch = 0
     staging: dict[str, Counter[int]] = {"param": Counter(), "grad": Counter(), "optim": Counter()}
     # Oversize chunks go through host staging in spans of the normal chunk
     # size (chunks/pools.py), so no staging slot is ever larger than that.
@@ -239,6 +263,8 @@ def _place(
     moves = free + units + paid
     moves += [("param", i) for i in reversed(range(n))]
     param_slots = max(prefetch_depth + 2, OPTIM_PIPELINE_SLOTS)
+    on_device = {i for i in range(n) if param_home[i] == DEVICE}
+    moves = [(kind, i) for kind, i in moves if i not in on_device]
     for kind, i in moves:
         if host_need() <= budgets.states_host or budgets.nvme is None:
             break
@@ -338,6 +364,7 @@ def _place(
         spare_device_slots=device.get(largest_slot, 0) - minimum_large,
         min_device_bytes=device_need,
         tensor_state_bytes=per_tensor,
+        device_scratch_bytes=scratch,
     )
     if budgets.nvme is not None and plan.nvme_bytes > budgets.nvme:
         raise PlanError(

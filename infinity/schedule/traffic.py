@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from infinity.chunks.pools import is_split
-from infinity.core.names import NVME
+from infinity.core.names import DEVICE, NVME
 from infinity.core.plan import Plan
 
 
@@ -23,8 +23,10 @@ def estimate_traffic(plan: Plan, *, consume_grads: bool = False) -> dict[str, in
     used from host staging by their step and never go to disk.
     """
     n = plan.layout.num_chunks
-    params = sum(plan.param_bytes(i) for i in range(n))
-    grads = sum(plan.param_bytes(i) for i in range(n) if plan.grad_home[i] is not None)
+    # A chunk homed on the device never crosses the link (its copies are device to device).
+    linked = [i for i in range(n) if plan.param_home[i] != DEVICE]
+    params = sum(plan.param_bytes(i) for i in linked)
+    grads = sum(plan.param_bytes(i) for i in linked if plan.grad_home[i] is not None)
     # Backward runs the chunks in reverse, so what forward left on the
     # device (all but a gradient slot's worth) is used again at once, and only
     # the rest, forward's first chunks, is fetched a second time.

@@ -32,13 +32,16 @@ def _plan_json(capsys, *args: str) -> dict:
 
 
 def _home_bytes(plan: dict) -> int:
-    return plan["host_bytes"] - plan["staging_bytes"] + plan["nvme_bytes"]
+    # one process may home chunks on the device (NOTE [chunks homed on the device]); a
+    # sharded plan never does
+    return plan["host_bytes"] - plan["staging_bytes"] + plan["nvme_bytes"] + plan["device_home_bytes"]
 
 
 @pytest.mark.parametrize("nvme", [False, True])
 def test_each_rank_plans_about_half_the_home_bytes(capsys, tmp_path, nvme):
     args = ["--model", "small", "--layers", "2", "--vocab-size", "4096", "--dtype", "bf16"]
-    args += ["--device-memory", "256MiB"]
+    # (below a slot for every chunk copy: one process homes no chunk on the device)
+    args += ["--device-memory", "64MiB"]
     args += ["--nvme-path", str(tmp_path), "--host-memory", "96MiB"] if nvme else []
     one = _plan_json(capsys, *args, "--nproc", "1")
     two = _plan_json(capsys, *args, "--nproc", "2")
@@ -55,7 +58,8 @@ def test_each_rank_plans_about_half_the_home_bytes(capsys, tmp_path, nvme):
 
 
 def test_communication_lines_only_when_sharded(capsys):
-    args = ["plan", *COMMON, "--device-memory", "8MiB", "--host-memory", "64MiB"]
+    # (a device budget that homes no chunk on the device, which only one process does)
+    args = ["plan", *COMMON, "--device-memory", DEVICES["tight"], "--host-memory", "64MiB"]
     assert main(args) == 0
     single = capsys.readouterr().out
     assert main([*args, "--nproc", "2"]) == 0

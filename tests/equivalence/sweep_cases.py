@@ -47,7 +47,9 @@ ACTIVATIONS = ("keep", "keep", "checkpoint", "offload", "offload", "auto")
 EVAL_MODES = ("no_grad", "inference_mode", "autocast")
 HOST_FRACTIONS = (1.5, 0.75, 0.45, 0.25, 0.12)
 AUTO_HOST = 1.15  # the host fraction of activations="auto" cases without NVMe
-DEVICE_FRACTIONS = (1.2, 0.6, 0.35)
+# 3.0 and 10.0 leave room beyond a slot for every chunk copy: chunks are homed on the
+# device and stepped there (NOTE [chunks homed on the device]), some or all of them.
+DEVICE_FRACTIONS = (1.2, 0.6, 0.35, 3.0, 10.0)
 
 
 # Backends whose devices the swap file can be read into directly (Case.nvme_direct).
@@ -333,6 +335,13 @@ def draw_cases(seed: int, count: int) -> list[Case]:
 # world size in every `make test` (the drawn cases vary the rest).
 PINNED: tuple[Case, ...] = (
     Case(host=0.12, device=0.6, chunk_size="16KiB"),
+    # Chunks homed on the device (NOTE [chunks homed on the device]): all of them with
+    # bf16 masters, accumulation and clipping; some of them beside NVMe homes, overlapped;
+    # fp16's loss scale; and a checkpoint from device homes resumed into host homes.
+    Case(device=10.0, dtype="bf16", accumulation=2, clip=0.5, chunk_size="16KiB"),
+    Case(device=3.0, host=0.12, chunk_size="16KiB", overlap=True, tied=False),
+    Case(device=10.0, dtype="fp16", clip=0.5, chunk_size="16KiB"),
+    Case(device=10.0, dtype="bf16", chunk_size="16KiB", resume_at=2, resume_device=0.6),
     # The loss a block of tokens at a time (infinity.causal_lm_loss): the tied head is
     # called per block in forward and again in backward, its chunks partly on NVMe.
     Case(host=0.25, device=0.6, chunk_size="16KiB", accumulation=2, loss_block=5),
