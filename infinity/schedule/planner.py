@@ -196,6 +196,7 @@ def _place(
         )
     trainable = [c.trainable for c in chunks]
     whole = [c.capacity * element_size for c in chunks]
+    minimum = dict(device)
     device = add_device_slots(device, whole, trainable, budgets.device - device_need)
 
     param_home = [HOST] * n
@@ -207,12 +208,20 @@ def _place(
         # would sit idle; a trainable chunk homed there (parameters, gradients and
         # optimizer unit) never crosses the link and is stepped on the device, with
         # its update's temporaries inside the budget too.
+        # A chunk homed there needs no cache slots beyond the working set's: its two
+        # copies' (parameter, gradient) go to the homes too, so each costs its
+        # optimizer unit more than caching it did.
         scratch = optimizer.device_step_scratch(layout.chunk_elems, state_device)
         room = budgets.device - sum(size * count for size, count in device.items()) - scratch
-        for i in reversed(range(n)):
-            cost = 2 * pbytes[i] + obytes[i]
+        every_copy = add_device_slots(minimum, whole, trainable, budgets.device << 1)
+        extra = Counter({size: device[size] - minimum.get(size, 0) for size in device})
+        for i in reversed(range(n) if device == every_copy else ()):
+            freed = min(2, extra[whole[i]])
+            cost = 2 * pbytes[i] + obytes[i] - freed * whole[i]
             if trainable[i] and not chunks[i].oversize and obytes[i] and cost <= room:
                 param_home[i] = grad_home[i] = optim_home[i] = DEVICE
+                extra[whole[i]] -= freed
+                device[whole[i]] -= freed
                 room -= cost
         if DEVICE not in optim_home:
             scratch = 0

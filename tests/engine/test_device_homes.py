@@ -190,3 +190,25 @@ def test_adam_on_device_computes_what_the_host_kernel_computes(adamw):
     # the 16-bit copy is the master rounded to nearest, as the host kernel writes it
     assert torch.equal(ours[4], ours[0].to(torch.bfloat16))
     assert ADAM.steps_on(torch.device("cuda")) and not LION.steps_on(torch.device("cuda"))
+
+
+def test_each_chunk_homed_there_costs_its_optimizer_unit_beyond_a_slot_for_every_copy():
+    """A homed chunk's parameter and gradient copies no longer need cache slots: room for
+    k optimizer units beyond a slot for every copy homes exactly k chunks (from the back)."""
+    model = tiny_gpt()
+    registry = ParamRegistry.from_model(model)
+    probe = plan_for(registry, config(device_memory=1 << 30, chunk_size=CHUNK), torch.device("cpu"))
+    chunks = probe.layout.chunks
+    assert all(c.trainable and not c.oversize for c in chunks)
+    every_copy = sum(2 * c.capacity * 4 for c in chunks)
+    unit = probe.optim_bytes(len(chunks) - 1)
+    for k in (0, 1, 3):
+        budget = every_copy + k * unit
+        plan = plan_for(
+            registry,
+            config(device_memory=budget, host_memory="64MiB", chunk_size=CHUNK),
+            torch.device("cpu"),
+        )
+        homed = [i for i, home in enumerate(plan.optim_home) if home == DEVICE]
+        assert homed == list(range(len(chunks) - k, len(chunks))), (k, homed)
+        assert plan.device_reserved_bytes <= budget
