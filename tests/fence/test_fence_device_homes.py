@@ -1,0 +1,83 @@
+"""Chunks homed on the device, on the fence (NOTE [chunks homed on the device]).
+
+There the update of a homed chunk runs as device kernels (``adam_on_device``) and every
+host reader (gradients, optimizer state, a loaded state) goes through a host copy of
+the device home. References: plain PyTorch on the fence (its gradients, bit for bit)
+and ``torch.optim.AdamW`` (its moments and weights, to rounding).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from engine_helpers import batches, gpt_loss, param_bytes, tiny_gpt
+
+import infinity
+from infinity.core.names import DEVICE
+from infinity.offload import engine_of
+from infinity.optim import CPUAdam
+
+FENCE = torch.device("fence", 0)
+
+
+def _pair():
+    plain = tiny_gpt()
+    model = copy.deepcopy(plain)
+    cfg = infinity.Config(
+        device="fence",
+        dtype="fp32",
+        device_memory=12 * param_bytes(model, 4),
+        host_memory="64MiB",
+        chunk_size="16KiB",
+    )
+    model = infinity.offload(model, cfg)
+    opt = CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    plain = plain.to(FENCE)
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    return model, opt, plain, ref_opt
+
+
+def test_chunks_homed_on_the_fence_train_and_read_back_as_plain_pytorch():
+    model, opt, plain, ref_opt = _pair()
+    homes = engine_of(model).plan.optim_home
+    assert homes and all(home == DEVICE for home in homes)
+    for step, (x, y) in enumerate(batches(3)):
+        batch = (x.to(FENCE), y.to(FENCE))
+        gpt_loss(model, batch).backward()
+        gpt_loss(plain, batch).backward()
+        if step == 0:  # the gradients (weights still equal), read back from their device homes
+            grads = infinity.gradients(model)
+            for name, p in plain.named_parameters():
+                assert torch.equal(grads[name].cpu(), p.grad.cpu()), name
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ours = model.state_dict()
+    for name, value in plain.state_dict().items():
+        # a few ulps apart per step (as the host kernel is from torch's AdamW), which
+        # Adam's normalisation can carry to a step's size where a gradient is near zero
+        torch.testing.assert_close(ours[name].cpu(), value.cpu(), rtol=0, atol=3e-5, msg=name)
+    state, ref_state = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    for index, moments in ref_state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                state[index][key].cpu(), moments[key].cpu(), rtol=1e-4, atol=1e-9
+            )
+
+
+def test_a_state_loaded_into_device_homes_is_what_is_read_back():
+    model, opt, _plain, _ref_opt = _pair()
+    x, y = batches(1)[0]
+    gpt_loss(model, (x.to(FENCE), y.to(FENCE))).backward()
+    opt.step()
+    saved = opt.state_dict()
+    changed = copy.deepcopy(saved)
+    for moments in changed["state"].values():
+        moments["exp_avg"] = moments["exp_avg"] * 2 + 1
+    opt.load_state_dict(changed)
+    read = opt.state_dict()["state"]
+    for index, moments in changed["state"].items():
+        assert torch.equal(read[index]["exp_avg"].cpu(), moments["exp_avg"].cpu())
+        assert torch.equal(read[index]["exp_avg_sq"].cpu(), saved["state"][index]["exp_avg_sq"].cpu())
