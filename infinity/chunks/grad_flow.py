@@ -18,7 +18,7 @@ from typing import cast
 import torch
 
 from infinity.chunks.cache import Copy, TierCache
-from infinity.chunks.homes import HomeStore, Key, Kind
+from infinity.chunks.homes import DeviceHomeCopy, HomeStore, Key, Kind
 from infinity.chunks.pools import ChainedTransfer, Pending, Traffic, is_split, span_key, span_ranges
 from infinity.chunks.shards import device_shard
 from infinity.chunks.staging import HostStaging
@@ -286,10 +286,10 @@ class GradientFlow:
             home.pending.append(self.homes.write(span, home.tensor))
         self.grads.flushed(i)
 
-    def consume_grad(self, copy: Copy | None) -> None:
+    def consume_grad(self, copy: Copy | DeviceHomeCopy | None) -> None:
         """The optimizer step is done with a gradient chunk's staging copy: if its
         bytes never went home (``consume_grads``), drop them instead of writing them."""
-        if copy is None or not copy.dirty or copy.pins:
+        if not isinstance(copy, Copy) or not copy.dirty or copy.pins:
             return
         i = chunk_key(copy)[1]
         if self.grads[i] is not GradState.FLUSHED:

@@ -34,6 +34,7 @@ from infinity.chunks.pools import (
 )
 from infinity.core.names import DEVICE, HOST, NVME, Key, Kind
 from infinity.core.plan import Plan
+from infinity.devices.base import DeviceBackend
 from infinity.io import IORequest, NVMeIOError, SwapFile
 
 # Starts reading a swap file region (offset) into a buffer: ``SwapFile.read``, or
@@ -102,7 +103,9 @@ class HomeStore:
         self._device: dict[Key, torch.Tensor] = {}
         if device_keys:
             if alloc_device is None:
-                raise AssertionError("the plan homes chunks on the device but no allocator was given")
+                raise AssertionError(
+                    "the plan homes chunks on the device but no allocator was given"
+                )
             sizes = [self._nbytes[k] for k in device_keys]
             self.device_arena = Arena("device", sizes, alloc_device)
             self._device = dict(zip(device_keys, self.device_arena.regions, strict=True))
@@ -215,6 +218,59 @@ class HomeStore:
             self._writing.pop(key, None)
             return start()
         return ChainedTransfer(previous, start)
+
+
+class DeviceHomeCopy:
+    """A host copy of a device-homed key, for a reader on the host (a state dict, a
+    checkpoint, the gradients): read from the device when opened (if loaded), written
+    back when closed modified. Counted in ``account`` (the manager's transient copies)
+    while open, as the other whole-chunk copies made for such readers are.
+    NOTE [chunks homed on the device]."""
+
+    def __init__(
+        self,
+        region: torch.Tensor,
+        backend: DeviceBackend,
+        traffic: Traffic,
+        account: TierAccount,
+    ) -> None:
+        self.region = region
+        self.tensor = torch.empty(region.numel(), dtype=torch.uint8)
+        self._backend = backend
+        self._traffic = traffic
+        self._account = account
+        account.add(self.tensor.numel())
+
+    @classmethod
+    def open(
+        cls,
+        homes: HomeStore,
+        key: Key,
+        backend: DeviceBackend,
+        traffic: Traffic,
+        account: TierAccount,
+        *,
+        load: bool,
+    ) -> DeviceHomeCopy:
+        """The copy of ``key``'s device home (its bytes read if ``load``)."""
+        copy = cls(homes.device(key), backend, traffic, account)
+        try:
+            if load:
+                with traffic.waiting("device"):
+                    backend.copy_async(copy.tensor, copy.region).wait()
+        except BaseException:
+            account.sub(copy.tensor.numel())
+            raise
+        return copy
+
+    def close(self, *, modified: bool) -> None:
+        """Write the copy home if ``modified``; it is then given up."""
+        try:
+            if modified:
+                with self._traffic.waiting("device"):
+                    self._backend.copy_async(self.region, self.tensor).wait()
+        finally:
+            self._account.sub(self.tensor.numel())
 
 
 def _each(

@@ -18,7 +18,7 @@ import torch
 
 from infinity.chunks.cache import Copy, EvictionPolicy, TierCache
 from infinity.chunks.grad_flow import GradientFlow, chunk_key
-from infinity.chunks.homes import HomeStore, Key, Kind
+from infinity.chunks.homes import DeviceHomeCopy, HomeStore, Key, Kind
 from infinity.chunks.movers import Purpose, Stop, device_mover, route_table
 from infinity.chunks.pools import (
     SlabPool,
@@ -319,10 +319,12 @@ class ChunkManager:
             self.host.wait_home(key)
             return self.homes.host(key), None
         if self.homes.tier(key) == DEVICE:
-            region = self.homes.device(key)
             if on_device or self.backend.shares_host_memory:
-                return region, None
-            return DeviceHomeCopy.open(self, key, region, load=load)
+                return self.homes.device(key), None
+            home_copy = DeviceHomeCopy.open(
+                self.homes, key, self.backend, self.traffic, self.transient_account, load=load
+            )
+            return home_copy.tensor, home_copy
         if load:
             # A consumed gradient chunk is never cached in staging, so
             # checking before the lookup is checking every read from disk.
@@ -384,7 +386,7 @@ class ChunkManager:
         if copy is None:
             return
         if isinstance(copy, DeviceHomeCopy):
-            copy.close(self, modified=modified)
+            copy.close(modified=modified)
             return
         if copy.pins <= 0:
             raise AssertionError(f"staging copy {copy.key} closed more often than opened")
@@ -415,40 +417,3 @@ class ChunkManager:
                 copy.wait()
         self.backend.synchronize()
         self.failures.check()
-
-
-class DeviceHomeCopy:
-    """A host copy of a device-homed key, for a reader on the host (a state dict, a
-    checkpoint, the gradients): read from the device when opened (if loaded), written
-    back when closed modified. Counted in the manager's transient account while open,
-    as the other whole-chunk copies made for such readers are."""
-
-    def __init__(self, key: Key, tensor: torch.Tensor) -> None:
-        self.key = key
-        self.tensor = tensor
-
-    @classmethod
-    def open(
-        cls, manager: ChunkManager, key: Key, region: torch.Tensor, *, load: bool
-    ) -> tuple[torch.Tensor, DeviceHomeCopy]:
-        """The copy of ``key`` (its device home ``region``), and its handle."""
-        tensor = torch.empty(region.numel(), dtype=torch.uint8)
-        manager.transient_account.add(tensor.numel())
-        try:
-            if load:
-                with manager.traffic.waiting("device"):
-                    manager.backend.copy_async(tensor, region).wait()
-        except BaseException:
-            manager.transient_account.sub(tensor.numel())
-            raise
-        return tensor, cls(key, tensor)
-
-    def close(self, manager: ChunkManager, *, modified: bool) -> None:
-        """Write the copy home if ``modified``; it is then given up."""
-        try:
-            if modified:
-                region = manager.homes.device(self.key)
-                with manager.traffic.waiting("device"):
-                    manager.backend.copy_async(region, self.tensor).wait()
-        finally:
-            manager.transient_account.sub(self.tensor.numel())

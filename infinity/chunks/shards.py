@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 
 from infinity.chunks.cache import Copy, TierCache
+from infinity.chunks.homes import DeviceHomeCopy
 from infinity.chunks.pools import SpanKey, TierAccount, Traffic, part_ranges
 from infinity.chunks.states import UpdateStates
 from infinity.core.names import Key, Kind
@@ -198,10 +199,12 @@ class DeviceAccess(Protocol):
     in_use: InUse
 
     def open_host(
-        self, key: Key, *, load: bool = True, writable: bool = True
-    ) -> tuple[torch.Tensor, Copy | None]: ...
+        self, key: Key, *, load: bool = True, writable: bool = True, on_device: bool = False
+    ) -> tuple[torch.Tensor, Copy | DeviceHomeCopy | None]: ...
 
-    def close_host(self, copy: Copy | None, *, modified: bool, keep: bool = False) -> None: ...
+    def close_host(
+        self, copy: Copy | DeviceHomeCopy | None, *, modified: bool, keep: bool = False
+    ) -> None: ...
 
     def prefetch_host(self, key: Key, protect: Collection[Key] = ()) -> bool: ...
 
@@ -325,7 +328,9 @@ class WholeChunk:
 
     key: Key
     region: torch.Tensor  # this rank's home bytes (a host home or staging copy)
-    copy: Copy | None  # the staging copy behind ``region``, if any
+    # the copy behind ``region``, if any (no device home is sharded, see
+    # NOTE [chunks homed on the device])
+    copy: Copy | DeviceHomeCopy | None
     whole: torch.Tensor  # the chunk's bytes, every shard
 
 
@@ -336,7 +341,7 @@ def open_whole(
     load: bool = True,
     writable: bool = True,
     gather: bool = True,
-) -> tuple[torch.Tensor, WholeChunk | Copy | None]:
+) -> tuple[torch.Tensor, WholeChunk | Copy | DeviceHomeCopy | None]:
     """``manager.open_host`` of the whole chunk (every rank's shard): collective when
     sharded, where ``load`` gathers it; pair with :func:`close_whole`.
 
@@ -365,7 +370,11 @@ def open_whole(
 
 
 def close_whole(
-    manager: DeviceAccess, handle: WholeChunk | Copy | None, *, modified: bool, keep: bool = False
+    manager: DeviceAccess,
+    handle: WholeChunk | Copy | DeviceHomeCopy | None,
+    *,
+    modified: bool,
+    keep: bool = False,
 ) -> None:
     """Finish with :func:`open_whole` (``keep`` as ``close_host``); if ``modified`` each
     rank stores its own shard of the whole chunk (every rank must have written the

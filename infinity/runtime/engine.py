@@ -260,7 +260,9 @@ class OffloadEngine:
             if self.backend.shares_host_memory:
                 return_freed_memory()  # NOTE [freed memory returns]: RAM over speed, as asked
         self.activation_policy.store = self.activations
-        self.activation_policy.device_room = max(0, plan.budgets.device - plan.device_reserved_bytes)
+        self.activation_policy.device_room = max(
+            0, plan.budgets.device - plan.device_reserved_bytes
+        )
         fill, self.fill = self.fill, None
         if fill is not None:
             fill(self)

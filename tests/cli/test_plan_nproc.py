@@ -34,7 +34,9 @@ def _plan_json(capsys, *args: str) -> dict:
 def _home_bytes(plan: dict) -> int:
     # one process may home chunks on the device (NOTE [chunks homed on the device]); a
     # sharded plan never does
-    return plan["host_bytes"] - plan["staging_bytes"] + plan["nvme_bytes"] + plan["device_home_bytes"]
+    return (
+        plan["host_bytes"] - plan["staging_bytes"] + plan["nvme_bytes"] + plan["device_home_bytes"]
+    )
 
 
 @pytest.mark.parametrize("nvme", [False, True])

@@ -19,7 +19,6 @@ from engine_helpers import (
     config,
     global_rel_error,
     param_bytes,
-    reference_pair,
     tiny_gpt,
     train,
 )
@@ -27,7 +26,7 @@ from engine_helpers import (
 import infinity
 from infinity.core.names import DEVICE, HOST
 from infinity.offload import engine_of
-from infinity.optim import CPUAdam, CPUAdafactor, CPULion, kernels
+from infinity.optim import CPUAdafactor, CPUAdam, kernels
 from infinity.optim.chunk_optimizer import StepViews
 from infinity.optim.cpu_adam import ADAM, DEVICE_STEP_ELEMS, AdamHyperParams, adam_on_device
 from infinity.optim.lion import LION
@@ -100,7 +99,9 @@ def test_chunks_homed_on_the_device_train_bit_for_bit_as_homed_on_the_host(dtype
         assert torch.equal(value, mixed_sd[name]), name
     for index, state in host_opt["state"].items():
         for key, value in state.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(mixed_opt["state"][index][key]))
+            assert torch.equal(
+                torch.as_tensor(value), torch.as_tensor(mixed_opt["state"][index][key])
+            )
 
 
 def test_a_checkpoint_moves_between_device_and_host_homes(tmp_path):
@@ -137,7 +138,9 @@ def test_an_optimizer_that_cannot_step_them_is_refused_after_they_are_homed():
     x, y = batches(1)[0]
     model(x, y)  # laid out for Adam at the first forward: homes on the device
     assert str(DEVICE) in _homes(model)
-    with pytest.raises(ValueError, match="homed on cpu and stepped there.*before the first forward"):
+    with pytest.raises(
+        ValueError, match="homed on cpu and stepped there.*before the first forward"
+    ):
         CPUAdafactor(model.parameters())
 
 
@@ -175,7 +178,9 @@ def test_adam_on_device_computes_what_the_host_kernel_computes(adamw):
     """The device update on host buffers (its math, wherever it runs), against the host
     kernel and torch's AdamW, over more than one block."""
     n = DEVICE_STEP_ELEMS + 1000
-    hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=adamw)
+    hyper = AdamHyperParams(
+        lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=adamw
+    )
     ours = _views(n, 0, with_out16=True)
     host = _views(n, 0, with_out16=True)
     for step in (1, 2, 3):

@@ -80,4 +80,6 @@ def test_a_state_loaded_into_device_homes_is_what_is_read_back():
     read = opt.state_dict()["state"]
     for index, moments in changed["state"].items():
         assert torch.equal(read[index]["exp_avg"].cpu(), moments["exp_avg"].cpu())
-        assert torch.equal(read[index]["exp_avg_sq"].cpu(), saved["state"][index]["exp_avg_sq"].cpu())
+        assert torch.equal(
+            read[index]["exp_avg_sq"].cpu(), saved["state"][index]["exp_avg_sq"].cpu()
+        )
