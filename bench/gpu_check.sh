@@ -145,13 +145,13 @@ if wants step; then
   if [[ $DEVICE == cuda ]]; then
     # Two batch sizes: launch-bound (4 x 512) and compute-bound (16 x 1024).
     run_stage step 100 gpu_step.txt "step_rows $OUT/gpu_step.txt" -- $PY bench/gpu_step.py --nvme-path "$SCRATCH" \
-      --rows host,host+noclip,host+overlap,nvme+overlap,host@params+half,host@all-but-opt
+      --rows host,host+noclip,host+overlap,nvme+overlap,host@params+half,host@all-but-opt,host@all
     run_stage step-large 80 gpu_step_large.txt "step_rows $OUT/gpu_step_large.txt" -- $PY bench/gpu_step.py \
       --nvme-path "$SCRATCH" --batch 16 --seq 1024 --rows host,host+overlap
   else
     run_stage step 100 gpu_step.txt "step_rows $OUT/gpu_step.txt" -- $PY bench/gpu_step.py --device cpu \
       --layers 2 --hidden 128 --vocab 512 --batch 2 --seq 64 --steps 3 --warmup 1 \
-      --nvme-path "$SCRATCH" --rows host,host+noclip,nvme,host@params+half,host+overlap@all-but-opt
+      --nvme-path "$SCRATCH" --rows host,host+noclip,nvme,host@params+half,host+overlap@all-but-opt,host@all
   fi
 fi
 

@@ -23,6 +23,11 @@ issue 43 part 3), then ``@BUDGET``, its ``device_memory`` (issue 43 part 5; none
 - ``params+half``: the bf16 parameters plus half the optimizer states' bytes
   (AdamW's fp32 master and two moments in ``--state-dtype``, as the engine sizes them);
 - ``all-but-opt``: the bf16 parameters and their gradients, everything but the optimizer;
+- ``all``: room for every chunk homed on the device, optimizer states too (a slot for
+  every copy, the homes, and their update's scratch): what plain training holds;
+
+where room beyond a slot for every chunk copy homes chunks on the device, stepped there
+(NOTE [chunks homed on the device]; the row's ``on device`` says how many);
 
 each at least three times the embedding (the largest module with its gradient
 and the next block's chunks). ``--clip`` clips the gradients by their global
@@ -65,7 +70,7 @@ from infinity.utils.sizes import format_size
 
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1
 COUNTERS = ("h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes")
-BUDGETS = ("quarter", "params+half", "all-but-opt")
+BUDGETS = ("quarter", "params+half", "all-but-opt", "all")
 # what infinity.stats(model)["last_step"] says of the step's bound (issue 43 part 1):
 # seconds per resource, the largest, which resource it is, and the step over it
 BOUND_KEYS = (
@@ -121,8 +126,10 @@ def device_budget(args: argparse.Namespace, n: int, budget: str) -> int:
         size = params // 4
     elif budget == "params+half":
         size = params + state_bytes(n, args.state_dtype) // 2
-    else:  # all-but-opt: the parameters and their (bf16) gradients
+    elif budget == "all-but-opt":  # the parameters and their (bf16) gradients
         size = params + n * 2
+    else:  # all: slots for every copy (4 bytes a parameter), then every chunk homed
+        size = 4 * n + 4 * n + state_bytes(n, args.state_dtype) + (64 << 20)
     # room for the largest module (the embedding or the head) with its gradient and
     # the next block's chunks
     return max(size, 3 * args.vocab * args.hidden * 2)
@@ -285,6 +292,8 @@ def run_offloaded(args: argparse.Namespace, data: list[torch.Tensor], row: Row) 
     n = sum(p.numel() for p in model.parameters())
     # bf16 parameter and gradient, then AdamW's master and moments
     host_states = n * (2 + 2) + state_bytes(n, args.state_dtype)
+    if row.nvme:
+        Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="gpu-step-", dir=args.nvme_path) if row.nvme else None
     device_memory = device_budget(args, n, row.budget)
     cfg = infinity.Config(
@@ -446,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{format_size(int(m['nvme_write_bytes']))}"
             )
             t = row["last_step"]
+            homed = row["placement"]["optim"]
             line += (
+                f"; on device {homed.get('device', 0)} of {sum(homed.values())} chunks"
                 f"; waits: device {t.get('wait_device_seconds', 0.0):.3f} s, "
                 f"nvme {t.get('wait_nvme_seconds', 0.0):.3f} s; "
                 f"hooks {t.get('hook_seconds', 0.0):.3f} s, "

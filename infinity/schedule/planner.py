@@ -13,7 +13,8 @@ they are used from host staging and never written, so spilling them costs no
 disk bytes. The optimizer's per-tensor states (Adafactor's factors) are a fixed
 host cost. Room the staging leaves goes to homes (the hottest states back to
 the host) before parameter staging deeper than the optimizer pipeline's. The
-device tier is a cache of parameter and gradient chunks.
+device tier is a cache of parameter and gradient chunks; room beyond a slot for
+every copy homes whole trainable chunks there (NOTE [chunks homed on the device]).
 """
 
 from __future__ import annotations

@@ -196,4 +196,4 @@ def test_a_view_kept_across_the_step_keeps_its_slot_and_old_values():
     assert retired
     del held, fresh
     model(x, y)  # needs slots again: the retired one is freed once unused
-    assert engine.manager.device_account.used <= engine.plan.device_bytes
+    assert engine.manager.device_account.used <= engine.plan.device_reserved_bytes
