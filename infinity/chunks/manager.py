@@ -344,19 +344,23 @@ class ChunkManager:
         *,
         load: bool = True,
         writable: bool = True,
+        on_device: bool = False,
     ) -> tuple[list[torch.Tensor], Copy | DeviceHomeCopy | None]:
         """Host bytes (uint8) of elements ``[start, end)`` of every part of ``(kind, chunk)``;
         pair with ``close_host(copy, ...)``.
 
         A host-homed key gives slices of its home (no copy); an NVMe-homed one a
-        staging copy of the span, read first if ``load``.
+        staging copy of the span, read first if ``load``; a device-homed one as
+        :meth:`open_host` gives it (``on_device``).
         """
         key: Key = (kind, chunk)
         span = SpanKey(kind, chunk, start, end)
         capacity = self.plan.layout.chunks[chunk].capacity
         ranges = part_ranges(self.plan, span)
         if self.homes.tier(key) in (HOST, DEVICE):
-            region, home_copy = self.open_host(key, load=load, writable=writable)
+            region, home_copy = self.open_host(
+                key, load=load, writable=writable, on_device=on_device
+            )
             return [region[offset : offset + nbytes] for offset, nbytes in ranges], home_copy
         if not is_split(self.plan, chunk) and (start, end) == (0, capacity):
             region, copy = self.open_host(key, load=load, writable=writable)

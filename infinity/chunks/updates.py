@@ -127,7 +127,9 @@ def open_update(
         try:
             for kind, load, writable in _opens(load_params):
                 opened.append(
-                    manager.open_span(kind, chunk, start, end, load=load, writable=writable)
+                    manager.open_span(
+                        kind, chunk, start, end, load=load, writable=writable, on_device=True
+                    )
                 )
         except BaseException:
             for _parts, copy in opened:

@@ -219,7 +219,7 @@ def _place(
         for i in reversed(range(n) if device == every_copy else ()):
             freed = min(2, extra[whole[i]])
             cost = 2 * pbytes[i] + obytes[i] - freed * whole[i]
-            if trainable[i] and not chunks[i].oversize and obytes[i] and cost <= room:
+            if trainable[i] and obytes[i] and cost <= room:
                 param_home[i] = grad_home[i] = optim_home[i] = DEVICE
                 extra[whole[i]] -= freed
                 device[whole[i]] -= freed
