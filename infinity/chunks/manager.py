@@ -358,8 +358,11 @@ class ChunkManager:
         capacity = self.plan.layout.chunks[chunk].capacity
         ranges = part_ranges(self.plan, span)
         if self.homes.tier(key) in (HOST, DEVICE):
+            # NOTE: a device home's host copy is of the whole chunk: written back whole,
+            # so a span of it is read first even where the caller writes all of the span.
+            whole = (start, end) == (0, capacity)
             region, home_copy = self.open_host(
-                key, load=load, writable=writable, on_device=on_device
+                key, load=load or not whole, writable=writable, on_device=on_device
             )
             return [region[offset : offset + nbytes] for offset, nbytes in ranges], home_copy
         if not is_split(self.plan, chunk) and (start, end) == (0, capacity):

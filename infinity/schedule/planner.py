@@ -234,7 +234,8 @@ def _place(
         "grad": span_elems * element_size,
         "optim": optimizer.unit_bytes(span_elems, has_master),
     }
-    trainable_bytes = [pbytes[i] for i in range(n) if trainable[i]]
+    # (gradients homed on the device are added there, never staged)
+    trainable_bytes = [pbytes[i] for i in range(n) if trainable[i] and grad_home[i] != DEVICE]
     if trainable_bytes:
         staging["grad"][min(max(trainable_bytes), normal["grad"])] = GRAD_STAGING_SLOTS
 
