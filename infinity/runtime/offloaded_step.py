@@ -24,6 +24,7 @@ own hyper-parameters and step count. The step works on a model's chunks
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import closing
@@ -34,7 +35,7 @@ import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.updates import UpdateWindow, close_update, open_update, update_windows
-from infinity.core.names import Phase
+from infinity.core.names import DEVICE, Phase
 from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, UnitViews
 from infinity.runtime.model_chunks import ModelChunks
 
@@ -219,11 +220,16 @@ def finish_chunk(engine: ModelChunks, work: ChunkWork, grad_scale: float) -> int
     # inference tensors, which no later step outside that mode could update in place;
     # under torch.autocast("cpu") its matmuls (Adafactor's factored estimate) would run
     # in bf16. It computes as optimizer.step() does, outside both.
-    with (
-        torch.inference_mode(False),
-        torch.autocast("cpu", enabled=False),
-        engine.manager.traffic.updating(),
-    ):
+    # NOTE [chunks homed on the device]: a device that computes apart runs a homed chunk's
+    # update as its own kernels, device compute in the step's bound, not host optimizer time
+    # (nor time the device idles for the host, which `updating` brackets).
+    on_device = engine.plan.optim_home[work.chunk] == DEVICE
+    timed = (
+        contextlib.nullcontext()
+        if on_device and engine.manager.backend.computes_apart
+        else engine.manager.traffic.updating()
+    )
+    with torch.inference_mode(False), torch.autocast("cpu", enabled=False), timed:
         step_chunk(engine, work.chunk, list(work.runs), work.covered, grad_scale)
     return count_update(engine, work)
 
