@@ -337,9 +337,9 @@ PINNED: tuple[Case, ...] = (
     Case(host=0.12, device=0.6, chunk_size="16KiB"),
     # Chunks homed on the device (NOTE [chunks homed on the device]): all of them with
     # bf16 masters, accumulation and clipping; some of them beside NVMe homes, overlapped;
-    # fp16's loss scale; and a checkpoint from device homes resumed into host homes.
+    # fp16's loss scale; and a checkpoint from device homes resumed into host homes (the
+    # overlapped one beside NVMe homes is a kept example).
     Case(device=10.0, dtype="bf16", accumulation=2, clip=0.5, chunk_size="16KiB"),
-    Case(device=3.0, host=0.12, chunk_size="16KiB", overlap=True, tied=False),
     Case(device=10.0, dtype="fp16", clip=0.5, chunk_size="16KiB"),
     Case(device=10.0, dtype="bf16", chunk_size="16KiB", resume_at=2, resume_device=0.6),
     # The loss a block of tokens at a time (infinity.causal_lm_loss): the tied head is
@@ -551,6 +551,18 @@ RESUMED: tuple[Case, ...] = (
 
 # Cases that failed once. Each stays in the suite as it was found.
 EXAMPLES: tuple[Case, ...] = (
+    Case(
+        device=3.0,
+        host=0.12,
+        chunk_size="16KiB",
+        overlap=True,
+        tied=False,
+        why=(
+            "chunks homed on the device, the oversize embedding among them: on the fence its "
+            "initial values, written span by span through a host copy of the whole home, left "
+            "the copy's unread bytes beside each span (wrong first loss, then NaN)"
+        ),
+    ),
     Case(
         world=2,
         host=0.15,

@@ -83,3 +83,38 @@ def test_a_state_loaded_into_device_homes_is_what_is_read_back():
         assert torch.equal(
             read[index]["exp_avg_sq"].cpu(), saved["state"][index]["exp_avg_sq"].cpu()
         )
+
+
+def test_pretrained_weights_leave_and_enter_device_homes_whole(tmp_path):
+    """A saved model's weights are its state (its oversize embedding, in spans on its home,
+    included), and loading them into another model homed on the device computes alike."""
+    from engine_helpers import tiny_llama
+
+    def offloaded(seed: int):
+        model = tiny_llama(vocab=256, hidden=64, seed=seed)  # the embedding is oversize
+        cfg = infinity.Config(
+            device="fence",
+            dtype="bf16",
+            device_memory=40 * param_bytes(model, 2),
+            host_memory="64MiB",
+            chunk_size="16KiB",
+        )
+        model = infinity.offload(model, cfg)
+        return model, CPUAdam(model.parameters(), lr=1e-2)
+
+    model, opt = offloaded(0)
+    plan = engine_of(model).plan
+    assert all(home == DEVICE for home in plan.optim_home)
+    assert any(c.oversize for c in plan.layout.chunks)
+    ids = torch.randint(0, 256, (2, 16), device=FENCE)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    infinity.save_pretrained(model, tmp_path)
+    ours = {k: v.cpu() for k, v in model.state_dict().items()}
+    transformers = __import__("transformers")
+    saved = transformers.LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
+    for name, value in ours.items():
+        assert torch.equal(saved[name].to(value.dtype), value), name
+    other, _opt = offloaded(3)
+    infinity.load_pretrained(other, tmp_path)
+    assert torch.equal(other(input_ids=ids).logits.cpu(), model(input_ids=ids).logits.cpu())

@@ -202,7 +202,12 @@ def test_the_file_is_read_when_the_optimizer_lays_the_model_out(
     plain.save_pretrained(tmp_path / "hf")
     pbytes = sum(p.numel() for p in plain.parameters()) * 4
     config = offload_config(
-        host_memory=pbytes * 5 // 2, nvme_path=str(tmp_path / "nvme"), chunk_size="16KiB"
+        host_memory=pbytes * 5 // 2,
+        # below a slot for every chunk copy: no chunk homed on the device, the states on
+        # the host and NVMe (NOTE [chunks homed on the device])
+        device_memory=pbytes,
+        nvme_path=str(tmp_path / "nvme"),
+        chunk_size="16KiB",
     )
     model = infinity.from_pretrained(tmp_path / "hf", config)
     engine = engine_of(model)
