@@ -151,7 +151,9 @@ class Config:
     Args:
         device_memory: bytes of chunk memory on the compute device. ``"auto"``:
             80% of free GPU memory on CUDA; on a CPU host (where the "device" is a
-            budgeted pool in RAM) a quarter of the host budget.
+            budgeted pool in RAM) a quarter of the host budget. Room beyond a slot
+            for every chunk copy homes whole trainable chunks there, stepped there
+            (given explicitly, or on a CPU host; see NOTE [chunks homed on the device]).
         host_memory: bytes of (pinned) host memory for chunks. ``"auto"``: half of
             the available RAM reported by ``psutil``.
         nvme_path: directory for the NVMe tier (a private sub-directory is made in

@@ -16,6 +16,14 @@ from infinity.devices.base import DeviceBackend, Event, EventClock, TransferHand
 from infinity.io import aligned_empty
 
 
+def free_bytes(device: torch.device) -> int:
+    """Bytes ``device`` could still allocate: what the driver has free plus what torch's
+    caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + unused)
+
+
 def _timed_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
 
@@ -93,10 +101,7 @@ class CudaBackend(DeviceBackend):
         return torch.as_tensor(_CudaRegion(region.data_ptr(), nbytes), device=self.device)
 
     def free_memory(self) -> int | None:
-        # What the driver has free plus what torch's caching allocator holds unused.
-        free, _ = torch.cuda.mem_get_info(self.device)
-        unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return int(free + unused)
+        return free_bytes(self.device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

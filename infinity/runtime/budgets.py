@@ -243,24 +243,44 @@ def plan_for(
     memory and disk have changed since, not the model's budgets). ``device_homes``:
     chunks may be homed on ``device`` where the optimizer steps them there."""
     stored = optimizer.with_state_dtype(config.optimizer_state_dtype)
+    budgets = budgets or resolve_budgets(config, device, local_ranks(world))
+    # NOTE [chunks homed on the device]: only into room the user gave the chunks
+    # (an explicit device_memory, or RAM on the CPU): "auto" on a GPU is a cap for the
+    # cache, and the activations need what it leaves.
+    homes_there = device_homes and stored.steps_on(device)
+    homes_there = homes_there and (device.type == "cpu" or config.device_memory != AUTO)
     plan = choose_plan(
         registry.tensor_infos(),
         registry.working_sets,
         config=config,
-        budgets=budgets or resolve_budgets(config, device, local_ranks(world)),
+        budgets=budgets,
         optimizer=stored,
         shard_count=world.size,
         shard_rank=world.rank,
-        # NOTE [chunks homed on the device]: only into room the user gave the chunks
-        # (an explicit device_memory, or RAM on the CPU): "auto" on a GPU is a cap for the
-        # cache, and the activations need what it leaves.
-        state_device=device
-        if device_homes
-        and stored.steps_on(device)
-        and (device.type == "cpu" or config.device_memory != AUTO)
-        else None,
+        state_device=device if homes_there else None,
     )
+    free = _free_on_gpu(device)
+    if DEVICE in plan.optim_home and free is not None and plan.device_reserved_bytes > free:
+        # A device_memory above what the GPU has free used to reserve only the slots it
+        # needed; homes would take the rest and fail to allocate.
+        log.warning(
+            "infinity: device_memory=%s is more than %s has free (%s): no chunk is homed "
+            "on it (NOTE [chunks homed on the device]); give at most the free bytes",
+            format_size(budgets.device),
+            device,
+            format_size(free),
+        )
+        return plan_for(registry, config, device, optimizer, world, budgets, device_homes=False)
     return dataclasses.replace(plan, recomputes_blocks=bool(registry.recomputed))
+
+
+def _free_on_gpu(device: torch.device) -> int | None:
+    """Bytes ``device`` (a CUDA GPU) could allocate now; None elsewhere."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    from infinity.devices.cuda import free_bytes  # NOTE: loads the native module
+
+    return free_bytes(device)
 
 
 log = logging.getLogger("infinity")

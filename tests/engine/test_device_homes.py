@@ -217,3 +217,23 @@ def test_each_chunk_homed_there_costs_its_optimizer_unit_beyond_a_slot_for_every
         homed = [i for i, home in enumerate(plan.optim_home) if home == DEVICE]
         assert homed == list(range(len(chunks) - k, len(chunks))), (k, homed)
         assert plan.device_reserved_bytes <= budget
+
+
+def test_a_budget_above_the_free_device_memory_homes_nothing_there(monkeypatch, caplog):
+    """On a GPU, a ``device_memory`` above what it has free reserved only the slots it
+    needed before chunks were homed there: the plan then homes none (and says why)
+    rather than fail to allocate."""
+    from infinity.runtime import budgets
+
+    model = tiny_gpt()
+    registry = ParamRegistry.from_model(model)
+    big = config(device_memory=12 * param_bytes(model, 4), host_memory="64MiB", chunk_size=CHUNK)
+    roomy = plan_for(registry, big, torch.device("cpu"))
+    assert DEVICE in roomy.optim_home
+    monkeypatch.setattr(budgets, "_free_on_gpu", lambda device: roomy.device_reserved_bytes - 1)
+    with caplog.at_level("WARNING", logger="infinity"):
+        plan = plan_for(registry, big, torch.device("cpu"))
+    assert DEVICE not in plan.optim_home
+    # the plan of before: a slot for every copy, no more
+    assert plan == plan_for(registry, big, torch.device("cpu"), device_homes=False)
+    assert "more than cpu has free" in caplog.text
