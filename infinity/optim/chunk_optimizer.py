@@ -46,6 +46,7 @@ import torch
 from infinity._native import native
 from infinity._native.adam import QBLOCK, STATE_ELEMENT_BYTES
 from infinity._native.io import ALIGNMENT
+from infinity.utils.process_memory import device_bytes
 from infinity.utils.sizes import align_up
 
 H = TypeVar("H", contravariant=True)
@@ -54,6 +55,24 @@ STATE_DTYPES: tuple[str, ...] = tuple(STATE_ELEMENT_BYTES)
 """The allowed values of ``Config.optimizer_state_dtype`` (``"fp32"`` first: the default)."""
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 FP32_BYTES = 4
+
+
+# Elements an update on the device takes at a time (``adam_on_device``, ``lion_on_device``):
+# its fp32 temporaries stay this small, whatever the chunk (``device_block_scratch``).
+DEVICE_STEP_ELEMS = 1 << 18
+
+
+def device_blocks(n: int) -> list[slice]:
+    """The blocks of an update of ``n`` elements on the device, in order."""
+    return [slice(start, start + DEVICE_STEP_ELEMS) for start in range(0, n, DEVICE_STEP_ELEMS)]
+
+
+def device_block_scratch(elems: int, device: torch.device, temporaries: int = 2) -> int:
+    """Device bytes of ``temporaries`` fp32 tensors of one block of a run of up to
+    ``elems`` elements, each as ``device``'s allocator holds it (none on the host)."""
+    if device.type == "cpu":
+        return 0
+    return temporaries * device_bytes(4 * min(elems, DEVICE_STEP_ELEMS), device)
 
 
 def _blocks(n: int) -> int:

@@ -29,12 +29,13 @@ from infinity.optim.chunk_optimizer import (
     StepViews,
     UnitViews,
     betas_value,
+    device_block_scratch,
+    device_blocks,
     hyper_value,
     read_moments,
     write_moments,
 )
 from infinity.optim.front_end import CPUOptimizer, check_dense_param, flat_buffers, step_dtype
-from infinity.utils.process_memory import device_bytes
 
 __all__ = ["ADAM", "AdamChunks", "AdamHyperParams", "CPUAdam", "adam_on_device"]
 
@@ -135,10 +136,8 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
 
     def device_step_scratch(self, elems: int, device: torch.device) -> int:
         """:func:`adam_on_device`'s fp32 temporaries of one block (a scaled gradient and a
-        denominator), each as the device's allocator holds it."""
-        if device.type == "cpu":
-            return 0
-        return 2 * device_bytes(4 * min(elems, DEVICE_STEP_ELEMS), device)
+        denominator)."""
+        return device_block_scratch(elems, device)
 
     def step(
         self, views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float
@@ -163,11 +162,6 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
         )
 
 
-# Elements a device update takes at a time: its fp32 temporaries (the scaled gradient
-# and the denominator) stay this small, whatever the chunk (runtime/memory.py counts them).
-DEVICE_STEP_ELEMS = 1 << 18
-
-
 def adam_on_device(
     views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float
 ) -> None:
@@ -178,8 +172,7 @@ def adam_on_device(
     bias2_sqrt = (1.0 - hyper.beta2**step) ** 0.5
     master, grad = views.master, views.grad
     m, v = views.state["exp_avg"], views.state["exp_avg_sq"]
-    for start in range(0, master.numel(), DEVICE_STEP_ELEMS):
-        part = slice(start, start + DEVICE_STEP_ELEMS)
+    for part in device_blocks(master.numel()):
         p, g = master[part], grad[part].to(torch.float32, copy=True)
         if grad_scale != 1.0:
             g.mul_(grad_scale)

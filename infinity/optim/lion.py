@@ -34,6 +34,8 @@ from infinity.optim.chunk_optimizer import (
     StepViews,
     UnitViews,
     betas_value,
+    device_block_scratch,
+    device_blocks,
     hyper_value,
     read_slot,
 )
@@ -48,7 +50,15 @@ from infinity.optim.kernel_args import (
     finite,
 )
 
-__all__ = ["LION", "CPULion", "LionChunks", "LionHyperParams", "lion_step", "q8_encode_signed"]
+__all__ = [
+    "LION",
+    "CPULion",
+    "LionChunks",
+    "LionHyperParams",
+    "lion_on_device",
+    "lion_step",
+    "q8_encode_signed",
+]
 
 
 @dataclass(frozen=True)
@@ -94,10 +104,22 @@ class LionChunks(ChunkOptimizer[LionHyperParams]):
         else:
             q8_encode_signed(value.to(torch.float32).contiguous(), slot.data, slot.scale)
 
+    def steps_on(self, device: torch.device) -> bool:
+        """The host, and any device with an fp32 momentum (:func:`lion_on_device`)."""
+        return device.type == "cpu" or self.state_format.name == "fp32"
+
+    def device_step_scratch(self, elems: int, device: torch.device) -> int:
+        """:func:`lion_on_device`'s fp32 temporaries of one block (a scaled gradient and
+        the interpolation whose sign is the step)."""
+        return device_block_scratch(elems, device)
+
     def step(
         self, views: StepViews, hyper: LionHyperParams, *, step: int, grad_scale: float
     ) -> None:
         """One Lion update of the run (see :func:`lion_step`)."""
+        if views.master.device.type != "cpu":
+            lion_on_device(views, hyper, grad_scale=grad_scale)
+            return
         lion_step(
             views.master,
             views.grad,
@@ -151,6 +173,23 @@ class CPULion(CPUOptimizer[LionHyperParams]):
     ) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(params, defaults)
+
+
+def lion_on_device(views: StepViews, hyper: LionHyperParams, *, grad_scale: float) -> None:
+    """:func:`lion_step`'s update (an fp32 momentum) as device kernels, on views in device
+    memory, block by block (NOTE [chunks homed on the device])."""
+    master, grad, m = views.master, views.grad, views.state["exp_avg"]
+    for part in device_blocks(master.numel()):
+        p, g = master[part], grad[part].to(torch.float32, copy=True)
+        if grad_scale != 1.0:
+            g.mul_(grad_scale)
+        if hyper.weight_decay:
+            p.mul_(1.0 - hyper.lr * hyper.weight_decay)
+        direction = m[part].mul(hyper.beta1).add_(g, alpha=1.0 - hyper.beta1)
+        p.add_(direction.sign_(), alpha=-hyper.lr)
+        m[part].mul_(hyper.beta2).add_(g, alpha=1.0 - hyper.beta2)
+        if views.out16 is not None:
+            views.out16[part].copy_(p)
 
 
 def lion_step(

@@ -27,9 +27,10 @@ import infinity
 from infinity.core.names import DEVICE, HOST
 from infinity.offload import engine_of
 from infinity.optim import CPUAdafactor, CPUAdam, kernels
-from infinity.optim.chunk_optimizer import StepViews
-from infinity.optim.cpu_adam import ADAM, DEVICE_STEP_ELEMS, AdamHyperParams, adam_on_device
-from infinity.optim.lion import LION
+from infinity.optim.chunk_optimizer import DEVICE_STEP_ELEMS, StepViews
+from infinity.optim.cpu_adam import ADAM, AdamHyperParams, adam_on_device
+from infinity.optim.lion import LION, LionHyperParams, lion_on_device, lion_step
+from infinity.optim.sgd import SGD
 from infinity.runtime.budgets import plan_for
 from infinity.runtime.params import ParamRegistry
 
@@ -153,7 +154,8 @@ def test_the_planner_homes_on_the_device_only_what_the_optimizer_steps_there():
     assert DEVICE in plan_for(registry, big, cpu).optim_home
     assert DEVICE in plan_for(registry, big, cpu, LION).optim_home  # the host kernel
     assert DEVICE in plan_for(registry, big, fence).optim_home  # adam_on_device
-    assert DEVICE not in plan_for(registry, big, fence, LION).optim_home
+    assert DEVICE in plan_for(registry, big, fence, LION).optim_home  # lion_on_device
+    assert DEVICE not in plan_for(registry, big, fence, SGD).optim_home  # no device kernel
     int8 = big.replace(optimizer_state_dtype="int8")
     assert DEVICE not in plan_for(registry, int8, fence).optim_home
     assert DEVICE in plan_for(registry, int8, cpu).optim_home
@@ -194,7 +196,26 @@ def test_adam_on_device_computes_what_the_host_kernel_computes(adamw):
         assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7)
     # the 16-bit copy is the master rounded to nearest, as the host kernel writes it
     assert torch.equal(ours[4], ours[0].to(torch.bfloat16))
-    assert ADAM.steps_on(torch.device("cuda")) and not LION.steps_on(torch.device("cuda"))
+    assert ADAM.steps_on(torch.device("cuda")) and not SGD.steps_on(torch.device("cuda"))
+
+
+def test_lion_on_device_computes_what_the_host_kernel_computes():
+    n = DEVICE_STEP_ELEMS + 1000
+    hyper = LionHyperParams(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    ours = _views(n, 1, with_out16=True)
+    host = _views(n, 1, with_out16=True)
+    for _step in range(3):
+        views = StepViews(ours[0], ours[1], {"exp_avg": ours[2]}, ours[4])
+        lion_on_device(views, hyper, grad_scale=0.5)
+        lion_step(
+            host[0], host[1], host[2], lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1,
+            grad_scale=0.5, out16=host[4],
+        )  # fmt: skip
+    # the sign of the interpolation decides each step: equal wherever it is not ~0
+    assert (ours[0] != host[0]).sum() <= 2
+    assert torch.allclose(ours[0], host[0], atol=3e-3)
+    assert torch.allclose(ours[2], host[2], rtol=1e-6, atol=1e-9)
+    assert torch.equal(ours[4], ours[0].to(torch.bfloat16))
 
 
 def test_each_chunk_homed_there_costs_its_optimizer_unit_beyond_a_slot_for_every_copy():
