@@ -340,6 +340,7 @@ PINNED: tuple[Case, ...] = (
     # fp16's loss scale; and a checkpoint from device homes resumed into host homes (the
     # overlapped one beside NVMe homes is a kept example).
     Case(device=10.0, dtype="bf16", accumulation=2, clip=0.5, chunk_size="16KiB"),
+    Case(optimizer="lion", device=10.0, dtype="bf16", clip=0.5, chunk_size="16KiB"),
     Case(device=10.0, dtype="fp16", clip=0.5, chunk_size="16KiB"),
     Case(device=10.0, dtype="bf16", chunk_size="16KiB", resume_at=2, resume_device=0.6),
     # The loss a block of tokens at a time (infinity.causal_lm_loss): the tied head is
