@@ -21,17 +21,23 @@ from infinity.optim import CPUAdam
 FENCE = torch.device("fence", 0)
 
 
-def _pair():
-    plain = tiny_gpt()
-    model = copy.deepcopy(plain)
+def _homed(model: torch.nn.Module, dtype: str, room: int) -> torch.nn.Module:
+    """``model`` offloaded on the fence with ``room`` x its parameter bytes of device
+    memory: every chunk homed there."""
+    size = 4 if dtype == "fp32" else 2
     cfg = infinity.Config(
         device="fence",
-        dtype="fp32",
-        device_memory=12 * param_bytes(model, 4),
+        dtype=dtype,
+        device_memory=room * param_bytes(model, size),
         host_memory="64MiB",
         chunk_size="16KiB",
     )
-    model = infinity.offload(model, cfg)
+    return infinity.offload(model, cfg)
+
+
+def _pair():
+    plain = tiny_gpt()
+    model = _homed(copy.deepcopy(plain), "fp32", 12)
     opt = CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
     plain = plain.to(FENCE)
     ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
@@ -91,15 +97,8 @@ def test_pretrained_weights_leave_and_enter_device_homes_whole(tmp_path):
     from engine_helpers import tiny_llama
 
     def offloaded(seed: int):
-        model = tiny_llama(vocab=256, hidden=64, seed=seed)  # the embedding is oversize
-        cfg = infinity.Config(
-            device="fence",
-            dtype="bf16",
-            device_memory=40 * param_bytes(model, 2),
-            host_memory="64MiB",
-            chunk_size="16KiB",
-        )
-        model = infinity.offload(model, cfg)
+        # the embedding is oversize
+        model = _homed(tiny_llama(vocab=256, hidden=64, seed=seed), "bf16", 40)
         return model, CPUAdam(model.parameters(), lr=1e-2)
 
     model, opt = offloaded(0)
