@@ -33,11 +33,17 @@ from typing import Any
 import torch
 
 from infinity._native import submodule
-from infinity.optim.chunk_optimizer import ChunkOptimizer, StepViews, hyper_value
+from infinity.optim.chunk_optimizer import (
+    ChunkOptimizer,
+    StepViews,
+    device_block_scratch,
+    device_blocks,
+    hyper_value,
+)
 from infinity.optim.front_end import CPUOptimizer
 from infinity.optim.kernel_args import STATE_OF_DTYPE, check_bool, check_flat_buffers, finite
 
-__all__ = ["CPUSGD", "SGD", "SGDChunks", "SGDHyperParams", "sgd_step"]
+__all__ = ["CPUSGD", "SGD", "SGDChunks", "SGDHyperParams", "sgd_on_device", "sgd_step"]
 
 # The momentum buffer is fp32 or bf16 (no int8 format).
 _STATE_OF_DTYPE = {d: code for d, code in STATE_OF_DTYPE.items() if d is not torch.uint8}
@@ -91,10 +97,21 @@ class SGDChunks(ChunkOptimizer[SGDHyperParams]):
     state_slots = ("momentum_buffer",)
     state_dtypes = ("fp32", "bf16")
 
+    def steps_on(self, device: torch.device) -> bool:
+        """The host, and any device with an fp32 buffer (:func:`sgd_on_device`)."""
+        return device.type == "cpu" or self.state_format.name == "fp32"
+
+    def device_step_scratch(self, elems: int, device: torch.device) -> int:
+        """:func:`sgd_on_device`'s fp32 temporary of one block (the scaled gradient)."""
+        return device_block_scratch(elems, device, temporaries=1)
+
     def step(
         self, views: StepViews, hyper: SGDHyperParams, *, step: int, grad_scale: float
     ) -> None:
         """One SGD update of the run (see :func:`sgd_step`)."""
+        if views.master.device.type != "cpu":
+            sgd_on_device(views, hyper, first_step=step == 1, grad_scale=grad_scale)
+            return
         sgd_step(
             views.master,
             views.grad,
@@ -109,6 +126,34 @@ class SGDChunks(ChunkOptimizer[SGDHyperParams]):
             grad_scale=grad_scale,
             out16=views.out16,
         )
+
+
+def sgd_on_device(
+    views: StepViews, hyper: SGDHyperParams, *, first_step: bool, grad_scale: float
+) -> None:
+    """:func:`sgd_step`'s update (an fp32 buffer) as device kernels, on views in device
+    memory, block by block (NOTE [chunks homed on the device])."""
+    master, grad, buffers = views.master, views.grad, views.state["momentum_buffer"]
+    scale = -grad_scale if hyper.maximize else grad_scale
+    for part in device_blocks(master.numel()):
+        p, g = master[part], grad[part].to(torch.float32, copy=True)
+        if scale != 1.0:
+            g.mul_(scale)
+        if hyper.weight_decay:
+            g.add_(p, alpha=hyper.weight_decay)
+        if hyper.momentum:
+            buf = buffers[part]
+            if first_step:
+                buf.copy_(g)
+            else:
+                buf.mul_(hyper.momentum).add_(g, alpha=1.0 - hyper.dampening)
+            if hyper.nesterov:
+                g.add_(buf, alpha=hyper.momentum)
+            else:
+                g = buf
+        p.add_(g, alpha=-hyper.lr)
+        if views.out16 is not None:
+            views.out16[part].copy_(p)
 
 
 SGD = SGDChunks()

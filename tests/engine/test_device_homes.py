@@ -27,10 +27,11 @@ import infinity
 from infinity.core.names import DEVICE, HOST
 from infinity.offload import engine_of
 from infinity.optim import CPUAdafactor, CPUAdam, kernels
+from infinity.optim.adafactor import ADAFACTOR
 from infinity.optim.chunk_optimizer import DEVICE_STEP_ELEMS, StepViews
 from infinity.optim.cpu_adam import ADAM, AdamHyperParams, adam_on_device
 from infinity.optim.lion import LION, LionHyperParams, lion_on_device, lion_step
-from infinity.optim.sgd import SGD
+from infinity.optim.sgd import SGD, SGDHyperParams, sgd_on_device, sgd_step
 from infinity.runtime.budgets import plan_for
 from infinity.runtime.params import ParamRegistry
 
@@ -155,7 +156,8 @@ def test_the_planner_homes_on_the_device_only_what_the_optimizer_steps_there():
     assert DEVICE in plan_for(registry, big, cpu, LION).optim_home  # the host kernel
     assert DEVICE in plan_for(registry, big, fence).optim_home  # adam_on_device
     assert DEVICE in plan_for(registry, big, fence, LION).optim_home  # lion_on_device
-    assert DEVICE not in plan_for(registry, big, fence, SGD).optim_home  # no device kernel
+    assert DEVICE in plan_for(registry, big, fence, SGD).optim_home  # sgd_on_device
+    assert DEVICE not in plan_for(registry, big, cpu, ADAFACTOR).optim_home  # whole tensors
     int8 = big.replace(optimizer_state_dtype="int8")
     assert DEVICE not in plan_for(registry, int8, fence).optim_home
     assert DEVICE in plan_for(registry, int8, cpu).optim_home
@@ -196,7 +198,8 @@ def test_adam_on_device_computes_what_the_host_kernel_computes(adamw):
         assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7)
     # the 16-bit copy is the master rounded to nearest, as the host kernel writes it
     assert torch.equal(ours[4], ours[0].to(torch.bfloat16))
-    assert ADAM.steps_on(torch.device("cuda")) and not SGD.steps_on(torch.device("cuda"))
+    cuda = torch.device("cuda")
+    assert ADAM.steps_on(cuda) and not SGD.with_state_dtype("bf16").steps_on(cuda)
 
 
 def test_lion_on_device_computes_what_the_host_kernel_computes():
@@ -258,3 +261,31 @@ def test_a_budget_above_the_free_device_memory_homes_nothing_there(monkeypatch, 
     # the plan of before: a slot for every copy, no more
     assert plan == plan_for(registry, big, torch.device("cpu"), device_homes=False)
     assert "more than cpu has free" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("momentum", "dampening", "nesterov", "maximize", "weight_decay"),
+    [(0.0, 0.0, False, False, 0.0), (0.9, 0.0, True, False, 0.1), (0.9, 0.3, False, True, 0.1)],
+)
+def test_sgd_on_device_computes_what_the_host_kernel_computes(
+    momentum, dampening, nesterov, maximize, weight_decay
+):
+    n = DEVICE_STEP_ELEMS + 1000
+    hyper = SGDHyperParams(
+        lr=1e-2, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+        nesterov=nesterov, maximize=maximize,
+    )  # fmt: skip
+    ours = _views(n, 2, with_out16=True)
+    host = _views(n, 2, with_out16=True)
+    for step in (1, 2, 3):
+        views = StepViews(ours[0], ours[1], {"momentum_buffer": ours[2]}, ours[4])
+        sgd_on_device(views, hyper, first_step=step == 1, grad_scale=0.5)
+        sgd_step(
+            host[0], host[1], host[2], lr=1e-2, momentum=momentum, dampening=dampening,
+            weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+            first_step=step == 1, grad_scale=0.5, out16=host[4],
+        )  # fmt: skip
+    for a, b in zip(ours, host, strict=True):
+        if a is not ours[3]:  # (the second moment of these views is not SGD's)
+            assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-8)
+    assert torch.equal(ours[4], ours[0].to(torch.bfloat16))

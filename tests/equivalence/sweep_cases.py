@@ -341,6 +341,7 @@ PINNED: tuple[Case, ...] = (
     # overlapped one beside NVMe homes is a kept example).
     Case(device=10.0, dtype="bf16", accumulation=2, clip=0.5, chunk_size="16KiB"),
     Case(optimizer="lion", device=10.0, dtype="bf16", clip=0.5, chunk_size="16KiB"),
+    Case(optimizer="sgd", device=3.0, accumulation=2, chunk_size="16KiB"),
     Case(device=10.0, dtype="fp16", clip=0.5, chunk_size="16KiB"),
     Case(device=10.0, dtype="bf16", chunk_size="16KiB", resume_at=2, resume_device=0.6),
     # The loss a block of tokens at a time (infinity.causal_lm_loss): the tied head is
