@@ -67,7 +67,7 @@ def device_blocks(n: int) -> list[slice]:
     return [slice(start, start + DEVICE_STEP_ELEMS) for start in range(0, n, DEVICE_STEP_ELEMS)]
 
 
-def device_block_scratch(elems: int, device: torch.device, temporaries: int = 2) -> int:
+def device_block_scratch(elems: int, device: torch.device, temporaries: int) -> int:
     """Device bytes of ``temporaries`` fp32 tensors of one block of a run of up to
     ``elems`` elements, each as ``device``'s allocator holds it (none on the host)."""
     if device.type == "cpu":
@@ -261,6 +261,8 @@ class ChunkOptimizer(ABC, Generic[H]):
     # The update reads whole tensors (norms, row and column means): step() gets one
     # tensor per run, with its shape and per-tensor states, never a slice of one.
     whole_tensors: ClassVar[bool] = False
+    # fp32 temporaries per block of its update on a device (0: it has none there).
+    device_temporaries: ClassVar[int] = 0
     state_format: StateFormat = StateFormat()
 
     def tensor_state_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -348,16 +350,19 @@ class ChunkOptimizer(ABC, Generic[H]):
         host tensors, or device tensors where :meth:`steps_on` said yes."""
 
     def steps_on(self, device: torch.device) -> bool:
-        """:meth:`step` takes views on ``device`` (the host's always): chunks may then
-        be homed and stepped there (NOTE [chunks homed on the device]). An optimizer
-        whose update reads whole tensors never is (its per-tensor states live on the host)."""
-        return device.type == "cpu" and not self.whole_tensors
+        """:meth:`step` takes views on ``device``: chunks may then be homed and stepped
+        there (NOTE [chunks homed on the device]). The host's always (never an optimizer
+        whose update reads whole tensors: its per-tensor states live on the host); another
+        device where the optimizer has a device update (:attr:`device_temporaries`) and
+        its state is fp32."""
+        if device.type == "cpu":
+            return not self.whole_tensors
+        return bool(self.device_temporaries) and self.state_format.name == "fp32"
 
     def device_step_scratch(self, elems: int, device: torch.device) -> int:
         """Device bytes :meth:`step` allocates beside its views for a run of up to
         ``elems`` elements on ``device`` (none on the host: the kernels make none)."""
-        del elems, device
-        return 0
+        return device_block_scratch(elems, device, self.device_temporaries)
 
 
 def betas_value(group: dict[str, Any]) -> tuple[float, float]:

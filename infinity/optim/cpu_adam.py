@@ -29,7 +29,6 @@ from infinity.optim.chunk_optimizer import (
     StepViews,
     UnitViews,
     betas_value,
-    device_block_scratch,
     device_blocks,
     hyper_value,
     read_moments,
@@ -114,6 +113,7 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
     front_end = "infinity.optim.CPUAdam"
     state_slots = ("exp_avg", "exp_avg_sq")
     state_dtypes = ("fp32", "bf16", "int8")
+    device_temporaries = 2  # adam_on_device: a scaled gradient and a denominator
 
     def read_state(self, unit: UnitViews, span: slice) -> dict[str, torch.Tensor]:
         """New fp32 copies of both moments of elements ``span`` (int8: decoded)."""
@@ -129,15 +129,6 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
             values["exp_avg"].reshape(-1),
             values["exp_avg_sq"].reshape(-1),
         )
-
-    def steps_on(self, device: torch.device) -> bool:
-        """The host, and any device with fp32 moments (:func:`adam_on_device`)."""
-        return device.type == "cpu" or self.state_format.name == "fp32"
-
-    def device_step_scratch(self, elems: int, device: torch.device) -> int:
-        """:func:`adam_on_device`'s fp32 temporaries of one block (a scaled gradient and a
-        denominator)."""
-        return device_block_scratch(elems, device)
 
     def step(
         self, views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float

@@ -34,7 +34,6 @@ from infinity.optim.chunk_optimizer import (
     StepViews,
     UnitViews,
     betas_value,
-    device_block_scratch,
     device_blocks,
     hyper_value,
     read_slot,
@@ -89,6 +88,7 @@ class LionChunks(ChunkOptimizer[LionHyperParams]):
     front_end = "infinity.optim.CPULion"
     state_slots = ("exp_avg",)
     state_dtypes = ("fp32", "bf16", "int8")
+    device_temporaries = 2  # lion_on_device: a scaled gradient and the interpolation
 
     def read_state(self, unit: UnitViews, span: slice) -> dict[str, torch.Tensor]:
         """A new fp32 copy of the momentum of elements ``span`` (int8: decoded)."""
@@ -103,15 +103,6 @@ class LionChunks(ChunkOptimizer[LionHyperParams]):
             slot.data.copy_(value)
         else:
             q8_encode_signed(value.to(torch.float32).contiguous(), slot.data, slot.scale)
-
-    def steps_on(self, device: torch.device) -> bool:
-        """The host, and any device with an fp32 momentum (:func:`lion_on_device`)."""
-        return device.type == "cpu" or self.state_format.name == "fp32"
-
-    def device_step_scratch(self, elems: int, device: torch.device) -> int:
-        """:func:`lion_on_device`'s fp32 temporaries of one block (a scaled gradient and
-        the interpolation whose sign is the step)."""
-        return device_block_scratch(elems, device)
 
     def step(
         self, views: StepViews, hyper: LionHyperParams, *, step: int, grad_scale: float

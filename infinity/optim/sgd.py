@@ -36,7 +36,6 @@ from infinity._native import submodule
 from infinity.optim.chunk_optimizer import (
     ChunkOptimizer,
     StepViews,
-    device_block_scratch,
     device_blocks,
     hyper_value,
 )
@@ -96,14 +95,7 @@ class SGDChunks(ChunkOptimizer[SGDHyperParams]):
     front_end = "infinity.optim.CPUSGD"
     state_slots = ("momentum_buffer",)
     state_dtypes = ("fp32", "bf16")
-
-    def steps_on(self, device: torch.device) -> bool:
-        """The host, and any device with an fp32 buffer (:func:`sgd_on_device`)."""
-        return device.type == "cpu" or self.state_format.name == "fp32"
-
-    def device_step_scratch(self, elems: int, device: torch.device) -> int:
-        """:func:`sgd_on_device`'s fp32 temporary of one block (the scaled gradient)."""
-        return device_block_scratch(elems, device, temporaries=1)
+    device_temporaries = 1  # sgd_on_device: the scaled gradient
 
     def step(
         self, views: StepViews, hyper: SGDHyperParams, *, step: int, grad_scale: float
