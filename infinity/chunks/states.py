@@ -273,6 +273,11 @@ class GradStates(StateArray[GradState]):
             self.set(chunk, new)
         self.norms.pop(chunk, None)
 
+    def changed_in_place(self, chunk: int) -> None:
+        """Some of ``chunk``'s stored gradients were changed in place (a clip factor
+        written, a clamp, a zeroed tensor): the norms taken at its flush are stale."""
+        self.norms.pop(chunk, None)
+
     def zero_all(self) -> None:
         """Every chunk's gradients were zeroed."""
         for chunk in range(len(self.states)):

@@ -119,6 +119,10 @@ class GradientLedger:
         window by window (an oversize chunk is never staged whole).
 
         Element-wise, so each rank changes its own shard alone (no gather)."""
+        # NOTE [gradient norms on the device]: a later clip must not read the norms of
+        # the values before this change (a chunk with no new gradient in the next
+        # micro-batch keeps them until the step).
+        self.manager.grads.changed_in_place(chunk)
         layout = self.chunks.layout
         each = windows(self.manager, Kind.GRAD, chunk, write=True, gather=False)
         with closing(each):

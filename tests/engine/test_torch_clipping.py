@@ -273,3 +273,42 @@ def test_accumulated_gradients_are_not_clipped_with_one_micro_batch_norms():
     train(ref, ref_opt, batches(8), accum=2, before_step=clip)
     assert hits == 0
     assert global_rel_error(ours, ref) < 1e-6
+
+
+class _SkipsB(torch.nn.Module):
+    """Two linear layers; ``use_b=False`` leaves ``b`` without a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        y = self.a(x)
+        return y + self.b(x) if use_b else y
+
+
+def test_clip_between_micro_batches_when_a_chunk_gets_no_new_gradient():
+    """A clip factor written into the chunks at the next backward changes the stored
+    values: a chunk that gets no gradient from that micro-batch must not be clipped again
+    with the norms taken at its earlier flush (it was, from the second step on)."""
+    torch.manual_seed(0)
+    model = _SkipsB()
+    ref = copy.deepcopy(model)
+    cfg = config(device_memory="64KiB", host_memory="1MiB", chunk_size="20KiB")
+    model = infinity.offload(model, cfg)
+    opt = CPUAdam(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    for _step in range(3):
+        norms = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).sum().backward()
+            clip_grad_norm_(m.parameters(), 0.5)
+            m(2 * x, use_b=False).pow(2).sum().backward()
+            norms.append(float(clip_grad_norm_(m.parameters(), 0.5)))
+            o.step()
+            o.zero_grad()
+        assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+    assert engine_of(model).norms.device_hits > 0  # the device's norms were used
+    assert global_rel_error(model, ref) < 1e-6
