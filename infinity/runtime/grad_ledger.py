@@ -12,42 +12,30 @@ that moves the per-tensor gradient states (``chunks.has_grad``, see
   factor per tensor. The step folds a common factor into the fused kernel's
   gradient scale; the factors are written into the chunks only when something
   needs the scaled values in place (see :mod:`infinity.runtime.gradients`).
+- A clamp (``clip_grad_value_``) is recorded too, and written into the chunks,
+  one pass per chunk, before anything reads the gradients (a norm, a step, the
+  next backward): torch clamps tensor by tensor, which would read and write an
+  NVMe-homed chunk once per tensor.
 
 ``version`` changes whenever a gradient as the user sees it may have changed,
 so a cache of norms keyed by it never serves stale values.
 
-``param.grad`` of an offloaded parameter after backward is a sentinel
-(:class:`GradientInChunks`), not data. Gradients live in chunks (possibly on NVMe),
-so there is no tensor to hand out. The sentinel says "this parameter has a gradient"
-(``p.grad is not None`` keeps its meaning, and setting it to ``None`` —
-``optimizer.zero_grad()`` — is how the engine learns gradients were zeroed). It
-answers exactly the ops gradient clipping uses, from the chunks:
-
-- ``torch.linalg.vector_norm(grad, p)`` (and ``torch._foreach_norm``): the
-  gradient's norm, as a real fp32 tensor on the parameter's device (see
-  :mod:`infinity.runtime.gradients`);
-- ``grad.mul_(c)`` (and ``torch._foreach_mul_``) with a scalar ``c``: recorded,
-  applied in the optimizer step (or in the chunks when needed).
-
-So ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm`` and
-``clip_grads_with_norm_`` work unchanged, for any mix of offloaded and ordinary
-parameters. Any other computation fails loudly with the fix instead of silently
-seeing nothing.
+What ``param.grad`` holds meanwhile, and what torch's clipping calls on it:
+:mod:`infinity.runtime.grad_sentinel`.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import closing
-from typing import Any, Protocol
 
 import torch
 
 from infinity.chunks.homes import Kind
 from infinity.chunks.pieces import windows
 from infinity.chunks.states import UpdateState
+from infinity.runtime.grad_sentinel import GradientInChunks, is_zeroed
 from infinity.runtime.model_chunks import ModelChunks
 from infinity.runtime.params import ModelChangedError, ParamEntry
 
@@ -61,6 +49,10 @@ class GradientLedger:
         self.has_grad = chunks.has_grad  # moved only here (see ModelChunks)
         n = len(chunks.registry.entries)
         self.factors = [1.0] * n  # per tensor: the pending clip factor
+        # Per tensor: a pending clamp (lower, upper; None: unbounded) in stored units.
+        # NOTE: a tensor never has both a factor and a clamp pending (clamp applies
+        # the factors first, scale the clamps), so their order cannot matter.
+        self.clamps: dict[int, tuple[float | None, float | None]] = {}
         self.version = 0
 
     def changed(self) -> None:
@@ -101,6 +93,7 @@ class GradientLedger:
 
     def reset(self) -> None:
         """Forget every gradient (after loading a checkpoint)."""
+        self.clamps.clear()
         for entry in self.chunks.registry.entries:
             if isinstance(entry.param.grad, GradientInChunks):
                 entry.param.grad = None
@@ -137,7 +130,36 @@ class GradientLedger:
     # --- pending factors -------------------------------------------------------------
     def scale(self, index: int, factor: float) -> None:
         """Record a multiplication of tensor ``index``'s gradient by ``factor``."""
+        if index in self.clamps:
+            self.apply_clamps()
         self.factors[index] *= factor
+        self.changed()
+
+    def clamp(self, index: int, lower: float | None, upper: float | None) -> None:
+        """Record ``clamp_(lower, upper)`` of tensor ``index``'s stored gradient.
+
+        ``clamp_min_`` then ``clamp_max_`` (clip_grad_value_'s foreach form) merge
+        into one clamp; any other sequence on one tensor applies the first."""
+        if self.factors[index] != 1.0:
+            self.apply_factors()
+        pending = self.clamps.get(index)
+        if pending is not None:
+            if pending[1] is None and lower is None and not _nan(pending[0], upper):
+                lower = pending[0]
+            else:
+                self.apply_clamps()
+        self.clamps[index] = (lower, upper)
+        self.changed()
+
+    def apply_clamps(self) -> None:
+        """Write the pending clamps into the gradient chunks (queued updates settled)."""
+        pending = {i: c for i, c in self.clamps.items() if self.has_grad[i]}
+        self.clamps.clear()
+        if not pending:
+            return
+        self._check_nothing_queued("clamps")
+        for chunk, group in self.chunks.layout.group_by_chunk(pending, int).items():
+            self._change(chunk, {i: _clamped(*pending[i]) for i in group})
         self.changed()
 
     def stored_gradient(self, index: int, view: torch.Tensor) -> torch.Tensor:
@@ -170,13 +192,16 @@ class GradientLedger:
         self.factors = [1.0] * len(self.factors)
         if not pending:
             return
-        updates = self.manager.updates
-        queued = (UpdateState.TRAILING, UpdateState.EARLY, UpdateState.COMPUTING)
-        if any(updates.count(u) for u in queued):
-            raise AssertionError("gradient factors applied while updates are queued")
+        self._check_nothing_queued("factors")
         for chunk, group in self.chunks.layout.group_by_chunk(pending, int).items():
             self._change(chunk, {i: _times(pending[i]) for i in group})
         self.changed()
+
+    def _check_nothing_queued(self, what: str) -> None:
+        updates = self.manager.updates
+        queued = (UpdateState.TRAILING, UpdateState.EARLY, UpdateState.COMPUTING)
+        if any(updates.count(u) for u in queued):
+            raise AssertionError(f"gradient {what} applied while updates are queued")
 
     def factor_of(self, index: int) -> float:
         """Tensor ``index``'s pending factor; raises if it is not finite."""
@@ -191,9 +216,11 @@ class GradientLedger:
         return factor
 
     def reset_factors(self, indices: Iterable[int] | None = None) -> None:
-        """Gradients of ``indices`` (all when ``None``) were dropped: no pending factor."""
+        """Gradients of ``indices`` (all when ``None``) were dropped: no pending factor
+        or clamp."""
         for i in range(len(self.factors)) if indices is None else indices:
             self.factors[i] = 1.0
+            self.clamps.pop(i, None)
         self.changed()
 
 
@@ -202,153 +229,11 @@ def _times(factor: float) -> Callable[[torch.Tensor], object]:
     return lambda grads: grads.mul_(factor)
 
 
-_aten = torch.ops.aten
-
-# torch.amp.GradScaler's unscale_ (and step) reach the gradients through this op.
-_GRAD_SCALER = (
-    "torch.amp.GradScaler cannot unscale an offloaded model's gradients: they live in "
-    "infinity's chunks, and infinity scales the loss itself. With Config(dtype='fp16') "
-    "backpropagate optimizer.scale_loss(loss) and call optimizer.step() (the engine skips "
-    "an overflowed step and adapts the scale, as GradScaler does); with bf16 or fp32 no "
-    "loss scaling is needed. Drop the GradScaler."
-)
-_HELP = (
-    "the gradient of an offloaded parameter lives in infinity's chunks, not in param.grad: "
-    "param.grad supports only gradient clipping (torch.nn.utils.clip_grad_norm_, "
-    "get_total_norm, clip_grads_with_norm_). Read gradients with `infinity.gradients(model)`."
-)
+def _clamped(lower: float | None, upper: float | None) -> Callable[[torch.Tensor], object]:
+    """Clamp a gradient in place, as ``Tensor.clamp_`` does (the same op on the same
+    stored values as torch's on ``param.grad``)."""
+    return lambda grads: grads.clamp_(min=lower, max=upper)
 
 
-class GradientOwner(Protocol):
-    """What a sentinel asks of its model's engine (its gradient-norm component)."""
-
-    def grad_norm(self, index: int, norm_type: float) -> torch.Tensor:
-        """The norm of tensor ``index``'s gradient as torch would see it."""
-        ...
-
-    def scale_grad(self, index: int, factor: float) -> None:
-        """Multiply tensor ``index``'s gradient by ``factor``."""
-
-
-class GradientInChunks(torch.Tensor):
-    """Stands in ``param.grad`` for a gradient held in chunk memory."""
-
-    _engine: weakref.ReferenceType[GradientOwner] | None
-    _index: int
-    _zeroed: bool
-
-    @staticmethod
-    def __new__(
-        cls, like: torch.Tensor, engine: GradientOwner | None = None, index: int = -1
-    ) -> GradientInChunks:
-        grad = torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, dtype=like.dtype, device=like.device
-        )
-        grad._engine = weakref.ref(engine) if engine is not None else None
-        grad._index = index
-        grad._zeroed = False
-        return grad
-
-    # torch declares __torch_dispatch__ as a plain function attribute;
-    # subclasses override it with a classmethod, as torch's docs show.
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        # zero_grad(set_to_none=False) zeroes in place: accept it as "zeroed".
-        if func is _aten.zero_.default:
-            args[0]._zeroed = True
-            return args[0]
-        if func in (_aten.detach.default, _aten.alias.default):
-            return args[0]
-        if func is _aten.linalg_vector_norm.default:
-            return _vector_norm(*args, **kwargs)
-        if func in (_aten.mul_.Tensor, _aten.mul_.Scalar):
-            args[0]._scale(_scalar(args[1], func))
-            return args[0]
-        if func is _aten._foreach_norm.Scalar:
-            return _foreach_norm(*args, **kwargs)
-        if func in (_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar):
-            _foreach_mul_(args[0], _scalar(args[1], func))
-            return None
-        if func is _aten._amp_foreach_non_finite_check_and_unscale_.default:
-            raise RuntimeError(_GRAD_SCALER)
-        raise RuntimeError(f"{func}: {_HELP}")
-
-    # NOTE: printing must not dispatch; torch's __repr__ takes an extra keyword.
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"GradientInChunks(shape={tuple(self.shape)}, dtype={self.dtype})"
-
-    def _owner(self) -> GradientOwner:
-        engine = self._engine() if self._engine is not None else None
-        if engine is None:
-            raise RuntimeError(f"this gradient's offloaded model is gone: {_HELP}")
-        return engine
-
-    def _norm(self, norm_type: float) -> torch.Tensor:
-        if self._zeroed:
-            return torch.zeros((), device=self.device)
-        return self._owner().grad_norm(self._index, norm_type).to(self.device)
-
-    def _scale(self, factor: float) -> None:
-        if not self._zeroed:
-            self._owner().scale_grad(self._index, factor)
-
-
-def _scalar(value: Any, func: Any) -> float:
-    """A multiplier given as a number or a one-element tensor, as a float."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or isinstance(value, GradientInChunks):
-            raise RuntimeError(f"{func} by a tensor of shape {tuple(value.shape)}: {_HELP}")
-        # The value torch would multiply by: the factor in the gradient's dtype.
-        return float(value.item())
-    return float(value)
-
-
-def _vector_norm(
-    grad: GradientInChunks,
-    ord: float = 2,
-    dim: Sequence[int] | None = None,
-    keepdim: bool = False,
-    *,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    if dim is not None and len(dim) not in (0, grad.dim()):
-        raise RuntimeError(f"vector_norm over dims {dim}: {_HELP}")
-    norm = grad._norm(float(ord))
-    if keepdim:
-        norm = norm.reshape([1] * grad.dim())
-    return norm if dtype is None else norm.to(dtype)
-
-
-def _foreach_norm(
-    tensors: Sequence[torch.Tensor], ord: float = 2, dtype: torch.dtype | None = None
-) -> list[torch.Tensor]:
-    """Norms of a list mixing sentinels and ordinary tensors (in order)."""
-    plain = [t for t in tensors if not isinstance(t, GradientInChunks)]
-    plain_norms = iter(torch._foreach_norm(plain, ord, dtype=dtype) if plain else [])
-    return [
-        _vector_norm(t, ord, dtype=dtype) if isinstance(t, GradientInChunks) else next(plain_norms)
-        for t in tensors
-    ]
-
-
-def _foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
-    plain = [t for t in tensors if not isinstance(t, GradientInChunks)]
-    if plain:
-        torch._foreach_mul_(plain, factor)
-    for t in tensors:
-        if isinstance(t, GradientInChunks):
-            t._scale(factor)
-
-
-def is_zeroed(grad: torch.Tensor | None) -> bool:
-    """True when the user dropped or zeroed a sentinel gradient."""
-    if grad is None:
-        return True
-    return isinstance(grad, GradientInChunks) and grad._zeroed
+def _nan(*bounds: float | None) -> bool:
+    return any(b is not None and math.isnan(b) for b in bounds)

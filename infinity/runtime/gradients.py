@@ -37,7 +37,8 @@ from infinity.chunks.pieces import tensor_values
 from infinity.chunks.states import TensorState
 from infinity.core.names import Phase
 from infinity.optim.offloaded import LossScaler
-from infinity.runtime.grad_ledger import GradientInChunks, GradientLedger
+from infinity.runtime.grad_ledger import GradientLedger
+from infinity.runtime.grad_sentinel import GradientInChunks
 from infinity.runtime.model_chunks import LEGAL_BACKWARD, Backward, Lifecycle, ModelChunks
 from infinity.runtime.params import ParamEntry, tensor_index
 from infinity.runtime.stepping import UpdatePipeline
@@ -126,7 +127,8 @@ class GradientSink:
         # Sentinels the user dropped (zero_grad) mean "zeroed"; the rest must
         # leave param.grad before AccumulateGrad runs, or it would add to them.
         self.ledger.collect_zeroed()
-        # Accumulating onto clipped gradients: the clip factor must be in the chunks.
+        # Accumulating onto clipped gradients: the clip must be in the chunks.
+        self.ledger.apply_clamps()
         self.ledger.apply_factors()
         self.ledger.changed()
         self.norms.forget()  # they may be on the device: not beside this pass's
@@ -195,6 +197,7 @@ class GradientNorms:
         self.queue.synchronize()
         if collect:
             self.ledger.collect_zeroed()
+        self.ledger.apply_clamps()
         chunks = self.chunks
         has_grad = chunks.has_grad
         with_grad = (chunks.registry.entries[i] for i in indices if has_grad[i])
@@ -224,6 +227,7 @@ class GradientNorms:
         # asked for, and the tensors still asked for keep their values.
         if self._collected != self.ledger.version:
             self.ledger.collect_zeroed()  # may change the version: before taking the cache
+            self.ledger.apply_clamps()  # (the device's norms are of the values before)
             self._collected = self.ledger.version
         cache = self._norm_cache().setdefault(norm_type, {})
         if not cache:  # the first norm asked of these gradients (a sharded read gathers)
@@ -284,3 +288,17 @@ class GradientNorms:
             return
         self.queue.settle()  # a queued update reads these gradients with the old factor
         self.ledger.scale(index, factor)
+
+    def clamp_grad(self, index: int, lower: float | None, upper: float | None) -> None:
+        """Clamp tensor ``index``'s gradient to ``[lower, upper]`` (recorded, applied
+        before it is next read); with fp16 the bounds are of the unscaled gradient."""
+        self.queue.check_not_stepped_early("clip_grad_value_")
+        self.queue.settle()  # a queued update reads these gradients unclamped
+        if self.scaler is not None:
+            # NOTE: the stored values are the gradient times the loss scale, a power of
+            # two from the default initial and minimum scales on: comparing them with
+            # the bounds times it is then exact.
+            scale = self.scaler.scale
+            lower = None if lower is None else lower * scale
+            upper = None if upper is None else upper * scale
+        self.ledger.clamp(index, lower, upper)

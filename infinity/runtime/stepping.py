@@ -1,11 +1,10 @@
 """The update pipeline: what the optimizer front-ends ask of an offloaded model's engine.
 
-A component of :class:`~infinity.runtime.engine.OffloadEngine`: it plans the
-step over chunks and hands the work to the
-:class:`~infinity.runtime.update_queue.UpdateQueue` (host-only chunks run at
-once, NVMe-bound ones trail into the next forward), queues chunks during
-backward with ``overlap_optimizer=True``, owns the step count and the fp16
-loss-scale state, and reads and writes the optimizer state as torch's.
+A component of :class:`~infinity.runtime.engine.OffloadEngine`: it plans the step
+over chunks and hands the work to the :class:`~infinity.runtime.update_queue.UpdateQueue`
+(host-only chunks run at once, NVMe-bound ones trail into the next forward), queues
+chunks during backward with ``overlap_optimizer=True``, owns the step count and the
+fp16 loss-scale state, and reads and writes the optimizer state as torch's.
 
 Optimizer states and step counts of offloaded parameters as torch's optimizer
 state (:func:`read_moments`, for ``state_dict()`` / ``load_state_dict()``, which
@@ -112,6 +111,7 @@ class UpdatePipeline:
             if found_inf:
                 self.step_timer.lap()
                 return False
+        self.ledger.apply_clamps()  # clip_grad_value_: into the chunks before they are read
         grad_scale *= self.ledger.step_factor(hyper_by_index.keys())
         # overlap_optimizer: chunks queued during backward whose reads had not landed.
         planned = plan_works(self.chunks, hyper_by_index, skip=self.queue.handled_early())

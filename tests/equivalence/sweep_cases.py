@@ -125,6 +125,9 @@ class Case:
     # computes transformers' loss from the logits (NOTE [modules called on their own]);
     # the reference keeps the model's own.
     own_loss: bool = False
+    # Clamp every gradient element to +-clip_value (torch.nn.utils.clip_grad_value_)
+    # before the step, after the norm clip where both are set; 0: no clamp.
+    clip_value: float = 0.0
     why: str = ""  # for kept examples: the bug it caught
 
     @property
@@ -202,6 +205,8 @@ class Case:
             parts.append("autocast")
         if self.own_loss:
             parts.append("ownloss")
+        if self.clip_value:
+            parts.append(f"cv{self.clip_value:g}")
         if self.backend != "cpu":
             parts.append(self.backend)
         return "-".join(parts)
@@ -301,6 +306,12 @@ def draw(rng: random.Random) -> Case:
     rng = random.Random(zlib.crc32(f"own-loss:{case.name()}".encode()))
     if not case.loss_block and rng.random() < 1 / 5:
         case = dataclasses.replace(case, own_loss=True)
+    # NOTE: last, from the name: a quarter of the cases clamp their gradients by value
+    # (not overlapped: the engine refuses any clip after an early-stepped backward), at
+    # bounds every dtype holds exactly that clamp part of the gradients.
+    rng = random.Random(zlib.crc32(f"clip-value:{case.name()}".encode()))
+    if not case.overlap and rng.random() < 1 / 4:
+        case = dataclasses.replace(case, clip_value=rng.choice((2.0**-7, 2.0**-10)))
     return case
 
 
@@ -335,6 +346,19 @@ def draw_cases(seed: int, count: int) -> list[Case]:
 # world size in every `make test` (the drawn cases vary the rest).
 PINNED: tuple[Case, ...] = (
     Case(host=0.12, device=0.6, chunk_size="16KiB"),
+    # Gradients clamped by value (clip_grad_value_): after the norm clip with accumulation
+    # at two ranks on NVMe, under fp16's loss scale, and on chunks homed on the device.
+    Case(
+        world=2,
+        dtype="bf16",
+        host=0.25,
+        chunk_size="16KiB",
+        accumulation=2,
+        clip=0.5,
+        clip_value=2.0**-10,
+    ),
+    Case(dtype="fp16", host=0.5, chunk_size="16KiB", clip_value=2.0**-10),
+    Case(device=10.0, dtype="bf16", chunk_size="16KiB", clip_value=2.0**-7),
     # Chunks homed on the device (NOTE [chunks homed on the device]): all of them with
     # bf16 masters, accumulation and clipping; some of them beside NVMe homes, overlapped;
     # fp16's loss scale; and a checkpoint from device homes resumed into host homes (the

@@ -331,6 +331,8 @@ def _train(
             total += float(loss.detach())
         if case.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        if case.clip_value:
+            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
         opt.step()
         opt.zero_grad()
         if schedule is not None:
@@ -522,6 +524,8 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
         stepped = scaler is None or scaler.unscale(masters)
         if case.clip and stepped:
             torch.nn.utils.clip_grad_norm_(masters, case.clip)
+        if case.clip_value and stepped:
+            torch.nn.utils.clip_grad_value_(masters, case.clip_value)
         if stepped:
             opt.step()
         opt.zero_grad()
