@@ -890,4 +890,26 @@ EXAMPLES: tuple[Case, ...] = (
             "under no_grad, as such draws do"
         ),
     ),
+    Case(
+        world=2,
+        tied=False,
+        host=0.45,
+        device=10.0,
+        betas=(0.9, 0.999),
+        activations="checkpoint",
+        optimizer="adafactor",
+        defer_host=True,
+        resume_at=2,
+        resume_host=0.12,
+        resume_device=3.0,
+        recipe=True,
+        evaluate="autocast",
+        autocast=True,
+        own_loss=True,
+        why=(
+            "sweep seed 5502: an fp32 case evaluated under bf16 autocast was judged against "
+            "fp32's rounding floor (3.7e-5 off, bound 3.3e-5, its weights 4x inside theirs); "
+            "the harness's floor for a bf16 forward is bf16's"
+        ),
+    ),
 )
