@@ -47,12 +47,14 @@ def all_cases() -> list[Case]:
     cases.append(Case(backends[-1], "eio", buffered=True))
     cases.append(Case(backends[-1], "short", buffered=True))
     cases.append(Case(backends[0], "eio", overlap=True))
+    cases.append(Case(backends[0], "eio", homes=True))
+    cases.append(Case(backends[0], "short", homes=True))
     return cases
 
 
 def sweep(case: Case, stride: int) -> dict:
     """Run every n (every ``stride``-th) of one case; returns its counts."""
-    ref = run(Case(case.backend, "eio", case.buffered, case.overlap))
+    ref = run(Case(case.backend, "eio", case.buffered, case.overlap, case.homes))
     if ref.error is not None:
         raise SystemExit(f"{case}: the fault-free run failed: {ref.error}")
     if case.kind.startswith("submit"):

@@ -38,9 +38,9 @@ def _one_compute_thread() -> Iterator[None]:
 
 def reference(case: Case):
     """The fault-free run of ``case``'s configuration (cached per configuration)."""
-    key = (case.backend, case.buffered, case.overlap)
+    key = (case.backend, case.buffered, case.overlap, case.homes)
     if key not in _references:
-        outcome = run(Case(case.backend, "eio", case.buffered, case.overlap))
+        outcome = run(Case(case.backend, "eio", case.buffered, case.overlap, case.homes))
         assert outcome.error is None, outcome.error
         _references[key] = outcome
     return _references[key]
@@ -60,6 +60,7 @@ CASES = [
     (Case("threads", "enospc"), 6, "raised"),
     (Case("threads", "eio", buffered=True), 12, "raised"),
     (Case("io_uring", "eio", overlap=True), 12, "raised"),
+    (Case("io_uring", "eio", homes=True), 8, "raised"),
     (Case("io_uring", "short"), 8, "identical"),
     (Case("aio", "short"), 6, "identical"),
     (Case("threads", "short", buffered=True), 6, "identical"),
