@@ -212,3 +212,20 @@ def resume_equals_uninterrupted(tmp_path, checkpoint, data, start: int) -> nn.Mo
     for name, value in want.items():
         assert torch.equal(got[name], value), name
     return resumed
+
+
+def clipping_pair(**cfg) -> tuple[nn.Module, nn.Module]:
+    """A tiny GPT offloaded in 16 KiB chunks (device below the parameters) and a plain
+    copy, for comparing gradient clipping on both."""
+    model = tiny_gpt()
+    ref = copy.deepcopy(model)
+    cfg.setdefault("device_memory", "256KiB")
+    cfg.setdefault("chunk_size", "16KiB")
+    return infinity.offload(model, config(**cfg)), ref
+
+
+def backward_both(model: nn.Module, ref: nn.Module, batch_index: int = 0) -> None:
+    """The same batch's loss backpropagated through both models."""
+    batch = batches(batch_index + 1)[batch_index]
+    gpt_loss(model, batch).backward()
+    gpt_loss(ref, batch).backward()

@@ -8,12 +8,12 @@ either order, and with fp16 loss scaling.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from engine_helpers import (
+    backward_both,
     batches,
+    clipping_pair,
     config,
     global_rel_error,
     gpt_loss,
@@ -34,20 +34,6 @@ from infinity.optim import CPUAdam
 VALUE = 2.0**-8
 
 
-def _pair(**cfg):
-    model = tiny_gpt()
-    ref = copy.deepcopy(model)
-    cfg.setdefault("device_memory", "256KiB")
-    cfg.setdefault("chunk_size", "16KiB")
-    return infinity.offload(model, config(**cfg)), ref
-
-
-def _backward(model, ref, batch_index: int = 0) -> None:
-    batch = batches(batch_index + 1)[batch_index]
-    gpt_loss(model, batch).backward()
-    gpt_loss(ref, batch).backward()
-
-
 def _assert_grads_equal(model, ref) -> None:
     ours = infinity.gradients(model)
     theirs = {name: p.grad for name, p in ref.named_parameters() if p.grad is not None}
@@ -58,8 +44,8 @@ def _assert_grads_equal(model, ref) -> None:
 
 @pytest.mark.parametrize("foreach", [None, True, False])
 def test_clip_grad_value_is_bit_exact_against_torch(foreach):
-    model, ref = _pair()
-    _backward(model, ref)
+    model, ref = clipping_pair()
+    backward_both(model, ref)
     clamped = sum(int((p.grad.abs() > VALUE).sum()) for p in ref.parameters())
     assert 0.1 < clamped / sum(p.numel() for p in ref.parameters()) < 0.9
     for m in (model, ref):
@@ -71,8 +57,8 @@ def test_clip_grad_value_is_bit_exact_against_torch(foreach):
 
 
 def test_mixed_offloaded_and_ordinary_tensors_in_one_call():
-    model, ref = _pair()
-    _backward(model, ref)
+    model, ref = clipping_pair()
+    backward_both(model, ref)
     extras = []
     for _ in (model, ref):
         extra = torch.nn.Parameter(torch.zeros(5))
@@ -87,11 +73,11 @@ def test_mixed_offloaded_and_ordinary_tensors_in_one_call():
 
 @pytest.mark.parametrize("order", ["value-then-norm", "norm-then-value"])
 def test_beside_clip_grad_norm_in_either_order(order):
-    model, ref = _pair()
+    model, ref = clipping_pair()
     opt = CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     for step in range(3):
-        _backward(model, ref, step)
+        backward_both(model, ref, step)
         for m in (model, ref):
             if order == "value-then-norm":
                 clip_grad_value_(m.parameters(), VALUE)
@@ -108,11 +94,11 @@ def test_beside_clip_grad_norm_in_either_order(order):
 
 def test_clamp_between_micro_batches_then_accumulate():
     """The clamp is in the chunks before the next backward adds to them, as torch's is."""
-    model, ref = _pair()
-    _backward(model, ref, 0)
+    model, ref = clipping_pair()
+    backward_both(model, ref, 0)
     for m in (model, ref):
         clip_grad_value_(m.parameters(), VALUE)
-    _backward(model, ref, 1)
+    backward_both(model, ref, 1)
     torch.testing.assert_close(infinity.gradients(model), {
         name: p.grad for name, p in ref.named_parameters()
     }, rtol=1e-6, atol=1e-9)  # fmt: skip
@@ -155,7 +141,7 @@ def test_fp16_clamps_the_unscaled_gradient():
 
 
 def test_overlapped_step_refuses_clip_grad_value_loudly():
-    model, _ref = _pair(overlap_optimizer=True)
+    model, _ref = clipping_pair(overlap_optimizer=True)
     opt = CPUAdam(model.parameters())
     gpt_loss(model, batches(1)[0]).backward()
     with pytest.raises(RuntimeError, match="clip_grad_value_ after a backward"):
@@ -164,8 +150,8 @@ def test_overlapped_step_refuses_clip_grad_value_loudly():
 
 
 def test_zeroed_gradients_stay_zero_and_a_bound_past_zero_is_refused():
-    model, ref = _pair()
-    _backward(model, ref)
+    model, ref = clipping_pair()
+    backward_both(model, ref)
     for m in (model, ref):
         m.zero_grad(set_to_none=False)
         clip_grad_value_(m.parameters(), VALUE)

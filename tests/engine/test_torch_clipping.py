@@ -12,7 +12,9 @@ import copy
 import pytest
 import torch
 from engine_helpers import (
+    backward_both,
     batches,
+    clipping_pair,
     config,
     global_rel_error,
     gpt_loss,
@@ -30,21 +32,6 @@ from infinity.optim import CPUAdam
 GRAD_RTOL = 1e-6  # same kernels on the same fp32 gradients: rounding only
 
 
-def _pair(**cfg):
-    """A tiny GPT offloaded in 16 KiB chunks (device below the parameters) and a plain copy."""
-    model = tiny_gpt()
-    ref = copy.deepcopy(model)
-    cfg.setdefault("device_memory", "256KiB")
-    cfg.setdefault("chunk_size", "16KiB")
-    return infinity.offload(model, config(**cfg)), ref
-
-
-def _backward(model, ref, batch_index: int = 0):
-    batch = batches(batch_index + 1)[batch_index]
-    gpt_loss(model, batch).backward()
-    gpt_loss(ref, batch).backward()
-
-
 def _assert_grads_match(model, ref):
     ours = infinity.gradients(model)
     theirs = {name: p.grad for name, p in ref.named_parameters() if p.grad is not None}
@@ -56,8 +43,8 @@ def _assert_grads_match(model, ref):
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
 @pytest.mark.parametrize("max_norm", [1e6, 0.05])
 def test_clip_grad_norm_matches_plain_model(norm_type, max_norm):
-    model, ref = _pair()
-    _backward(model, ref)
+    model, ref = clipping_pair()
+    backward_both(model, ref)
     ours = clip_grad_norm_(model.parameters(), max_norm, norm_type)
     theirs = clip_grad_norm_(ref.parameters(), max_norm, norm_type)
     assert type(ours) is torch.Tensor and ours.shape == ()
@@ -74,7 +61,7 @@ def test_clip_grad_norm_matches_plain_model(norm_type, max_norm):
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0, 3.0])
 def test_norm_and_clip_are_bit_exact_against_torch_on_the_same_values(norm_type):
     """The reference holds the chunks' gradient values in ordinary tensors."""
-    model, _ref = _pair()
+    model, _ref = clipping_pair()
     gpt_loss(model, batches(1)[0]).backward()
     grads = infinity.gradients(model)
     plain = []
@@ -92,8 +79,8 @@ def test_norm_and_clip_are_bit_exact_against_torch_on_the_same_values(norm_type)
 
 @pytest.mark.parametrize("foreach", [None, True, False])
 def test_get_total_norm_then_clip_grads_with_norm(foreach):
-    model, ref = _pair()
-    _backward(model, ref)
+    model, ref = clipping_pair()
+    backward_both(model, ref)
     totals = []
     for m in (model, ref):
         grads = [p.grad for p in m.parameters() if p.grad is not None]
@@ -105,8 +92,8 @@ def test_get_total_norm_then_clip_grads_with_norm(foreach):
 
 
 def test_mixed_offloaded_and_ordinary_parameters_in_one_call():
-    model, ref = _pair()
-    _backward(model, ref)
+    model, ref = clipping_pair()
+    backward_both(model, ref)
     extra = torch.nn.Parameter(torch.zeros(5))
     extra.grad = torch.linspace(-3.0, 3.0, 5)
     extra_ref = torch.nn.Parameter(torch.zeros(5))
@@ -120,13 +107,13 @@ def test_mixed_offloaded_and_ordinary_parameters_in_one_call():
 
 
 def test_accumulation_after_clipping_scales_only_the_gradient_so_far():
-    model, ref = _pair()
+    model, ref = clipping_pair()
     opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
-    _backward(model, ref, 0)
+    backward_both(model, ref, 0)
     for m in (model, ref):
         clip_grad_norm_(m.parameters(), 0.05)
-    _backward(model, ref, 1)  # adds to the clipped gradients
+    backward_both(model, ref, 1)  # adds to the clipped gradients
     _assert_grads_match(model, ref)
     norms = [float(clip_grad_norm_(m.parameters(), 0.2)) for m in (model, ref)]
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
@@ -137,10 +124,10 @@ def test_accumulation_after_clipping_scales_only_the_gradient_so_far():
 
 def test_clip_factor_on_some_tensors_only_reaches_the_step():
     """A factor on one tensor (not a global clip) is written into its chunk before the step."""
-    model, ref = _pair()
+    model, ref = clipping_pair()
     opt = CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    _backward(model, ref)
+    backward_both(model, ref)
     for m in (model, ref):
         m.blocks[1].fc.weight.grad.mul_(0.25)
         clip_grad_norm_(m.parameters(), 0.05)
@@ -151,7 +138,7 @@ def test_clip_factor_on_some_tensors_only_reaches_the_step():
 
 
 def test_error_if_nonfinite_raises_like_torch():
-    model, ref = _pair()
+    model, ref = clipping_pair()
     batch = batches(1)[0]
     for m in (model, ref):
         (gpt_loss(m, batch) * float("inf")).backward()
@@ -160,7 +147,7 @@ def test_error_if_nonfinite_raises_like_torch():
 
 
 def test_nan_clip_factor_is_refused_at_the_step_not_applied_silently():
-    model, _ref = _pair()
+    model, _ref = clipping_pair()
     opt = CPUAdam(model.parameters())
     (gpt_loss(model, batches(1)[0]) * float("nan")).backward()
     clip_grad_norm_(model.parameters(), 1.0)
@@ -178,7 +165,7 @@ def test_training_with_clipping_on_nvme_matches_adamw(tmp_path):
 
 def test_fp16_norm_is_the_unscaled_gradient_norm():
     """fp16 gradients are loss-scaled in the chunks; the norm is of the true gradient."""
-    model, ref = _pair(dtype="fp16")
+    model, ref = clipping_pair(dtype="fp16")
     opt = CPUAdam(model.parameters())
     batch = batches(1)[0]
     opt.scale_loss(gpt_loss(model, batch)).backward()
@@ -190,7 +177,7 @@ def test_fp16_norm_is_the_unscaled_gradient_norm():
 
 def test_overlapped_step_refuses_clipping_loudly():
     """overlap_optimizer=True stepped the chunks during backward: no norm, no silent clip."""
-    model, _ref = _pair(overlap_optimizer=True)
+    model, _ref = clipping_pair(overlap_optimizer=True)
     opt = CPUAdam(model.parameters())
     gpt_loss(model, batches(1)[0]).backward()
     with pytest.raises(RuntimeError, match="overlap_optimizer=False"):
@@ -221,12 +208,12 @@ def test_fp16_training_with_clipping_follows_clipped_fp32_adamw():
 def test_zeroed_and_stale_gradients():
     """zero_grad(set_to_none=False) leaves zero gradients (norm 0, as torch); a
     sentinel kept from before zero_grad() refuses to answer instead of inventing one."""
-    model, ref = _pair()
-    _backward(model, ref)
+    model, ref = clipping_pair()
+    backward_both(model, ref)
     for m in (model, ref):
         m.zero_grad(set_to_none=False)
         assert float(clip_grad_norm_(m.parameters(), 1.0)) == 0.0
-    _backward(model, ref)
+    backward_both(model, ref)
     stale = next(model.parameters()).grad
     model.zero_grad()
     with pytest.raises(RuntimeError, match="no gradient"):
