@@ -46,7 +46,7 @@ import torch
 from infinity._native import native
 from infinity._native.adam import QBLOCK, STATE_ELEMENT_BYTES
 from infinity._native.io import ALIGNMENT
-from infinity.utils.process_memory import device_bytes
+from infinity.optim.device_state import ROUNDING_TEMPORARIES, device_block_scratch
 from infinity.utils.sizes import align_up
 
 H = TypeVar("H", contravariant=True)
@@ -55,24 +55,6 @@ STATE_DTYPES: tuple[str, ...] = tuple(STATE_ELEMENT_BYTES)
 """The allowed values of ``Config.optimizer_state_dtype`` (``"fp32"`` first: the default)."""
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 FP32_BYTES = 4
-
-
-# Elements an update on the device takes at a time (``adam_on_device``, ``lion_on_device``):
-# its fp32 temporaries stay this small, whatever the chunk (``device_block_scratch``).
-DEVICE_STEP_ELEMS = 1 << 18
-
-
-def device_blocks(n: int) -> list[slice]:
-    """The blocks of an update of ``n`` elements on the device, in order."""
-    return [slice(start, start + DEVICE_STEP_ELEMS) for start in range(0, n, DEVICE_STEP_ELEMS)]
-
-
-def device_block_scratch(elems: int, device: torch.device, temporaries: int) -> int:
-    """Device bytes of ``temporaries`` fp32 tensors of one block of a run of up to
-    ``elems`` elements, each as ``device``'s allocator holds it (none on the host)."""
-    if device.type == "cpu":
-        return 0
-    return temporaries * device_bytes(4 * min(elems, DEVICE_STEP_ELEMS), device)
 
 
 def _blocks(n: int) -> int:
@@ -263,6 +245,8 @@ class ChunkOptimizer(ABC, Generic[H]):
     whole_tensors: ClassVar[bool] = False
     # fp32 temporaries per block of its update on a device (0: it has none there).
     device_temporaries: ClassVar[int] = 0
+    # Its bf16 states are rounded stochastically on the device (else to nearest).
+    device_rounding: ClassVar[bool] = False
     state_format: StateFormat = StateFormat()
 
     def tensor_state_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -354,15 +338,18 @@ class ChunkOptimizer(ABC, Generic[H]):
         there (NOTE [chunks homed on the device]). The host's always (never an optimizer
         whose update reads whole tensors: its per-tensor states live on the host); another
         device where the optimizer has a device update (:attr:`device_temporaries`) and
-        its state is fp32."""
+        its state is fp32 or bf16 (:mod:`infinity.optim.device_state`)."""
         if device.type == "cpu":
             return not self.whole_tensors
-        return bool(self.device_temporaries) and self.state_format.name == "fp32"
+        return bool(self.device_temporaries) and self.state_format.name in ("fp32", "bf16")
 
     def device_step_scratch(self, elems: int, device: torch.device) -> int:
         """Device bytes :meth:`step` allocates beside its views for a run of up to
         ``elems`` elements on ``device`` (none on the host: the kernels make none)."""
-        return device_block_scratch(elems, device, self.device_temporaries)
+        temporaries = self.device_temporaries
+        if self.state_format.name == "bf16":  # an fp32 copy of each, then the rounding
+            temporaries += len(self.state_slots) + self.device_rounding * ROUNDING_TEMPORARIES
+        return device_block_scratch(elems, device, temporaries)
 
 
 def betas_value(group: dict[str, Any]) -> tuple[float, float]:

@@ -29,11 +29,11 @@ from infinity.optim.chunk_optimizer import (
     StepViews,
     UnitViews,
     betas_value,
-    device_blocks,
     hyper_value,
     read_moments,
     write_moments,
 )
+from infinity.optim.device_state import BlockStates, device_blocks
 from infinity.optim.front_end import CPUOptimizer, check_dense_param, flat_buffers, step_dtype
 
 __all__ = ["ADAM", "AdamChunks", "AdamHyperParams", "CPUAdam", "adam_on_device"]
@@ -113,7 +113,9 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
     front_end = "infinity.optim.CPUAdam"
     state_slots = ("exp_avg", "exp_avg_sq")
     state_dtypes = ("fp32", "bf16", "int8")
-    device_temporaries = 2  # adam_on_device: a scaled gradient and a denominator
+    # adam_on_device: a scaled gradient, a denominator and addcdiv_'s quotient (measured)
+    device_temporaries = 3
+    device_rounding = True
 
     def read_state(self, unit: UnitViews, span: slice) -> dict[str, torch.Tensor]:
         """New fp32 copies of both moments of elements ``span`` (int8: decoded)."""
@@ -156,14 +158,16 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
 def adam_on_device(
     views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float
 ) -> None:
-    """:func:`kernels.adam_step`'s update (fp32 moments) as device kernels, on views in
-    device memory: the same operations in the same order, so results match torch's
-    AdamW to a few ulps, as the host kernel's do (NOTE [chunks homed on the device])."""
+    """:func:`kernels.adam_step`'s update (fp32 or bf16 moments) as device kernels, on
+    views in device memory: the same operations in the same order, so results match
+    torch's AdamW to a few ulps, as the host kernel's do; bf16 moments are rounded as
+    the host kernel rounds them (NOTE [chunks homed on the device])."""
     bias1 = 1.0 - hyper.beta1**step
     bias2_sqrt = (1.0 - hyper.beta2**step) ** 0.5
     master, grad = views.master, views.grad
-    m, v = views.state["exp_avg"], views.state["exp_avg_sq"]
     for part in device_blocks(master.numel()):
+        states = BlockStates(views.state, part, rounding=views.rounding, step=step)
+        m, v = states.load("exp_avg"), states.load("exp_avg_sq")
         p, g = master[part], grad[part].to(torch.float32, copy=True)
         if grad_scale != 1.0:
             g.mul_(grad_scale)
@@ -172,10 +176,12 @@ def adam_on_device(
                 p.mul_(1.0 - hyper.lr * hyper.weight_decay)
             else:
                 g.add_(p, alpha=hyper.weight_decay)
-        m[part].mul_(hyper.beta1).add_(g, alpha=1.0 - hyper.beta1)
-        v[part].mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
-        denom = v[part].sqrt().div_(bias2_sqrt).add_(hyper.eps)
-        p.addcdiv_(m[part], denom, value=-hyper.lr / bias1)
+        m.mul_(hyper.beta1).add_(g, alpha=1.0 - hyper.beta1)
+        v.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
+        denom = v.sqrt().div_(bias2_sqrt).add_(hyper.eps)
+        p.addcdiv_(m, denom, value=-hyper.lr / bias1)
+        states.store("exp_avg", m, stochastic=0)
+        states.store("exp_avg_sq", v, stochastic=1)
         if views.out16 is not None:
             views.out16[part].copy_(p)
 

@@ -34,10 +34,10 @@ from infinity.optim.chunk_optimizer import (
     StepViews,
     UnitViews,
     betas_value,
-    device_blocks,
     hyper_value,
     read_slot,
 )
+from infinity.optim.device_state import BlockStates, device_blocks
 from infinity.optim.front_end import CPUOptimizer
 from infinity.optim.kernel_args import (
     FP32,
@@ -88,7 +88,9 @@ class LionChunks(ChunkOptimizer[LionHyperParams]):
     front_end = "infinity.optim.CPULion"
     state_slots = ("exp_avg",)
     state_dtypes = ("fp32", "bf16", "int8")
-    device_temporaries = 2  # lion_on_device: a scaled gradient and the interpolation
+    # lion_on_device: a scaled gradient, the interpolation and add_'s scaled term (measured)
+    device_temporaries = 3
+    device_rounding = True
 
     def read_state(self, unit: UnitViews, span: slice) -> dict[str, torch.Tensor]:
         """A new fp32 copy of the momentum of elements ``span`` (int8: decoded)."""
@@ -109,7 +111,7 @@ class LionChunks(ChunkOptimizer[LionHyperParams]):
     ) -> None:
         """One Lion update of the run (see :func:`lion_step`)."""
         if views.master.device.type != "cpu":
-            lion_on_device(views, hyper, grad_scale=grad_scale)
+            lion_on_device(views, hyper, step=step, grad_scale=grad_scale)
             return
         lion_step(
             views.master,
@@ -166,19 +168,25 @@ class CPULion(CPUOptimizer[LionHyperParams]):
         super().__init__(params, defaults)
 
 
-def lion_on_device(views: StepViews, hyper: LionHyperParams, *, grad_scale: float) -> None:
-    """:func:`lion_step`'s update (an fp32 momentum) as device kernels, on views in device
-    memory, block by block (NOTE [chunks homed on the device])."""
-    master, grad, m = views.master, views.grad, views.state["exp_avg"]
+def lion_on_device(
+    views: StepViews, hyper: LionHyperParams, *, step: int, grad_scale: float
+) -> None:
+    """:func:`lion_step`'s update (an fp32 or bf16 momentum, rounded as the host kernel
+    rounds it) as device kernels, on views in device memory, block by block (NOTE
+    [chunks homed on the device])."""
+    master, grad = views.master, views.grad
     for part in device_blocks(master.numel()):
+        states = BlockStates(views.state, part, rounding=views.rounding, step=step)
+        m = states.load("exp_avg")
         p, g = master[part], grad[part].to(torch.float32, copy=True)
         if grad_scale != 1.0:
             g.mul_(grad_scale)
         if hyper.weight_decay:
             p.mul_(1.0 - hyper.lr * hyper.weight_decay)
-        direction = m[part].mul(hyper.beta1).add_(g, alpha=1.0 - hyper.beta1)
+        direction = m.mul(hyper.beta1).add_(g, alpha=1.0 - hyper.beta1)
         p.add_(direction.sign_(), alpha=-hyper.lr)
-        m[part].mul_(hyper.beta2).add_(g, alpha=1.0 - hyper.beta2)
+        m.mul_(hyper.beta2).add_(g, alpha=1.0 - hyper.beta2)
+        states.store("exp_avg", m, stochastic=0)
         if views.out16 is not None:
             views.out16[part].copy_(p)
 

@@ -36,9 +36,9 @@ from infinity._native import submodule
 from infinity.optim.chunk_optimizer import (
     ChunkOptimizer,
     StepViews,
-    device_blocks,
     hyper_value,
 )
+from infinity.optim.device_state import BlockStates, device_blocks
 from infinity.optim.front_end import CPUOptimizer
 from infinity.optim.kernel_args import STATE_OF_DTYPE, check_bool, check_flat_buffers, finite
 
@@ -95,7 +95,7 @@ class SGDChunks(ChunkOptimizer[SGDHyperParams]):
     front_end = "infinity.optim.CPUSGD"
     state_slots = ("momentum_buffer",)
     state_dtypes = ("fp32", "bf16")
-    device_temporaries = 1  # sgd_on_device: the scaled gradient
+    device_temporaries = 2  # sgd_on_device: the scaled gradient and add_'s scaled term
 
     def step(
         self, views: StepViews, hyper: SGDHyperParams, *, step: int, grad_scale: float
@@ -123,9 +123,10 @@ class SGDChunks(ChunkOptimizer[SGDHyperParams]):
 def sgd_on_device(
     views: StepViews, hyper: SGDHyperParams, *, first_step: bool, grad_scale: float
 ) -> None:
-    """:func:`sgd_step`'s update (an fp32 buffer) as device kernels, on views in device
-    memory, block by block (NOTE [chunks homed on the device])."""
-    master, grad, buffers = views.master, views.grad, views.state["momentum_buffer"]
+    """:func:`sgd_step`'s update (an fp32 or bf16 buffer, rounded to nearest as the host
+    kernel rounds it) as device kernels, on views in device memory, block by block
+    (NOTE [chunks homed on the device])."""
+    master, grad = views.master, views.grad
     scale = -grad_scale if hyper.maximize else grad_scale
     for part in device_blocks(master.numel()):
         p, g = master[part], grad[part].to(torch.float32, copy=True)
@@ -134,11 +135,13 @@ def sgd_on_device(
         if hyper.weight_decay:
             g.add_(p, alpha=hyper.weight_decay)
         if hyper.momentum:
-            buf = buffers[part]
+            states = BlockStates(views.state, part, rounding=views.rounding, step=0)
+            buf = states.load("momentum_buffer")
             if first_step:
                 buf.copy_(g)
             else:
                 buf.mul_(hyper.momentum).add_(g, alpha=1.0 - hyper.dampening)
+            states.store("momentum_buffer", buf)
             if hyper.nesterov:
                 g.add_(buf, alpha=hyper.momentum)
             else:

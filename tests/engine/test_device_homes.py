@@ -28,8 +28,9 @@ from infinity.core.names import DEVICE, HOST
 from infinity.offload import engine_of
 from infinity.optim import CPUAdafactor, CPUAdam, kernels
 from infinity.optim.adafactor import ADAFACTOR
-from infinity.optim.chunk_optimizer import DEVICE_STEP_ELEMS, StepViews
+from infinity.optim.chunk_optimizer import StepViews
 from infinity.optim.cpu_adam import ADAM, AdamHyperParams, adam_on_device
+from infinity.optim.device_state import DEVICE_STEP_ELEMS
 from infinity.optim.lion import LION, LionHyperParams, lion_on_device, lion_step
 from infinity.optim.sgd import SGD, SGDHyperParams, sgd_on_device, sgd_step
 from infinity.runtime.budgets import plan_for
@@ -199,7 +200,8 @@ def test_adam_on_device_computes_what_the_host_kernel_computes(adamw):
     # the 16-bit copy is the master rounded to nearest, as the host kernel writes it
     assert torch.equal(ours[4], ours[0].to(torch.bfloat16))
     cuda = torch.device("cuda")
-    assert ADAM.steps_on(cuda) and not SGD.with_state_dtype("bf16").steps_on(cuda)
+    assert ADAM.steps_on(cuda) and SGD.with_state_dtype("bf16").steps_on(cuda)
+    assert not ADAM.with_state_dtype("int8").steps_on(cuda)
 
 
 def test_lion_on_device_computes_what_the_host_kernel_computes():
@@ -207,9 +209,9 @@ def test_lion_on_device_computes_what_the_host_kernel_computes():
     hyper = LionHyperParams(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1)
     ours = _views(n, 1, with_out16=True)
     host = _views(n, 1, with_out16=True)
-    for _step in range(3):
+    for step in range(3):
         views = StepViews(ours[0], ours[1], {"exp_avg": ours[2]}, ours[4])
-        lion_on_device(views, hyper, grad_scale=0.5)
+        lion_on_device(views, hyper, step=step + 1, grad_scale=0.5)
         lion_step(
             host[0], host[1], host[2], lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1,
             grad_scale=0.5, out16=host[4],

@@ -117,3 +117,40 @@ def test_pretrained_weights_leave_and_enter_device_homes_whole(tmp_path):
     other, _opt = offloaded(3)
     infinity.load_pretrained(other, tmp_path)
     assert torch.equal(other(input_ids=ids).logits.cpu(), model(input_ids=ids).logits.cpu())
+
+
+def test_each_device_update_stays_within_the_scratch_the_plan_reserves():
+    """The fence's allocator counts every temporary: the peak of each optimizer's update on
+    the device, per state format, over the views is at most ``device_step_scratch``."""
+    from infinity.devices.fence import load
+    from infinity.optim.chunk_optimizer import StepViews
+    from infinity.optim.cpu_adam import ADAM, AdamHyperParams
+    from infinity.optim.device_state import DEVICE_STEP_ELEMS
+    from infinity.optim.lion import LION, LionHyperParams
+    from infinity.optim.sgd import SGD, SGDHyperParams
+
+    native = load()
+    n = 2 * DEVICE_STEP_ELEMS + 100
+    adam = AdamHyperParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True)
+    lion = LionHyperParams(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    sgd = SGDHyperParams(
+        lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, maximize=False
+    )
+    cases = [(ADAM, adam), (LION, lion), (SGD, sgd)]
+    for optimizer, hyper in cases:
+        for fmt in ("fp32", "bf16"):
+            units = optimizer.with_state_dtype(fmt)
+            dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+            state = {s: torch.zeros(n, dtype=dtype, device=FENCE) for s in units.state_slots}
+            views = StepViews(
+                torch.randn(n).to(FENCE),
+                torch.randn(n).to(torch.bfloat16).to(FENCE),
+                state,
+                torch.empty(n, dtype=torch.bfloat16, device=FENCE),
+                rounding=(3, 0),
+            )
+            before = native.memory_allocated()
+            native.reset_peak_memory_stats()
+            units.step(views, hyper, step=2, grad_scale=0.5)
+            peak = native.max_memory_allocated() - before
+            assert 0 < peak <= units.device_step_scratch(n, FENCE), (units.name, fmt, peak)
