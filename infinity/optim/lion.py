@@ -172,8 +172,8 @@ def lion_on_device(
     views: StepViews, hyper: LionHyperParams, *, step: int, grad_scale: float
 ) -> None:
     """:func:`lion_step`'s update (an fp32 or bf16 momentum, rounded as the host kernel
-    rounds it) as device kernels, on views in device memory, block by block (NOTE
-    [chunks homed on the device])."""
+    rounds it) as device kernels, on views in device memory, block by block
+    (NOTE [chunks homed on the device])."""
     master, grad = views.master, views.grad
     for part in device_blocks(master.numel()):
         states = BlockStates(views.state, part, rounding=views.rounding, step=step)
