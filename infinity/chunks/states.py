@@ -21,27 +21,24 @@ they cannot disagree with each other, and a move the engine never makes (a
 flush without a device slot, consuming what is still being added to) raises
 :class:`IllegalGradTransition` instead of silently corrupting gradients.
 
-The optimizer-update lifecycle of each chunk:
-
 An update of a chunk (its parameters and optimizer state) need not run inside
-``optimizer.step()``: with ``overlap_optimizer=True`` it is queued during
-backward as soon as the chunk's gradients are complete, and an update that
-would wait on NVMe is queued to trail into the next forward. While queued, the
-chunk's parameter and optimizer bytes are stale. The engine's update pipeline
-(:class:`~infinity.runtime.stepping.OptimizerSteps`) is the only component that
-moves a chunk through this machine::
+``optimizer.step()``: with ``overlap_optimizer=True`` it is queued during backward
+once the chunk's gradients are complete, and one that would wait (on NVMe, or for
+its chunk's next forward) trails into the next forward; while queued, the chunk's
+bytes are stale. :class:`~infinity.runtime.update_queue.UpdateQueue` alone moves a
+chunk through this machine::
 
     IDLE   --queued in backward-->  EARLY  --runs--> RUNNING --> STEPPED
     IDLE   --nothing to update, in backward-----------------------> STEPPED
     IDLE / EARLY --queued by optimizer.step()--> TRAILING --runs--> RUNNING --> IDLE
+    RUNNING --kernels handed to the worker--> COMPUTING --closed--> RUNNING
     IDLE / EARLY --run by optimizer.step()------------------------> RUNNING --> IDLE
     STEPPED --optimizer.step()--> IDLE
 
 Reading settles by construction: every read path of the chunk manager calls
-:meth:`UpdateStates.ensure_readable`, which runs the chunk's queued update
-through the ``runner`` the update pipeline registers, then checks; a read that
-still finds it queued (no runner) raises :class:`StaleRead` instead of
-returning the values from before the step.
+:meth:`UpdateStates.ensure_readable`, which runs the chunk's queued update through
+the ``runner`` the update queue registers, then checks; a read that still finds it
+queued (no runner) raises :class:`StaleRead`, not the values from before the step.
 """
 
 from __future__ import annotations
