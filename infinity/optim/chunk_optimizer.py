@@ -46,7 +46,7 @@ import torch
 from infinity._native import native
 from infinity._native.adam import QBLOCK, STATE_ELEMENT_BYTES
 from infinity._native.io import ALIGNMENT
-from infinity.optim.device_state import ROUNDING_TEMPORARIES, device_block_scratch
+from infinity.optim.device_state import device_block_scratch, stored_state_temporaries
 from infinity.utils.sizes import align_up
 
 H = TypeVar("H", contravariant=True)
@@ -337,19 +337,19 @@ class ChunkOptimizer(ABC, Generic[H]):
         """:meth:`step` takes views on ``device``: chunks may then be homed and stepped
         there (NOTE [chunks homed on the device]). The host's always (never an optimizer
         whose update reads whole tensors: its per-tensor states live on the host); another
-        device where the optimizer has a device update (:attr:`device_temporaries`) and
-        its state is fp32 or bf16 (:mod:`infinity.optim.device_state`)."""
+        device where the optimizer has a device update (:attr:`device_temporaries`), in
+        every state format it stores (:mod:`infinity.optim.device_state`)."""
         if device.type == "cpu":
             return not self.whole_tensors
-        return bool(self.device_temporaries) and self.state_format.name in ("fp32", "bf16")
+        return bool(self.device_temporaries)
 
     def device_step_scratch(self, elems: int, device: torch.device) -> int:
         """Device bytes :meth:`step` allocates beside its views for a run of up to
         ``elems`` elements on ``device`` (none on the host: the kernels make none)."""
-        temporaries = self.device_temporaries
-        if self.state_format.name == "bf16":  # an fp32 copy of each, then the rounding
-            temporaries += len(self.state_slots) + self.device_rounding * ROUNDING_TEMPORARIES
-        return device_block_scratch(elems, device, temporaries)
+        stored = stored_state_temporaries(
+            self.state_format.name, len(self.state_slots), stochastic=self.device_rounding
+        )
+        return device_block_scratch(elems, device, self.device_temporaries + stored)
 
 
 def betas_value(group: dict[str, Any]) -> tuple[float, float]:

@@ -158,15 +158,17 @@ class AdamChunks(ChunkOptimizer[AdamHyperParams]):
 def adam_on_device(
     views: StepViews, hyper: AdamHyperParams, *, step: int, grad_scale: float
 ) -> None:
-    """:func:`kernels.adam_step`'s update (fp32 or bf16 moments) as device kernels, on
-    views in device memory: the same operations in the same order, so results match
-    torch's AdamW to a few ulps, as the host kernel's do; bf16 moments are rounded as
-    the host kernel rounds them (NOTE [chunks homed on the device])."""
+    """:func:`kernels.adam_step`'s update as device kernels, on views in device memory:
+    the same operations in the same order, so results match torch's AdamW to a few
+    ulps, as the host kernel's do; bf16 and int8 moments are stored as the host kernel
+    stores them (NOTE [chunks homed on the device])."""
     bias1 = 1.0 - hyper.beta1**step
     bias2_sqrt = (1.0 - hyper.beta2**step) ** 0.5
     master, grad = views.master, views.grad
     for part in device_blocks(master.numel()):
-        states = BlockStates(views.state, part, rounding=views.rounding, step=step)
+        states = BlockStates(
+            views.state, part, scales=views.scales, rounding=views.rounding, step=step
+        )
         m, v = states.load("exp_avg"), states.load("exp_avg_sq")
         p, g = master[part], grad[part].to(torch.float32, copy=True)
         if grad_scale != 1.0:
@@ -180,8 +182,8 @@ def adam_on_device(
         v.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
         denom = v.sqrt().div_(bias2_sqrt).add_(hyper.eps)
         p.addcdiv_(m, denom, value=-hyper.lr / bias1)
-        states.store("exp_avg", m, stochastic=0)
         states.store("exp_avg_sq", v, stochastic=1)
+        states.store("exp_avg", m, stochastic=0, zero_where_zero="exp_avg_sq")
         if views.out16 is not None:
             views.out16[part].copy_(p)
 

@@ -3,30 +3,39 @@
 An update of a chunk homed on the device (NOTE [chunks homed on the device]) runs
 as torch kernels on the chunk's views, :data:`DEVICE_STEP_ELEMS` elements at a
 time, so its fp32 temporaries stay small whatever the chunk. A state kept as bf16
-is loaded into fp32 for the block and stored back as the host kernels store it:
-Adam's moments and Lion's momentum rounded stochastically with the same random
-bits (NOTE [bf16 stochastic rounding]: the lowbias32 hash of seed, step, stream
-and element index, ported here to 64-bit integer tensor ops), SGD's buffer to
-nearest. So a chunk moved between a host home and a device home (a checkpoint
-resumed with other budgets) draws the same bits for the same element and step.
+or int8 is loaded into fp32 for the block and stored back as the host kernels
+store it (:class:`BlockStates`), in integer tensor ops where they work on bits:
+
+- bf16: Adam's moments and Lion's momentum rounded stochastically with the same
+  random bits (NOTE [bf16 stochastic rounding]: the lowbias32 hash of seed, step,
+  stream and element index), SGD's buffer to nearest. So a chunk moved between a
+  host home and a device home draws the same bits for the same element and step.
+- int8: the minifloat codes of ``cpp/simd/q8_codec.hpp``, each block of
+  :data:`QBLOCK` elements scaled by its absmax, re-encoded with the block's new
+  absmax, and Adam's first moment zeroed where its second codes to zero
+  (NOTE [int8 second moment zero]).
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 
 import torch
 
+from infinity._native.adam import QBLOCK
 from infinity.utils.process_memory import device_bytes
 
 # Elements an update on the device takes at a time: its temporaries stay this small,
 # whatever the chunk (``device_block_scratch``).
 DEVICE_STEP_ELEMS = 1 << 18
-# fp32-sized temporaries the stochastic rounding of bf16 states adds to a block (the
-# random bits, kept for every state of the block, and the integer tensors of one
-# store), beside an fp32 copy of each state: measured on the fence's allocator
-# (tests/fence/test_fence_device_homes.py), which counts every temporary.
+# fp32-sized temporaries a block's stored states add beside an fp32 copy of each:
+# bf16's stochastic rounding (the random bits, kept for every state of the block, and
+# the integers of one store), int8's codes (one encode's integers and the blocks'
+# scales). Measured on the fence's allocator, which counts every temporary
+# (tests/fence/test_fence_device_homes.py).
 ROUNDING_TEMPORARIES = 10
+CODING_TEMPORARIES = 7
 
 _ROUND_SEED = 0x1F0E2D3C  # kRoundSeed in cpp/simd/stochastic_round.hpp
 _M32 = 0xFFFFFFFF
@@ -43,6 +52,17 @@ def device_block_scratch(elems: int, device: torch.device, temporaries: int) -> 
     if device.type == "cpu":
         return 0
     return temporaries * device_bytes(4 * min(elems, DEVICE_STEP_ELEMS), device)
+
+
+def stored_state_temporaries(state_format: str, states: int, *, stochastic: bool) -> int:
+    """fp32-sized temporaries a block adds to store ``states`` states in ``state_format``
+    (none for fp32: updated in place): an fp32 copy of each, and what stores them
+    (``stochastic``: bf16 rounded stochastically, else to nearest)."""
+    if state_format == "fp32":
+        return 0
+    if state_format == "int8":
+        return states + CODING_TEMPORARIES
+    return states + (ROUNDING_TEMPORARIES if stochastic else 0)
 
 
 def _hash32_int(x: int) -> int:
@@ -95,47 +115,144 @@ def store_bf16_stochastic(out: torch.Tensor, x: torch.Tensor, r16: torch.Tensor)
     out.copy_(u.to(torch.int16).view(torch.bfloat16))
 
 
-class BlockStates:
-    """One block of an update on the device: each state of the views as fp32, stored
-    back in its format by :meth:`store`.
+def _bits_to_float(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
 
-    ``rounding`` is the views' (stream, offset) and ``step`` the update's count: with
-    bf16 states they choose the random bits, as they do for the host kernels."""
+
+class _Codes:
+    """One minifloat code format of the int8 states (``q8_codec.hpp``): 3 fraction
+    bits, ``bias``, codes up to ``max_code``, a sign bit above them if ``signed``."""
+
+    def __init__(self, bias: int, max_code: int, signed: bool) -> None:
+        self.signed, self.max_code = signed, max_code
+        self.min_normal = (128 - bias) << 23  # 2^(1-bias): below, subnormal codes
+        self.magic_bits = (148 - bias) << 23  # 2^(21-bias): its ulp is the subnormal step
+        self.magic = _bits_to_float(self.magic_bits)
+        self.sub_step = _bits_to_float((125 - bias) << 23)
+        self.offset = (127 - bias) << 3  # the exponent's re-bias, in code units
+
+    def decode(self, codes: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """fp32 values of uint8 ``codes`` times ``step`` (the block's absmax / 1.875)."""
+        c = codes.to(torch.int32)
+        mag = c & 0x7F if self.signed else c
+        bits = torch.where(
+            mag < 8,
+            (mag.float() * self.sub_step).view(torch.int32),
+            (mag << 20).add_(self.offset << 20),
+        )
+        value = bits.view(torch.float32)
+        if self.signed:  # the sign bit set: as -value, exactly (zero included)
+            value = torch.where(c >= 0x80, -value, value)
+        return value.mul_(step)
+
+    def encode(self, x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        """int32 codes of fp32 ``x`` times ``inverse`` (1.875 / absmax), rounded to
+        nearest (ties to even), as the host kernels encode them."""
+        y = x.abs().mul_(inverse)
+        # NOTE: at most infinity's bits, so the rounding below stays in int32 (a NaN
+        # codes as the largest code either way, as in the host kernels).
+        u = y.view(torch.int32).clamp(max=0x7F800000)
+        normal = ((u >> 20) & 1).add_(u).add_((1 << 19) - 1).bitwise_right_shift_(20)
+        normal.sub_(self.offset)
+        sub = y.add_(self.magic).view(torch.int32).sub_(self.magic_bits)
+        code = torch.where(u < self.min_normal, sub, normal).clamp_(max=self.max_code)
+        if self.signed:
+            code.bitwise_or_((x.view(torch.int32) >> 24) & 0x80)
+        return code
+
+
+_SIGNED = _Codes(15, 127, signed=True)  # exp_avg, exp_avg (Lion): sign + 7 bits
+_UNSIGNED = _Codes(31, 255, signed=False)  # exp_avg_sq
+_CODES = {"exp_avg_sq": _UNSIGNED}  # every other int8 state is signed
+_Q8_MAX = 1.875  # the largest code's value: a block's absmax maps to it
+_FLT_MIN = 1.17549435e-38
+
+
+def _blockwise(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as rows of QBLOCK elements, the last padded with zeros."""
+    pad = -x.numel() % QBLOCK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.view(-1, QBLOCK)
+
+
+class BlockStates:
+    """Elements ``part`` of a run's states (a step's ``StepViews.state``) as fp32, each
+    stored back in its format by :meth:`store`.
+
+    ``scales``: int8 states' block scales (``StepViews.scales``); ``rounding`` (the
+    views' stream and offset) and ``step`` (the update's count) choose bf16's random
+    bits, as they do for the host kernels. ``part`` starts on a QBLOCK boundary (the
+    blocks of :func:`device_blocks` do), so int8 blocks are whole."""
 
     def __init__(
         self,
         state: Mapping[str, torch.Tensor],
         part: slice,
         *,
-        rounding: tuple[int, int],
-        step: int,
+        scales: Mapping[str, torch.Tensor] | None = None,
+        rounding: tuple[int, int] = (0, 0),
+        step: int = 0,
     ) -> None:
-        self._state, self._part = state, part
-        self._bits: torch.Tensor | None = None
+        self._state, self._part, self._scales_of = state, part, scales or {}
         self._rounding, self._step = rounding, step
+        self._bits: torch.Tensor | None = None
+
+    def _scales(self, name: str) -> torch.Tensor:
+        start, n = self._part.start or 0, self._state[name][self._part].numel()
+        return self._scales_of[name][start // QBLOCK : (start + n + QBLOCK - 1) // QBLOCK]
 
     def load(self, name: str) -> torch.Tensor:
         """State ``name`` of the block as fp32: the view itself (updated in place) when
-        it is fp32, else a copy."""
+        it is fp32, else a decoded copy."""
         view = self._state[name][self._part]
-        return view if view.dtype == torch.float32 else view.float()
+        if view.dtype == torch.float32:
+            return view
+        if view.dtype != torch.uint8:
+            return view.float()
+        step = (self._scales(name) / _Q8_MAX).repeat_interleave(QBLOCK)[: view.numel()]
+        return _CODES.get(name, _SIGNED).decode(view, step)
 
-    def store(self, name: str, value: torch.Tensor, *, stochastic: int | None = None) -> None:
+    def store(
+        self,
+        name: str,
+        value: torch.Tensor,
+        *,
+        stochastic: int | None = None,
+        zero_where_zero: str | None = None,
+    ) -> None:
         """Store ``value`` into state ``name`` (nothing to do where :meth:`load` gave the
-        view); bf16: rounded stochastically with the low (``stochastic=0``) or high
-        (``1``) 16 random bits of each element, or to nearest (``None``)."""
+        view). bf16: rounded stochastically with the low (``stochastic=0``) or high
+        (``1``) 16 random bits of each element, or to nearest (``None``). int8: encoded
+        with each block's new absmax; ``zero_where_zero``: a state stored before in
+        this block whose zero codes zero these (Adam's first moment)."""
         view = self._state[name][self._part]
         if view.dtype == torch.float32:
             if value.data_ptr() != view.data_ptr():
                 view.copy_(value)
-            return
-        if stochastic is None:
+        elif view.dtype == torch.uint8:
+            self._store_codes(name, view, value, zero_where_zero)
+        elif stochastic is None:
             view.copy_(value)  # round to nearest even
-            return
-        if self._bits is None:
-            stream, offset = self._rounding
-            key = round_key(self._step, stream)
-            start = offset + (self._part.start or 0)
-            self._bits = random_bits(key, start, view.numel(), view.device)
-        bits = self._bits
-        store_bf16_stochastic(view, value, bits >> 16 if stochastic else bits & 0xFFFF)
+        else:
+            if self._bits is None:
+                stream, offset = self._rounding
+                key = round_key(self._step, stream)
+                start = offset + (self._part.start or 0)
+                self._bits = random_bits(key, start, view.numel(), view.device)
+            bits = self._bits
+            store_bf16_stochastic(view, value, bits >> 16 if stochastic else bits & 0xFFFF)
+
+    def _store_codes(
+        self, name: str, view: torch.Tensor, value: torch.Tensor, zero_where_zero: str | None
+    ) -> None:
+        n = view.numel()
+        absmax = _blockwise(value).abs().amax(dim=1)
+        scales = self._scales(name)
+        scales.copy_(absmax)
+        inverse = torch.where(absmax >= _FLT_MIN, _Q8_MAX / absmax, torch.zeros_like(absmax))
+        codes = _CODES.get(name, _SIGNED).encode(value, inverse.repeat_interleave(QBLOCK)[:n])
+        view.copy_(codes)
+        del codes
+        if zero_where_zero is not None:  # NOTE [int8 second moment zero]
+            view.masked_fill_(self._state[zero_where_zero][self._part] == 0, 0)

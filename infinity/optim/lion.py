@@ -171,12 +171,14 @@ class CPULion(CPUOptimizer[LionHyperParams]):
 def lion_on_device(
     views: StepViews, hyper: LionHyperParams, *, step: int, grad_scale: float
 ) -> None:
-    """:func:`lion_step`'s update (an fp32 or bf16 momentum, rounded as the host kernel
-    rounds it) as device kernels, on views in device memory, block by block
+    """:func:`lion_step`'s update (the momentum stored as the host kernel stores it, in
+    any format) as device kernels, on views in device memory, block by block
     (NOTE [chunks homed on the device])."""
     master, grad = views.master, views.grad
     for part in device_blocks(master.numel()):
-        states = BlockStates(views.state, part, rounding=views.rounding, step=step)
+        states = BlockStates(
+            views.state, part, scales=views.scales, rounding=views.rounding, step=step
+        )
         m = states.load("exp_avg")
         p, g = master[part], grad[part].to(torch.float32, copy=True)
         if grad_scale != 1.0:

@@ -135,7 +135,7 @@ def sgd_on_device(
         if hyper.weight_decay:
             g.add_(p, alpha=hyper.weight_decay)
         if hyper.momentum:
-            states = BlockStates(views.state, part, rounding=views.rounding, step=0)
+            states = BlockStates(views.state, part)  # bf16: to nearest, no bits
             buf = states.load("momentum_buffer")
             if first_step:
                 buf.copy_(g)

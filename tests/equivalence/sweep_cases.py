@@ -368,10 +368,12 @@ PINNED: tuple[Case, ...] = (
     Case(optimizer="sgd", device=3.0, accumulation=2, chunk_size="16KiB"),
     Case(device=10.0, dtype="fp16", clip=0.5, chunk_size="16KiB"),
     Case(device=10.0, dtype="bf16", chunk_size="16KiB", resume_at=2, resume_device=0.6),
-    # bf16 states homed on the device (rounded there as the host kernels round them):
-    # Adam's moments resumed into host homes, Lion's momentum beside NVMe homes.
+    # 16- and 8-bit states homed on the device (stored there as the host kernels store
+    # them): Adam's moments resumed into host homes, Lion's momentum beside NVMe homes.
     Case(device=10.0, state_dtype="bf16", chunk_size="16KiB", resume_at=2, resume_device=0.6),
     Case(optimizer="lion", device=3.2, host=0.12, state_dtype="bf16", chunk_size="16KiB"),
+    Case(device=10.0, state_dtype="int8", chunk_size="16KiB", resume_at=2, resume_device=0.6),
+    Case(optimizer="lion", device=3.2, host=0.12, state_dtype="int8", chunk_size="16KiB"),
     # The loss a block of tokens at a time (infinity.causal_lm_loss): the tied head is
     # called per block in forward and again in backward, its chunks partly on NVMe.
     Case(host=0.25, device=0.6, chunk_size="16KiB", accumulation=2, loss_block=5),

@@ -138,15 +138,17 @@ def test_each_device_update_stays_within_the_scratch_the_plan_reserves():
     )
     cases = [(ADAM, adam), (LION, lion), (SGD, sgd)]
     for optimizer, hyper in cases:
-        for fmt in ("fp32", "bf16"):
+        for fmt in optimizer.state_dtypes:
             units = optimizer.with_state_dtype(fmt)
-            dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[fmt]
             state = {s: torch.zeros(n, dtype=dtype, device=FENCE) for s in units.state_slots}
+            blocks = -(-n // 256) if fmt == "int8" else 0
             views = StepViews(
                 torch.randn(n).to(FENCE),
                 torch.randn(n).to(torch.bfloat16).to(FENCE),
                 state,
                 torch.empty(n, dtype=torch.bfloat16, device=FENCE),
+                scales={s: torch.zeros(blocks, device=FENCE) for s in units.state_slots},
                 rounding=(3, 0),
             )
             before = native.memory_allocated()
