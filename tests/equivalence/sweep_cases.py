@@ -373,7 +373,7 @@ PINNED: tuple[Case, ...] = (
     Case(device=10.0, state_dtype="bf16", chunk_size="16KiB", resume_at=2, resume_device=0.6),
     Case(optimizer="lion", device=3.2, host=0.12, state_dtype="bf16", chunk_size="16KiB"),
     Case(device=10.0, state_dtype="int8", chunk_size="16KiB", resume_at=2, resume_device=0.6),
-    Case(optimizer="lion", device=3.2, host=0.12, state_dtype="int8", chunk_size="16KiB"),
+    Case(optimizer="lion", device=3.2, host=0.2, state_dtype="int8", chunk_size="16KiB"),
     # The loss a block of tokens at a time (infinity.causal_lm_loss): the tied head is
     # called per block in forward and again in backward, its chunks partly on NVMe.
     Case(host=0.25, device=0.6, chunk_size="16KiB", accumulation=2, loss_block=5),
