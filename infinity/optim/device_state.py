@@ -161,7 +161,7 @@ class _Codes:
         return code
 
 
-_SIGNED = _Codes(15, 127, signed=True)  # exp_avg, exp_avg (Lion): sign + 7 bits
+_SIGNED = _Codes(15, 127, signed=True)  # Adam's and Lion's exp_avg: sign + 7 bits
 _UNSIGNED = _Codes(31, 255, signed=False)  # exp_avg_sq
 _CODES = {"exp_avg_sq": _UNSIGNED}  # every other int8 state is signed
 _Q8_MAX = 1.875  # the largest code's value: a block's absmax maps to it
