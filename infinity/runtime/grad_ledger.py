@@ -139,7 +139,10 @@ class GradientLedger:
         """Record ``clamp_(lower, upper)`` of tensor ``index``'s stored gradient.
 
         ``clamp_min_`` then ``clamp_max_`` (clip_grad_value_'s foreach form) merge
-        into one clamp; any other sequence on one tensor applies the first."""
+        into one clamp; any other sequence on one tensor applies the first. A pending
+        clip factor is written in first: in a 16-bit chunk the product rounds to 16
+        bits, as torch's ``mul_`` of a 16-bit ``param.grad`` does (without a clamp the
+        factor folds into the update in fp32 instead)."""
         if self.factors[index] != 1.0:
             self.apply_factors()
         pending = self.clamps.get(index)

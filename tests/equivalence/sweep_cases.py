@@ -918,4 +918,39 @@ EXAMPLES: tuple[Case, ...] = (
             "the harness's floor for a bf16 forward is bf16's"
         ),
     ),
+    Case(
+        dtype="bf16",
+        tied=False,
+        clip=0.5,
+        chunk_size="16KiB",
+        host=0.45,
+        device=3.0,
+        checkpointing="non-reentrant",
+        nvme_direct=True,
+        recipe=True,
+        frozen=True,
+        evaluate="autocast",
+        clip_value=2.0**-7,
+        why=(
+            "sweep seed 5701: a clamp after a clip by norm in bf16 (2.8e-4 off, bound 1e-4). "
+            "The engine writes the factor into its bf16 gradients before clamping, as torch "
+            "does on a bf16 param.grad; the fp32 masters' reference did not round. It does now"
+        ),
+    ),
+    Case(
+        model="gpt2",
+        optimizer="adafactor",
+        dtype="bf16",
+        accumulation=2,
+        clip=0.5,
+        activations="checkpoint",
+        host=0.75,
+        device=1.2,
+        defer_host=True,
+        nvme_direct=True,
+        frozen=True,
+        own_loss=True,
+        clip_value=2.0**-7,
+        why="sweep seed 5701: the same, with Adafactor on a GPT-2 (5.2e-4 off, bound 1e-4)",
+    ),
 )

@@ -453,6 +453,20 @@ def _offload_reading_nvme_directly(model: torch.nn.Module, cfg: infinity.Config)
     return model
 
 
+def _round_through(masters: list[torch.Tensor], case: Case, scale: float) -> None:
+    """The masters' gradients rounded through the compute dtype (at the loss scale).
+
+    NOTE: a clamp after a clip by norm sees the norm-clipped gradient as torch does on a
+    16-bit ``param.grad`` (``mul_`` rounds the product to 16 bits): the engine writes
+    the clip factor into its 16-bit gradient chunks before it clamps them
+    (``GradientLedger.clamp``). Without a clamp the factor folds into the update in
+    fp32, as on these fp32 masters."""
+    dtype = TORCH_DTYPES[case.dtype]
+    for m in masters:
+        if m.grad is not None:
+            m.grad = (m.grad * scale).to(dtype).float() / scale
+
+
 def train_reference(case: Case, *, variant: str = "single", steps: int | None = None) -> Trained:
     """Plain PyTorch on the whole batch.
 
@@ -525,6 +539,8 @@ def train_reference(case: Case, *, variant: str = "single", steps: int | None = 
         if case.clip and stepped:
             torch.nn.utils.clip_grad_norm_(masters, case.clip)
         if case.clip_value and stepped:
+            if case.clip and case.dtype != "fp32":
+                _round_through(masters, case, 1.0 if scaler is None else scaler.scale)
             torch.nn.utils.clip_grad_value_(masters, case.clip_value)
         if stepped:
             opt.step()
