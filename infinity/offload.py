@@ -83,8 +83,9 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
     except BaseException:
         engine.close()
         raise
-    # See NOTE [weak registry]: the hooks, not the registry, keep the engine alive.
-    engine.hooks = hooks
+    # NOTE [the model owns its engine]: the root's hooks hold the hook set, which holds
+    # the engine; the engine and the registry below hold them weakly.
+    engine.hooks_ref = weakref.ref(hooks)
     offloaded.register(model, engine, ((e.param, e.index) for e in engine.registry.entries))
     if world.sharded:
         _decline_data_parallel_wrappers(model)

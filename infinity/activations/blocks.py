@@ -14,6 +14,8 @@ again during the recomputation and fetch their chunks then
 from __future__ import annotations
 
 import functools
+import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,8 +137,25 @@ def _is_cache(name: str, value: Any) -> bool:
     return name in _CACHE_ARGS or (hasattr(value, "update") and hasattr(value, "get_seq_length"))
 
 
-def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+def _checkpointed(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s forward, recomputed in backward, to set as its ``forward``.
+
+    NOTE [the model owns its engine]: it holds the module weakly (calling its class's
+    forward), as the module holds it: a bound ``module.forward`` in it was a cycle that
+    kept each block, and the model's memory with it, until a garbage collection. A
+    forward set on the instance already (another wrapper) is called as it is.
+    """
+    signature = inspect.signature(module.forward)
+    own = module.__dict__.get("forward")
+    if own is not None:
+        original: Callable[..., Any] = own
+    else:
+        unbound, target = type(module).forward, weakref.ref(module)
+
+        def original(*args: Any, **kwargs: Any) -> Any:
+            return unbound(target(), *args, **kwargs)
+
+    @functools.wraps(type(module).forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # inference, generation: nothing to save
             return original(*args, **kwargs)
@@ -154,6 +173,7 @@ def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
         return checkpoint(original, *args, use_reentrant=False, **kwargs)
 
     forward.__infinity_checkpoint__ = True  # type: ignore[attr-defined]
+    forward.__signature__ = signature  # type: ignore[attr-defined]  # the bound one's
     return forward
 
 
@@ -166,7 +186,7 @@ class CheckpointedBlocks:
         for module in self._modules:
             if getattr(module.forward, "__infinity_checkpoint__", False):
                 continue  # already wrapped (a block listed twice)
-            module.forward = _checkpointed(module.forward)
+            module.forward = _checkpointed(module)
 
     def remove(self) -> None:
         """Give every block its class's ``forward`` back (idempotent)."""

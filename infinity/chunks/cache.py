@@ -7,6 +7,8 @@ live view handed out (tracked through storage weak references of aliases)."""
 from __future__ import annotations
 
 import gc
+import types
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -136,13 +138,19 @@ class TierCache:
         *,
         lend_larger: bool = True,
     ) -> None:
+        """``write_back``: held weakly if it is a bound method (of the cache's owner,
+        which holds the cache): NOTE [the model owns its engine]."""
         self.tier = tier
         # A chunk may take a free slot larger than its own (see _take_own_size).
         self.lend_larger = lend_larger
         self.pools = pools
         self.policy = policy
         self.account = account
-        self._write_back = write_back
+        self._write_back: Callable[[], Callable[[Copy], None] | None] = (
+            weakref.WeakMethod(write_back)
+            if isinstance(write_back, types.MethodType)
+            else lambda: write_back
+        )
         self._copies: dict[Hashable, Copy] = {}
         self._by_ptr: dict[int, Hashable] = {}
         self._collected = False  # a gc pass was already tried for the current shortage
@@ -344,7 +352,9 @@ class TierCache:
         """
         copy = self._copies[key]
         if copy.dirty:
-            self._write_back(copy)
+            write_back = self._write_back()
+            assert write_back is not None, "the cache outlived its owner"
+            write_back(copy)
             copy.dirty = False
         if copy.in_flight():
             self._retire(copy)

@@ -183,7 +183,7 @@ class GradientFlow:
                 home.dirty = True
             else:
                 staged = home.tensor
-                write = ChainedTransfer(d2h, lambda: self.homes.write(key, staged))
+                write = ChainedTransfer(d2h, partial(self.homes.write, key, staged))
                 home.pending.append(write)
             self.grads.flushed(i)
             return
@@ -330,10 +330,12 @@ class GradientFlow:
             mean, copy.typed(self.dtype), f"reducing gradient chunk {i}"
         )
 
+        backend = self.backend  # not self: the chain waits in the slot's copy (a cycle)
+
         def to_home(dst: torch.Tensor) -> Pending:
             def copy_mean() -> Pending:
                 mean.div_(size)
-                return self.backend.copy_async(dst, mean.view(torch.uint8))
+                return backend.copy_async(dst, mean.view(torch.uint8))
 
             return ChainedTransfer(work, copy_mean)
 

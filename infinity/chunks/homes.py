@@ -207,8 +207,12 @@ class HomeStore:
         # what keeps a re-read of that key from seeing the old bytes.
         # A failed earlier write raises here (and in the chain): the home does
         # not hold what the caller expects to read or to overwrite.
+        # NOTE: the chain is kept in self._writing: it holds the failures, not self
+        # (a cycle would keep the homes after the engine: NOTE [the model owns its engine]).
+        failures = self.failures
+
         def start() -> Pending:
-            watched = [self.failures.watch(request, key) for request in submit()]
+            watched = [failures.watch(request, key) for request in submit()]
             return watched[0] if len(watched) == 1 else AllOf(watched)
 
         previous = self._writing.get(key)
@@ -305,15 +309,16 @@ class IOFailures:
     def __init__(self) -> None:
         self.first: NVMeIOError | None = None
         self.reported = False  # the first error was raised at a caller at least once
-        self._watched: list[WatchedTransfer] = []
+        # (request, key) of each unchecked transfer; not the WatchedTransfer, which holds
+        # this object (a cycle: NOTE [the model owns its engine]).
+        self._watched: list[tuple[IORequest, Key]] = []
 
     def watch(self, request: IORequest, key: Key) -> WatchedTransfer:
         """Wrap a just-submitted transfer of ``key``'s home so its outcome is never lost."""
         if len(self._watched) > 64:
             self.sweep()
-        watched = WatchedTransfer(request, key, self)
-        self._watched.append(watched)
-        return watched
+        self._watched.append((request, key))
+        return WatchedTransfer(request, key, self)
 
     def record(self, error: NVMeIOError, key: Key, *, raised: bool) -> NVMeIOError:
         """Note a failed transfer of ``key``; returns the error to raise (the first one).
@@ -337,11 +342,13 @@ class IOFailures:
     def sweep(self) -> None:
         """Look at every finished transfer: record a failure, forget the successes."""
         running = []
-        for watched in self._watched:
-            if not watched.request.done():
-                running.append(watched)
-            else:
-                watched.done()  # records a failure
+        for request, key in self._watched:
+            if not request.done():
+                running.append((request, key))
+                continue
+            error = request.exception()
+            if error is not None:
+                self.record(error, key, raised=False)
         self._watched = running
 
     def check(self) -> None:

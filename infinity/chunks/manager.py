@@ -113,7 +113,7 @@ class ChunkManager:
             device_pools,
             device_policy,
             self.device_account,
-            lambda copy: self.grad_flow.write_back_device(copy),  # NOTE: built below
+            self._write_back_device,
             lend_larger=not plan.recomputes_blocks,
         )
         self.host = HostStaging(
@@ -144,6 +144,10 @@ class ChunkManager:
         # pipeline only; checked here, on every read of parameter bytes.
         self.updates = UpdateStates(n)
         self.in_use = InUse(plan.spare_device_slots)  # sharded: what every rank holds
+
+    def _write_back_device(self, copy: Copy) -> None:
+        """The device cache's write-back of a dirty copy: its gradients go home."""
+        self.grad_flow.write_back_device(copy)
 
     @property
     def moment(self) -> int:

@@ -12,10 +12,12 @@ backend capability. See NOTE [routes are data] (docs/NOTES.md).
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import Protocol, cast
 
 import torch
 
@@ -250,7 +252,8 @@ def staged_copy(
     if staged is None:
         return None
     src = staged.tensor
-    chain = ChainedTransfer(staged.fill, lambda: manager.backend.copy_async(dst, src))
+    # The backend, not the manager: the chain waits in the staging copy (a cycle).
+    chain = ChainedTransfer(staged.fill, partial(manager.backend.copy_async, dst, src))
     staged.pending.append(chain)  # the staging slot is read until the copy ends
     return chain
 
@@ -260,7 +263,8 @@ class SpanFill:
     through host staging; advances whenever polled (``done``) or waited on."""
 
     def __init__(self, manager: MoverAccess, chunk: int, dst: torch.Tensor) -> None:
-        self._manager = manager
+        # A proxy: the fill waits in the device copy the manager holds (a cycle).
+        self._manager = cast(MoverAccess, weakref.proxy(manager))
         self._chunk = chunk
         self._dst = dst
         self._ranges = span_ranges(manager.plan, chunk)

@@ -34,6 +34,7 @@ included), so every piece's byte range stays O_DIRECT-aligned.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -50,14 +51,23 @@ from infinity.optim.chunk_optimizer import StateFormat, unit_ranges
 class Slot:
     """One slot of a pool: ``tensor`` is a uint8 view of ``nbytes``."""
 
-    pool: SlabPool
+    # Weak: the pool holds its slots, and a cycle would keep the slab alive after the
+    # engine until a garbage collection (NOTE [the model owns its engine]).
+    pool_ref: weakref.ref[SlabPool]
     index: int
     tensor: torch.Tensor
 
     @property
+    def pool(self) -> SlabPool:
+        """The pool the slot belongs to."""
+        pool = self.pool_ref()
+        assert pool is not None, "a slot outlived its pool"
+        return pool
+
+    @property
     def nbytes(self) -> int:
         """Size of the slot."""
-        return self.pool.slot_bytes
+        return self.tensor.numel()
 
 
 class PoolExhausted(RuntimeError):
@@ -80,8 +90,9 @@ class SlabPool:
         self.slot_bytes = slot_bytes
         self.count = count
         self.slab = allocate(slot_bytes * count) if count else torch.empty(0, dtype=torch.uint8)
+        me = weakref.ref(self)
         self._slots = [
-            Slot(self, i, self.slab[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(count)
+            Slot(me, i, self.slab[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(count)
         ]
         # LIFO free list: a recently freed slot is likely still in cache.
         self._free = list(reversed(self._slots))
@@ -147,10 +158,10 @@ class Traffic:
     # Brackets a wait in which the device may idle (the backend's ``stall``:
     # NOTE [the step's bound]).
     stall: Callable[[], AbstractContextManager[None]] = field(default=nullcontext, repr=False)
-    _hook_timer: _HookTimer = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._hook_timer = _HookTimer(self)
+    # in_hook's state: its nesting depth, the outermost hook's start and stall.
+    _depth: int = field(default=0, init=False, repr=False)
+    _start: float = field(default=0.0, init=False, repr=False)
+    _stall: AbstractContextManager[None] | None = field(default=None, init=False, repr=False)
 
     def snapshot(self) -> dict[str, float]:
         """A flat copy of the counters. ``nvme_busy_seconds``: the time the swap
@@ -194,8 +205,24 @@ class Traffic:
     def in_hook(self) -> AbstractContextManager[None]:
         """Time one of the engine's hooks: host work in which the device may idle
         (NOTE [the step's bound]). Hooks nest (a fetch inside a gradient's); the
-        outermost counts."""
-        return self._hook_timer
+        outermost counts. The counters are their own timer: around every hook call, a
+        thousand a step, no generator, no allocation, and no object holding them (a
+        reference cycle: NOTE [the model owns its engine])."""
+        return self
+
+    def __enter__(self) -> None:
+        if self._depth == 0:
+            self._start = time.perf_counter()
+            self._stall = self.stall()
+            self._stall.__enter__()
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            assert self._stall is not None
+            self._stall.__exit__(None, None, None)
+            self.hook_seconds += time.perf_counter() - self._start
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -207,33 +234,6 @@ class Traffic:
         finally:
             waited = sum(self.wait_seconds.values()) - waited
             self.host_optimizer_seconds += time.perf_counter() - start - waited
-
-
-class _HookTimer:
-    """``with traffic.in_hook():`` — one reusable object (around every hook call,
-    a thousand a step: no generator, no allocation)."""
-
-    __slots__ = ("_depth", "_stall", "_start", "_traffic")
-
-    def __init__(self, traffic: Traffic) -> None:
-        self._traffic = traffic
-        self._depth = 0
-        self._start = 0.0
-        self._stall: AbstractContextManager[None] | None = None
-
-    def __enter__(self) -> None:
-        if self._depth == 0:
-            self._start = time.perf_counter()
-            self._stall = self._traffic.stall()
-            self._stall.__enter__()
-        self._depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            assert self._stall is not None
-            self._stall.__exit__(None, None, None)
-            self._traffic.hook_seconds += time.perf_counter() - self._start
 
 
 class Pending(Protocol):

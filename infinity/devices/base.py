@@ -149,22 +149,6 @@ class DeviceBackend(abc.ABC):
 FOLD_AT = 1024
 
 
-class _Bracket:
-    """``with clock.stall():`` — one reusable object per clock (the hooks open one
-    around every call, a thousand a step: no generator, no allocation)."""
-
-    __slots__ = ("_clock",)
-
-    def __init__(self, clock: HostClock) -> None:
-        self._clock = clock
-
-    def __enter__(self) -> None:
-        self._clock._enter()
-
-    def __exit__(self, *exc: object) -> None:
-        self._clock._leave()
-
-
 class HostClock:
     """The step clock of a device that computes on the host's cores."""
 
@@ -173,7 +157,6 @@ class HostClock:
         self._depth = 0
         self._stalled = 0.0
         self._mark: float | None = None  # when the outermost bracket opened in a span
-        self._bracket = _Bracket(self)
 
     def open_span(self) -> None:
         """A step's device work starts (its first forward; later calls continue it)."""
@@ -182,8 +165,18 @@ class HostClock:
 
     def stall(self) -> AbstractContextManager[None]:
         """Host work or a wait during which the device may idle for the engine: not
-        counted as compute. Brackets nest; the outermost counts."""
-        return self._bracket
+        counted as compute. Brackets nest; the outermost counts.
+
+        The clock is its own bracket: the hooks open one around every call, a
+        thousand a step (no generator, no allocation), and an object holding the
+        clock would be a reference cycle (NOTE [the model owns its engine])."""
+        return self
+
+    def __enter__(self) -> None:
+        self._enter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._leave()
 
     def _enter(self) -> None:
         if self._depth == 0:

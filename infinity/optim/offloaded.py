@@ -204,12 +204,21 @@ def model_engine(model: nn.Module) -> ChunkStepper | None:
 
 
 def param_slot(param: torch.Tensor) -> ParamSlot | None:
-    """The engine and tensor index of ``param``, or ``None`` for an ordinary tensor."""
+    """The engine and tensor index of ``param``, or ``None`` for an ordinary tensor;
+    raises ``ReferenceError`` if ``param``'s offloaded model was dropped."""
     found = _params.get(param)
     if found is None:
         return None
     engine = found[0]()
-    return ParamSlot(engine, found[1]) if engine is not None else None
+    if engine is None:
+        # NOTE [the model owns its engine]: the model was dropped and its chunks freed,
+        # while an optimizer (or other holder) kept its parameters.
+        raise ReferenceError(
+            "this parameter belongs to an offloaded model that was dropped: its values "
+            "and optimizer states were freed with it. Keep a reference to the model (the "
+            "module infinity.offload returned) for as long as its optimizer is used"
+        )
+    return ParamSlot(engine, found[1])
 
 
 def engine_of_param(param: torch.Tensor) -> ChunkStepper | None:

@@ -187,7 +187,9 @@ def choose_plan(
         try:
             return attempt(elems)
         except PlanError as exc:
-            last_error = exc
+            # NOTE: without its traceback: kept, the error's frames (and the model in
+            # offload's) would form a cycle that outlives the search until a collection.
+            last_error = exc.with_traceback(None)
     assert last_error is not None
     if unit * element_size > MIN_SEARCH_CHUNK_BYTES:
         raise _shard_rounding_error(last_error, unit * element_size, shard_count, config) from None

@@ -138,7 +138,9 @@ class OffloadEngine:
             estimate=first_forward_estimate(model, self.dtype, self.device, config),
         )
         self._param_count = len(self.registry.entries)
-        self.hooks: object | None = None  # the model's HookSet, kept alive with the engine
+        # The model's HookSet, held weakly: the model's hooks own it and it owns this
+        # engine (NOTE [the model owns its engine]). Set by offload.
+        self.hooks_ref: weakref.ref[Any] | None = None
         # By module: (attribute, Parameter) a recomputation sees through a view (_stand_in).
         self._stand_ins: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
         self._closed = False
@@ -161,6 +163,11 @@ class OffloadEngine:
                 raise AttributeError(f"OffloadEngine.{name} was read before lay_out made it")
             self.lay_out(f"a read of its {name} before any optimizer or forward")
             return self.__dict__[name]
+
+    @property
+    def hooks(self) -> Any:
+        """The hooks this engine installed on its model (``None`` once they are gone)."""
+        return self.hooks_ref() if self.hooks_ref is not None else None
 
     @property
     def laid_out(self) -> bool:

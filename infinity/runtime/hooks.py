@@ -44,7 +44,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -59,6 +59,7 @@ from infinity.runtime.params import ParamEntry, ParamRegistry, is_pretrained_mod
 from infinity.runtime.state_access import read_params, write_params
 
 _opaque = torch.compiler.disable
+_T = TypeVar("_T")
 
 
 def _in_backward() -> bool:
@@ -88,8 +89,28 @@ def _to_sink(engine: OffloadEngine, verb: str) -> Callable[..., Any]:
     return hook
 
 
+def _alive(ref: weakref.ref[_T]) -> _T:
+    """What a module's hook refers to (NOTE [the model owns its engine])."""
+    found = ref()
+    if found is None:
+        raise ReferenceError(
+            "this module belongs to an offloaded model that was dropped: its chunks are "
+            "freed. Keep a reference to the model itself (the module infinity.offload "
+            "returned) while any of its modules is used"
+        )
+    return found
+
+
 class HookSet:
-    """Every hook the engine put on a model, removable at once."""
+    """Every hook the engine put on a model, removable at once.
+
+    NOTE [the model owns its engine]: only the root's own hooks hold this set (and
+    through it the engine) strongly. A hook on any other module holds it, and every
+    module, weakly: the engine holds modules (its activation blocks, a recomputed
+    block's stand-ins), and a module's hook holding the engine would make a
+    reference cycle, freed only by a garbage collection. So the last reference to
+    the model frees the engine, its threads, swap files and chunk memory at once.
+    """
 
     def __init__(self, model: nn.Module, engine: OffloadEngine) -> None:
         self.handles: list[RemovableHandle] = []
@@ -131,24 +152,29 @@ class HookSet:
         self._depth: dict[nn.Module, int] = {}
         direct = head_read_directly(model, engine.registry)
         self._backbone_is_root = False
+        me = weakref.ref(self)
+        head = weakref.ref(direct.owner) if direct is not None else None
 
         @_opaque
         def backbone_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self._scopes and not _in_backward():
+            hooks = _alive(me)
+            if not hooks._scopes and not _in_backward():
                 # NOTE [modules called on their own]: the loop runs the backbone itself
                 # (model.model(...), then model.lm_head(h)): its call is the forward.
-                self._backbone_is_root = True
-                self._begin_forward(batch_shape(args, kwargs))
+                hooks._backbone_is_root = True
+                hooks._begin_forward(batch_shape(args, kwargs))
 
         @_opaque
         def backbone_post(module: nn.Module, args: tuple, output: object) -> None:
-            assert direct is not None
-            if self._backbone_is_root:
-                self._backbone_is_root = False
-                self._end_forward()
+            hooks = _alive(me)
+            owner = head() if head is not None else None
+            if hooks._backbone_is_root:
+                hooks._backbone_is_root = False
+                hooks._end_forward()
                 return
-            self._enter(direct.owner)
-            self._direct_open.append(direct.owner)
+            if owner is not None:
+                hooks._enter(owner)
+                hooks._direct_open.append(owner)
 
         self._direct_open: list[nn.Module] = []
         self.handles.append(
@@ -157,7 +183,7 @@ class HookSet:
         # Each module binds its own parameters, and the owners of those its forward reads
         # while they do not run (ParamRegistry.reads), for the length of its forward.
         binds: dict[nn.Module, list[nn.Module]] = {m: [m] for m in engine.registry.owners}
-        for reader, owners in engine.registry.reads.items():
+        for reader, owners in engine.registry.read_owners():
             skip = direct.owner if direct is not None else None  # bound from the backbone's end
             binds.setdefault(reader, []).extend(o for o in owners if o is not skip)
         for module, owners in binds.items():
@@ -181,12 +207,13 @@ class HookSet:
         # Blocks: what the forward saves is measured per block (and checkpointed).
         policy = engine.activation_policy
         trace = policy.trace
+        traced = weakref.ref(trace)
         for block in policy.blocks:
-            enter = _opaque(lambda m, a: trace.enter(m))
+            enter = _opaque(lambda m, a: _alive(traced).enter(m))
             self.handles.append(block.register_forward_pre_hook(enter))
             self.handles.append(
                 block.register_forward_hook(
-                    _opaque(lambda m, a, o: trace.leave(m)), always_call=True
+                    _opaque(lambda m, a, o: _alive(traced).leave(m)), always_call=True
                 )
             )
         policy.attach()
@@ -239,8 +266,12 @@ class HookSet:
             self._depth[module] = depth - 1
 
     def _pre(self, module: nn.Module, owners: list[nn.Module]) -> Callable[..., None]:
+        me = weakref.ref(self)
+        bound = [weakref.ref(o) for o in owners]
+
         @_opaque
         def hook(mod: nn.Module, args: tuple) -> None:
+            self = _alive(me)
             if not self._scopes and self._outside is None and not _in_backward():
                 # NOTE [modules called on their own]: a module called outside every
                 # forward of the model's (model.lm_head(h), an embedding for
@@ -251,18 +282,22 @@ class HookSet:
                 self._engine.lay_out("a module's forward")
                 scope = saved_tensors_hooks(*self._weight_hooks)
                 scope.__enter__()
-                self._outside = (module, scope)
-            for owner in owners:
-                self._enter(owner)
+                self._outside = (mod, scope)
+            for ref in bound:
+                self._enter(_alive(ref))
 
         return hook
 
     def _post(self, module: nn.Module, owners: list[nn.Module]) -> Callable[..., None]:
+        me = weakref.ref(self)
+        bound = [weakref.ref(o) for o in reversed(owners)]
+
         @_opaque
         def hook(mod: nn.Module, args: tuple, output: object) -> None:
-            for owner in reversed(owners):
-                self._leave(owner)
-            if self._outside is not None and self._outside[0] is module:
+            self = _alive(me)
+            for ref in bound:
+                self._leave(_alive(ref))
+            if self._outside is not None and self._outside[0] is mod:
                 self._outside[1].__exit__(None, None, None)
                 self._outside = None
 
@@ -299,7 +334,7 @@ def head_read_directly(model: nn.Module, registry: ParamRegistry) -> DirectRead 
     weight = getattr(head, "weight", None)
     if not isinstance(backbone, nn.Module) or not isinstance(weight, nn.Parameter):
         return None
-    if head in registry.owners:
+    if isinstance(head, nn.Module) and head in registry.owners:
         # With tied weights the head owns the weight too: its own forward
         # (when a loop does call it) then nests inside the direct read's binding.
         return DirectRead(backbone, head)
@@ -310,8 +345,10 @@ def head_read_directly(model: nn.Module, registry: ParamRegistry) -> DirectRead 
 
 
 def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
-    """Hooks on every module that owns parameters; returns their handles."""
+    """Hooks on every module that owns parameters; returns their handles. They hold
+    the engine weakly (NOTE [the model owns its engine])."""
     handles: list[RemovableHandle] = []
+    ref = weakref.ref(engine)
     for module, _entries in engine.registry.owners.items():
         names = {
             name: engine.registry.by_id[id(p)] for name, p in module.named_parameters(recurse=False)
@@ -329,7 +366,7 @@ def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
                 prefix + name: entry for name, entry in names.items() if prefix + name in state_dict
             }
             by_index = {e.index: key for key, e in wanted.items()}
-            for entry, value in read_params(engine, wanted.values()):
+            for entry, value in read_params(_alive(ref), wanted.values()):
                 state_dict[by_index[entry.index]] = value
                 # a tied parameter appears under each of its names
                 for key, other in wanted.items():
@@ -355,7 +392,7 @@ def install_state_dict_hooks(engine: OffloadEngine) -> list[RemovableHandle]:
                     values[entry.index] = state_dict.pop(key)
                     consumed.append(key)
             if values:
-                write_params(engine, values)
+                write_params(_alive(ref), values)
 
         def load_post_hook(
             mod: nn.Module, incompatible: Any, consumed: list[str] = consumed

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -126,20 +127,30 @@ def tensor_index(entry: ParamEntry) -> int:
     return entry.index
 
 
+_Modules = weakref.WeakKeyDictionary
+
+
 @dataclass
 class ParamRegistry:
-    """Unique parameters in registration order and the modules that own them."""
+    """Unique parameters in registration order and the modules that own them.
+
+    NOTE [the model owns its engine]: the modules are held weakly (keys, parents and
+    readers): the engine holds this registry, and a model the engine held would be in
+    a reference cycle with it, so a dropped model kept its chunks' memory until a
+    garbage collection. The model's hooks hold the engine; nothing of the engine
+    holds the model.
+    """
 
     entries: list[ParamEntry] = field(default_factory=list)
     by_id: dict[int, ParamEntry] = field(default_factory=dict)
-    owners: dict[nn.Module, list[ParamEntry]] = field(default_factory=dict)
-    module_names: dict[nn.Module, str] = field(default_factory=dict)
-    parents: dict[nn.Module, nn.Module | None] = field(default_factory=dict)
+    owners: _Modules[nn.Module, list[ParamEntry]] = field(default_factory=_Modules)
+    module_names: _Modules[nn.Module, str] = field(default_factory=_Modules)
+    parents: _Modules[nn.Module, weakref.ref[nn.Module] | None] = field(default_factory=_Modules)
     # Blocks whose forward runs again in backward (activation checkpointing).
     recomputed: list[nn.Module] = field(default_factory=list)
     # A module -> the owners whose parameters its forward reads while they do not run
     # (forward_trace): bound for its whole forward, as its own are.
-    reads: dict[nn.Module, list[nn.Module]] = field(default_factory=dict)
+    reads: _Modules[nn.Module, list[weakref.ref[nn.Module]]] = field(default_factory=_Modules)
 
     @classmethod
     def from_model(
@@ -162,7 +173,7 @@ class ParamRegistry:
         for mod_name, module in modules.items():
             reg.module_names[module] = mod_name
             for child in module.children():
-                reg.parents.setdefault(child, module)
+                reg.parents.setdefault(child, weakref.ref(module))
         trace = forward_trace(model) if order is None else None
         if order is None:
             order = trace.order if trace is not None else ()
@@ -212,7 +223,12 @@ class ParamRegistry:
             entries = [self.by_id.get(id(params[n])) for n in names if n in params]
             owners = {owner_of[id(e)]: None for e in entries if e is not None and id(e) in owner_of}
             if reader is not None and owners:
-                self.reads[reader] = list(owners)
+                self.reads[reader] = [weakref.ref(o) for o in owners]
+
+    def read_owners(self) -> Iterator[tuple[nn.Module, list[nn.Module]]]:
+        """:attr:`reads`: each reader and the owners whose parameters it reads."""
+        for reader, owners in list(self.reads.items()):
+            yield reader, [o for o in (ref() for ref in owners) if o is not None]
 
     def _own_once_per_branch(self) -> None:
         """A parameter a module and one of its ancestors both register is owned by the
@@ -245,10 +261,12 @@ class ParamRegistry:
 
     def ancestors(self, module: nn.Module) -> Iterator[nn.Module]:
         """``module``'s parents up to the root."""
-        parent = self.parents.get(module)
+        ref = self.parents.get(module)
+        parent = ref() if ref is not None else None
         while parent is not None:
             yield parent
-            parent = self.parents.get(parent)
+            ref = self.parents.get(parent)
+            parent = ref() if ref is not None else None
 
     def working_sets(self, layout: ChunkLayout) -> list[frozenset[int]]:
         """Chunks each module holds at once: its own and its ancestors' parameters';
@@ -260,7 +278,7 @@ class ParamRegistry:
         are held at once, beside the gradient chunks receiving.
         """
         own = {m: {layout.slots[e.index].chunk for e in es} for m, es in self.owners.items()}
-        for reader, owners in self.reads.items():  # bound for the reader's whole forward
+        for reader, owners in self.read_owners():  # bound for the reader's whole forward
             own.setdefault(reader, set()).update(*(own.get(o, set()) for o in owners))
         sets = []
         for module, chunks in own.items():
@@ -280,7 +298,10 @@ class ParamRegistry:
     @property
     def root(self) -> nn.Module:
         """The model itself (the module without a parent)."""
-        return next(m for m, parent in self.parents.items() if parent is None)
+        root = next((m for m, parent in self.parents.items() if parent is None), None)
+        if root is None:
+            raise ReferenceError("the offloaded model was dropped: its engine is closing")
+        return root
 
     def entry(self, param: torch.Tensor) -> ParamEntry | None:
         """The entry of ``param`` if it belongs to the model."""
