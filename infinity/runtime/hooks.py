@@ -73,9 +73,8 @@ def _to_sink(engine: OffloadEngine, verb: str) -> Callable[..., Any]:
     host work (NOTE [the step's bound]). The sink is the engine's from its lay-out,
     which a forward runs before any backward.
 
-    NOTE: tensor hooks live in the C++ tensor, where the garbage collector cannot
-    see them: a hook holding the engine (which holds the parameter) would be a
-    cycle it never frees, so a dropped model would keep its threads and swap file.
+    NOTE [the model owns its engine]; and tensor hooks live in the C++ tensor, where
+    the garbage collector cannot see them: a cycle through one is never freed.
     """
     ref = weakref.ref(engine)
 
@@ -102,15 +101,9 @@ def _alive(ref: weakref.ref[_T]) -> _T:
 
 
 class HookSet:
-    """Every hook the engine put on a model, removable at once.
-
-    NOTE [the model owns its engine]: only the root's own hooks hold this set (and
-    through it the engine) strongly. A hook on any other module holds it, and every
-    module, weakly: the engine holds modules (its activation blocks, a recomputed
-    block's stand-ins), and a module's hook holding the engine would make a
-    reference cycle, freed only by a garbage collection. So the last reference to
-    the model frees the engine, its threads, swap files and chunk memory at once.
-    """
+    """Every hook the engine put on a model, removable at once. Only the root's own
+    hooks hold it strongly; every other hook holds it, and modules, weakly:
+    NOTE [the model owns its engine]."""
 
     def __init__(self, model: nn.Module, engine: OffloadEngine) -> None:
         self.handles: list[RemovableHandle] = []

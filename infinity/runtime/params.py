@@ -132,14 +132,8 @@ _Modules = weakref.WeakKeyDictionary
 
 @dataclass
 class ParamRegistry:
-    """Unique parameters in registration order and the modules that own them.
-
-    NOTE [the model owns its engine]: the modules are held weakly (keys, parents and
-    readers): the engine holds this registry, and a model the engine held would be in
-    a reference cycle with it, so a dropped model kept its chunks' memory until a
-    garbage collection. The model's hooks hold the engine; nothing of the engine
-    holds the model.
-    """
+    """Unique parameters in registration order and the modules that own them (held
+    weakly: NOTE [the model owns its engine])."""
 
     entries: list[ParamEntry] = field(default_factory=list)
     by_id: dict[int, ParamEntry] = field(default_factory=dict)

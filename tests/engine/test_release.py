@@ -14,6 +14,7 @@ import gc
 import os
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -26,6 +27,16 @@ import infinity
 from infinity.models.gpt import GPT, GPTConfig
 from infinity.offload import engine_of
 from infinity.optim import CPUAdam
+
+
+def engine_threads() -> list[str]:
+    """This process's native threads that belong to an engine (``inf-copy``, ``inf-io``;
+    not the one process-wide kernel pool, ``inf-compute``)."""
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        with contextlib.suppress(OSError):  # the thread ended while we listed
+            names.append(comm.read_text().strip())
+    return sorted(n for n in names if n.startswith("inf-") and n != "inf-compute")
 
 
 @contextlib.contextmanager
@@ -103,8 +114,10 @@ def _trained(tmp_path, case: str) -> tuple[torch.nn.Module, CPUAdam]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_last_reference_frees_model_engine_and_swap_file_without_a_collection(tmp_path, case):
+    before = engine_threads()
     with no_collector():
         model, optimizer = _trained(tmp_path, case)
+        assert len(engine_threads()) > len(before)
         engine = weakref.ref(engine_of(model))
         dropped = weakref.ref(model)
         assert os.listdir(tmp_path), "the case should use the NVMe tier"
@@ -112,6 +125,7 @@ def test_the_last_reference_frees_model_engine_and_swap_file_without_a_collectio
         assert dropped() is None, "a reference cycle keeps the model"
         assert engine() is None, "a reference cycle keeps the engine"
         assert os.listdir(tmp_path) == [], "the swap file outlived the model"
+        assert engine_threads() == before, "the engine's threads outlived the model"
 
 
 def test_host_memory_returns_when_the_model_is_dropped():

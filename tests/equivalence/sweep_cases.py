@@ -953,4 +953,42 @@ EXAMPLES: tuple[Case, ...] = (
         clip_value=2.0**-7,
         why="sweep seed 5701: the same, with Adafactor on a GPT-2 (5.2e-4 off, bound 1e-4)",
     ),
+    Case(
+        optimizer="lion",
+        dtype="bf16",
+        state_dtype="bf16",
+        accumulation=2,
+        activations="checkpoint",
+        chunk_size="40KiB",
+        host=0.75,
+        device=0.6,
+        defer_host=True,
+        nvme_direct=True,
+        recipe=True,
+        evaluate="autocast",
+        why=(
+            "sweep seed 5802: the last held-out loss 0.62 of the step's movement towards the "
+            "loss before it (bound 0.5), equal to the bit to plain PyTorch's on the case's own "
+            "final weights: noise in bf16 Lion's weights, not a stale evaluation. The last "
+            "evaluation is judged against the run's own weights"
+        ),
+    ),
+    Case(
+        optimizer="sgd",
+        dtype="fp16",
+        betas=(0.9, 0.999),
+        chunk_size="40KiB",
+        host=0.75,
+        device=0.35,
+        nvme_direct=True,
+        recipe=True,
+        frozen=True,
+        evaluate="autocast",
+        clip_value=2.0**-10,
+        why=(
+            "sweep seed 5802: SGD's steps clamped to 2^-10 moved the held-out loss less than "
+            "the floor: no step could tell a stale evaluation. The last one is told against "
+            "the run's own weights"
+        ),
+    ),
 )

@@ -16,6 +16,7 @@ steps its fp32 masters with torch's AdamW on the CPU, as infinity does.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import os
 from collections.abc import Iterator
@@ -159,6 +160,9 @@ class Trained:
     device_forecast: int | None = None
     # Budget lines over their limit, or lines over their budget (see _over_limits).
     over_limits: list[str] = field(default_factory=list)
+    # The held-out loss plain PyTorch computes on this run's final weights (the masters
+    # in the compute dtype), on the CPU: see sweep_run._judge_evals.
+    own_eval: float | None = None
 
 
 def _parts(case: Case, ids: torch.Tensor, world: int) -> Iterator[torch.Tensor]:
@@ -409,9 +413,20 @@ def _trained(
     for kind, tiers in (earlier or {}).items():
         for tier, count in tiers.items():
             placement[kind][tier] = placement[kind].get(tier, 0) + count
+    own = _plain_eval(case, state) if case.evaluate else None
     return Trained(
-        state, losses, placement, list(evals or []), *device, _over_limits(stats["memory"])
+        state, losses, placement, list(evals or []), *device, _over_limits(stats["memory"]), own
     )
+
+
+def _plain_eval(case: Case, state: dict[str, torch.Tensor]) -> float:
+    """:func:`evaluate` of a plain model holding ``state`` (fp32 masters by name) in the
+    compute dtype, on the CPU."""
+    model = build_model(case)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.data = state[name].to(TORCH_DTYPES[case.dtype])
+    return evaluate(dataclasses.replace(case, backend="cpu"), model)
 
 
 def _over_limits(memory: dict) -> list[str]:

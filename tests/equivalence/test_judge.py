@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 from sweep_cases import Case
 from sweep_run import Outcome, judge
-from sweep_train import Trained, train_reference
+from sweep_train import Trained, _plain_eval, train_reference
 
 pytest.importorskip("transformers")
 
@@ -60,3 +60,30 @@ def test_a_held_out_loss_past_the_step_is_not_taken_for_a_stale_one() -> None:
     assert judged(0.8)  # past the step, within its movement
     assert not judged(1.3)  # past the step by more than it moved
     assert not judged(-0.7)  # towards the loss before the step: stale
+
+
+def test_the_last_evaluation_is_the_loss_of_the_run_s_own_final_weights() -> None:
+    # Plain PyTorch on the run's final weights gives the last held-out loss to the bit;
+    # a last evaluation that is not it saw other weights (a stale one), and one that is
+    # it passes however far noise in the weights moved both from the reference's.
+    case = Case(evaluate="no_grad")
+    ref = train_reference(case)
+    own = _plain_eval(case, ref.state)
+    assert own == ref.evals[-1]
+    before, now = ref.evals[-2], ref.evals[-1]
+    noisy = now - 0.7 * (now - before)  # towards the loss before the step, as a stale one
+
+    def judged(last: float, own_eval: float | None) -> bool:
+        trained = dataclasses.replace(ref, evals=[*ref.evals[1:-1], last], own_eval=own_eval)
+        return judge(Outcome(case, trained=trained)).ok
+
+    assert judged(now, own)
+    assert judged(noisy, noisy)  # the weights' own noise: their loss moved alike
+    assert not judged(before, own)  # the evaluation saw the weights before the step
+    verdict = judge(
+        Outcome(
+            case, trained=dataclasses.replace(ref, evals=[*ref.evals[1:-1], before], own_eval=own)
+        )
+    )
+    assert "did not see them" in verdict.message
+    assert not judged(noisy, None)  # without the run's own loss: the movement's bound
