@@ -289,10 +289,10 @@ def _judge_evals(
     (two ranks in bf16 with bf16 moments overshot by 0.84 of it, sweep seed 6262,
     their weights well inside their bound), never below the floor.
 
-    The last evaluation, off the CPU's own arithmetic only on CUDA, is judged
-    exactly instead: it must be ``own``, the loss plain PyTorch computes on the
-    run's final weights, within :data:`OWN_TOLERANCE` (it is, bit for bit, on the
-    CPU and the fence). A stale one is then told wherever the last step moved the
+    The last evaluation (but on CUDA, where it is not checked bit for bit here) is
+    judged exactly instead: it must be ``own``, the loss plain PyTorch computes on
+    the run's final weights on the same device, within :data:`OWN_TOLERANCE` (it
+    is, bit for bit, on the CPU and the fence). A stale one is then told wherever the last step moved the
     run's own loss beyond that; noise in the weights, judged by their own bound,
     moves both alike (seed 5802: a bf16 Lion case 0.62 of a step's movement towards
     the loss before it, equal to its own weights' loss to the bit).

@@ -16,7 +16,6 @@ steps its fp32 masters with torch's AdamW on the CPU, as infinity does.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import os
 from collections.abc import Iterator
@@ -161,7 +160,7 @@ class Trained:
     # Budget lines over their limit, or lines over their budget (see _over_limits).
     over_limits: list[str] = field(default_factory=list)
     # The held-out loss plain PyTorch computes on this run's final weights (the masters
-    # in the compute dtype), on the CPU: see sweep_run._judge_evals.
+    # in the compute dtype), on its device: see sweep_run._judge_evals.
     own_eval: float | None = None
 
 
@@ -421,12 +420,12 @@ def _trained(
 
 def _plain_eval(case: Case, state: dict[str, torch.Tensor]) -> float:
     """:func:`evaluate` of a plain model holding ``state`` (fp32 masters by name) in the
-    compute dtype, on the CPU."""
-    model = build_model(case)
+    compute dtype, on the case's device."""
+    model = build_model(case).to(case.backend)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.data = state[name].to(TORCH_DTYPES[case.dtype])
-    return evaluate(dataclasses.replace(case, backend="cpu"), model)
+            param.data = state[name].to(case.backend, TORCH_DTYPES[case.dtype])
+    return evaluate(case, model)
 
 
 def _over_limits(memory: dict) -> list[str]:
