@@ -292,10 +292,11 @@ def _judge_evals(
     The last evaluation (but on CUDA, where it is not checked bit for bit here) is
     judged exactly instead: it must be ``own``, the loss plain PyTorch computes on
     the run's final weights on the same device, within :data:`OWN_TOLERANCE` (it
-    is, bit for bit, on the CPU and the fence). A stale one is then told wherever the last step moved the
-    run's own loss beyond that; noise in the weights, judged by their own bound,
-    moves both alike (seed 5802: a bf16 Lion case 0.62 of a step's movement towards
-    the loss before it, equal to its own weights' loss to the bit).
+    is, bit for bit, on the CPU and the fence). A stale one is then told wherever
+    the last step moved the run's own loss beyond that; noise in the weights, judged
+    by their own bound, moves both alike (seed 5802: a bf16 Lion case 0.62 of a
+    step's movement towards the loss before it, equal to its own weights' loss to
+    the bit).
     """
     if not case.evaluate:
         return None

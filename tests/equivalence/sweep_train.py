@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from unittest import mock
@@ -186,50 +187,72 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
     checkpoint; a second model (initialised differently, so that nothing it ends
     with can come from anywhere but the checkpoint) is offloaded with the resume
     budgets, loads it and trains the remaining steps.
+
+    The garbage collector is off meanwhile, and every model the case made must be
+    gone once its last reference is (NOTE [the model owns its engine]): a reference
+    cycle through the model, its hooks or its engine fails the case.
     """
+    engines: list[weakref.ref] = []  # NOTE: closed whatever happens (twice is a no-op)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        trained = _train_offloaded(case, nvme_dir, rank, engines)
+        kept = sum(ref() is not None for ref in engines)
+        if kept:
+            raise AssertionError(
+                f"{kept} of the case's {len(engines)} offloaded models outlived their last "
+                "reference: a reference cycle holds them (NOTE [the model owns its engine])"
+            )
+        return trained
+    finally:
+        for ref in engines:
+            engine = ref()
+            if engine is not None:
+                engine.close()
+        if collecting:
+            gc.enable()
+
+
+def _train_offloaded(
+    case: Case, nvme_dir: str | None, rank: int, engines: list[weakref.ref]
+) -> Trained:
+    """:func:`train_offloaded`'s run; each model's engine goes into ``engines``, weakly."""
     data = batches(case)
     first = case.resume_at or case.steps
-    engines = []  # NOTE: closed whatever happens (closing twice is a no-op)
+    before = _device_allocated(case)
+    model, opt = _offloaded(case, build_model(case), nvme_dir)
+    engines.append(weakref.ref(engine_of(model)))
+    forecast = _forecast(case, model, data[0], rank)
+    schedule = warmup(case, opt)
+    evals: list[float] = []
+    losses = _train(case, model, opt, schedule, data, range(first), rank, evals)
+    peak = None if forecast is None else _device_peak(case) - before
+    if not case.resume_at:
+        return _trained(case, model, losses, evals=evals, device=(peak, forecast))
+    assert nvme_dir is not None, "a resumed case saves its checkpoint in nvme_dir"
+    saved = os.path.join(nvme_dir, "resume-checkpoint")
+    infinity.save_checkpoint(saved, model, opt)
+    # NOTE: the schedule's state travels beside the checkpoint, as users keep it.
+    schedule_state = None if schedule is None else schedule.state_dict()
+    placement = infinity.stats(model)["placement"]
+    engine_of(model).close()
+    model = _reinitialised(build_model(case))
     try:
-        before = _device_allocated(case)
-        model, opt = _offloaded(case, build_model(case), nvme_dir)
-        engines.append(engine_of(model))
-        forecast = _forecast(case, model, data[0], rank)
-        schedule = warmup(case, opt)
-        evals: list[float] = []
-        losses = _train(case, model, opt, schedule, data, range(first), rank, evals)
-        peak = None if forecast is None else _device_peak(case) - before
-        if not case.resume_at:
-            return _trained(case, model, losses, evals=evals, device=(peak, forecast))
-        assert nvme_dir is not None, "a resumed case saves its checkpoint in nvme_dir"
-        saved = os.path.join(nvme_dir, "resume-checkpoint")
-        infinity.save_checkpoint(saved, model, opt)
-        # NOTE: the schedule's state travels beside the checkpoint, as users keep it.
-        schedule_state = None if schedule is None else schedule.state_dict()
-        placement = infinity.stats(model)["placement"]
-        engines[0].close()
-        model = _reinitialised(build_model(case))
-        try:
-            model, opt = _offloaded(case.resumed(), model, os.path.join(nvme_dir, "b"))
-        except infinity.PlanError as exc:
-            raise ResumePlanError(exc) from exc
-        engines.append(engine_of(model))
-        # NOTE: torch's order: the schedule is made before the optimizer's state (its
-        # scheduled rates) is loaded, and its own state after.
-        schedule = warmup(case, opt)
-        infinity.load_checkpoint(saved, model, opt)
-        if schedule is not None:
-            schedule.load_state_dict(schedule_state)
-        try:
-            losses += _train(
-                case, model, opt, schedule, data, range(first, case.steps), rank, evals
-            )
-        except infinity.PlanError as exc:  # its first forward: the resume budgets' saved tensors
-            raise ResumePlanError(exc) from exc
-        return _trained(case.resumed(), model, losses, placement, evals, (peak, forecast))
-    finally:
-        for engine in engines:
-            engine.close()
+        model, opt = _offloaded(case.resumed(), model, os.path.join(nvme_dir, "b"))
+    except infinity.PlanError as exc:
+        raise ResumePlanError(exc) from exc
+    engines.append(weakref.ref(engine_of(model)))
+    # NOTE: torch's order: the schedule is made before the optimizer's state (its
+    # scheduled rates) is loaded, and its own state after.
+    schedule = warmup(case, opt)
+    infinity.load_checkpoint(saved, model, opt)
+    if schedule is not None:
+        schedule.load_state_dict(schedule_state)
+    try:
+        losses += _train(case, model, opt, schedule, data, range(first, case.steps), rank, evals)
+    except infinity.PlanError as exc:  # its first forward: the resume budgets' saved tensors
+        raise ResumePlanError(exc) from exc
+    return _trained(case.resumed(), model, losses, placement, evals, (peak, forecast))
 
 
 LOOP_SCALARS = 4
