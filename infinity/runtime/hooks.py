@@ -110,19 +110,28 @@ class HookSet:
         self._scopes: list[saved_tensors_hooks] = []
         self._engine = engine
         self._autocast_said = False  # autocast_casts_weights: said once
-        pack = _opaque(engine.pack)
+        # NOTE [the model owns its engine]: autograd keeps these in every saved tensor of
+        # a graph, in C++ where the collector cannot see them, and a graph may outlive
+        # the model (fake tensors' own cycles keep an estimate's): they hold it weakly.
+        ref = weakref.ref(engine)
+
+        @_opaque
+        def pack(tensor: torch.Tensor) -> Any:
+            owner = ref()  # inline, not _alive: this runs for every saved tensor
+            return owner.pack(tensor) if owner is not None else _alive(ref)
 
         @_opaque
         def unpack(packed: Any) -> torch.Tensor:
             # NOTE [the step's bound]: an unpack fetches chunks and waits for saved
             # tensors, host work the device may idle through, like a hook's (a pack only
             # records a handle: not timed, it runs for every saved tensor)
-            with engine.manager.traffic.in_hook():
-                return engine.unpack(packed)
+            owner = _alive(ref)
+            with owner.manager.traffic.in_hook():
+                return owner.unpack(packed)
 
         @_opaque
         def pack_weight(tensor: torch.Tensor) -> Any:
-            handle = engine.pack_weight(tensor)
+            handle = _alive(ref).pack_weight(tensor)
             return tensor if handle is None else handle
 
         self._saved_hooks = (pack, unpack)

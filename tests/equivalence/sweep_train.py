@@ -15,9 +15,11 @@ steps its fp32 masters with torch's AdamW on the CPU, as infinity does.
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import os
+import types
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -193,6 +195,12 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
     cycle through the model, its hooks or its engine fails the case.
     """
     engines: list[weakref.ref] = []  # NOTE: closed whatever happens (twice is a no-op)
+    # NOTE: a model built first, collected: the first build in a process imports
+    # transformers' modelling code lazily, and an import's frames, a cycle until the
+    # next collection, reach back to the frame holding the new model (seed 5804's
+    # first two-rank cases).
+    build_model(case)
+    gc.collect()
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -201,7 +209,8 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
         if kept:
             raise AssertionError(
                 f"{kept} of the case's {len(engines)} offloaded models outlived their last "
-                "reference: a reference cycle holds them (NOTE [the model owns its engine])"
+                "reference: a reference cycle holds them (NOTE [the model owns its engine]); "
+                f"what a collection frees of infinity's: {_cycle_types()}"
             )
         return trained
     finally:
@@ -211,6 +220,25 @@ def train_offloaded(case: Case, nvme_dir: str | None, rank: int = 0) -> Trained:
                 engine.close()
         if collecting:
             gc.enable()
+
+
+def _cycle_types() -> list[tuple[str, int]]:
+    """The classes and functions of infinity among what a collection frees now, most
+    frequent first (what a reference cycle through a model holds)."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = collections.Counter(
+            getattr(o, "__qualname__", "")
+            if isinstance(o, types.FunctionType)
+            else type(o).__name__
+            for o in gc.garbage
+            if (getattr(o, "__module__", None) or type(o).__module__ or "").startswith("infinity")
+        )
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    return found.most_common(12)
 
 
 def _train_offloaded(
