@@ -84,7 +84,8 @@ def offload(model: nn.Module, config: Config | None = None, init: Init | None = 
         engine.close()
         raise
     # NOTE [the model owns its engine]: the root's hooks hold the hook set, which holds
-    # the engine; the engine and the registry below hold them weakly.
+    # the engine; the engine holds it weakly, and the registry below holds the engine
+    # weakly (NOTE [weak registry]).
     engine.hooks_ref = weakref.ref(hooks)
     offloaded.register(model, engine, ((e.param, e.index) for e in engine.registry.entries))
     if world.sharded:
